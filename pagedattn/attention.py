@@ -1,0 +1,286 @@
+"""Attention over the paged KV cache: the per-step metadata and the backends that use it.
+
+A step's tokens are one flat batch: first the prefill chunks of `num_prefills` sequences, then one
+token per decoding sequence. Every layer calls its backend the same way:
+
+    out = backend(q, k, v, k_cache, v_cache, attn_metadata)     # q [T, H, D], k/v [T, Hkv, D]
+
+which first writes the step's new K/V into the pool at `slot_mapping`, then attends: query i of a
+prefill chunk of length q_len sits at position context_len - q_len + i and sees every cached token
+up to itself; a decode query sees all context_len tokens. Scale 1/sqrt(D); GQA query head h reads
+KV head h // (H // Hkv).
+
+Backends:
+  * TorchPagedBackend: torch ops on any device. Gathers each sequence's K/V through its block table
+    into one padded dense tensor and runs scaled_dot_product_attention with an explicit mask
+    (causal + context length), in float32.
+  * NumbaBackend: the kernels of kernels_numba (CUDA), imported lazily so CPU never imports numba;
+    a piece whose kernel module is missing falls back to the torch version of that piece.
+
+get_backend("auto" | "torch" | "numba", device) picks one.
+"""
+import importlib
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pagedattn.errors import KernelLaunchError
+from pagedattn.kv_cache import write_kv
+
+
+@dataclass
+class AttentionMetadata:
+    num_prefills: int                 # sequences in prefill, first in the batch
+    num_prefill_tokens: int           # their tokens, first in the batch
+    num_decode_tokens: int            # one per decoding sequence, after them
+    slot_mapping: Tensor              # [num_tokens] int64, where each token's new K/V goes (-1 = skip)
+    context_lens: Tensor              # [num_seqs] int32, tokens in the cache *after* this step's write
+    block_tables: Tensor              # [num_seqs, max_blocks] int32, prefills first then decodes
+    cu_seqlens_q: Tensor              # [num_prefills + 1] int32, prefill chunk boundaries
+
+    def __post_init__(self):
+        # Shape checks only: they never read tensor data, so they cost no device sync.
+        num_seqs = self.num_prefills + self.num_decode_tokens
+        checks = [
+            (self.slot_mapping.shape[0] == self.num_tokens, "slot_mapping", (self.num_tokens,), self.slot_mapping.shape),
+            (self.context_lens.shape[0] == num_seqs, "context_lens", (num_seqs,), self.context_lens.shape),
+            (self.block_tables.dim() == 2 and self.block_tables.shape[0] == num_seqs,
+             "block_tables", (num_seqs, "max_blocks"), self.block_tables.shape),
+        ]
+        if self.num_prefills > 0:
+            n = self.num_prefills + 1
+            checks.append((self.cu_seqlens_q.shape[0] == n, "cu_seqlens_q", (n,), self.cu_seqlens_q.shape))
+        for ok, name, want, got in checks:
+            if not ok:
+                raise KernelLaunchError(f"AttentionMetadata.{name} has shape {tuple(got)}, expected {want} "
+                                        f"(num_prefills={self.num_prefills}, num_prefill_tokens="
+                                        f"{self.num_prefill_tokens}, num_decode_tokens={self.num_decode_tokens})")
+        if self.num_prefills > self.num_prefill_tokens:
+            raise KernelLaunchError(f"num_prefills={self.num_prefills} > num_prefill_tokens={self.num_prefill_tokens}: "
+                                    "every prefill chunk has at least one token")
+
+    @property
+    def num_tokens(self):
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def num_seqs(self):
+        return self.num_prefills + self.num_decode_tokens
+
+    @property
+    def prefill_only(self):
+        return self.num_decode_tokens == 0
+
+    @property
+    def decode_only(self):
+        return self.num_prefills == 0
+
+    @classmethod
+    def build(cls, query_lens, context_lens, block_tables, block_size, num_prefills, device="cpu"):
+        """Metadata for a step given per-sequence lists (tests, scripts, simple loops).
+
+        query_lens: [num_seqs] ints, new tokens of each sequence this step (decodes: 1), prefills first.
+        context_lens: [num_seqs] ints, tokens in the cache after this step's write (>= query_len).
+        block_tables: [num_seqs] lists of physical block ids (enough for context_len tokens).
+        block_size: tokens per block; num_prefills: how many leading sequences are prefills.
+        The new tokens are the last query_len positions of each sequence; their slots are computed
+        from the block tables.
+        """
+        query_lens, context_lens = [int(x) for x in query_lens], [int(x) for x in context_lens]
+        if not (len(query_lens) == len(context_lens) == len(block_tables)):
+            raise ValueError("query_lens, context_lens and block_tables need one entry per sequence")
+        if any(q != 1 for q in query_lens[num_prefills:]):
+            raise ValueError(f"decode sequences have query_len 1, got {query_lens[num_prefills:]}")
+        slots = []
+        for q_len, ctx, table in zip(query_lens, context_lens, block_tables):
+            if not 1 <= q_len <= ctx or len(table) * block_size < ctx:
+                raise ValueError(f"sequence with query_len={q_len}, context_len={ctx} and "
+                                 f"{len(table)} blocks of {block_size} is inconsistent")
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx)]
+        width = max([len(t) for t in block_tables] + [1])
+        tables = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        cu = [0]
+        for q_len in query_lens[:num_prefills]:
+            cu.append(cu[-1] + q_len)
+        return cls(
+            num_prefills=num_prefills,
+            num_prefill_tokens=cu[-1],
+            num_decode_tokens=len(query_lens) - num_prefills,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device).reshape(len(tables), width),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        )
+
+
+def _check_inputs(q, k, v, k_cache, v_cache, meta):
+    T, H, D = q.shape
+    _, Hkv, _, Dc = k_cache.shape
+    if k.shape != (T, Hkv, D) or v.shape != (T, Hkv, D):
+        raise KernelLaunchError(f"k/v must be [{T}, {Hkv}, {D}] for q {tuple(q.shape)} and the cache, "
+                                f"got {tuple(k.shape)} / {tuple(v.shape)}")
+    if Dc != D or v_cache.shape != k_cache.shape:
+        raise KernelLaunchError(f"cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match head_dim {D}")
+    if H % Hkv != 0:
+        raise KernelLaunchError(f"num_heads={H} must be a multiple of num_kv_heads={Hkv}")
+    if T != meta.num_tokens:
+        raise KernelLaunchError(f"q has {T} tokens but the metadata describes {meta.num_tokens}")
+
+
+def paged_sdpa(q, q_pos, k_cache, v_cache, block_tables, context_lens, scale, max_q_chunk=512):
+    """Attention of padded queries over each sequence's paged K/V, in float32.
+
+    q: [S, Qmax, H, D] (any float dtype); q_pos: [S, Qmax] int64, the position of each query
+        (a query sees keys 0..q_pos; rows that are padding should carry a valid position and be ignored).
+    k_cache, v_cache: [num_blocks, Hkv, block_size, D]; block_tables: [S, max_blocks] int.
+    context_lens: [S] int, keys per sequence. Returns [S, Qmax, H, D] float32.
+    """
+    S, Qmax, H, D = q.shape
+    _, Hkv, block_size, _ = k_cache.shape
+    group = H // Hkv
+    L = int(context_lens.max())
+    # Gather through the block tables: key position j of sequence s is in block
+    # block_tables[s, j // block_size] at offset j % block_size.
+    pos = torch.arange(L, device=q.device)                                           # (L,)
+    cols = (pos // block_size).clamp(max=block_tables.shape[1] - 1)
+    blocks = block_tables.long()[:, cols]                                            # (S, L)
+    offsets = (pos % block_size).expand(S, L)                                        # (S, L)
+    valid = pos[None, :] < context_lens.long()[:, None]                              # (S, L)
+    # Slots past a sequence's end may hold anything (even NaN); zero them so masked keys stay inert.
+    zero = torch.zeros((), dtype=torch.float32, device=q.device)
+    k = torch.where(valid[..., None, None], k_cache[blocks, :, offsets].float(), zero)  # (S, L, Hkv, D)
+    v = torch.where(valid[..., None, None], v_cache[blocks, :, offsets].float(), zero)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)                                      # (S, Hkv, L, D)
+    out = torch.empty(S, Qmax, H, D, dtype=torch.float32, device=q.device)
+    for start in range(0, Qmax, max_q_chunk):
+        qc = q[:, start:start + max_q_chunk].float()                                 # (S, Qc, H, D)
+        Qc = qc.shape[1]
+        # GQA without copying K/V: the `group` query heads of one KV head become extra query rows.
+        qc = qc.reshape(S, Qc, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(S, Hkv, group * Qc, D)
+        mask = (pos[None, None, :] <= q_pos[:, start:start + Qc, None]) & valid[:, None, :]  # (S, Qc, L)
+        mask = mask[:, None, None].expand(S, 1, group, Qc, L).reshape(S, 1, group * Qc, L)
+        oc = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=scale)   # (S, Hkv, group*Qc, D)
+        out[:, start:start + Qc] = oc.reshape(S, Hkv, group, Qc, D).permute(0, 3, 1, 2, 4).reshape(S, Qc, H, D)
+    return out
+
+
+class TorchPagedBackend:
+    """Paged attention with torch ops: works on any device (CPU, and the fallback on GPU)."""
+
+    name = "torch"
+
+    def __call__(self, q, k, v, k_cache, v_cache, attn_metadata, scale=None):
+        """Write the step's K/V into the pool, then attend.
+
+        q: [T, H, D]; k, v: [T, Hkv, D] (the step's tokens, packed prefills first then decodes).
+        k_cache, v_cache: [num_blocks, Hkv, block_size, D] (this layer's pool, written in place).
+        attn_metadata: AttentionMetadata of the step. scale: default 1/sqrt(D).
+        Returns [T, H, D] in q's dtype.
+        """
+        meta = attn_metadata
+        _check_inputs(q, k, v, k_cache, v_cache, meta)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        self.write(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        P, Np = meta.num_prefills, meta.num_prefill_tokens
+        if P > 0:
+            self.prefill(q[:Np], k_cache, v_cache, meta.block_tables[:P], meta.cu_seqlens_q,
+                         meta.context_lens[:P], scale, out[:Np])
+        if meta.num_decode_tokens > 0:
+            self.decode(q[Np:], k_cache, v_cache, meta.block_tables[P:], meta.context_lens[P:], scale, out[Np:])
+        return out
+
+    forward = __call__
+
+    def write(self, k, v, k_cache, v_cache, slot_mapping):
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out):
+        """q, out: [Np, H, D]; sequence s owns rows cu_seqlens_q[s]:cu_seqlens_q[s+1]."""
+        cu = cu_seqlens_q.to(device=q.device, dtype=torch.long)
+        ctx = context_lens.to(device=q.device, dtype=torch.long)
+        q_lens = cu[1:] - cu[:-1]                                                    # (P,)
+        Qmax = int(q_lens.max())
+        i = torch.arange(Qmax, device=q.device)
+        rows = cu[:-1, None] + i                                                     # (P, Qmax) row of q
+        real = i[None, :] < q_lens[:, None]                                          # (P, Qmax)
+        rows = torch.where(real, rows, cu[:-1, None])                                # padding repeats row 0
+        # Query i of a chunk sits at context_len - q_len + i; padding rows get the last position.
+        q_pos = torch.where(real, (ctx - q_lens)[:, None] + i, ctx[:, None] - 1)     # (P, Qmax)
+        res = paged_sdpa(q[rows], q_pos, k_cache, v_cache, block_tables.to(q.device), ctx, scale)
+        out[rows[real]] = res[real].to(out.dtype)                                    # (Np, H, D)
+
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out):
+        """q, out: [num_decodes, H, D]; each query sees its sequence's context_len tokens."""
+        ctx = context_lens.to(device=q.device, dtype=torch.long)
+        res = paged_sdpa(q[:, None], (ctx - 1)[:, None], k_cache, v_cache, block_tables.to(q.device), ctx, scale)
+        out.copy_(res[:, 0])
+
+
+def _run_into(out, result):
+    """Kernels take out=; copy only if one returned a different tensor."""
+    if result is not None and result.data_ptr() != out.data_ptr():
+        out.copy_(result)
+
+
+class NumbaBackend(TorchPagedBackend):
+    """The numba CUDA kernels (kernels_numba); a missing kernel module falls back to torch for its piece."""
+
+    name = "numba"
+
+    def __init__(self):
+        self.cache_ops = self._load("kernels_numba.cache_ops")
+        self.paged_attention = self._load("kernels_numba.paged_attention")
+        self.paged_prefill = self._load("kernels_numba.paged_prefill")
+        missing = [n for n, m in (("cache_ops", self.cache_ops), ("paged_attention", self.paged_attention),
+                                  ("paged_prefill", self.paged_prefill)) if m is None]
+        self.fallbacks = missing
+        if missing:
+            warnings.warn(f"kernels_numba.{{{', '.join(missing)}}} not available: using torch for those pieces",
+                          stacklevel=2)
+
+    @staticmethod
+    def _load(module_name):
+        try:
+            return importlib.import_module(module_name)
+        except ImportError:
+            return None
+
+    def write(self, k, v, k_cache, v_cache, slot_mapping):
+        if self.cache_ops is None:
+            return super().write(k, v, k_cache, v_cache, slot_mapping)
+        self.cache_ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+
+    def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out):
+        if self.paged_prefill is None:
+            return super().prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out)
+        _run_into(out, self.paged_prefill.paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                                        context_lens, scale=scale, out=out))
+
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out):
+        if self.paged_attention is None:
+            return super().decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+        _run_into(out, self.paged_attention.paged_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                                            scale=scale, out=out))
+
+
+BACKENDS = {"torch": TorchPagedBackend, "numba": NumbaBackend}
+
+
+def get_backend(name="auto", device="cpu"):
+    """An attention backend: "auto" = numba on CUDA, torch elsewhere; "torch" / "numba" force one.
+
+    Accepts an existing backend object (returned as is). device: str or torch.device.
+    """
+    if not isinstance(name, str):
+        return name
+    if name == "auto":
+        name = "numba" if torch.device(device).type == "cuda" else "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}: choose 'auto', " +
+                         ", ".join(repr(n) for n in BACKENDS))
+    return BACKENDS[name]()
