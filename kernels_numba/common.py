@@ -1,0 +1,262 @@
+"""Device helpers shared by every numba kernel: packed fp16/bf16 math and wide loads.
+
+numba-cuda has no half2 type and no 128-bit vector loads, so this module makes them from
+LLVM IR with `numba.cuda.extending.intrinsic`:
+
+    pair of halves   = one uint32 (low 16 bits: element 2i, high 16 bits: element 2i+1)
+    fma_f16x2(a,b,c) = llvm.fma.v2f16   -> PTX fma.rn.f16x2   -> SASS HFMA2
+    fma_bf16x2       = llvm.fma.v2bf16  -> PTX fma.rn.bf16x2  -> SASS HFMA2.BF16
+    load_u32x4(a, i) = load <4 x i32>, align 16 of a[i:i+4] -> PTX ld.global.v4.u32 -> LDG.E.128
+
+Half-precision tensors travel to kernels as *raw bits*: the launcher views an fp16/bf16
+tensor as uint16 (one element) or uint32 (a pair), and kernels convert with the helpers
+below. That keeps one kernel body for fp16 and bf16 (the converter is chosen when the
+kernel is built) and lets the same code run under the CUDA simulator, where every helper
+has a numpy fallback with the same name and signature.
+
+Stable API (other kernels import these):
+    SIMULATOR                                   True under NUMBA_ENABLE_CUDASIM=1
+    load_u32x4(arr_u32, i) -> (u32, u32, u32, u32)        16-byte load, i % 4 == 0
+    f16x2_to_f32(u32) -> (lo, hi)     bf16x2_to_f32(u32) -> (lo, hi)     (float32)
+    f16_to_f32(u16) -> f32            bf16_to_f32(u16) -> f32
+    f32_to_f16(x) -> u16              f32_to_bf16(x) -> u16               (round to nearest even)
+    f32x2_to_f16x2(lo, hi) -> u32     f32x2_to_bf16x2(lo, hi) -> u32
+    fma_f16x2(a, b, c) -> u32         fma_bf16x2(a, b, c) -> u32          (a*b+c per half)
+    warp_sum(x), warp_max(x)          butterfly over 32 lanes with shfl_xor_sync, every lane gets it
+"""
+import os
+
+import numpy as np
+from numba import cuda, types
+
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+FULL_MASK = 0xFFFFFFFF
+
+if SIMULATOR:
+    from kernels_numba import simulator as _sim
+
+    _sim.install()
+
+    def _halves(u, dt):
+        return np.array([u], dtype=np.uint32).view(dt).astype(np.float32)
+
+    def load_u32x4(arr, i):
+        return arr[i], arr[i + 1], arr[i + 2], arr[i + 3]
+
+    def f16x2_to_f32(u):
+        lo, hi = _halves(u, np.float16)
+        return lo, hi
+
+    def bf16x2_to_f32(u):
+        u = int(u)
+        lo = np.array([(u & 0xFFFF) << 16], dtype=np.uint32).view(np.float32)[0]
+        hi = np.array([u & 0xFFFF0000], dtype=np.uint32).view(np.float32)[0]
+        return lo, hi
+
+    def f16_to_f32(u):
+        return np.float32(np.array([u], dtype=np.uint16).view(np.float16)[0])
+
+    def bf16_to_f32(u):
+        return np.array([int(u) << 16], dtype=np.uint32).view(np.float32)[0]
+
+    def f32_to_f16(x):
+        return np.array([x], dtype=np.float32).astype(np.float16).view(np.uint16)[0]
+
+    def f32_to_bf16(x):
+        # round to nearest even on the top 16 bits (NaN stays NaN: the kernels never make one)
+        b = int(np.array([x], dtype=np.float32).view(np.uint32)[0])
+        b += 0x7FFF + ((b >> 16) & 1)
+        return np.uint16((b >> 16) & 0xFFFF)
+
+    def f32x2_to_f16x2(lo, hi):
+        return np.uint32(int(f32_to_f16(lo)) | (int(f32_to_f16(hi)) << 16))
+
+    def f32x2_to_bf16x2(lo, hi):
+        return np.uint32(int(f32_to_bf16(lo)) | (int(f32_to_bf16(hi)) << 16))
+
+    def _fma2(a, b, c, dt, pack):
+        # the hardware rounds once per half (fused); float64 then one rounding matches it
+        x = np.array([a, b, c], dtype=np.uint32)
+        if dt is None:  # bf16
+            f = [bf16x2_to_f32(v) for v in x]
+        else:
+            f = [_halves(v, dt) for v in x]
+        lo = np.float64(f[0][0]) * np.float64(f[1][0]) + np.float64(f[2][0])
+        hi = np.float64(f[0][1]) * np.float64(f[1][1]) + np.float64(f[2][1])
+        return pack(np.float32(lo), np.float32(hi))
+
+    def fma_f16x2(a, b, c):
+        return _fma2(a, b, c, np.float16, f32x2_to_f16x2)
+
+    def fma_bf16x2(a, b, c):
+        return _fma2(a, b, c, None, f32x2_to_bf16x2)
+
+else:
+    from llvmlite import ir
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    _i16, _i32 = ir.IntType(16), ir.IntType(32)
+    _f32 = ir.FloatType()
+    _half = ir.HalfType()
+    _v2half = ir.VectorType(_half, 2)
+    _v2i16 = ir.VectorType(_i16, 2)
+    _v4i32 = ir.VectorType(_i32, 4)
+
+    def _asm(builder, ret, args, text, constraints):
+        fnty = ir.FunctionType(ret, [a.type for a in args])
+        return builder.call(ir.InlineAsm(fnty, text, constraints), args)
+
+    @intrinsic
+    def load_u32x4(typingctx, arr, idx):
+        """arr: 1-D uint32 array (any memory space numba gives a pointer for); idx % 4 == 0."""
+        if not (isinstance(arr, types.Array) and arr.dtype == types.uint32 and arr.ndim == 1):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            aryty, idxty = sig.args
+            ary = context.make_array(aryty)(context, builder, args[0])
+            i = context.cast(builder, args[1], idxty, types.intp)
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [i], wraparound=False)
+            vptr = builder.bitcast(ptr, _v4i32.as_pointer())
+            vec = builder.load(vptr, align=16)
+            elems = [builder.extract_element(vec, ir.Constant(_i32, k)) for k in range(4)]
+            return context.make_tuple(builder, sig.return_type, elems)
+
+        return sig, codegen
+
+    def _pair_to_f32(builder, u32, bf16):
+        lo16 = builder.trunc(u32, _i16)
+        hi16 = builder.trunc(builder.lshr(u32, ir.Constant(_i32, 16)), _i16)
+        if bf16:  # bf16 is the top half of an fp32: shift into place
+            lo = builder.bitcast(builder.shl(u32, ir.Constant(_i32, 16)), _f32)
+            hi = builder.bitcast(builder.and_(u32, ir.Constant(_i32, 0xFFFF0000)), _f32)
+        else:
+            lo = builder.fpext(builder.bitcast(lo16, _half), _f32)
+            hi = builder.fpext(builder.bitcast(hi16, _half), _f32)
+        return lo, hi
+
+    def _make_pair_to_f32(bf16):
+        @intrinsic
+        def impl(typingctx, u):
+            if not isinstance(u, types.Integer):
+                return None
+            sig = types.UniTuple(types.float32, 2)(u)
+
+            def codegen(context, builder, sig, args):
+                u32 = context.cast(builder, args[0], sig.args[0], types.uint32)
+                lo, hi = _pair_to_f32(builder, u32, bf16)
+                return context.make_tuple(builder, sig.return_type, [lo, hi])
+
+            return sig, codegen
+
+        return impl
+
+    f16x2_to_f32 = _make_pair_to_f32(False)
+    bf16x2_to_f32 = _make_pair_to_f32(True)
+
+    def _make_one_to_f32(bf16):
+        @intrinsic
+        def impl(typingctx, u):
+            if not isinstance(u, types.Integer):
+                return None
+            sig = types.float32(u)
+
+            def codegen(context, builder, sig, args):
+                u32 = context.cast(builder, args[0], sig.args[0], types.uint32)
+                u32 = builder.and_(u32, ir.Constant(_i32, 0xFFFF))
+                return _pair_to_f32(builder, u32, bf16)[0]
+
+            return sig, codegen
+
+        return impl
+
+    f16_to_f32 = _make_one_to_f32(False)
+    bf16_to_f32 = _make_one_to_f32(True)
+
+    def _make_f32_to_16(ptx_type):
+        @intrinsic
+        def impl(typingctx, x):
+            if not isinstance(x, types.Float):
+                return None
+            sig = types.uint16(x)
+
+            def codegen(context, builder, sig, args):
+                xf = context.cast(builder, args[0], sig.args[0], types.float32)
+                return _asm(builder, _i16, [xf], f"cvt.rn.{ptx_type}.f32 $0, $1;", "=h,f")
+
+            return sig, codegen
+
+        return impl
+
+    f32_to_f16 = _make_f32_to_16("f16")
+    f32_to_bf16 = _make_f32_to_16("bf16")
+
+    def _make_f32x2_to_16x2(ptx_type):
+        @intrinsic
+        def impl(typingctx, lo, hi):
+            if not (isinstance(lo, types.Float) and isinstance(hi, types.Float)):
+                return None
+            sig = types.uint32(lo, hi)
+
+            def codegen(context, builder, sig, args):
+                lof = context.cast(builder, args[0], sig.args[0], types.float32)
+                hif = context.cast(builder, args[1], sig.args[1], types.float32)
+                # cvt.rn.f16x2.f32 d, a, b puts a in the upper half, b in the lower
+                return _asm(builder, _i32, [hif, lof], f"cvt.rn.{ptx_type}.f32 $0, $1, $2;", "=r,f,f")
+
+            return sig, codegen
+
+        return impl
+
+    f32x2_to_f16x2 = _make_f32x2_to_16x2("f16x2")
+    f32x2_to_bf16x2 = _make_f32x2_to_16x2("bf16x2")
+
+    def _make_fma2(bf16):
+        @intrinsic
+        def impl(typingctx, a, b, c):
+            if not all(isinstance(t, types.Integer) for t in (a, b, c)):
+                return None
+            sig = types.uint32(a, b, c)
+
+            def codegen(context, builder, sig, args):
+                vals = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args)]
+                if bf16:
+                    # NVVM's bfloat vector support varies by version: inline PTX is exact
+                    return _asm(builder, _i32, vals, "fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r")
+                vecs = [builder.bitcast(v, _v2half) for v in vals]
+                mod = builder.module
+                fn = cgutils.get_or_insert_function(
+                    mod, ir.FunctionType(_v2half, [_v2half] * 3), "llvm.fma.v2f16"
+                )
+                return builder.bitcast(builder.call(fn, vecs), _i32)
+
+            return sig, codegen
+
+        return impl
+
+    fma_f16x2 = _make_fma2(False)
+    fma_bf16x2 = _make_fma2(True)
+
+
+@cuda.jit(device=True)
+def warp_sum(x):
+    """Sum of x over the 32 lanes of the warp; every lane receives it."""
+    x += cuda.shfl_xor_sync(FULL_MASK, x, 16)
+    x += cuda.shfl_xor_sync(FULL_MASK, x, 8)
+    x += cuda.shfl_xor_sync(FULL_MASK, x, 4)
+    x += cuda.shfl_xor_sync(FULL_MASK, x, 2)
+    x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
+    return x
+
+
+@cuda.jit(device=True)
+def warp_max(x):
+    """Max of x over the 32 lanes of the warp; every lane receives it."""
+    x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 16))
+    x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 8))
+    x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 4))
+    x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
+    x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
+    return x
