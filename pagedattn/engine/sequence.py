@@ -1,0 +1,139 @@
+"""A sequence: the unit the scheduler batches, and a request (SequenceGroup): the user's prompt.
+
+A sequence is tracked by two counters only:
+
+    num_tokens           tokens known (prompt + generated so far)
+    num_computed_tokens  tokens whose K/V is in the cache
+
+and the scheduler's job each step is to move some sequences' `num_computed_tokens` toward
+`num_tokens`. A fresh prompt, a prompt half prefilled in chunks, a prompt whose head came from the
+prefix cache and a sequence resumed after preemption (computed reset to 0, or to its cache hit) are
+all the same case: compute tokens [num_computed_tokens, num_tokens). When computed catches up with
+known, the step's logits for the last token give the next token.
+"""
+import enum
+
+import torch
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # no blocks; in the scheduler's waiting queue
+    RUNNING = "running"      # holds blocks; in the running list
+    FINISHED = "finished"    # blocks freed; finish_reason set
+
+
+class Sequence:
+    """One token stream with its own blocks (a block table in the BlockManager under `seq_id`).
+
+    token_ids: prompt followed by generated ids; num_prompt_tokens: how many of them are the prompt.
+    params: SamplingParams (or None for beam search, whose driver picks tokens itself).
+    index: which of the request's n completions (or beams) this is.
+    generator: the torch.Generator this sequence samples with (None = torch's default).
+    """
+
+    def __init__(self, seq_id, request_id, token_ids, num_prompt_tokens, params=None, index=0,
+                 arrival_time=0.0, generator=None):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_computed_tokens = 0
+        self.params = params
+        self.index = index
+        self.arrival_time = arrival_time
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.finish_reason = None        # "stop" | "length" | "abort"
+        self.text = ""                   # detokenized output (set when finished, or when stop strings need it)
+        self.cumulative_logprob = 0.0    # beam search
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0       # prompt tokens served by the prefix cache at the last admission
+        self.first_token_time = None
+        self.last_token_time = None
+        self.token_latencies = []        # seconds between consecutive generated tokens
+
+    @property
+    def num_tokens(self):
+        return len(self.token_ids)
+
+    @property
+    def num_new_tokens(self):
+        """Tokens still to compute before this sequence can produce its next token."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_output_tokens(self):
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self):
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self):
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self):
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id, now=None):
+        self.token_ids.append(int(token_id))
+        if now is not None:
+            if self.first_token_time is None:
+                self.first_token_time = now
+            else:
+                self.token_latencies.append(now - self.last_token_time)
+            self.last_token_time = now
+
+    def fork(self, seq_id, index, generator=None):
+        """A child with the same tokens and computed state (its blocks are shared by the caller)."""
+        child = Sequence(seq_id, self.request_id, self.token_ids, self.num_prompt_tokens, self.params,
+                         index, self.arrival_time, generator)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.cumulative_logprob = self.cumulative_logprob
+        child.num_cached_tokens = self.num_cached_tokens
+        child.first_token_time, child.last_token_time = self.first_token_time, self.last_token_time
+        child.token_latencies = list(self.token_latencies)
+        return child
+
+    def __repr__(self):
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.value}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens}, prompt={self.num_prompt_tokens})")
+
+
+def make_generator(seed, index):
+    """Per-sequence CPU generator: completion `index` of a request seeded `seed` always draws the
+    same numbers, whatever else shares the batch or when it runs."""
+    if seed is None:
+        return None
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed * 1_000_003 + index)
+    return g
+
+
+class SequenceGroup:
+    """One request: a prompt and the n sequences (completions) grown from it.
+
+    Starts with one sequence; with params.n > 1 the engine forks the others from it right after
+    the prompt's prefill, so the prompt is computed once and its blocks are shared.
+    """
+
+    def __init__(self, request_id, prompt, prompt_token_ids, params, arrival_time):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.arrival_time = arrival_time
+        self.seqs = []
+        self.forked = params is None or params.n == 1
+
+    @property
+    def is_finished(self):
+        return self.forked and all(s.is_finished for s in self.seqs)
+
+    @property
+    def first_token_time(self):
+        times = [s.first_token_time for s in self.seqs if s.first_token_time is not None]
+        return min(times) if times else None
