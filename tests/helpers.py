@@ -1,0 +1,123 @@
+"""Shared test utilities: a tiny random Qwen2 checkpoint, a minimal paged step runner, fixtures.
+
+Import from a test module (tests/ is on sys.path under pytest):
+
+    from helpers import TINY_CONFIG, write_tiny_checkpoint, PagedRunner
+    from helpers import tiny_checkpoint, bundled_model_dir      # session fixtures
+
+The tiny checkpoint is written by transformers' own Qwen2ForCausalLM.save_pretrained, so it is exactly
+the layout a real HF directory has; its weights are re-drawn at a larger scale than HF's init
+(std 0.02, zero biases) so that biases, rotary angles and softmax shapes all matter in comparisons.
+"""
+import pytest
+import torch
+
+from pagedattn.attention import AttentionMetadata
+from pagedattn.kv_cache import KVCache
+
+# GQA with 3 query heads per KV head, head_dim 16, two layers: small, but every code path of Qwen2.
+TINY_CONFIG = dict(
+    vocab_size=128,
+    hidden_size=96,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def make_hf_tiny_model(seed=0, **overrides):
+    """transformers.Qwen2ForCausalLM (float32, eager attention) with reproducible random weights."""
+    import transformers
+
+    config = transformers.Qwen2Config(**{**TINY_CONFIG, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(config).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            else:  # ~unit-variance activations through each projection
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return model
+
+
+def write_tiny_checkpoint(path, seed=0, max_shard_size=None, **overrides):
+    """Save a tiny random HF Qwen2 checkpoint (config.json + safetensors) into `path`; returns path."""
+    model = make_hf_tiny_model(seed, **overrides)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return str(path)
+
+
+class PagedRunner:
+    """The smallest driver of Qwen2ForCausalLM over a KVCache: per-sequence block tables from a free
+    list, slot mapping via AttentionMetadata.build. For tests only; the engine does this for real.
+    """
+
+    def __init__(self, model, config, num_blocks=64, block_size=16, dtype=torch.float32, device="cpu"):
+        self.model, self.block_size, self.device = model, block_size, device
+        self.kv_cache = KVCache(config.num_hidden_layers, num_blocks, config.num_key_value_heads, block_size,
+                                config.head_dim, dtype=dtype, device=device)
+        self.free = list(range(num_blocks))[::-1]
+        self.tables, self.lens = {}, {}
+
+    @torch.no_grad()
+    def step(self, chunks, num_prefills):
+        """chunks: list of (seq_id, new token ids), prefills first; decodes carry one token each.
+
+        Returns the logits of each chunk's last token: [len(chunks), vocab] float32.
+        """
+        ids, positions, q_lens, ctx_lens, tables = [], [], [], [], []
+        for seq_id, tokens in chunks:
+            start = self.lens.get(seq_id, 0)
+            end = start + len(tokens)
+            table = self.tables.setdefault(seq_id, [])
+            while len(table) * self.block_size < end:
+                table.append(self.free.pop())
+            self.lens[seq_id] = end
+            ids += list(tokens)
+            positions += list(range(start, end))
+            q_lens.append(len(tokens))
+            ctx_lens.append(end)
+            tables.append(table)
+        meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, num_prefills, self.device)
+        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                            self.kv_cache, meta)                               # (T, hidden)
+        last = torch.tensor(q_lens, device=self.device).cumsum(0) - 1
+        return self.model.compute_logits(hidden[last])
+
+    def greedy(self, prompt_ids, max_new_tokens, seq_id=0):
+        """Prefill the prompt, then decode greedily; returns (new token ids, logits of every step)."""
+        logits = self.step([(seq_id, prompt_ids)], num_prefills=1)
+        out, all_logits = [], [logits[0]]
+        for _ in range(max_new_tokens):
+            out.append(int(all_logits[-1].argmax()))
+            if len(out) == max_new_tokens:
+                break
+            all_logits.append(self.step([(seq_id, [out[-1]])], num_prefills=0)[0])
+        return out, torch.stack(all_logits)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Path of a tiny random Qwen2 HF checkpoint directory (written once per session)."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture(scope="session")
+def bundled_model_dir():
+    """Path of the converted bundled model (converts once into PAGEDATTN_CACHE_DIR or ~/.cache)."""
+    from pagedattn.bundled import bundled_model_path
+
+    return bundled_model_path()
