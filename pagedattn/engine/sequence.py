@@ -44,7 +44,7 @@ class Sequence:
         self.generator = generator
         self.status = SequenceStatus.WAITING
         self.finish_reason = None        # "stop" | "length" | "abort"
-        self.text = ""                   # detokenized output (set when finished, or when stop strings need it)
+        self.text = None                 # detokenized output, set when finished (cut at a stop string)
         self.cumulative_logprob = 0.0    # beam search
         self.num_preemptions = 0
         self.num_cached_tokens = 0       # prompt tokens served by the prefix cache at the last admission
