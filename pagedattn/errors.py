@@ -23,3 +23,7 @@ class KernelLaunchError(PagedAttnError, ValueError):
 
 class OutOfBlocksError(PagedAttnError, RuntimeError):
     """The KV pool has too few free blocks; the operation changed nothing."""
+
+
+class BlockManagerError(PagedAttnError, ValueError):
+    """A BlockManager call names an unknown sequence or an argument out of range; nothing changed."""
