@@ -18,7 +18,7 @@ Stable API (other kernels import these):
     SIMULATOR                                   True under NUMBA_ENABLE_CUDASIM=1
     load_u32x4(arr_u32, i) -> (u32, u32, u32, u32)        16-byte load, i % 4 == 0
     f16x2_to_f32(u32) -> (lo, hi)     bf16x2_to_f32(u32) -> (lo, hi)     (float32)
-    f16_to_f32(u16) -> f32            bf16_to_f32(u16) -> f32
+    f16_to_f32(u16) -> f32            bf16_to_f32(u16) -> f32             (int16/int32 bits too)
     f32_to_f16(x) -> u16              f32_to_bf16(x) -> u16               (round to nearest even)
     f32x2_to_f16x2(lo, hi) -> u32     f32x2_to_bf16x2(lo, hi) -> u32
     fma_f16x2(a, b, c) -> u32         fma_bf16x2(a, b, c) -> u32          (a*b+c per half)
@@ -38,29 +38,33 @@ if SIMULATOR:
     _sim.install()
 
     def _halves(u, dt):
-        return np.array([u], dtype=np.uint32).view(dt).astype(np.float32)
+        return np.array([int(u) & 0xFFFFFFFF], dtype=np.uint32).view(dt).astype(np.float32)
+
+    def _u32(x):
+        return np.uint32(int(x) & 0xFFFFFFFF)
 
     def load_u32x4(arr, i):
-        return arr[i], arr[i + 1], arr[i + 2], arr[i + 3]
+        return _u32(arr[i]), _u32(arr[i + 1]), _u32(arr[i + 2]), _u32(arr[i + 3])
 
     def f16x2_to_f32(u):
         lo, hi = _halves(u, np.float16)
         return lo, hi
 
     def bf16x2_to_f32(u):
-        u = int(u)
+        u = int(u) & 0xFFFFFFFF
         lo = np.array([(u & 0xFFFF) << 16], dtype=np.uint32).view(np.float32)[0]
         hi = np.array([u & 0xFFFF0000], dtype=np.uint32).view(np.float32)[0]
         return lo, hi
 
     def f16_to_f32(u):
-        return np.float32(np.array([u], dtype=np.uint16).view(np.float16)[0])
+        return np.float32(np.array([int(u) & 0xFFFF], dtype=np.uint16).view(np.float16)[0])
 
     def bf16_to_f32(u):
-        return np.array([int(u) << 16], dtype=np.uint32).view(np.float32)[0]
+        return np.array([(int(u) & 0xFFFF) << 16], dtype=np.uint32).view(np.float32)[0]
 
     def f32_to_f16(x):
-        return np.array([x], dtype=np.float32).astype(np.float16).view(np.uint16)[0]
+        with np.errstate(over="ignore"):  # inf, like cvt.rn.f16.f32
+            return np.array([x], dtype=np.float32).astype(np.float16).view(np.uint16)[0]
 
     def f32_to_bf16(x):
         # round to nearest even on the top 16 bits (NaN stays NaN: the kernels never make one)
@@ -76,7 +80,7 @@ if SIMULATOR:
 
     def _fma2(a, b, c, dt, pack):
         # the hardware rounds once per half (fused); float64 then one rounding matches it
-        x = np.array([a, b, c], dtype=np.uint32)
+        x = [int(v) & 0xFFFFFFFF for v in (a, b, c)]
         if dt is None:  # bf16
             f = [bf16x2_to_f32(v) for v in x]
         else:
@@ -109,8 +113,9 @@ else:
 
     @intrinsic
     def load_u32x4(typingctx, arr, idx):
-        """arr: 1-D uint32 array (any memory space numba gives a pointer for); idx % 4 == 0."""
-        if not (isinstance(arr, types.Array) and arr.dtype == types.uint32 and arr.ndim == 1):
+        """arr: 1-D uint32 or int32 array (global or shared); idx % 4 == 0. Returns 4 uint32."""
+        ok_dtype = isinstance(arr, types.Array) and arr.dtype in (types.uint32, types.int32)
+        if not (ok_dtype and arr.ndim == 1):
             return None
         sig = types.UniTuple(types.uint32, 4)(arr, idx)
 

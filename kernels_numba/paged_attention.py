@@ -1,0 +1,766 @@
+"""Paged decode attention in numba.cuda: the journey, one version at a time.
+
+One query token per sequence attends to that sequence's whole history, found block by block
+through its block table in the shared pool (layout [num_blocks, num_kv_heads, block_size,
+head_dim]). GQA: query head h reads KV head h // (num_heads // num_kv_heads). fp32
+accumulation, scale 1/sqrt(head_dim), one launch for sequences of different lengths.
+
+v1: naive. grid (num_seqs, num_heads), blockDim = head_dim. Pass 1: thread t scores tokens
+    t, t + head_dim, ... straight from global memory into a materialised score buffer;
+    every thread then scans all scores for max and sum; pass 2: thread t owns output dim t.
+v2: adds shared-memory KV tiling: each physical block's K (then V) tile is loaded once,
+    coalesced, by all threads into shared memory and reused by every thread; the softmax
+    max/sum become a shared-memory tree reduction.
+v3: the design's kernel: adds online softmax (one pass over K and V, running max m, sum l,
+    accumulator), warp-level dot products reduced with shfl_down_sync, and fp16 *pair* math
+    (q and k multiplied two halves per instruction with fma.rn.f16x2 / bf16x2, the pair
+    summed in fp32), fp32 accumulation.
+v4: what it takes on a memory-bound H200: one CTA of 4 warps per (sequence, KV head, split)
+    computes all query heads of the GQA group (each KV byte is read once, not group times);
+    128-bit loads (8 halves per lane, LDG.E.128) with K and V of 4 tokens in flight per lane;
+    split-KV (flash-decoding): long contexts are cut into partitions processed by separate
+    CTAs so small batches fill the 132 SMs, then a merge kernel combines the partial
+    (max, sum, accumulator) triples; exp2 with log2(e) folded into q.
+v5: v4 with the lane work re-shaped to cut non-load instructions: one transposing
+    reduction (each lane finishes one head's score instead of all lanes finishing all heads),
+    then the scores go back to the token's lanes with one shuffle per head.
+
+Every version computes the same function; tests/test_paged_attention_cuda.py checks each under
+the CUDA simulator (tiny shapes) and on the GPU (real shapes) against reference/attention.py.
+
+Entry points:
+    paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, version=None,
+                    out=None, validate=True, max_context_len=None)      torch tensors on CUDA
+    launch(version, q, k_cache, v_cache, block_tables, context_lens, out, scale, ...)
+                                    raw-bit numba device arrays, or numpy under the simulator
+"""
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, int32, uint32
+
+from kernels_numba.common import (
+    FULL_MASK,
+    SIMULATOR,
+    bf16_to_f32,
+    bf16x2_to_f32,
+    f16_to_f32,
+    f16x2_to_f32,
+    f32_to_bf16,
+    f32_to_f16,
+    fma_bf16x2,
+    fma_f16x2,
+    load_u32x4,
+)
+from pagedattn.errors import KernelLaunchError
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+LOG2E = 1.4426950408889634
+NEG_INF = float32(-math.inf)
+
+
+def _converters(is_bf16):
+    """(one 16-bit -> f32, pair -> (f32, f32), f32 -> 16 bits, pair fma) for the pool dtype."""
+    if is_bf16:
+        return bf16_to_f32, bf16x2_to_f32, f32_to_bf16, fma_bf16x2
+    return f16_to_f32, f16x2_to_f32, f32_to_f16, fma_f16x2
+
+
+# ----------------------------------------------------------------------------------------------
+# v1: naive, materialised scores, no tiling
+
+
+@lru_cache(maxsize=None)
+def _make_v1(head_dim, block_size, is_bf16):
+    D, BS = head_dim, block_size
+    cvt, _, store, _ = _converters(is_bf16)
+
+    @cuda.jit
+    def paged_attention_v1(q, k_cache, v_cache, block_tables, context_lens, out, scores, scale):
+        # q, out: [S, H, D] 16-bit; k_cache, v_cache: [NB, KVH, BS, D] 16-bit
+        # scores: [S, H, max_context_len] float32 scratch
+        s = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        kvh = h // (q.shape[1] // k_cache.shape[1])
+        ctx = context_lens[s]
+        # pass 1: thread t scores tokens t, t + D, ... (a full 64/128-long dot product each)
+        for j in range(t, ctx, D):
+            block = block_tables[s, j // BS]
+            off = j % BS
+            acc = float32(0.0)
+            for d in range(D):
+                acc += cvt(q[s, h, d]) * cvt(k_cache[block, kvh, off, d])
+            scores[s, h, j] = acc * scale
+        cuda.syncthreads()  # scores of all threads visible to all threads of the block
+        # every thread finds the max and the sum on its own
+        m = NEG_INF
+        for j in range(ctx):
+            m = max(m, scores[s, h, j])
+        denom = float32(0.0)
+        for j in range(ctx):
+            denom += math.exp(scores[s, h, j] - m)
+        # pass 2: thread t owns output dim t
+        acc = float32(0.0)
+        for j in range(ctx):
+            block = block_tables[s, j // BS]
+            off = j % BS
+            acc += math.exp(scores[s, h, j] - m) * cvt(v_cache[block, kvh, off, t])
+        out[s, h, t] = store(acc / denom)
+
+    return paged_attention_v1
+
+
+def _launch_v1(a, stream):
+    kernel = _make_v1(a.head_dim, a.block_size, a.is_bf16)
+    scores = a.scratch((a.num_seqs, a.num_heads, a.max_context_len))
+    kernel[(a.num_seqs, a.num_heads), a.head_dim, stream](
+        a.q16, a.k16, a.v16, a.block_tables, a.context_lens, a.out16, scores, a.scale
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# v2: + shared-memory KV tiling
+
+
+@lru_cache(maxsize=None)
+def _make_v2(head_dim, block_size, is_bf16):
+    D, BS = head_dim, block_size
+    cvt, _, store, _ = _converters(is_bf16)
+
+    @cuda.jit
+    def paged_attention_v2(q, k_cache, v_cache, block_tables, context_lens, out, scores, scale):
+        # same arguments as v1
+        s = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        kvh = h // (q.shape[1] // k_cache.shape[1])
+        ctx = context_lens[s]
+        q_sh = cuda.shared.array(D, float32)
+        tile = cuda.shared.array((BS, D), float32)  # one block of K, then of V
+        p_sh = cuda.shared.array(BS, float32)
+        red = cuda.shared.array(D, float32)  # tree reductions
+        q_sh[t] = cvt(q[s, h, t])
+        num_blocks = (ctx + BS - 1) // BS
+        # pass 1: scores, one K tile at a time
+        for b in range(num_blocks):
+            block = block_tables[s, b]
+            n = min(BS, ctx - b * BS)
+            cuda.syncthreads()  # previous tile fully used (and q_sh written)
+            for r in range(n):  # thread t loads column t: a warp reads 64 contiguous bytes
+                tile[r, t] = cvt(k_cache[block, kvh, r, t])
+            cuda.syncthreads()
+            if t < n:
+                acc = float32(0.0)
+                for d in range(D):
+                    acc += q_sh[d] * tile[t, d]
+                scores[s, h, b * BS + t] = acc * scale
+        cuda.syncthreads()
+        # max, then sum: each thread reduces a strided slice, then a tree over D threads
+        m = NEG_INF
+        for j in range(t, ctx, D):
+            m = max(m, scores[s, h, j])
+        red[t] = m
+        stride = D // 2
+        while stride > 0:
+            cuda.syncthreads()
+            if t < stride:
+                red[t] = max(red[t], red[t + stride])
+            stride //= 2
+        cuda.syncthreads()
+        m = red[0]
+        total = float32(0.0)
+        for j in range(t, ctx, D):
+            total += math.exp(scores[s, h, j] - m)
+        cuda.syncthreads()
+        red[t] = total
+        stride = D // 2
+        while stride > 0:
+            cuda.syncthreads()
+            if t < stride:
+                red[t] += red[t + stride]
+            stride //= 2
+        cuda.syncthreads()
+        denom = red[0]
+        # pass 2: V tiles, thread t owns output dim t
+        acc = float32(0.0)
+        for b in range(num_blocks):
+            block = block_tables[s, b]
+            n = min(BS, ctx - b * BS)
+            cuda.syncthreads()
+            for r in range(n):
+                tile[r, t] = cvt(v_cache[block, kvh, r, t])
+            if t < n:
+                p_sh[t] = math.exp(scores[s, h, b * BS + t] - m)
+            cuda.syncthreads()
+            for r in range(n):
+                acc += p_sh[r] * tile[r, t]
+        out[s, h, t] = store(acc / denom)
+
+    return paged_attention_v2
+
+
+def _launch_v2(a, stream):
+    kernel = _make_v2(a.head_dim, a.block_size, a.is_bf16)
+    scores = a.scratch((a.num_seqs, a.num_heads, a.max_context_len))
+    kernel[(a.num_seqs, a.num_heads), a.head_dim, stream](
+        a.q16, a.k16, a.v16, a.block_tables, a.context_lens, a.out16, scores, a.scale
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# v3: + online softmax, warp reductions (shfl_down_sync), fp16 pair math
+
+
+@lru_cache(maxsize=None)
+def _make_v3(head_dim, block_size, is_bf16):
+    D, BS = head_dim, block_size
+    P = D // 2  # half pairs per row
+    PPL = P // 32  # pairs per lane: 1 (d=64) or 2 (d=128)
+    NW = D // 32  # warps per CTA
+    _, cvt2, store, fma2 = _converters(is_bf16)
+
+    @cuda.jit
+    def paged_attention_v3(q, k_cache, v_cache, block_tables, context_lens, out, scale):
+        # q: [S, H, D/2] pairs; k_cache, v_cache: [NB, KVH, BS, D/2] pairs; out: [S, H, D] 16-bit
+        s = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        warp = t // 32
+        lane = t % 32
+        kvh = h // (q.shape[1] // k_cache.shape[1])
+        ctx = context_lens[s]
+        k_sh = cuda.shared.array((BS, P), uint32)  # one block's K and V as raw pairs
+        v_sh = cuda.shared.array((BS, P), uint32)
+        s_sh = cuda.shared.array(BS, float32)  # the block's scores
+        q0 = q[s, h, lane]  # this lane's q pairs stay in registers
+        q1 = q[s, h, lane + 32] if PPL == 2 else q0
+        m = NEG_INF  # running max, sum and this thread's output dim t: identical in all threads
+        denom = float32(0.0)
+        acc = float32(0.0)
+        num_blocks = (ctx + BS - 1) // BS
+        for b in range(num_blocks):
+            block = block_tables[s, b]
+            n = min(BS, ctx - b * BS)
+            for i in range(t, n * P, D):  # cooperative, coalesced 4-byte loads
+                r = i // P
+                c = i % P
+                k_sh[r, c] = k_cache[block, kvh, r, c]
+                v_sh[r, c] = v_cache[block, kvh, r, c]
+            cuda.syncthreads()
+            # scores: warp w takes rows w, w + NW, ...; each lane multiplies its pair(s)
+            for r in range(warp, BS, NW):
+                lo, hi = cvt2(fma2(q0, k_sh[r, lane], 0))
+                part = lo + hi
+                if PPL == 2:
+                    lo, hi = cvt2(fma2(q1, k_sh[r, lane + 32], 0))
+                    part += lo + hi
+                part += cuda.shfl_down_sync(FULL_MASK, part, 16)
+                part += cuda.shfl_down_sync(FULL_MASK, part, 8)
+                part += cuda.shfl_down_sync(FULL_MASK, part, 4)
+                part += cuda.shfl_down_sync(FULL_MASK, part, 2)
+                part += cuda.shfl_down_sync(FULL_MASK, part, 1)
+                if lane == 0:
+                    s_sh[r] = part * scale if r < n else NEG_INF
+            cuda.syncthreads()
+            # online softmax update (Milakov & Gimelshein): rescale what we have, add the block
+            m_new = m
+            for r in range(n):
+                m_new = max(m_new, s_sh[r])
+            alpha = math.exp(m - m_new)
+            denom *= alpha
+            acc *= alpha
+            for r in range(n):
+                p = math.exp(s_sh[r] - m_new)
+                denom += p
+                lo, hi = cvt2(v_sh[r, t // 2])
+                acc += p * (hi if t % 2 == 1 else lo)
+            m = m_new
+            cuda.syncthreads()  # the tile is consumed before the next block overwrites it
+        out[s, h, t] = store(acc / denom)
+
+    return paged_attention_v3
+
+
+def _launch_v3(a, stream):
+    kernel = _make_v3(a.head_dim, a.block_size, a.is_bf16)
+    kernel[(a.num_seqs, a.num_heads), a.head_dim, stream](
+        a.q32, a.k32_4d, a.v32_4d, a.block_tables, a.context_lens, a.out16, a.scale
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# v4 / v5: GQA-grouped CTA, 128-bit loads, split-KV + merge
+
+NUM_WARPS = 4  # warps per CTA in v4/v5
+MIN_PARTITION = 256  # tokens: below this a split costs more (merge, launch tail) than it gains
+TARGET_CTAS = 4 * 132  # enough CTAs for a few waves on the H200's 132 SMs
+
+
+def split_plan(num_seqs, num_kv_heads, max_context_len, chunk):
+    """(num_splits, partition_size) for v4/v5: partitions are multiples of the chunk size."""
+    base = max(1, num_seqs * num_kv_heads)
+    splits = max(1, min(-(-TARGET_CTAS // base), -(-max_context_len // MIN_PARTITION)))
+    part = -(-max_context_len // splits)
+    part = -(-part // chunk) * chunk
+    splits = -(-max_context_len // part)
+    return splits, part
+
+
+def _geometry(head_dim, block_size):
+    LPT = head_dim // 8  # lanes per token row: each lane holds 8 halves = one 16-byte load
+    TPW = 32 // LPT  # token rows per warp: 4 (d=64) or 2 (d=128)
+    NT = 4  # token slots per lane per chunk (K and V of NT tokens in flight per lane)
+    return LPT, TPW, NT, TPW * NT
+
+
+
+@lru_cache(maxsize=None)
+def _make_v4(head_dim, block_size, group, is_bf16):
+    D, BS, G = head_dim, block_size, group
+    LPT, TPW, NT, CH = _geometry(D, BS)
+    NW = NUM_WARPS
+    P = D // 2  # pairs per row
+    cvt, cvt2, store, _ = _converters(is_bf16)
+    QSCALE_LOG2E = float32(LOG2E)
+    G8, NT4, NTG = G * 8, NT * 4, NT * G  # local array sizes must be plain constants
+
+    @cuda.jit
+    def paged_attention_v4(q, k_flat, v_flat, block_tables, context_lens, out, part_acc,
+                           part_ml, scale, partition):
+        # q, out: [S, H, D] 16-bit; k_flat, v_flat: the pool [NB, KVH, BS, D] as flat 32-bit
+        # pairs; part_acc: [S, H, splits, D] f32, part_ml: [S, H, splits, 2] f32 (splits > 1)
+        kvh = cuda.blockIdx.x
+        s = cuda.blockIdx.y
+        split = cuda.blockIdx.z
+        num_splits = cuda.gridDim.z
+        num_kv_heads = cuda.gridDim.x
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        row = lane // LPT  # token row of this lane inside a chunk
+        dc = lane % LPT  # this lane owns dims dc*8 .. dc*8+7
+        ctx = context_lens[s]
+        start = split * partition
+        if start >= ctx:
+            return  # the whole CTA: this split lies past the sequence (the merge skips it)
+        end = min(ctx, start + partition)
+        h0 = kvh * G  # first query head of the group
+
+        m_sh = cuda.shared.array((NW, G), float32)
+        l_sh = cuda.shared.array((NW, G), float32)
+        acc_sh = cuda.shared.array((NW, G, D), float32)
+
+        # registers: q of every head of the group (this lane's 8 dims, pre-scaled for exp2),
+        # running max m, sum l and accumulator per head
+        qr = cuda.local.array(G8, float32)
+        m = cuda.local.array(G, float32)
+        lsum = cuda.local.array(G, float32)
+        acc = cuda.local.array(G8, float32)
+        for g in range(G):
+            m[g] = NEG_INF
+            lsum[g] = 0.0
+            for e in range(8):
+                qr[g * 8 + e] = cvt(q[s, h0 + g, dc * 8 + e]) * scale * QSCALE_LOG2E
+                acc[g * 8 + e] = 0.0
+
+        kw = cuda.local.array(NT4, uint32)  # the chunk's raw K / V words, NT token slots
+        vw = cuda.local.array(NT4, uint32)
+        sc = cuda.local.array(NTG, float32)  # scores, then probabilities
+        kf = cuda.local.array(8, float32)
+        words_per_block = num_kv_heads * BS * P
+        num_chunks = (end - start + CH - 1) // CH
+        for c in range(warp, num_chunks, NW):
+            j0 = start + c * CH + row  # slot i of this lane is token j0 + i * TPW
+            # issue all 2 * NT 16-byte loads of the chunk before using any of them
+            for i in range(NT):
+                j = j0 + i * TPW
+                if j < end:
+                    block = block_tables[s, j // BS]
+                    base = block * words_per_block + (kvh * BS + j % BS) * P + dc * 4
+                    kw[i * 4 + 0], kw[i * 4 + 1], kw[i * 4 + 2], kw[i * 4 + 3] = load_u32x4(k_flat, base)
+                    vw[i * 4 + 0], vw[i * 4 + 1], vw[i * 4 + 2], vw[i * 4 + 3] = load_u32x4(v_flat, base)
+                else:
+                    for e in range(4):
+                        kw[i * 4 + e] = 0
+                        vw[i * 4 + e] = 0
+            # q . k, every head: 8 products per lane, then a butterfly over the row's LPT lanes
+            for i in range(NT):
+                for e in range(4):
+                    kf[2 * e], kf[2 * e + 1] = cvt2(kw[i * 4 + e])
+                for g in range(G):
+                    x = float32(0.0)
+                    for e in range(8):
+                        x += qr[g * 8 + e] * kf[e]
+                    off = LPT // 2
+                    while off > 0:
+                        x += cuda.shfl_xor_sync(FULL_MASK, x, off)
+                        off //= 2
+                    sc[i * G + g] = x if j0 + i * TPW < end else NEG_INF
+            # online softmax per head; the chunk max spans the warp's TPW token rows
+            for g in range(G):
+                cmax = sc[g]
+                for i in range(1, NT):
+                    cmax = max(cmax, sc[i * G + g])
+                off = 16
+                while off >= LPT:
+                    cmax = max(cmax, cuda.shfl_xor_sync(FULL_MASK, cmax, off))
+                    off //= 2
+                m_new = max(m[g], cmax)  # finite: the chunk holds at least one token
+                alpha = math.exp2(m[g] - m_new)
+                m[g] = m_new
+                psum = float32(0.0)
+                for i in range(NT):
+                    p = math.exp2(sc[i * G + g] - m_new)
+                    sc[i * G + g] = p
+                    psum += p
+                lsum[g] = lsum[g] * alpha + psum
+                for e in range(8):
+                    acc[g * 8 + e] *= alpha
+            # p . v: this lane's 8 dims of every head
+            for i in range(NT):
+                for e in range(4):
+                    kf[2 * e], kf[2 * e + 1] = cvt2(vw[i * 4 + e])
+                for g in range(G):
+                    p = sc[i * G + g]
+                    for e in range(8):
+                        acc[g * 8 + e] += p * kf[e]
+
+        # fold the warp's token rows together: lanes with the same dc, xor over the row bits
+        for g in range(G):
+            x = lsum[g]
+            off = 16
+            while off >= LPT:
+                x += cuda.shfl_xor_sync(FULL_MASK, x, off)
+                off //= 2
+            lsum[g] = x
+            for e in range(8):
+                y = acc[g * 8 + e]
+                off = 16
+                while off >= LPT:
+                    y += cuda.shfl_xor_sync(FULL_MASK, y, off)
+                    off //= 2
+                acc[g * 8 + e] = y
+        if row == 0:
+            for g in range(G):
+                for e in range(8):
+                    acc_sh[warp, g, dc * 8 + e] = acc[g * 8 + e]
+                if dc == 0:
+                    m_sh[warp, g] = m[g]
+                    l_sh[warp, g] = lsum[g]
+        cuda.syncthreads()
+        # merge the warps (a warp that got no chunk has m = -inf, l = 0, acc = 0)
+        for i in range(tid, G * D, NW * 32):
+            g = i // D
+            d = i % D
+            mx = NEG_INF
+            for w in range(NW):
+                mx = max(mx, m_sh[w, g])
+            num = float32(0.0)
+            den = float32(0.0)
+            for w in range(NW):
+                f = math.exp2(m_sh[w, g] - mx)
+                num += acc_sh[w, g, d] * f
+                den += l_sh[w, g] * f
+            if num_splits == 1:
+                out[s, h0 + g, d] = store(num / den)
+            else:
+                part_acc[s, h0 + g, split, d] = num
+                if d == 0:
+                    part_ml[s, h0 + g, split, 0] = mx
+                    part_ml[s, h0 + g, split, 1] = den
+
+    return paged_attention_v4
+
+
+@lru_cache(maxsize=None)
+def _make_merge(head_dim, is_bf16):
+    store = _converters(is_bf16)[2]
+
+    @cuda.jit
+    def merge_splits(part_acc, part_ml, context_lens, out, partition):
+        # grid (S, H), blockDim = D: combine the partitions' (max, sum, acc) of one head
+        s = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        d = cuda.threadIdx.x
+        n = (context_lens[s] + partition - 1) // partition
+        mx = NEG_INF
+        for i in range(n):
+            mx = max(mx, part_ml[s, h, i, 0])
+        num = float32(0.0)
+        den = float32(0.0)
+        for i in range(n):
+            f = math.exp2(part_ml[s, h, i, 0] - mx)
+            num += part_acc[s, h, i, d] * f
+            den += part_ml[s, h, i, 1] * f
+        out[s, h, d] = store(num / den)
+
+    return merge_splits
+
+
+def _launch_v4(a, stream):
+    kernel = _make_v4(a.head_dim, a.block_size, a.num_heads // a.num_kv_heads, a.is_bf16)
+    chunk = _geometry(a.head_dim, a.block_size)[3]
+    splits, partition = split_plan(a.num_seqs, a.num_kv_heads, a.max_context_len, chunk)
+    if splits == 1:
+        part_acc = part_ml = a.scratch((1, 1, 1, 1))  # unused
+    else:
+        part_acc = a.scratch((a.num_seqs, a.num_heads, splits, a.head_dim))
+        part_ml = a.scratch((a.num_seqs, a.num_heads, splits, 2))
+    kernel[(a.num_kv_heads, a.num_seqs, splits), NUM_WARPS * 32, stream](
+        a.q16, a.k32, a.v32, a.block_tables, a.context_lens, a.out16, part_acc, part_ml,
+        a.scale, partition,
+    )
+    if splits > 1:
+        merge = _make_merge(a.head_dim, a.is_bf16)
+        merge[(a.num_seqs, a.num_heads), a.head_dim, stream](
+            part_acc, part_ml, a.context_lens, a.out16, partition
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+
+VERSIONS = {1: _launch_v1, 2: _launch_v2, 3: _launch_v3, 4: _launch_v4}
+BEST_VERSION = 4
+
+
+@dataclass
+class _Args:
+    """Everything a version's launcher needs: raw-bit views of the tensors plus geometry."""
+
+    q16: object  # [S, H, D] 16-bit
+    k16: object  # [NB, KVH, BS, D] 16-bit
+    v16: object
+    block_tables: object  # [S, M] int32
+    context_lens: object  # [S] int32
+    out16: object  # [S, H, D] 16-bit
+    scale: float
+    is_bf16: bool
+    max_context_len: int
+    scratch: object  # shape -> float32 array on the same device
+    q32: object = None  # [S, H, D/2] pairs
+    k32_4d: object = None  # [NB, KVH, BS, D/2] pairs
+    v32_4d: object = None
+    k32: object = None  # flat pairs
+    v32: object = None
+
+    def __post_init__(self):
+        self.num_seqs, self.num_heads, self.head_dim = self.q16.shape
+        _, self.num_kv_heads, self.block_size, _ = self.k16.shape
+        self.scale = float32(self.scale)
+        if self.q32 is None:
+            self.q32 = _pairs(self.q16)
+        if self.k32_4d is None:
+            self.k32_4d, self.v32_4d = _pairs(self.k16), _pairs(self.v16)
+        if self.k32 is None:
+            self.k32, self.v32 = self.k32_4d.reshape(-1), self.v32_4d.reshape(-1)
+
+
+def _pairs(x16):
+    """A 16-bit array viewed as pairs (last dim halved), numpy or numba device array."""
+    return x16.view(np.uint32 if x16.dtype == np.uint16 else np.int32)
+
+
+def check_supported(num_heads, num_kv_heads, head_dim, block_size):
+    """Raise KernelLaunchError for a geometry no version supports."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise KernelLaunchError(f"head_dim={head_dim} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise KernelLaunchError(
+            f"block_size={block_size} is not supported (supported: {SUPPORTED_BLOCK_SIZES})"
+        )
+    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+        raise KernelLaunchError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+
+
+def launch(version, q, k_cache, v_cache, block_tables, context_lens, out, scale=None,
+           is_bf16=False, max_context_len=None, stream=0, scratch=None):
+    """Low-level launcher: raw-bit arrays, no validation of values.
+
+    q, out: [num_seqs, num_heads, head_dim] uint16/int16 holding fp16 or bf16 bits
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] uint16/int16 bits
+    block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32 (>= 1)
+    Arrays are numba device arrays (any stream) or, under the simulator, numpy arrays.
+    is_bf16: the bits are bf16 (else fp16). max_context_len: >= every context length
+    (default max_blocks * block_size); it sizes scratch buffers and v4's split plan.
+    scratch: shape -> float32 array (default: numpy under the simulator, cuda.device_array).
+    """
+    if version not in VERSIONS:
+        raise KernelLaunchError(f"version={version!r} is not one of {sorted(VERSIONS)}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    check_supported(num_heads, k_cache.shape[1], head_dim, k_cache.shape[2])
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * k_cache.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    if scratch is None:
+        if SIMULATOR:
+            scratch = lambda shape: np.zeros(shape, dtype=np.float32)  # noqa: E731
+        else:
+            scratch = lambda shape: cuda.device_array(shape, dtype=np.float32, stream=stream)  # noqa: E731
+    args = _Args(q, k_cache, v_cache, block_tables, context_lens, out, scale, is_bf16,
+                 int(max_context_len), scratch)
+    VERSIONS[version](args, stream)
+    return out
+
+
+_POOL_VIEWS = {}  # (data_ptr, shape, dtype) -> wrapped views of a pool tensor, made once
+_STREAMS = {}  # torch stream handle -> numba external stream
+
+
+def _wrap(t):
+    return cuda.as_cuda_array(t, sync=False)  # torch orders the work: launch on its stream
+
+
+def _pool_views(t):
+    """(16-bit 4-D, pairs 4-D, flat pairs) numba views of a pool tensor, cached per tensor."""
+    key = (t.data_ptr(), tuple(t.shape), t.dtype, t.device.index)
+    views = _POOL_VIEWS.get(key)
+    if views is None:
+        import torch
+
+        views = (_wrap(t.view(torch.int16)), _wrap(t.view(torch.int32)),
+                 _wrap(t.view(torch.int32).view(-1)), t)  # keep the tensor alive with its views
+        if len(_POOL_VIEWS) >= 512:
+            _POOL_VIEWS.pop(next(iter(_POOL_VIEWS)))
+        _POOL_VIEWS[key] = views
+    return views
+
+
+def _validate(q, k_cache, v_cache, block_tables, context_lens, out, version):
+    """Shapes, dtypes, devices (host only, no sync). Raises KernelLaunchError."""
+    import torch
+
+    if version not in VERSIONS:
+        raise KernelLaunchError(f"version={version!r} is not one of {sorted(VERSIONS)}")
+    named = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                 context_lens=context_lens)
+    if out is not None:
+        named["out"] = out
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise KernelLaunchError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_contiguous():
+            raise KernelLaunchError(f"{name} must be contiguous")
+    if q.dim() != 3:
+        raise KernelLaunchError(f"q must be [num_seqs, num_heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise KernelLaunchError(
+            f"k_cache and v_cache must both be [num_blocks, num_kv_heads, block_size, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, block_size, kv_dim = k_cache.shape
+    if kv_dim != head_dim:
+        raise KernelLaunchError(f"q head_dim={head_dim} but the pool has head_dim={kv_dim}")
+    check_supported(num_heads, num_kv_heads, head_dim, block_size)
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise KernelLaunchError(f"q must be float16 or bfloat16, got {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise KernelLaunchError(f"k_cache/v_cache dtype ({k_cache.dtype}/{v_cache.dtype}) must equal q's ({q.dtype})")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise KernelLaunchError(
+            f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks], got "
+            f"{block_tables.dtype} {tuple(block_tables.shape)}"
+        )
+    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (num_seqs,):
+        raise KernelLaunchError(
+            f"context_lens must be int32 [num_seqs={num_seqs}], got {context_lens.dtype} {tuple(context_lens.shape)}"
+        )
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise KernelLaunchError(f"out must be {q.dtype} {tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
+    devices = {t.device for t in named.values()}
+    if len(devices) != 1:
+        raise KernelLaunchError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    device = q.device
+    if device.type != "cuda" and not (SIMULATOR and device.type == "cpu"):
+        raise KernelLaunchError(f"tensors must be on a CUDA device, got {device}")
+    if num_seqs == 0 or block_tables.shape[1] == 0:
+        raise KernelLaunchError("num_seqs and max_blocks must be >= 1")
+
+
+def check_block_tables(block_tables, context_lens, num_blocks, block_size, max_context_len):
+    """Value checks (one device->host sync): 1 <= context_len <= max_context_len, and every
+    block-table entry a sequence will read lies in [0, num_blocks). Raises KernelLaunchError."""
+    import torch
+
+    lens = context_lens.long()
+    max_blocks = block_tables.shape[1]
+    used = torch.arange(max_blocks, device=lens.device)[None, :] < (lens[:, None] + block_size - 1) // block_size
+    bad_entry = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    flags = torch.stack([(lens < 1).any(), (lens > max_context_len).any(), bad_entry.any()]).tolist()
+    if flags[0]:
+        raise KernelLaunchError("every context_len must be >= 1")
+    if flags[1]:
+        raise KernelLaunchError(
+            f"a context_len exceeds {max_context_len} (max_context_len, or max_blocks * block_size)"
+        )
+    if flags[2]:
+        s, b = [int(x) for x in bad_entry.nonzero()[0]]
+        raise KernelLaunchError(
+            f"block_tables[{s}, {b}] = {int(block_tables[s, b])} is outside the pool [0, {num_blocks})"
+        )
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, version=None,
+                    out=None, validate=True, max_context_len=None):
+    """Decode attention over the paged KV pool, launched on torch's current CUDA stream.
+
+    q: [num_seqs, num_heads, head_dim] float16/bfloat16, one query token per sequence
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim], q's dtype
+    block_tables: [num_seqs, max_blocks] int32 physical block ids (entries past a sequence's
+        last block are never read)
+    context_lens: [num_seqs] int32, tokens each query attends to (>= 1, the new one included)
+    scale: softmax scale, default 1/sqrt(head_dim). version: 1..5, default the best.
+    out: optional [num_seqs, num_heads, head_dim] in q's dtype, written in place.
+    validate: also check context lengths and block-table entries against the pool (one
+        device->host sync, ~0.1 ms; skipped automatically inside CUDA-graph capture).
+    max_context_len: an upper bound on context_lens (default max_blocks * block_size); v4+
+        choose their split-KV plan from it, so a tight bound helps short batches.
+    Supported: head_dim 64/128, block_size 8/16/32, any num_heads % num_kv_heads == 0.
+    Returns out: [num_seqs, num_heads, head_dim], q's dtype.
+    """
+    import torch
+
+    version = BEST_VERSION if version is None else version
+    _validate(q, k_cache, v_cache, block_tables, context_lens, out, version)
+    num_blocks, _, block_size, head_dim = k_cache.shape
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * block_size
+    if out is None:
+        out = torch.empty_like(q)
+    is_bf16 = q.dtype == torch.bfloat16
+    if q.device.type == "cpu":  # only under the simulator: run on numpy copies
+        if validate:
+            check_block_tables(block_tables, context_lens, num_blocks, block_size, max_context_len)
+        o16 = np.empty(tuple(q.shape), dtype=np.uint16)
+        np16 = lambda t: t.contiguous().view(torch.int16).numpy().view(np.uint16)  # noqa: E731
+        launch(version, np16(q), np16(k_cache), np16(v_cache), block_tables.numpy(),
+               context_lens.numpy(), o16, scale, is_bf16, max_context_len)
+        out.copy_(torch.from_numpy(o16.view(np.int16)).view(q.dtype))
+        return out
+    if validate and not torch.cuda.is_current_stream_capturing():
+        check_block_tables(block_tables, context_lens, num_blocks, block_size, max_context_len)
+    torch_stream = torch.cuda.current_stream(q.device)
+    stream = _STREAMS.get(torch_stream.cuda_stream)
+    if stream is None:
+        stream = _STREAMS[torch_stream.cuda_stream] = cuda.external_stream(torch_stream.cuda_stream)
+    k16, k32_4d, k32, _ = _pool_views(k_cache)
+    v16, v32_4d, v32, _ = _pool_views(v_cache)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    device = q.device
+
+    def scratch(shape):
+        return _wrap(torch.empty(shape, dtype=torch.float32, device=device))
+
+    q16 = _wrap(q.view(torch.int16))
+    args = _Args(q16, k16, v16, _wrap(block_tables), _wrap(context_lens), _wrap(out.view(torch.int16)),
+                 scale, is_bf16, int(max_context_len), scratch, q32=_wrap(q.view(torch.int32)),
+                 k32_4d=k32_4d, v32_4d=v32_4d, k32=k32, v32=v32)
+    with torch.cuda.device(device):
+        VERSIONS[version](args, stream)
+    return out

@@ -1,0 +1,349 @@
+"""Validation layer 2: the numba decode kernels against the float64 reference.
+
+Without a GPU (CI) every version runs in numba's CUDA simulator, one Python thread per CUDA
+thread, so those shapes are tiny (a few sequences, tens of tokens) yet awkward: lengths 1, 15,
+17, 33 (not multiples of the block size), shuffled block tables, every unused pool slot
+poisoned with NaN (a read past a sequence's end shows up as NaN in its output), GQA and MHA,
+fp16 and bf16, every supported block size and both head dims across the cases.
+
+`gpu` tests (run on the H200: python -m pytest -m gpu) use real shapes, compare against torch's
+own fp16/bf16 SDPA error, and replay a launch inside a CUDA graph.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+from numba import cuda
+
+from kernels_numba import common, paged_attention as pa
+from pagedattn.errors import KernelLaunchError
+from reference.attention import paged_decode_attention
+
+HAS_GPU = torch.cuda.is_available()
+VERSIONS = sorted(pa.VERSIONS)
+
+# (name, num_heads, num_kv_heads, head_dim, block_size, dtype, context_lens)
+TINY_CASES = [
+    ("gqa_f16_d64_bs8", 4, 2, 64, 8, np.float16, [1, 15, 17]),
+    ("mha_bf16_d64_bs16", 2, 2, 64, 16, "bf16", [33, 16]),
+    ("gqa_f16_d128_bs32", 3, 1, 128, 32, np.float16, [40]),
+]
+
+
+def _bf16_bits(x):
+    """float32 numpy -> bf16 bits (uint16), round to nearest even (torch does the rounding)."""
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).bfloat16().view(torch.int16).numpy().view(np.uint16)
+
+
+def _bits_to_f64(bits, dtype):
+    if dtype == "bf16":
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return bits.view(np.float16).astype(np.float64)
+
+
+def make_problem(rng, num_heads, num_kv_heads, head_dim, block_size, dtype, context_lens, spare_blocks=3):
+    """A paged batch with shuffled block tables and NaN in every slot no sequence owns.
+
+    Returns raw 16-bit arrays (q, k_cache, v_cache), block_tables, context_lens and the
+    float64 reference output [num_seqs, num_heads, head_dim].
+    """
+    context_lens = np.asarray(context_lens, dtype=np.int32)
+    num_seqs = len(context_lens)
+    blocks_per_seq = [-(-int(n) // block_size) for n in context_lens]
+    max_blocks = max(blocks_per_seq) + 1  # one padding column past the longest sequence
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = rng.permutation(num_blocks)
+    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)  # padding entries: 0
+    pos = 0
+    nan_mask = np.ones((num_blocks, block_size), dtype=bool)  # True = nobody owns the slot
+    for s, nb in enumerate(blocks_per_seq):
+        block_tables[s, :nb] = perm[pos : pos + nb]
+        pos += nb
+        for j in range(int(context_lens[s])):
+            nan_mask[block_tables[s, j // block_size], j % block_size] = False
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    kv = [rng.standard_normal(shape).astype(np.float32) for _ in range(2)]
+    for x in kv:
+        x.transpose(0, 2, 1, 3)[nan_mask] = np.nan  # [NB, BS, KVH, D] view: poison whole slots
+    q = rng.standard_normal((num_seqs, num_heads, head_dim)).astype(np.float32)
+    if dtype == "bf16":
+        q16, k16, v16 = _bf16_bits(q), _bf16_bits(kv[0]), _bf16_bits(kv[1])
+    else:
+        q16, k16, v16 = (x.astype(np.float16).view(np.uint16) for x in (q, kv[0], kv[1]))
+    ref = paged_decode_attention(
+        _bits_to_f64(q16, dtype), _bits_to_f64(k16, dtype), _bits_to_f64(v16, dtype), block_tables, context_lens
+    )
+    return q16, k16, v16, block_tables, context_lens, ref
+
+
+def _tolerance(dtype):
+    # one output rounding (half an ulp at |o| <= 1) plus fp32 accumulation noise;
+    # v3's fp16/bf16 pair products add about one more input ulp to a score
+    return 2.0 ** -10 if dtype == np.float16 else 2.0 ** -7
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("case", TINY_CASES, ids=[c[0] for c in TINY_CASES])
+def test_version_matches_reference(version, case):
+    _, num_heads, num_kv_heads, head_dim, block_size, dtype, lens = case
+    rng = np.random.default_rng(1000 * version + len(lens))
+    q16, k16, v16, block_tables, context_lens, ref = make_problem(
+        rng, num_heads, num_kv_heads, head_dim, block_size, dtype, lens
+    )
+    out16 = np.full(q16.shape, 0x7E00, dtype=np.uint16)  # NaN bits: unwritten outputs fail
+    pa.launch(version, q16, k16, v16, block_tables, context_lens, out16, is_bf16=(dtype == "bf16"))
+    out = _bits_to_f64(out16, dtype)
+    err = np.abs(out - ref)
+    assert np.isfinite(out).all(), f"v{version}: NaN/inf in output (read past a sequence's end?)"
+    assert err.max() <= _tolerance(dtype), f"v{version}: max err {err.max():.3g}, mean {err.mean():.3g}"
+
+
+def test_v4_split_kv_matches_reference(monkeypatch):
+    """Force several partitions on tiny lengths so the split + merge path runs in CI."""
+    monkeypatch.setattr(pa, "MIN_PARTITION", 16)
+    chunk = pa._geometry(64, 8)[3]
+    splits, partition = pa.split_plan(3, 2, 48, chunk)
+    assert splits == 3 and partition == 16
+    rng = np.random.default_rng(7)
+    q16, k16, v16, block_tables, context_lens, ref = make_problem(rng, 4, 2, 64, 8, np.float16, [1, 20, 47])
+    out16 = np.full(q16.shape, 0x7E00, dtype=np.uint16)
+    pa.launch(4, q16, k16, v16, block_tables, context_lens, out16, max_context_len=48)
+    err = np.abs(_bits_to_f64(out16, np.float16) - ref)
+    assert err.max() <= _tolerance(np.float16), f"max err {err.max():.3g}, mean {err.mean():.3g}"
+
+
+def test_split_plan_fills_the_gpu():
+    # one long sequence: many partitions; a big batch: none
+    assert pa.split_plan(1, 2, 8192, 16)[0] == 8192 // pa.MIN_PARTITION
+    assert pa.split_plan(256, 2, 512, 16)[0] == 2
+    assert pa.split_plan(256, 2, 256, 16)[0] == 1
+    for args in [(1, 2, 8192), (8, 2, 2048), (64, 2, 513), (3, 1, 100)]:
+        splits, part = pa.split_plan(*args, 16)
+        assert part % 16 == 0 and (splits - 1) * part < args[2] <= splits * part
+
+
+# ---------------------------------------------------------------------------------------------
+# the public entry point (torch tensors): CPU tensors are accepted only under the simulator
+
+
+def _device():
+    return "cuda" if HAS_GPU else "cpu"
+
+
+def _torch_problem(num_seqs=2, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16,
+                   num_blocks=8):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=g).to(dtype)
+    bt = torch.randperm(num_blocks, generator=g)[: num_seqs * 2].reshape(num_seqs, 2).int()
+    lens = torch.tensor([5, 2 * block_size][:num_seqs], dtype=torch.int32)
+    return [t.to(_device()) for t in (q, k, v, bt, lens)]
+
+
+def test_public_entry_matches_reference():
+    q, k, v, bt, lens = _torch_problem()
+    out = torch.full_like(q, float("nan"))
+    res = pa.paged_attention(q, k, v, bt, lens, out=out)
+    assert res is out
+    ref = paged_decode_attention(q, k, v, bt, lens)
+    err = np.abs(out.double().cpu().numpy() - ref)
+    assert err.max() <= _tolerance(np.float16), f"max err {err.max():.3g}"
+
+
+def _bad(**changes):
+    q, k, v, bt, lens = _torch_problem()
+    args = dict(q=q, k_cache=k, v_cache=v, block_tables=bt, context_lens=lens)
+    args.update(changes)
+    return args
+
+
+BAD_ARGUMENTS = [
+    ("head_dim_96", lambda: _bad(**dict(zip(["q", "k_cache", "v_cache", "block_tables", "context_lens"],
+                                            _torch_problem(head_dim=96))))),
+    ("block_size_64", lambda: _bad(**dict(zip(["q", "k_cache", "v_cache", "block_tables", "context_lens"],
+                                              _torch_problem(block_size=64))))),
+    ("float32", lambda: _bad(**dict(zip(["q", "k_cache", "v_cache", "block_tables", "context_lens"],
+                                        _torch_problem(dtype=torch.float32))))),
+    ("heads_not_multiple", lambda: _bad(q=torch.zeros(2, 3, 64, dtype=torch.float16, device=_device()))),
+    ("q_dtype_mismatch", lambda: _bad(q=torch.zeros(2, 4, 64, dtype=torch.bfloat16, device=_device()))),
+    ("block_tables_int64", lambda: _bad(block_tables=torch.zeros(2, 2, dtype=torch.int64, device=_device()))),
+    ("context_lens_wrong_len", lambda: _bad(context_lens=torch.ones(3, dtype=torch.int32, device=_device()))),
+    ("block_id_out_of_pool", lambda: _bad(block_tables=torch.tensor([[0, 1], [2, 8]], dtype=torch.int32,
+                                                                     device=_device()))),
+    ("negative_block_id", lambda: _bad(block_tables=torch.tensor([[-1, 1], [2, 3]], dtype=torch.int32,
+                                                                  device=_device()))),
+    ("context_len_zero", lambda: _bad(context_lens=torch.tensor([0, 3], dtype=torch.int32, device=_device()))),
+    ("context_too_long", lambda: _bad(context_lens=torch.tensor([33, 3], dtype=torch.int32, device=_device()))),
+    ("version_9", lambda: dict(_bad(), version=9)),
+    ("not_contiguous", lambda: _bad(q=torch.zeros(4, 2, 64, dtype=torch.float16, device=_device()).transpose(0, 1))),
+]
+
+
+@pytest.mark.parametrize("make_args", [b[1] for b in BAD_ARGUMENTS], ids=[b[0] for b in BAD_ARGUMENTS])
+def test_bad_arguments_raise_before_launch(make_args):
+    with pytest.raises(KernelLaunchError):
+        pa.paged_attention(**make_args())
+
+
+def test_unused_table_entries_are_not_validated():
+    # only the blocks a sequence reads must be in the pool: padding past its end may hold anything
+    q, k, v, bt, lens = _torch_problem()
+    bt = bt.clone()
+    bt[0, 1] = 10_000  # sequence 0 has 5 tokens: one block
+    pa.paged_attention(q, k, v, bt, lens, version=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the simulator shim and the common helpers (their numpy fallbacks are what CI runs)
+
+def _shuffle_kernel(x, out):
+    t = cuda.threadIdx.x
+    v = x[t]
+    out[0, t] = cuda.shfl_sync(0xFFFFFFFF, v, 5)
+    out[1, t] = cuda.shfl_up_sync(0xFFFFFFFF, v, 3)
+    out[2, t] = cuda.shfl_down_sync(0xFFFFFFFF, v, 3)
+    out[3, t] = cuda.shfl_xor_sync(0xFFFFFFFF, v, 6)
+    cuda.syncwarp(0xFFFFFFFF)
+
+
+@pytest.mark.skipif(not common.SIMULATOR, reason="checks the simulator shim")
+@pytest.mark.parametrize("threads", [64, 48])
+def test_simulator_shuffles_follow_ptx_semantics(threads):
+    kernel = cuda.jit(_shuffle_kernel)
+    x = np.arange(100, 100 + threads, dtype=np.int32)
+    out = np.zeros((4, threads), dtype=np.int32)
+    kernel[1, threads](x, out)
+    for t in range(threads):
+        lane, base, width = t % 32, t - t % 32, min(32, threads - (t - t % 32))
+
+        def src(lane_src):
+            return x[base + lane_src] if lane_src < width else x[t]
+
+        assert out[0, t] == src(5)
+        assert out[1, t] == (src(lane - 3) if lane >= 3 else x[t])
+        assert out[2, t] == (src(lane + 3) if lane + 3 < 32 else x[t])
+        assert out[3, t] == src(lane ^ 6)
+
+
+def test_pair_helpers_round_trip():
+    vals = np.array([1.5, -2.25, 0.1, 65504.0, -1e-3, 3.0], dtype=np.float32)
+    for a, b in zip(vals[::2], vals[1::2]):
+        lo, hi = common.f16x2_to_f32(common.f32x2_to_f16x2(a, b))
+        assert (lo, hi) == (np.float32(np.float16(a)), np.float32(np.float16(b)))
+        lo, hi = common.bf16x2_to_f32(common.f32x2_to_bf16x2(a, b))
+        expect = torch.tensor([a, b]).bfloat16().float().numpy()
+        assert (lo, hi) == tuple(expect)
+    r = common.fma_f16x2(common.f32x2_to_f16x2(1.5, -2.0), common.f32x2_to_f16x2(2.0, 0.25),
+                         common.f32x2_to_f16x2(0.5, 1.0))
+    assert common.f16x2_to_f32(r) == (3.5, 0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: real shapes
+
+# (num_seqs, num_heads, num_kv_heads, head_dim, block_size, dtype)
+GPU_CASES = [
+    (8, 14, 2, 64, 16, torch.float16),
+    (5, 14, 2, 128, 8, torch.float16),
+    (6, 8, 8, 128, 32, torch.bfloat16),
+    (3, 4, 4, 64, 16, torch.bfloat16),
+    (2, 16, 2, 64, 32, torch.float16),
+]
+
+
+def _sdpa_error(q, k, v, bt, lens, ref):
+    """Max error of torch's own SDPA (same dtype, dense gathered K/V) vs the float64 reference."""
+    from pagedattn.kv_cache import gather_kv
+
+    worst = 0.0
+    for s in range(q.shape[0]):
+        kk, vv = gather_kv(k, v, bt[s], int(lens[s]))  # (L, KVH, D)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[s][None, :, None, :], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None], enable_gqa=True
+        )[0, :, 0]
+        worst = max(worst, float(np.abs(o.double().cpu().numpy() - ref[s]).max()))
+    return worst
+
+
+def _gpu_problem(seed, num_seqs, num_heads, num_kv_heads, head_dim, block_size, dtype):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 1500, (num_seqs,), generator=g)
+    lens[0] = 1
+    if num_seqs > 2:
+        lens[1] = 1025
+    nblk = [-(-int(n) // block_size) for n in lens]
+    max_blocks = max(nblk) + 2
+    num_blocks = sum(nblk) + 5
+    perm = torch.randperm(num_blocks, generator=g)
+    bt = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+    owned = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    pos = 0
+    for s, nb in enumerate(nblk):
+        bt[s, :nb] = perm[pos : pos + nb]
+        pos += nb
+        j = torch.arange(int(lens[s]))
+        owned[bt[s, j // block_size].long(), j % block_size] = True
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    for x in (k, v):
+        x.transpose(1, 2)[~owned] = float("nan")
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=g)
+    q, k, v = (x.to(dtype).cuda() for x in (q, k, v))
+    return q, k, v, bt.cuda(), lens.int().cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("case", GPU_CASES, ids=[f"S{c[0]}_H{c[1]}_{c[2]}_d{c[3]}_bs{c[4]}_{str(c[5])[6:]}"
+                                                 for c in GPU_CASES])
+def test_gpu_version_within_twice_sdpa_error(version, case):
+    q, k, v, bt, lens = _gpu_problem(version * 100 + case[0], *case)
+    ref = paged_decode_attention(q, k, v, bt, lens)
+    sdpa_err = _sdpa_error(q, k, v, bt, lens, ref)
+    out = torch.full_like(q, float("nan"))
+    pa.paged_attention(q, k, v, bt, lens, version=version, out=out)
+    torch.cuda.synchronize()
+    err = np.abs(out.double().cpu().numpy() - ref)
+    # floor: a quarter of an output ulp at |o| = 0.5, in case SDPA happens to round luckily
+    floor = 0.25 * (2.0 ** -11 if case[5] == torch.float16 else 2.0 ** -8)
+    assert np.isfinite(err).all()
+    assert err.max() <= 2 * sdpa_err + floor, (
+        f"v{version}: max err {err.max():.3g} (mean {err.mean():.3g}) vs SDPA {sdpa_err:.3g}"
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_launch_replays_in_cuda_graph():
+    q, k, v, bt, lens = _gpu_problem(3, 8, 14, 2, 64, 16, torch.float16)
+    out = torch.empty_like(q)
+    pa.paged_attention(q, k, v, bt, lens, out=out)  # compile + warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pa.paged_attention(q, k, v, bt, lens, out=out)
+    for seed in range(3):
+        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q.dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = paged_decode_attention(q, k, v, bt, lens)
+        err = np.abs(out.double().cpu().numpy() - ref).max()
+        assert err <= 2.0 ** -10, f"replay {seed}: max err {err:.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_long_single_sequence_uses_splits():
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 14, 64, generator=g).half().cuda()
+    n = 8192
+    k2 = torch.randn(n // 16 + 1, 2, 16, 64, generator=g).half().cuda()
+    v2 = torch.randn(n // 16 + 1, 2, 16, 64, generator=g).half().cuda()
+    bt2 = torch.randperm(n // 16 + 1, generator=g)[: n // 16][None].int().cuda()
+    lens2 = torch.tensor([n - 3], dtype=torch.int32, device="cuda")
+    assert pa.split_plan(1, 2, n, 16)[0] > 1
+    out = pa.paged_attention(q, k2, v2, bt2, lens2)
+    ref = paged_decode_attention(q, k2, v2, bt2, lens2)
+    err = np.abs(out.double().cpu().numpy() - ref).max()
+    assert math.isfinite(err) and err <= 2.0 ** -11, f"max err {err:.3g}"
