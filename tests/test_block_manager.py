@@ -385,3 +385,38 @@ def test_random_operations_against_shadow_model():
         max_examples=examples, stateful_step_count=steps, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
     assert BlockManagerMachine.steps >= MIN_STEPS[PROFILE], BlockManagerMachine.steps
+
+
+# ---- scripts/memory_efficiency.py --------------------------------------------------------------
+
+def load_memory_script():
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "memory_efficiency.py")
+    spec = importlib.util.spec_from_file_location("memory_efficiency", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_memory_script_matches_hand_calculation(capsys):
+    me = load_memory_script()
+    # 3 sequences of 17 tokens, max_model_len 64, Qwen2-0.5B: 24 * 2 * 2 * 64 * 2 = 12288 B/token.
+    r = me.main(num_seqs=3, min_len=17, max_len=17, max_model_len=64, budget_mib=1.5, block_size=16)
+    mix = r["mix"]
+    assert r["lengths"] == [17, 17, 17]
+    assert mix["bytes_used"] == 3 * 17 * 12288
+    assert mix["contiguous_reserved"] == 3 * 64 * 12288
+    assert mix["paged_reserved"] == 3 * 2 * 16 * 12288              # 2 blocks of 16 slots each
+    assert mix["contiguous_waste_pct"] == pytest.approx(100 * 47 / 64)
+    assert mix["paged_waste_pct"] == pytest.approx(100 * 15 / 32)
+    assert mix["reduction_pct"] == pytest.approx(50.0)
+    # 1.5 MiB = 1572864 B: contiguous 786432 B/seq -> 2; paged 196608 B/block -> 8 blocks -> 4 seqs
+    assert (mix["contiguous_fit"], mix["paged_fit"]) == (2, 4)
+    assert "| paged (block_size 16) |" in capsys.readouterr().out
+
+
+def test_memory_script_reproduces_design_table():
+    me = load_memory_script()
+    for seqs, cont, paged, cont_per, paged_per, reduction in me.design_table():
+        assert (cont_per, paged_per) == (0.75, 0.25) and cont == 0.75 * seqs and paged == 0.25 * seqs
+        assert reduction == pytest.approx(200 / 3)
