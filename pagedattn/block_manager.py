@@ -17,10 +17,13 @@ Automatic prefix caching (enable_prefix_caching=True) adds a hash chain over *fu
 
 A full, computed block is registered under its hash (commit_full_blocks). A later prompt with the
 same leading tokens reuses it (allocate_prompt), after confirming the hit by comparing the stored
-(parent hash, token ids) key, so a hash collision never serves wrong KV. A freed block keeps its
-hash while it waits in the free list, which is therefore an LRU of evictable cached blocks; the
-hash is dropped only when the block is taken for new data.
+(parent hash, token ids) key, so a collision of a block's hash never serves wrong KV (the
+SHA-256 chain makes a collision of the parent hashes, which that check cannot see, infeasible).
+A freed block keeps its hash while it waits in the free list, which is therefore an LRU of
+evictable cached blocks; the hash is dropped only when the block is taken for new data.
 """
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -30,8 +33,13 @@ from pagedattn.errors import BlockManagerError, OutOfBlocksError
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Chain hash of one full block: depends on the block's tokens and on every block before it."""
-    return hash((parent_hash, tuple(token_ids)))
+    """Chain hash of one full block: depends on the block's tokens and on every block before it.
+
+    SHA-256 rather than Python's hash(): prompts come from users, and a crafted collision of the
+    parent hashes could otherwise make two different prefixes share KV."""
+    h = hashlib.sha256(b"root" if parent_hash is None else parent_hash.to_bytes(32, "little"))
+    h.update(array("q", token_ids).tobytes())  # token ids as int64
+    return int.from_bytes(h.digest(), "little")
 
 
 class Fragmentation(NamedTuple):
@@ -40,23 +48,28 @@ class Fragmentation(NamedTuple):
     ratio: float          # wasted_slots / allocated_slots (0.0 when nothing is allocated)
 
 
+def _state(**kwargs):
+    return field(init=False, repr=False, **kwargs)
+
+
 @dataclass
 class BlockManager:
     total_blocks: int
     block_size: int = 16
     enable_prefix_caching: bool = False
 
-    free_blocks: OrderedDict = field(init=False)       # block id -> None, oldest-freed first
-    ref_count: list[int] = field(init=False)           # [total_blocks]
-    sequence_blocks: dict[Hashable, list[int]] = field(init=False)
+    # State, filled by __post_init__ (left out of repr: it can be large).
+    free_blocks: OrderedDict = _state()                 # block id -> None, oldest-freed first
+    ref_count: list[int] = _state()                     # [total_blocks]
+    sequence_blocks: dict[Hashable, list[int]] = _state()
     # Prefix cache. A hashed block keeps its hash while used *and* while free (evictable).
-    block_hash: dict[int, int] = field(init=False)     # block id -> chain hash
-    block_key: dict[int, tuple] = field(init=False)    # block id -> (parent hash, token ids)
-    cached_blocks: dict[int, int] = field(init=False)  # chain hash -> block id (1:1 with block_hash)
-    seq_hashes: dict[Hashable, list[int]] = field(init=False)  # seq -> chain hashes of its committed blocks
-    num_query_tokens: int = field(init=False, default=0)       # prompt tokens looked up
-    num_hit_tokens: int = field(init=False, default=0)         # of those, served from the cache
-    num_evictions: int = field(init=False, default=0)          # cached blocks taken for new data
+    block_hash: dict[int, int] = _state()               # block id -> chain hash
+    block_key: dict[int, tuple] = _state()              # block id -> (parent hash, token ids)
+    cached_blocks: dict[int, int] = _state()            # chain hash -> block id, 1:1 with block_hash
+    seq_hashes: dict[Hashable, list[int]] = _state()    # seq -> chain hashes of its committed blocks
+    num_query_tokens: int = _state(default=0)           # prompt tokens looked up
+    num_hit_tokens: int = _state(default=0)             # of those, served from the cache
+    num_evictions: int = _state(default=0)              # cached blocks taken for new data
 
     def __post_init__(self):
         if not isinstance(self.total_blocks, int) or self.total_blocks < 0:
@@ -109,9 +122,7 @@ class BlockManager:
     def can_allocate_prompt(self, token_ids: Sequence[int]) -> bool:
         """Would allocate_prompt succeed now? A hit on a block in use costs nothing; a hit on a
         free (cached) block takes it out of the free list, like a fresh block."""
-        hits = self._cache_hits(token_ids)
-        in_use = sum(1 for b in hits if self.ref_count[b] > 0)
-        return self.num_blocks_for(len(token_ids)) - in_use <= len(self.free_blocks)
+        return self._fits(self.num_blocks_for(len(token_ids)), self._cache_hits(token_ids))
 
     def internal_fragmentation(self, seq_lens: dict[Hashable, int]) -> Fragmentation:
         """Allocated token slots minus tokens stored, over the given sequences' block tables.
@@ -210,7 +221,7 @@ class BlockManager:
             raise BlockManagerError("allocate_prompt: token_ids must not be empty")
         hits = self._cache_hits(token_ids)
         n_total = self.num_blocks_for(len(token_ids))
-        if not self.can_allocate_prompt(token_ids):
+        if not self._fits(n_total, hits):
             raise OutOfBlocksError(f"prompt of {len(token_ids)} tokens needs {n_total} blocks "
                                    f"({len(hits)} cached), {len(self.free_blocks)} free")
         for block in hits:  # claim hits before taking fresh blocks, so none of them is evicted
@@ -284,6 +295,10 @@ class BlockManager:
         if not isinstance(block_index, int) or not 0 <= block_index < n:
             raise BlockManagerError(f"block_index must be in [0, {n}) for {seq_id!r}, got {block_index!r}")
         return block_index
+
+    def _fits(self, n_blocks: int, hits: list[int]) -> bool:
+        in_use = sum(1 for b in hits if self.ref_count[b] > 0)  # shared: no free block needed
+        return n_blocks - in_use <= len(self.free_blocks)
 
     def _take_free_block(self) -> int:
         """Pop the least recently freed block; a cached one loses its hash (evicted)."""

@@ -19,7 +19,7 @@ PROFILES = {  # name -> (examples, max steps per example)
     "ci": (40, 50),
     "long": (2000, 200),
 }
-MIN_STEPS = {"ci": 1000, "long": 100_000}
+MIN_STEPS = {"ci": 1000, "long": 50_000}
 PROFILE = os.environ.get("PAGEDATTN_HYPOTHESIS_PROFILE", "ci")
 TOKEN_COUNTS = [0, 1, 15, 16, 17, 97]
 

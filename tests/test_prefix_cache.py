@@ -18,7 +18,7 @@ from pagedattn.block_manager import BlockManager
 from pagedattn.errors import BlockManagerError, OutOfBlocksError
 
 PROFILES = {"ci": (60, 50), "long": (2000, 200)}  # name -> (examples, max steps per example)
-MIN_STEPS = {"ci": 1000, "long": 100_000}
+MIN_STEPS = {"ci": 1000, "long": 50_000}
 PROFILE = os.environ.get("PAGEDATTN_HYPOTHESIS_PROFILE", "ci")
 BS = 4
 
