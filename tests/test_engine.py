@@ -219,3 +219,36 @@ def test_bad_request_rejected_while_others_run(tiny_checkpoint, hf_greedy):
         outs += engine.step()
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy[2]]
     assert_clean(llm)
+
+
+@pytest.mark.parametrize("max_tokens", [6, 16])
+def test_beam_search_matches_hf(tiny_checkpoint, max_tokens):
+    from pagedattn import BeamSearchParams
+
+    llm = LLM(tiny_checkpoint, device="cpu", num_blocks=128, block_size=8)
+    outs = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=4, max_tokens=max_tokens), use_tqdm=False)
+    model = make_hf_tiny_model(seed=0)
+    for p, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, num_beams=4, do_sample=False,
+                                 length_penalty=1.0, eos_token_id=2, pad_token_id=0)[0, len(p):].tolist()
+        best = out.sequences[0]
+        assert best.output_token_ids == ref[:len(best.output_token_ids)]
+        assert len(out.sequences) == 4
+        assert [s.score for s in out.sequences] == sorted((s.score for s in out.sequences), reverse=True)
+        assert best.tokens == p + best.output_token_ids
+    assert_clean(llm)
+
+
+def test_beam_search_in_a_tight_pool_runs_prompts_in_groups(tiny_checkpoint):
+    from pagedattn import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=4, max_tokens=8)
+    roomy = LLM(tiny_checkpoint, device="cpu", num_blocks=128, block_size=8)
+    tight = LLM(tiny_checkpoint, device="cpu", num_blocks=4 * 7, block_size=8)   # one 40+8-token prompt's 4 beams
+    want = [o.sequences[0].output_token_ids for o in roomy.beam_search(PROMPTS, params, use_tqdm=False)]
+    got = [o.sequences[0].output_token_ids for o in tight.beam_search(PROMPTS, params, use_tqdm=False)]
+    assert got == want
+    assert_clean(tight)
+    with pytest.raises(InvalidRequestError, match="beam"):
+        tight.beam_search([PROMPTS[5]], BeamSearchParams(beam_width=5, max_tokens=8), use_tqdm=False)

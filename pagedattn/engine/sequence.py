@@ -46,6 +46,7 @@ class Sequence:
         self.finish_reason = None        # "stop" | "length" | "abort"
         self.text = None                 # detokenized output, set when finished (cut at a stop string)
         self.cumulative_logprob = 0.0    # beam search
+        self.logprobs = None             # beam search: [vocab] log-probabilities of the next token
         self.num_preemptions = 0
         self.num_cached_tokens = 0       # prompt tokens served by the prefix cache at the last admission
         self.first_token_time = None
