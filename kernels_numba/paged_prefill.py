@@ -43,30 +43,34 @@ from pagedattn.errors import KernelLaunchError
 
 SIMULATOR = common.SIMULATOR
 THREADS = 128
-BN = 32  # keys per KV tile
+V1_BN = 32  # v1: keys per KV tile
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (8, 16, 32)
 DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 NEG_INF = np.float32(-np.inf)
 
 
-def tile_rows(head_dim):
-    """BM: query-head rows per CTA (shared memory keeps it under 48 KiB: 64 rows at d=64)."""
-    return 64 if head_dim == 64 else 32
+def tile_rows(head_dim, version):
+    """BM: query-head rows per CTA. v1: 64 at d=64, 32 at d=128 (48 KiB of static shared
+    memory); v2: 64 (4 warps x 16 rows of mma)."""
+    if version == 1:
+        return 64 if head_dim == 64 else 32
+    return 64
 
 
-def queries_per_tile(head_dim, group):
+def queries_per_tile(head_dim, group, version):
     """BQ: queries per CTA, all `group` heads of each."""
-    return tile_rows(head_dim) // group
+    return tile_rows(head_dim, version) // group
 
 
 _KERNELS = {}
 
 
-def _build(head_dim, kind):
-    """Compile-time specialised kernel for one head_dim and storage type ("f16" / "bf16")."""
+def _build_v1(head_dim, kind):
+    """v1, compile-time specialised for one head_dim and storage type ("f16" / "bf16")."""
     D = head_dim
-    BM = tile_rows(D)
+    BN = V1_BN
+    BM = tile_rows(D, 1)
     TM = BM // 16  # rows per thread
     TN = BN // 8  # keys per thread in S
     TD = D // 8  # dims per thread in O
@@ -257,22 +261,315 @@ def _build(head_dim, kind):
     return kernel
 
 
-def get_kernel(head_dim, kind):
-    """The compiled-on-first-launch kernel for (head_dim, "f16" | "bf16")."""
-    key = (head_dim, kind)
+# ----------------------------------------------------------------------------------------
+# mma.sync m16n8k16 (fp16/bf16 in, fp32 accumulate) for v2
+#
+# Fragments of one warp (lane = 4 g + t), from the PTX ISA's m16n8k16 layouts:
+#   A 16x16 (row major), 4 words of 2 halves: a0 = A[g, 2t:2t+2],   a1 = A[g+8, 2t:2t+2],
+#                                              a2 = A[g, 2t+8:2t+10], a3 = A[g+8, 2t+8:2t+10]
+#   B 16x8 (k x n), 2 words:                   b0 = B[2t:2t+2, g],   b1 = B[2t+8:2t+10, g]
+#   C, D 16x8 fp32, 4 values:                  c0, c1 = C[g, 2t:2t+2], c2, c3 = C[g+8, 2t:2t+2]
+# The C layout of two adjacent n-tiles is the A layout of one k-step: that is how the
+# probabilities P go from the S = Q K^T mma into the O += P V mma without touching memory.
+
+if SIMULATOR:
+    from kernels_numba import simulator as _sim
+
+    # where each lane's A / B halves sit in the 16x16 / 16x8 operand (lane, word, half -> row, col)
+    _lane = np.arange(32)[:, None, None]
+    _g, _t = _lane // 4, _lane % 4
+    _half = np.arange(2)[None, None, :]
+    _word = np.arange(4)[None, :, None]
+    _A_ROW = np.broadcast_to(_g + 8 * (_word % 2), (32, 4, 2)).ravel()
+    _A_COL = np.broadcast_to(2 * _t + 8 * (_word // 2) + _half, (32, 4, 2)).ravel()
+    _word2 = np.arange(2)[None, :, None]
+    _B_ROW = np.broadcast_to(2 * _t + 8 * _word2 + _half, (32, 2, 2)).ravel()
+    _B_COL = np.broadcast_to(_g, (32, 2, 2)).ravel()
+
+    def _halves_to_f64(words, bf16):
+        h = np.asarray(words, dtype=np.uint32).view(np.uint16)  # little endian: lo half first
+        if bf16:
+            return (h.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return h.view(np.float16).astype(np.float64)
+
+    def _make_mma(bf16):
+        def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            # the warp meets (the simulator runs its 32 lanes as threads), pools its fragments,
+            # and every lane computes its own four outputs: exact products, one fp32 rounding
+            state, lane = _sim._warp()
+            state.slots[lane] = (a0, a1, a2, a3, b0, b1)
+            state.barrier.wait()
+            frags = np.array([[int(x) for x in f] for f in state.slots], dtype=np.uint32)  # (32, 6)
+            state.barrier.wait()
+            a = np.zeros((16, 16))
+            b = np.zeros((16, 8))
+            a[_A_ROW, _A_COL] = _halves_to_f64(frags[:, :4].copy(), bf16).ravel()
+            b[_B_ROW, _B_COL] = _halves_to_f64(frags[:, 4:].copy(), bf16).ravel()
+            g, t = lane // 4, lane % 4
+            d = a[[g, g + 8]] @ b[:, 2 * t : 2 * t + 2]  # (2, 2)
+            return (np.float32(d[0, 0] + c0), np.float32(d[0, 1] + c1),
+                    np.float32(d[1, 0] + c2), np.float32(d[1, 1] + c3))
+
+        return mma
+
+else:
+    from llvmlite import ir
+    from numba.core import types
+    from numba.cuda.extending import intrinsic
+
+    def _make_mma(bf16):
+        ab = "bf16" if bf16 else "f16"
+        asm = (f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 "
+               "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+
+        @intrinsic
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            sig = types.UniTuple(types.float32, 4)(types.uint32, types.uint32, types.uint32, types.uint32,
+                                                   types.uint32, types.uint32, types.float32, types.float32,
+                                                   types.float32, types.float32)
+
+            def codegen(context, builder, sig_, args):
+                f32, i32 = ir.FloatType(), ir.IntType(32)
+                fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+                res = builder.call(ir.InlineAsm(fnty, asm, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f"), args)
+                return context.make_tuple(builder, sig_.return_type, [builder.extract_value(res, i) for i in range(4)])
+
+            return sig, codegen
+
+        return mma
+
+mma_f16 = _make_mma(False)
+mma_bf16 = _make_mma(True)
+
+
+def _build_v2(head_dim, kind):
+    """v2: tensor cores (mma.sync m16n8k16), compile-time specialised like v1."""
+    D = head_dim
+    BM = tile_rows(D, 2)  # 4 warps x 16 rows
+    BN = 64  # keys per KV tile
+    NT = BN // 8  # n-tiles of S per warp
+    KS = D // 16  # k-steps of S = Q K^T
+    DT = D // 8  # n-tiles of O
+    PK = BN // 16  # k-steps of O += P V
+    W = D // 2  # words (pairs of halves) per head_dim row
+    CH = D // 8  # 128-bit chunks per row
+    KP = W + 4  # padded strides (words): conflict-free fragment reads
+    VP = BN // 2 + 4
+    K_WORDS = BN * KP
+    VT_WORDS = D * VP
+    mma = mma_bf16 if kind == "bf16" else mma_f16
+    pack = common.f32x2_to_f16x2 if kind == "f16" else common.f32x2_to_bf16x2
+    load4 = common.load_u32x4
+    FULL = 0xFFFFFFFF
+
+    @cuda.jit
+    def kernel(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+               num_heads, num_kv_heads, block_size, scale):
+        # arguments as in v1
+        # flat, so that a fragment read is [per-lane base + compile-time offset]: one address
+        # register per array instead of one per unrolled load (255 registers and spills otherwise)
+        k_s = cuda.shared.array(K_WORDS, np.uint32)  # K tile as pairs: k_s[key * KP + pair of dims]
+        vt_s = cuda.shared.array(VT_WORDS, np.uint32)  # V tile transposed: vt_s[dim * VP + pair of keys]
+
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        fg = lane // 4  # fragment row group
+        ft = lane % 4  # fragment column pair
+        # this lane's B fragments: k_s (key fg, pair ft) and vt_s (dim fg, key pair ft); unsigned,
+        # so numba adds no negative-index wraparound that would stop the offsets folding
+        kbase = np.uint64(fg * KP + ft)
+        vbase = np.uint64(fg * VP + ft)
+        g = cuda.blockIdx.y  # KV head
+        group = num_heads // num_kv_heads
+        bq = BM // group
+
+        t = cuda.blockIdx.x
+        s = -1
+        tile = 0
+        for i in range(context_lens.shape[0]):
+            ntiles = (cu_seqlens_q[i + 1] - cu_seqlens_q[i] + bq - 1) // bq
+            if t < ntiles:
+                s = i
+                tile = ntiles - 1 - t  # last (heaviest) tile first
+                break
+            t -= ntiles
+        if s < 0:
+            return
+        q_start = cu_seqlens_q[s]
+        q_len = cu_seqlens_q[s + 1] - q_start
+        ctx = context_lens[s]
+        first_pos = ctx - q_len
+        q0 = tile * bq
+        kv_end = first_pos + min(q0 + bq, q_len)
+
+        # this lane's two rows: r0 = 16 warp + fg, r1 = r0 + 8 (row = query x head of the group)
+        r0 = warp * 16 + fg
+        r1 = r0 + 8
+        qi0 = q0 + r0 // group
+        qi1 = q0 + r1 // group
+        ok0 = r0 < bq * group and qi0 < q_len
+        ok1 = r1 < bq * group and qi1 < q_len
+        qpos0 = first_pos + qi0 if ok0 else ctx - 1  # unused rows see everything, are never stored
+        qpos1 = first_pos + qi1 if ok1 else ctx - 1
+        base0 = ((q_start + qi0) * num_heads + g * group + r0 % group) * W
+        base1 = ((q_start + qi1) * num_heads + g * group + r1 % group) * W
+
+        # Q fragments, held in registers for the whole KV loop
+        qa = cuda.local.array((KS, 4), np.uint32)
+        for ks in range(KS):
+            qa[ks, 0] = q[base0 + ks * 8 + ft] if ok0 else np.uint32(0)
+            qa[ks, 1] = q[base1 + ks * 8 + ft] if ok1 else np.uint32(0)
+            qa[ks, 2] = q[base0 + ks * 8 + 4 + ft] if ok0 else np.uint32(0)
+            qa[ks, 3] = q[base1 + ks * 8 + 4 + ft] if ok1 else np.uint32(0)
+        o = cuda.local.array((DT, 4), float32)
+        for dt in range(DT):
+            for e in range(4):
+                o[dt, e] = float32(0.0)
+        sc = cuda.local.array((NT, 4), float32)
+        m0 = NEG_INF
+        m1 = NEG_INF
+        l0 = float32(0.0)  # this lane's share of the row sums (reduced over 4 lanes at the end)
+        l1 = float32(0.0)
+
+        for n0 in range(0, kv_end, BN):
+            # ---- K tile as is, V tile transposed (pairs of keys per word); zeros past kv_end
+            for idx in range(tid, BN * CH, THREADS):
+                n = idx // CH
+                c = idx % CH
+                pos = n0 + n
+                w0 = np.uint32(0)
+                w1 = np.uint32(0)
+                w2 = np.uint32(0)
+                w3 = np.uint32(0)
+                if pos < kv_end:
+                    block = block_tables[s, pos // block_size]
+                    w0, w1, w2, w3 = load4(k_cache, ((block * num_kv_heads + g) * block_size + pos % block_size) * W + c * 4)
+                k_s[n * KP + c * 4] = w0
+                k_s[n * KP + c * 4 + 1] = w1
+                k_s[n * KP + c * 4 + 2] = w2
+                k_s[n * KP + c * 4 + 3] = w3
+            for idx in range(tid, (BN // 2) * CH, THREADS):
+                mp = idx // CH  # key pair
+                c = idx % CH
+                va = cuda.local.array(4, np.uint32)
+                vb = cuda.local.array(4, np.uint32)
+                for e in range(4):
+                    va[e] = np.uint32(0)
+                    vb[e] = np.uint32(0)
+                pos = n0 + 2 * mp
+                if pos < kv_end:
+                    block = block_tables[s, pos // block_size]
+                    va[0], va[1], va[2], va[3] = load4(v_cache, ((block * num_kv_heads + g) * block_size + pos % block_size) * W + c * 4)
+                if pos + 1 < kv_end:
+                    block = block_tables[s, (pos + 1) // block_size]
+                    vb[0], vb[1], vb[2], vb[3] = load4(v_cache, ((block * num_kv_heads + g) * block_size + (pos + 1) % block_size) * W + c * 4)
+                for e in range(4):  # word e holds dims c*8 + 2e (low half) and c*8 + 2e + 1 (high)
+                    vt_s[(c * 8 + 2 * e) * VP + mp] = (va[e] & np.uint32(0xFFFF)) | (vb[e] << np.uint32(16))
+                    vt_s[(c * 8 + 2 * e + 1) * VP + mp] = (va[e] >> np.uint32(16)) | (vb[e] & np.uint32(0xFFFF0000))
+            cuda.syncthreads()
+
+            # ---- S = Q K^T: 16 rows x BN keys per warp
+            for nt in range(NT):
+                d0 = float32(0.0)
+                d1 = float32(0.0)
+                d2 = float32(0.0)
+                d3 = float32(0.0)
+                for ks in range(KS):
+                    b0 = k_s[kbase + np.uint64(nt * 8 * KP + ks * 8)]
+                    b1 = k_s[kbase + np.uint64(nt * 8 * KP + ks * 8 + 4)]
+                    d0, d1, d2, d3 = mma(qa[ks, 0], qa[ks, 1], qa[ks, 2], qa[ks, 3], b0, b1, d0, d1, d2, d3)
+                sc[nt, 0] = d0
+                sc[nt, 1] = d1
+                sc[nt, 2] = d2
+                sc[nt, 3] = d3
+
+            # ---- causal mask, scale, online softmax (a row is spread over the 4 lanes of fg)
+            mx0 = m0
+            mx1 = m1
+            for nt in range(NT):
+                for e in range(2):
+                    key = n0 + nt * 8 + 2 * ft + e
+                    x0 = sc[nt, e] * scale if key <= qpos0 else NEG_INF
+                    x1 = sc[nt, 2 + e] * scale if key <= qpos1 else NEG_INF
+                    sc[nt, e] = x0
+                    sc[nt, 2 + e] = x1
+                    mx0 = max(mx0, x0)
+                    mx1 = max(mx1, x1)
+            mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 1))
+            mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 2))
+            mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 1))
+            mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 2))
+            alpha0 = math.exp(m0 - mx0)  # 0 on the first tile (m = -inf)
+            alpha1 = math.exp(m1 - mx1)
+            m0 = mx0
+            m1 = mx1
+            l0 *= alpha0
+            l1 *= alpha1
+            for dt in range(DT):
+                o[dt, 0] *= alpha0
+                o[dt, 1] *= alpha0
+                o[dt, 2] *= alpha1
+                o[dt, 3] *= alpha1
+            for nt in range(NT):
+                for e in range(2):
+                    p0 = math.exp(sc[nt, e] - m0)
+                    p1 = math.exp(sc[nt, 2 + e] - m1)
+                    sc[nt, e] = p0
+                    sc[nt, 2 + e] = p1
+                    l0 += p0
+                    l1 += p1
+
+            # ---- O += P V: P from the S fragments (two n-tiles = one k-step), V^T from shared
+            for kk in range(PK):
+                pa0 = pack(sc[2 * kk, 0], sc[2 * kk, 1])
+                pa1 = pack(sc[2 * kk, 2], sc[2 * kk, 3])
+                pa2 = pack(sc[2 * kk + 1, 0], sc[2 * kk + 1, 1])
+                pa3 = pack(sc[2 * kk + 1, 2], sc[2 * kk + 1, 3])
+                for dt in range(DT):
+                    b0 = vt_s[vbase + np.uint64(dt * 8 * VP + kk * 8)]
+                    b1 = vt_s[vbase + np.uint64(dt * 8 * VP + kk * 8 + 4)]
+                    o[dt, 0], o[dt, 1], o[dt, 2], o[dt, 3] = mma(
+                        pa0, pa1, pa2, pa3, b0, b1, o[dt, 0], o[dt, 1], o[dt, 2], o[dt, 3])
+            cuda.syncthreads()  # before the next tile overwrites k_s / vt_s
+
+        # ---- full row sums, normalise, store pairs straight from the fragments
+        l0 += cuda.shfl_xor_sync(FULL, l0, 1)
+        l0 += cuda.shfl_xor_sync(FULL, l0, 2)
+        l1 += cuda.shfl_xor_sync(FULL, l1, 1)
+        l1 += cuda.shfl_xor_sync(FULL, l1, 2)
+        inv0 = float32(1.0) / l0
+        inv1 = float32(1.0) / l1
+        for dt in range(DT):
+            if ok0:
+                out[base0 + dt * 4 + ft] = pack(o[dt, 0] * inv0, o[dt, 1] * inv0)
+            if ok1:
+                out[base1 + dt * 4 + ft] = pack(o[dt, 2] * inv1, o[dt, 3] * inv1)
+
+    return kernel
+
+
+VERSIONS = {1: _build_v1, 2: _build_v2}
+DEFAULT_VERSION = 2
+
+
+def get_kernel(head_dim, kind, version=DEFAULT_VERSION):
+    """The kernel of `version` for (head_dim, "f16" | "bf16"), built once (compiled on first launch)."""
+    key = (version, head_dim, kind)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(head_dim, kind)
+        _KERNELS[key] = VERSIONS[version](head_dim, kind)
     return _KERNELS[key]
 
 
-def num_tiles_bound(total_q, num_seqs, head_dim, group):
+def num_tiles_bound(total_q, num_seqs, head_dim, group, version=DEFAULT_VERSION):
     """Grid x: an upper bound of sum_s ceil(q_len_s / BQ) that needs no host sync."""
-    bq = queries_per_tile(head_dim, group)
+    bq = queries_per_tile(head_dim, group, version)
     return (total_q + bq - 1) // bq + num_seqs
 
 
 def launch_paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-                         num_heads, num_kv_heads, head_dim, block_size, scale, kind="f16", stream=0):
+                         num_heads, num_kv_heads, head_dim, block_size, scale, kind="f16", stream=0,
+                         version=DEFAULT_VERSION):
     """Launch on raw arrays, no checks.
 
     q, out: 1-D uint32 views of [total_q, num_heads, head_dim] (pairs of halves), 16-byte aligned
@@ -282,11 +579,11 @@ def launch_paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, contex
     """
     total_q = q.shape[0] // (num_heads * head_dim // 2)
     num_seqs = context_lens.shape[0]
-    group = num_heads // num_kv_heads
-    grid = (num_tiles_bound(total_q, num_seqs, head_dim, group), num_kv_heads)
     if total_q == 0 or num_seqs == 0:
         return
-    get_kernel(head_dim, kind)[grid, THREADS, stream](
+    group = num_heads // num_kv_heads
+    grid = (num_tiles_bound(total_q, num_seqs, head_dim, group, version), num_kv_heads)
+    get_kernel(head_dim, kind, version)[grid, THREADS, stream](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         num_heads, num_kv_heads, block_size, np.float32(scale),
     )
@@ -323,7 +620,7 @@ def _as_array(t):
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
-                  check_bounds=False):
+                  version=None, check_bounds=False):
     """Causal prefill attention over the paged pool (new K/V already written).
 
     q: [total_q, num_heads, head_dim] float16/bfloat16, the chunks of num_seqs sequences packed
@@ -332,6 +629,7 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     cu_seqlens_q: [num_seqs + 1] int32, sequence s owns q[cu[s]:cu[s+1]] (each >= 1 token)
     context_lens: [num_seqs] int32, tokens in the pool for s after the write (prefix + chunk)
     scale: softmax scale (default 1/sqrt(head_dim)); out: optional [total_q, num_heads, head_dim]
+    version: kernel version (VERSIONS; default DEFAULT_VERSION)
     check_bounds: verify the metadata on the host (one sync): context_len >= q_len, block ids
         inside the pool, enough table columns. Off by default (the kernel is graph-capturable).
     Returns out [total_q, num_heads, head_dim] in q's dtype. Runs on torch's current stream.
@@ -360,8 +658,12 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     if num_heads % num_kv_heads != 0:
         raise KernelLaunchError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     group = num_heads // num_kv_heads
-    if group > tile_rows(head_dim):
-        raise KernelLaunchError(f"GQA group num_heads/num_kv_heads={group} must be <= {tile_rows(head_dim)}")
+    version = DEFAULT_VERSION if version is None else version
+    if version not in VERSIONS:
+        raise KernelLaunchError(f"version must be one of {sorted(VERSIONS)}, got {version!r}")
+    if group > tile_rows(head_dim, version):
+        raise KernelLaunchError(
+            f"GQA group num_heads/num_kv_heads={group} must be <= {tile_rows(head_dim, version)} for v{version}")
     num_seqs = context_lens.shape[0]
     if cu_seqlens_q.shape[0] != num_seqs + 1:
         raise KernelLaunchError(f"cu_seqlens_q must be [num_seqs + 1 = {num_seqs + 1}], got {tuple(cu_seqlens_q.shape)}")
@@ -400,7 +702,7 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
         _flat_words("q", q_c), _flat_words("k_cache", k_cache), _flat_words("v_cache", v_cache),
         _as_array(block_tables.contiguous()), _as_array(cu_seqlens_q.contiguous()),
         _as_array(context_lens.contiguous()), _flat_words("out", target),
-        num_heads, num_kv_heads, head_dim, block_size, scale, DTYPES[q.dtype], stream,
+        num_heads, num_kv_heads, head_dim, block_size, scale, DTYPES[q.dtype], stream, version,
     )
     if target is not out:
         out.copy_(target)

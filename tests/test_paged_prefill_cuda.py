@@ -59,8 +59,18 @@ def make_batch(num_heads, num_kv_heads, head_dim, block_size, dtype, q_lens, cac
     return tuple(t.to(device) for t in (q, k_cache, v_cache, block_tables, cu, ctx))
 
 
+def sim_tolerance(ref, v_cache, dtype, version):
+    """Twice the output's own rounding (2u|ref|) plus 1e-5; v2 also rounds the probabilities P
+    to the input dtype before P V (as flash attention does): at most u * sum_j p_j |v_j| <= u max|v|."""
+    u = UNIT_ROUNDOFF[dtype]
+    tol = 1e-5 + 2 * u * np.abs(ref)
+    if version >= 2:
+        tol = tol + u * float(np.nanmax(np.abs(v_cache.double().cpu().numpy())))
+    return tol
+
+
 def check_against_reference(out, ref, dtype, tol=None):
-    """max |out - ref| <= tol; default: twice the output's own rounding, |ref| * 2u, plus 1e-5."""
+    """max |out - ref| <= tol (default: 2u|ref| + 1e-5, twice the output's own rounding)."""
     err = np.abs(out.double().cpu().numpy() - ref)
     if tol is None:
         tol = 1e-5 + 2 * UNIT_ROUNDOFF[dtype] * np.abs(ref)
@@ -70,21 +80,31 @@ def check_against_reference(out, ref, dtype, tol=None):
     return err
 
 
-@pytest.mark.parametrize("case", SIM_CASES, ids=lambda c: f"H{c[0]}-Hkv{c[1]}-d{c[2]}-bs{c[3]}-{str(c[4])[6:]}")
-def test_paged_prefill_matches_reference(case):
+VERSIONS = sorted(pp.VERSIONS)
+
+
+def case_id(c):
+    return f"H{c[0]}-Hkv{c[1]}-d{c[2]}-bs{c[3]}-{str(c[4])[6:]}-{len(c[5])}seq"
+
+
+@pytest.mark.parametrize("case", SIM_CASES, ids=case_id)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_paged_prefill_matches_reference(version, case):
     q, k, v, bt, cu, ctx = make_batch(*case, seed=1)
-    out = pp.paged_prefill(q, k, v, bt, cu, ctx, check_bounds=True)
+    out = pp.paged_prefill(q, k, v, bt, cu, ctx, version=version, check_bounds=True)
     ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
     assert out.shape == q.shape and out.dtype == q.dtype
-    check_against_reference(out, ref, q.dtype)
+    check_against_reference(out, ref, q.dtype, sim_tolerance(ref, v, q.dtype, version))
 
 
-def test_paged_prefill_scale_and_out():
+@pytest.mark.parametrize("version", VERSIONS)
+def test_paged_prefill_scale_and_out(version):
     q, k, v, bt, cu, ctx = make_batch(4, 2, 64, 8, torch.float16, [6, 3], [2, 11], seed=2)
     out = torch.full_like(q, float("nan"))
-    result = pp.paged_prefill(q, k, v, bt, cu, ctx, scale=0.3, out=out)
+    result = pp.paged_prefill(q, k, v, bt, cu, ctx, scale=0.3, out=out, version=version)
     assert result is out
-    check_against_reference(out, paged_prefill_attention(q, k, v, bt, cu, ctx, scale=0.3), q.dtype)
+    ref = paged_prefill_attention(q, k, v, bt, cu, ctx, scale=0.3)
+    check_against_reference(out, ref, q.dtype, sim_tolerance(ref, v, q.dtype, version))
 
 
 def test_paged_prefill_rejects_bad_arguments():
@@ -101,6 +121,8 @@ def test_paged_prefill_rejects_bad_arguments():
         pp.paged_prefill(q, k, v, bt, cu, torch.tensor([2], dtype=torch.int32, device=DEVICE), check_bounds=True)
     with pytest.raises(KernelLaunchError, match="block_tables"):
         pp.paged_prefill(q, k, v, bt.long(), cu, ctx)
+    with pytest.raises(KernelLaunchError, match="version"):
+        pp.paged_prefill(q, k, v, bt, cu, ctx, version=99)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,17 +156,18 @@ def sdpa_error(q, k, v, bt, cu, ctx, ref):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"H{c[0]}-Hkv{c[1]}-d{c[2]}-bs{c[3]}-{str(c[4])[6:]}-{len(c[5])}seq")
+@pytest.mark.parametrize("case", GPU_CASES, ids=case_id)
 def test_gpu_paged_prefill_vs_sdpa_error(case):
     q, k, v, bt, cu, ctx = make_batch(*case, seed=4)
-    out = pp.paged_prefill(q, k, v, bt, cu, ctx, check_bounds=True)
-    torch.cuda.synchronize()
     ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
     base = sdpa_error(q, k, v, bt, cu, ctx, ref)
     # floor: one unit in the last place of the largest output (both round their result once)
     tol = 2 * base + 2 * UNIT_ROUNDOFF[q.dtype] * float(np.abs(ref).max())
-    err = check_against_reference(out, ref, q.dtype, tol=tol)
-    print(f"max err {err.max():.3g} (SDPA {base:.3g}), mean {err.mean():.3g}")
+    for version in VERSIONS:
+        out = pp.paged_prefill(q, k, v, bt, cu, ctx, version=version, check_bounds=True)
+        torch.cuda.synchronize()
+        err = check_against_reference(out, ref, q.dtype, tol=tol)
+        print(f"v{version}: max err {err.max():.3g} (SDPA {base:.3g}), mean {err.mean():.3g}")
 
 
 @pytest.mark.gpu
@@ -161,4 +184,5 @@ def test_gpu_paged_prefill_in_cuda_graph():
         pp.paged_prefill(q, k, v, bt, cu, ctx, out=out)
     graph.replay()
     torch.cuda.synchronize()
-    check_against_reference(out, paged_prefill_attention(q, k, v, bt, cu, ctx), q.dtype)
+    ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
+    check_against_reference(out, ref, q.dtype, sim_tolerance(ref, v, q.dtype, pp.DEFAULT_VERSION))
