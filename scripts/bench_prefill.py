@@ -1,4 +1,4 @@
-"""Paged prefill kernel vs torch SDPA on a dense causal prefix, Qwen2-0.5B layer shapes.
+"""Paged prefill kernels (every version) vs torch SDPA on a dense causal prefix, Qwen2-0.5B layer shapes.
 
 For each shape (num_seqs x (cached prefix + new tokens)): build a shuffled paged pool and the
 same K/V as a dense [B, Hkv, ctx, D] tensor, check both outputs against a float64 reference
@@ -34,6 +34,7 @@ SHAPES = [
     ("1x(4096+256)", 1, 4096, 256),
 ]
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 14, 2, 64, 16, torch.float16
+VERSIONS = sorted(pp.VERSIONS)
 DEVICE = "cuda"
 
 
@@ -92,8 +93,9 @@ def reference(x):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def kernel_call(x, out):
-    pp.paged_prefill(x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["cu"], x["context_lens"], out=out)
+def kernel_call(x, out, version=pp.DEFAULT_VERSION):
+    pp.paged_prefill(x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["cu"], x["context_lens"], out=out,
+                     version=version)
 
 
 def time_graph(step, calls, reps):
@@ -137,38 +139,46 @@ def bench_shape(label, num_seqs, cached, new, reps, calls, rotate):
     sets = [make_inputs(num_seqs, cached, new, seed=i) for i in range(rotate)]
     sdpa, how = sdpa_call(cached, new)
 
-    # validate before timing, on the first set
+    # validate every version before timing, on the first set
     x = sets[0]
     ref = reference(x)  # (B, H, new, D)
-    out = torch.empty_like(x["q"])
-    kernel_call(x, out)
-    ours = out.view(num_seqs, new, NUM_HEADS, HEAD_DIM).permute(0, 2, 1, 3).double()
     theirs = sdpa(x["q_dense"], x["k_dense"], x["v_dense"]).double()
-    err, err_sdpa = (ours - ref).abs().max().item(), (theirs - ref).abs().max().item()
+    err_sdpa = (theirs - ref).abs().max().item()
     tol = 2 * err_sdpa + 2 * 2.0**-11 * ref.abs().max().item()
-    if not err <= tol:
-        raise AssertionError(f"{label}: kernel max err {err:.3g} > tol {tol:.3g} (SDPA err {err_sdpa:.3g})")
+    row = dict(shape=label, num_seqs=num_seqs, cached=cached, new=new, sdpa_mask=how, err_sdpa=err_sdpa)
+    for version in VERSIONS:
+        out = torch.empty_like(x["q"])
+        kernel_call(x, out, version)
+        ours = out.view(num_seqs, new, NUM_HEADS, HEAD_DIM).permute(0, 2, 1, 3).double()
+        err = (ours - ref).abs().max().item()
+        if not err <= tol:
+            raise AssertionError(f"{label}: v{version} max err {err:.3g} > tol {tol:.3g} (SDPA err {err_sdpa:.3g})")
+        row[f"err_v{version}"] = err
 
-    outs = [torch.empty_like(s["q"]) for s in sets]
-    us_kernel = time_graph(lambda i: kernel_call(sets[i % rotate], outs[i % rotate]), calls, reps)
-    us_sdpa = time_graph(lambda i: sdpa(sets[i % rotate]["q_dense"], sets[i % rotate]["k_dense"],
-                                        sets[i % rotate]["v_dense"]), calls, reps)
-    us_eager = time_eager(lambda i: kernel_call(sets[i % rotate], outs[i % rotate]), calls)
     flops = causal_flops(num_seqs, cached, new, NUM_HEADS, HEAD_DIM)
-    return dict(shape=label, num_seqs=num_seqs, cached=cached, new=new, sdpa_mask=how,
-                err=err, err_sdpa=err_sdpa, us_kernel=us_kernel, us_sdpa=us_sdpa, us_kernel_eager=us_eager,
-                tflops_kernel=flops / us_kernel / 1e6, tflops_sdpa=flops / us_sdpa / 1e6,
-                speed_vs_sdpa=us_sdpa / us_kernel)
+    outs = [torch.empty_like(s["q"]) for s in sets]
+    for version in VERSIONS:
+        us = time_graph(lambda i: kernel_call(sets[i % rotate], outs[i % rotate], version), calls, reps)
+        row[f"us_v{version}"], row[f"tflops_v{version}"] = us, flops / us / 1e6
+    us = time_graph(lambda i: sdpa(sets[i % rotate]["q_dense"], sets[i % rotate]["k_dense"],
+                                   sets[i % rotate]["v_dense"]), calls, reps)
+    row["us_sdpa"], row["tflops_sdpa"] = us, flops / us / 1e6
+    best = min(VERSIONS, key=lambda v: row[f"us_v{v}"])
+    row["best"], row["speed_vs_sdpa"] = best, row["us_sdpa"] / row[f"us_v{best}"]
+    row["us_eager"] = time_eager(lambda i: kernel_call(sets[i % rotate], outs[i % rotate], best), calls)
+    return row
 
 
 def format_table(rows):
-    head = ("| shape | kernel µs | SDPA µs | kernel / SDPA speed | kernel TFLOP/s | SDPA TFLOP/s "
-            "| kernel eager µs | max err (SDPA) |")
-    lines = [head, "|" + "---|" * 8]
+    cols = [f"v{v} µs (TFLOP/s)" for v in VERSIONS] + ["SDPA µs (TFLOP/s)", "best / SDPA speed",
+                                                         "best eager µs", "max err " + ", ".join(f"v{v}" for v in VERSIONS) + " (SDPA)"]
+    lines = ["| shape | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['us_kernel']:.1f} | {r['us_sdpa']:.1f} | {r['speed_vs_sdpa']:.3f}x "
-                     f"| {r['tflops_kernel']:.1f} | {r['tflops_sdpa']:.1f} | {r['us_kernel_eager']:.1f} "
-                     f"| {r['err']:.2g} ({r['err_sdpa']:.2g}) |")
+        cells = [f"{r[f'us_v{v}']:.1f} ({r[f'tflops_v{v}']:.1f})" for v in VERSIONS]
+        cells += [f"{r['us_sdpa']:.1f} ({r['tflops_sdpa']:.1f})", f"v{r['best']}: {r['speed_vs_sdpa']:.3f}x",
+                  f"{r['us_eager']:.1f}",
+                  ", ".join(f"{r[f'err_v{v}']:.2g}" for v in VERSIONS) + f" ({r['err_sdpa']:.2g})"]
+        lines.append(f"| {r['shape']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -192,9 +202,10 @@ def main(out=None, reps=10, calls=20, rotate=4, shapes=None):
     for label, num_seqs, cached, new in shapes or SHAPES:
         rows.append(bench_shape(label, num_seqs, cached, new, reps, calls, rotate))
         r = rows[-1]
-        print(f"{label:>14}: kernel {r['us_kernel']:8.1f} µs ({r['tflops_kernel']:5.1f} TFLOP/s)  "
-              f"SDPA[{r['sdpa_mask']}] {r['us_sdpa']:8.1f} µs ({r['tflops_sdpa']:5.1f} TFLOP/s)  "
-              f"eager {r['us_kernel_eager']:.1f} µs  err {r['err']:.2g} vs SDPA {r['err_sdpa']:.2g}", flush=True)
+        print(f"{label:>14}: " + "  ".join(f"v{v} {r[f'us_v{v}']:8.1f} µs ({r[f'tflops_v{v}']:5.1f} TFLOP/s)"
+                                            for v in VERSIONS)
+              + f"  SDPA[{r['sdpa_mask']}] {r['us_sdpa']:8.1f} µs ({r['tflops_sdpa']:5.1f} TFLOP/s)"
+              + f"  eager v{r['best']} {r['us_eager']:.1f} µs", flush=True)
     table = format_table(rows)
     print(table)
     if out is not None:
