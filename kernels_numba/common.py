@@ -23,6 +23,14 @@ Stable API (other kernels import these):
     f32x2_to_f16x2(lo, hi) -> u32     f32x2_to_bf16x2(lo, hi) -> u32
     fma_f16x2(a, b, c) -> u32         fma_bf16x2(a, b, c) -> u32          (a*b+c per half)
     warp_sum(x), warp_max(x)          butterfly over 32 lanes with shfl_xor_sync, every lane gets it
+    mma_m16n8k16_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)
+    mma_m16n8k16_bf16(...)            warp-wide D = A B + C on tensor cores (PTX mma.sync, SASS HMMA):
+                                      A 16x16 and B 16x8 in half pairs, C/D 16x8 float32, in the
+                                      PTX fragment layout (lane = 4 * group + t):
+                                      a0 = A[group, 2t:2t+2]     a1 = A[group+8, 2t:2t+2]
+                                      a2 = A[group, 2t+8:2t+10]  a3 = A[group+8, 2t+8:2t+10]
+                                      b0 = B[2t:2t+2, group]     b1 = B[2t+8:2t+10, group]
+                                      c0, c1 = C[group, 2t], C[group, 2t+1]; c2, c3 = row group+8
 """
 import os
 
@@ -91,6 +99,31 @@ if SIMULATOR:
 
     def fma_f16x2(a, b, c):
         return _fma2(a, b, c, np.float16, f32x2_to_f16x2)
+
+    def _mma(frag, unpack):
+        lanes = _sim.warp_all(frag)
+        a = np.zeros((16, 16))
+        b = np.zeros((16, 8))
+        for lane, f in enumerate(lanes):
+            g, t = lane >> 2, lane & 3
+            a[g, 2 * t : 2 * t + 2] = unpack(f[0])
+            a[g + 8, 2 * t : 2 * t + 2] = unpack(f[1])
+            a[g, 2 * t + 8 : 2 * t + 10] = unpack(f[2])
+            a[g + 8, 2 * t + 8 : 2 * t + 10] = unpack(f[3])
+            b[2 * t : 2 * t + 2, g] = unpack(f[4])
+            b[2 * t + 8 : 2 * t + 10, g] = unpack(f[5])
+        d = a @ b
+        lane = _sim.lane_id()
+        g, t = lane >> 2, lane & 3
+        c = frag[6:]
+        return (np.float32(d[g, 2 * t] + c[0]), np.float32(d[g, 2 * t + 1] + c[1]),
+                np.float32(d[g + 8, 2 * t] + c[2]), np.float32(d[g + 8, 2 * t + 1] + c[3]))
+
+    def mma_m16n8k16_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return _mma((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), f16x2_to_f32)
+
+    def mma_m16n8k16_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return _mma((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), bf16x2_to_f32)
 
     def fma_bf16x2(a, b, c):
         return _fma2(a, b, c, None, f32x2_to_bf16x2)
@@ -243,6 +276,32 @@ else:
 
     fma_f16x2 = _make_fma2(False)
     fma_bf16x2 = _make_fma2(True)
+
+    def _make_mma(ab_type):
+        @intrinsic
+        def impl(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            ints, floats = (a0, a1, a2, a3, b0, b1), (c0, c1, c2, c3)
+            if not (all(isinstance(t, types.Integer) for t in ints)
+                    and all(isinstance(t, types.Float) for t in floats)):
+                return None
+            sig = types.UniTuple(types.float32, 4)(*ints, *floats)
+
+            def codegen(context, builder, sig, args):
+                vals = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[:6], sig.args[:6])]
+                vals += [context.cast(builder, v, t, types.float32) for v, t in zip(args[6:], sig.args[6:])]
+                ret = ir.LiteralStructType([_f32] * 4)
+                text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{ab_type}.{ab_type}.f32 "
+                        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+                res = _asm(builder, ret, vals, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+                elems = [builder.extract_value(res, k) for k in range(4)]
+                return context.make_tuple(builder, sig.return_type, elems)
+
+            return sig, codegen
+
+        return impl
+
+    mma_m16n8k16_f16 = _make_mma("f16")
+    mma_m16n8k16_bf16 = _make_mma("bf16")
 
 
 @cuda.jit(device=True)

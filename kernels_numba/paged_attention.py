@@ -21,9 +21,13 @@ v4: what it takes on a memory-bound H200: one CTA of 4 warps per (sequence, KV h
     split-KV (flash-decoding): long contexts are cut into partitions processed by separate
     CTAs so small batches fill the 132 SMs, then a merge kernel combines the partial
     (max, sum, accumulator) triples; exp2 with log2(e) folded into q.
-v5: v4 with the lane work re-shaped to cut non-load instructions: one transposing
-    reduction (each lane finishes one head's score instead of all lanes finishing all heads),
-    then the scores go back to the token's lanes with one shuffle per head.
+v5: v4's grid, loads and split-KV, with the arithmetic on tensor cores: per warp and 16-token
+    step, S = Q K^T and O += P V are mma.sync.m16n8k16 (fp16/bf16 in, fp32 accumulate) with
+    the group's query heads as the 16 rows (G <= 16; larger groups run v4). The softmax
+    needs 2 shuffles per step instead of v4's ~25 per head, and v4's ~900 FFMA per token
+    become 16 HMMA per 16 tokens: the kernel is left with loads and a few dozen
+    instructions of bookkeeping, i.e. memory bound. P is rounded to fp16/bf16 for the
+    second product, as in FlashAttention.
 
 Every version computes the same function; tests/test_paged_attention_cuda.py checks each under
 the CUDA simulator (tiny shapes) and on the GPU (real shapes) against reference/attention.py.
@@ -52,7 +56,11 @@ from kernels_numba.common import (
     f32_to_f16,
     fma_bf16x2,
     fma_f16x2,
+    f32x2_to_bf16x2,
+    f32x2_to_f16x2,
     load_u32x4,
+    mma_m16n8k16_bf16,
+    mma_m16n8k16_f16,
 )
 from pagedattn.errors import KernelLaunchError
 
@@ -522,10 +530,229 @@ def _launch_v4(a, stream):
 
 
 # ----------------------------------------------------------------------------------------------
+# v5: tensor cores (mma.sync m16n8k16) for q.k and p.v, heads of the group as the M dimension
+
+
+@lru_cache(maxsize=None)
+def _make_v5(head_dim, block_size, group, is_bf16):
+    D, BS, G = head_dim, block_size, group
+    NW = NUM_WARPS
+    CH = 16  # tokens per warp step: one mma k-slice for p.v, two n-tiles for q.k
+    P = D // 2  # half pairs per row
+    KS = D // 16  # q.k k-steps (mma k = 16 dims)
+    QW = D // 8  # words of K one lane loads per token: dims tig*D/4 .. +D/4, i.e. D/8 pairs
+    DPC = D // 8  # p.v: n-tile j, column g <-> dim DPC*g + j; a lane loads DPC dims per token
+    NTILE = D // 8  # p.v n-tiles (8 dims each)
+    VW = DPC // 2  # words of V per token per lane
+    ACC = NTILE * 4
+    KS4, KWN, VWN = KS * 4, 2 * QW, 4 * VW  # local array sizes must be plain constants
+    _, _, store, _ = _converters(is_bf16)
+    mma = mma_m16n8k16_bf16 if is_bf16 else mma_m16n8k16_f16
+    pack = f32x2_to_bf16x2 if is_bf16 else f32x2_to_f16x2
+    QSCALE_LOG2E = float32(LOG2E)
+
+    @cuda.jit
+    def paged_attention_v5(q, k_flat, v_flat, block_tables, context_lens, out, part_acc,
+                           part_ml, scale, partition):
+        # q: [S, H, D/2] pairs; k_flat, v_flat: the pool as flat 32-bit pairs; out: [S, H, D]
+        # 16-bit; part_acc / part_ml: split-KV partials as in v4
+        kvh = cuda.blockIdx.x
+        s = cuda.blockIdx.y
+        split = cuda.blockIdx.z
+        num_splits = cuda.gridDim.z
+        num_kv_heads = cuda.gridDim.x
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4  # mma "group": head row g (and g + 8), token column g of a q.k n-tile
+        t = lane % 4  # thread in group
+        ctx = context_lens[s]
+        start = split * partition
+        if start >= ctx:
+            return
+        end = min(ctx, start + partition)
+        h0 = kvh * G
+
+        m_sh = cuda.shared.array((NW, G), float32)
+        l_sh = cuda.shared.array((NW, G), float32)
+        acc_sh = cuda.shared.array((NW, G, D), float32)
+
+        # A fragments of q (rows: heads g, g+8 of the group; zero past G), per k-step:
+        # k-slots (2t, 2t+1) <-> dims t*D/4 + 4*ks + (0, 1); (2t+8, 2t+9) <-> + (2, 3)
+        qa = cuda.local.array(KS4, uint32)
+        for ks in range(KS):
+            for r in range(2):
+                h = g + 8 * r
+                w0 = uint32(0)
+                w1 = uint32(0)
+                if h < G:
+                    w0 = uint32(q[s, h0 + h, t * QW + 2 * ks])
+                    w1 = uint32(q[s, h0 + h, t * QW + 2 * ks + 1])
+                qa[ks * 4 + r] = w0  # a0 (r=0) / a1 (r=1)
+                qa[ks * 4 + 2 + r] = w1  # a2 / a3
+        m = cuda.local.array(2, float32)
+        lsum = cuda.local.array(2, float32)
+        acc = cuda.local.array(ACC, float32)
+        for r in range(2):
+            m[r] = NEG_INF
+            lsum[r] = 0.0
+        for i in range(ACC):
+            acc[i] = 0.0
+
+        kw = cuda.local.array(KWN, uint32)  # K of tokens g and 8+g, this lane's dims
+        vw = cuda.local.array(VWN, uint32)  # V of tokens 2t, 2t+1, 8+2t, 9+2t, dims DPC*g..
+        sc = cuda.local.array(8, float32)  # [row r][n-tile n][col c] -> r*4 + n*2 + c
+        words_per_block = num_kv_heads * BS * P
+        head_off = kvh * BS * P
+        sl = scale * QSCALE_LOG2E
+        num_chunks = (end - start + CH - 1) // CH
+        for c in range(warp, num_chunks, NW):
+            c0 = start + c * CH
+            # loads first: 2 tokens of K (QW words each), 4 tokens of V (VW words each)
+            for n in range(2):
+                j = c0 + 8 * n + g
+                if j < end:
+                    base = block_tables[s, j // BS] * words_per_block + head_off + (j % BS) * P + t * QW
+                    for i in range(QW // 4):
+                        w = load_u32x4(k_flat, base + 4 * i)
+                        kw[n * QW + 4 * i + 0] = w[0]
+                        kw[n * QW + 4 * i + 1] = w[1]
+                        kw[n * QW + 4 * i + 2] = w[2]
+                        kw[n * QW + 4 * i + 3] = w[3]
+                else:
+                    for i in range(QW):
+                        kw[n * QW + i] = 0
+            for u in range(4):
+                j = c0 + 2 * t + (u % 2) + 8 * (u // 2)
+                if j < end:
+                    base = block_tables[s, j // BS] * words_per_block + head_off + (j % BS) * P + g * VW
+                    for i in range(VW // 4):
+                        w = load_u32x4(v_flat, base + 4 * i)
+                        vw[u * VW + 4 * i + 0] = w[0]
+                        vw[u * VW + 4 * i + 1] = w[1]
+                        vw[u * VW + 4 * i + 2] = w[2]
+                        vw[u * VW + 4 * i + 3] = w[3]
+                else:
+                    for i in range(VW):
+                        vw[u * VW + i] = 0
+            # S = Q K^T: two n-tiles of 8 tokens, KS k-steps each
+            for n in range(2):
+                d0 = float32(0.0)
+                d1 = float32(0.0)
+                d2 = float32(0.0)
+                d3 = float32(0.0)
+                for ks in range(KS):
+                    d0, d1, d2, d3 = mma(qa[ks * 4], qa[ks * 4 + 1], qa[ks * 4 + 2], qa[ks * 4 + 3],
+                                         kw[n * QW + 2 * ks], kw[n * QW + 2 * ks + 1], d0, d1, d2, d3)
+                jt = c0 + 8 * n + 2 * t  # token of column 2t of this n-tile
+                sc[n * 2 + 0] = d0 * sl if jt < end else NEG_INF
+                sc[n * 2 + 1] = d1 * sl if jt + 1 < end else NEG_INF
+                sc[4 + n * 2 + 0] = d2 * sl if jt < end else NEG_INF
+                sc[4 + n * 2 + 1] = d3 * sl if jt + 1 < end else NEG_INF
+            # online softmax per head row (the 4 lanes of a group hold the 16 tokens)
+            pw = cuda.local.array(4, uint32)  # P as A fragments: a0..a3
+            for r in range(2):
+                cmax = max(max(sc[r * 4], sc[r * 4 + 1]), max(sc[r * 4 + 2], sc[r * 4 + 3]))
+                cmax = max(cmax, cuda.shfl_xor_sync(FULL_MASK, cmax, 1))
+                cmax = max(cmax, cuda.shfl_xor_sync(FULL_MASK, cmax, 2))
+                m_new = max(m[r], cmax)
+                alpha = math.exp2(m[r] - m_new)
+                m[r] = m_new
+                p0 = math.exp2(sc[r * 4 + 0] - m_new)
+                p1 = math.exp2(sc[r * 4 + 1] - m_new)
+                p2 = math.exp2(sc[r * 4 + 2] - m_new)
+                p3 = math.exp2(sc[r * 4 + 3] - m_new)
+                lsum[r] = lsum[r] * alpha + (p0 + p1) + (p2 + p3)
+                pw[r] = pack(p0, p1)  # a0 / a1: tokens 2t, 2t+1
+                pw[2 + r] = pack(p2, p3)  # a2 / a3: tokens 8+2t, 9+2t
+                for jn in range(NTILE):
+                    acc[jn * 4 + 2 * r] *= alpha
+                    acc[jn * 4 + 2 * r + 1] *= alpha
+            # O += P V: n-tile jn covers dims DPC*g + jn (column g); B needs token pairs of one
+            # dim in a word, so interleave the halves of two tokens' words
+            for i in range(VW):
+                for hi in range(2):
+                    jn = 2 * i + hi
+                    if hi == 0:
+                        b0 = (vw[i] & 0xFFFF) | (vw[VW + i] << 16)
+                        b1 = (vw[2 * VW + i] & 0xFFFF) | (vw[3 * VW + i] << 16)
+                    else:
+                        b0 = (vw[i] >> 16) | (vw[VW + i] & 0xFFFF0000)
+                        b1 = (vw[2 * VW + i] >> 16) | (vw[3 * VW + i] & 0xFFFF0000)
+                    a0, a1, a2, a3 = mma(pw[0], pw[1], pw[2], pw[3], b0, b1, acc[jn * 4], acc[jn * 4 + 1],
+                                         acc[jn * 4 + 2], acc[jn * 4 + 3])
+                    acc[jn * 4] = a0
+                    acc[jn * 4 + 1] = a1
+                    acc[jn * 4 + 2] = a2
+                    acc[jn * 4 + 3] = a3
+
+        # this warp's result: rows g, g+8; acc[jn*4 + 2r + e] is dim DPC*(2t+e) + jn
+        for r in range(2):
+            x = lsum[r]
+            x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
+            x += cuda.shfl_xor_sync(FULL_MASK, x, 2)
+            h = g + 8 * r
+            if h < G:
+                for jn in range(NTILE):
+                    acc_sh[warp, h, DPC * (2 * t) + jn] = acc[jn * 4 + 2 * r]
+                    acc_sh[warp, h, DPC * (2 * t + 1) + jn] = acc[jn * 4 + 2 * r + 1]
+                if t == 0:
+                    m_sh[warp, h] = m[r]
+                    l_sh[warp, h] = x
+        cuda.syncthreads()
+        for i in range(tid, G * D, NW * 32):
+            hh = i // D
+            d = i % D
+            mx = NEG_INF
+            for w in range(NW):
+                mx = max(mx, m_sh[w, hh])
+            num = float32(0.0)
+            den = float32(0.0)
+            for w in range(NW):
+                f = math.exp2(m_sh[w, hh] - mx)
+                num += acc_sh[w, hh, d] * f
+                den += l_sh[w, hh] * f
+            if num_splits == 1:
+                out[s, h0 + hh, d] = store(num / den)
+            else:
+                part_acc[s, h0 + hh, split, d] = num
+                if d == 0:
+                    part_ml[s, h0 + hh, split, 0] = mx
+                    part_ml[s, h0 + hh, split, 1] = den
+
+    return paged_attention_v5
+
+
+V5_MAX_GROUP = 16  # heads per KV head that fit the mma's 16 rows; larger groups run v4
+
+
+def _launch_v5(a, stream):
+    group = a.num_heads // a.num_kv_heads
+    if group > V5_MAX_GROUP:
+        return _launch_v4(a, stream)
+    kernel = _make_v5(a.head_dim, a.block_size, group, a.is_bf16)
+    splits, partition = split_plan(a.num_seqs, a.num_kv_heads, a.max_context_len, 16)
+    if splits == 1:
+        part_acc = part_ml = a.scratch((1, 1, 1, 1))  # unused
+    else:
+        part_acc = a.scratch((a.num_seqs, a.num_heads, splits, a.head_dim))
+        part_ml = a.scratch((a.num_seqs, a.num_heads, splits, 2))
+    kernel[(a.num_kv_heads, a.num_seqs, splits), NUM_WARPS * 32, stream](
+        a.q32, a.k32, a.v32, a.block_tables, a.context_lens, a.out16, part_acc, part_ml,
+        a.scale, partition,
+    )
+    if splits > 1:
+        merge = _make_merge(a.head_dim, a.is_bf16)
+        merge[(a.num_seqs, a.num_heads), a.head_dim, stream](
+            part_acc, part_ml, a.context_lens, a.out16, partition
+        )
+
+
+# ----------------------------------------------------------------------------------------------
 # launchers
 
-VERSIONS = {1: _launch_v1, 2: _launch_v2, 3: _launch_v3, 4: _launch_v4}
-BEST_VERSION = 4
+VERSIONS = {1: _launch_v1, 2: _launch_v2, 3: _launch_v3, 4: _launch_v4, 5: _launch_v5}
+BEST_VERSION = 5
 
 
 @dataclass
@@ -608,27 +835,44 @@ def launch(version, q, k_cache, v_cache, block_tables, context_lens, out, scale=
     return out
 
 
-_POOL_VIEWS = {}  # (data_ptr, shape, dtype) -> wrapped views of a pool tensor, made once
+_WRAPPED = {}  # (data_ptr, shape, dtype, view) -> (numba view, tensor): wrapped once, reused
+_SCRATCH = {}  # (device, stream, shape) -> (numba view, tensor): split-KV partials
 _STREAMS = {}  # torch stream handle -> numba external stream
+_MAX_CACHED = 256
 
 
 def _wrap(t):
     return cuda.as_cuda_array(t, sync=False)  # torch orders the work: launch on its stream
 
 
-def _pool_views(t):
-    """(16-bit 4-D, pairs 4-D, flat pairs) numba views of a pool tensor, cached per tensor."""
-    key = (t.data_ptr(), tuple(t.shape), t.dtype, t.device.index)
-    views = _POOL_VIEWS.get(key)
-    if views is None:
-        import torch
+def _cached_view(t, view):
+    """numba view of torch tensor t reinterpreted as `view` ("int16", "int32", "int32_flat",
+    "same"), cached by address, shape and dtype (the wrapper keeps t alive while cached).
+    Wrapping costs tens of microseconds per tensor; the pool, block tables and the engine's
+    static buffers are the same tensors call after call."""
+    import torch
 
-        views = (_wrap(t.view(torch.int16)), _wrap(t.view(torch.int32)),
-                 _wrap(t.view(torch.int32).view(-1)), t)  # keep the tensor alive with its views
-        if len(_POOL_VIEWS) >= 512:
-            _POOL_VIEWS.pop(next(iter(_POOL_VIEWS)))
-        _POOL_VIEWS[key] = views
-    return views
+    key = (t.data_ptr(), tuple(t.shape), t.dtype, t.device.index, view)
+    hit = _WRAPPED.get(key)
+    if hit is None:
+        if view == "int16":
+            arr = _wrap(t.view(torch.int16))
+        elif view == "int32":
+            arr = _wrap(t.view(torch.int32))
+        elif view == "int32_flat":
+            arr = _wrap(t.view(torch.int32).view(-1))
+        else:
+            arr = _wrap(t)
+        if len(_WRAPPED) >= _MAX_CACHED:
+            _WRAPPED.pop(next(iter(_WRAPPED)))
+        hit = _WRAPPED[key] = (arr, t)
+    return hit[0]
+
+
+def clear_caches():
+    """Drop the cached numba wrappers (they keep their tensors alive) and scratch buffers."""
+    _WRAPPED.clear()
+    _SCRATCH.clear()
 
 
 def _validate(q, k_cache, v_cache, block_tables, context_lens, out, version):
@@ -745,22 +989,32 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
         return out
     if validate and not torch.cuda.is_current_stream_capturing():
         check_block_tables(block_tables, context_lens, num_blocks, block_size, max_context_len)
-    torch_stream = torch.cuda.current_stream(q.device)
-    stream = _STREAMS.get(torch_stream.cuda_stream)
+    handle = torch.cuda.current_stream(q.device).cuda_stream
+    stream = _STREAMS.get(handle)
     if stream is None:
-        stream = _STREAMS[torch_stream.cuda_stream] = cuda.external_stream(torch_stream.cuda_stream)
-    k16, k32_4d, k32, _ = _pool_views(k_cache)
-    v16, v32_4d, v32, _ = _pool_views(v_cache)
+        stream = _STREAMS[handle] = cuda.external_stream(handle)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     device = q.device
 
     def scratch(shape):
-        return _wrap(torch.empty(shape, dtype=torch.float32, device=device))
+        # one buffer per (device, stream, shape): calls on one stream run in order, so reuse is
+        # safe, also inside a captured graph
+        key = (device.index, handle, shape)
+        hit = _SCRATCH.get(key)
+        if hit is None:
+            t = torch.empty(shape, dtype=torch.float32, device=device)
+            hit = _SCRATCH[key] = (_wrap(t), t)
+        return hit[0]
 
-    q16 = _wrap(q.view(torch.int16))
-    args = _Args(q16, k16, v16, _wrap(block_tables), _wrap(context_lens), _wrap(out.view(torch.int16)),
-                 scale, is_bf16, int(max_context_len), scratch, q32=_wrap(q.view(torch.int32)),
-                 k32_4d=k32_4d, v32_4d=v32_4d, k32=k32, v32=v32)
-    with torch.cuda.device(device):
+    args = _Args(_cached_view(q, "int16"), _cached_view(k_cache, "int16"), _cached_view(v_cache, "int16"),
+                 _cached_view(block_tables, "same"), _cached_view(context_lens, "same"),
+                 _cached_view(out, "int16"), scale, is_bf16, int(max_context_len), scratch,
+                 q32=_cached_view(q, "int32"), k32_4d=_cached_view(k_cache, "int32"),
+                 v32_4d=_cached_view(v_cache, "int32"), k32=_cached_view(k_cache, "int32_flat"),
+                 v32=_cached_view(v_cache, "int32_flat"))
+    if torch.cuda.current_device() != device.index:
+        with torch.cuda.device(device):
+            VERSIONS[version](args, stream)
+    else:
         VERSIONS[version](args, stream)
     return out

@@ -74,6 +74,25 @@ def shfl_xor_sync(self, mask, value, lane_mask):
     return _exchange(value, lambda lane: lane ^ int(lane_mask))
 
 
+def lane_id():
+    """Lane of the calling simulated thread."""
+    return threading.current_thread().thread_id % 32
+
+
+def warp_all(value):
+    """Every lane's value (a list indexed by lane; None past a narrow warp's end).
+
+    For warp-collective operations the simulator has to emulate as a whole, such as
+    common.mma_m16n8k16_*: each lane publishes its fragment and reads everyone's.
+    """
+    state, lane = _warp()
+    state.slots[lane] = value
+    state.barrier.wait()
+    values = list(state.slots[: state.size]) + [None] * (32 - state.size)
+    state.barrier.wait()
+    return values
+
+
 def syncwarp(self, mask=0xFFFFFFFF):
     state, _ = _warp()
     state.barrier.wait()

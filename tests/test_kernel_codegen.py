@@ -9,6 +9,7 @@ version promises:
 * v3: packed half math, fma.rn.f16x2 for fp16 pools and fma.rn.bf16x2 for bf16 pools
   (SASS: HFMA2 / HFMA2.BF16);
 * v4+: 128-bit global loads of the pool (ld.global.v4.u32, SASS LDG.E.128);
+* v5: tensor-core matrix multiply-accumulate (mma.sync.aligned.m16n8k16, SASS HMMA.16816);
 * every version: no local memory (.local / ld.local / st.local): the per-thread q, score and
   accumulator arrays must live in registers; where ptxas is installed, also its report of
   0 bytes of spills and of stack.
@@ -45,6 +46,7 @@ SIGS = {
     2: (i16_3, i16_4, i16_4, bt, cl, i16_3, f32_3, types.float32),
     3: (i32_3, i32_4, i32_4, bt, cl, i16_3, types.float32),
     4: (i16_3, i32_1, i32_1, bt, cl, i16_3, f32_4, f32_4, types.float32, types.int64),
+    5: (i32_3, i32_1, i32_1, bt, cl, i16_3, f32_4, f32_4, types.float32, types.int64),
 }
 
 def ops_of(ptx):
@@ -55,6 +57,7 @@ def ops_of(ptx):
         "fma_f16x2": count("fma.rn.f16x2"),
         "fma_bf16x2": count("fma.rn.bf16x2"),
         "ld_global_v4": count("ld.global.v4"),
+        "mma": count("mma.sync.aligned.m16n8k16"),
         "local": bool(re.search(r"\.local\b|ld\.local|st\.local", ptx)),
         "f64_ops": sum(1 for o in ops if ".f64" in o),
     }
@@ -63,8 +66,8 @@ out = {}
 for cfg in json.loads(sys.argv[1]):
     version, head_dim, block_size, group, kind = cfg
     bf16 = kind == "bf16"
-    if version == 4:
-        kernel = pa._make_v4(head_dim, block_size, group, bf16)
+    if version >= 4:
+        kernel = getattr(pa, f"_make_v{version}")(head_dim, block_size, group, bf16)
     else:
         kernel = getattr(pa, f"_make_v{version}")(head_dim, block_size, bf16)
     ptx, _ = cuda.compile_ptx(kernel.py_func, SIGS[version], cc=(9, 0))
@@ -83,6 +86,9 @@ CONFIGS = [
     (4, 64, 16, 7, "f16"),
     (4, 128, 8, 7, "bf16"),
     (4, 64, 32, 1, "f16"),
+    (5, 64, 16, 7, "f16"),
+    (5, 128, 32, 16, "bf16"),
+    (5, 64, 8, 1, "bf16"),
 ]
 
 
@@ -128,6 +134,12 @@ def test_v3_uses_packed_half_fma(compiled, cfg):
 def test_128_bit_loads_from_v4(compiled, cfg):
     n = compiled[0][_name(cfg)]["ld_global_v4"]
     assert (n > 0) == (cfg[0] >= 4), f"{_name(cfg)}: {n} ld.global.v4"
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_name)
+def test_tensor_cores_in_v5_only(compiled, cfg):
+    n = compiled[0][_name(cfg)]["mma"]
+    assert (n > 0) == (cfg[0] == 5), f"{_name(cfg)}: {n} mma.sync"
 
 
 def _ptxas():
