@@ -228,9 +228,17 @@ def _run_into(out, result):
 
 
 class NumbaBackend(TorchPagedBackend):
-    """The numba CUDA kernels (kernels_numba); a missing kernel module falls back to torch for its piece."""
+    """The numba CUDA kernels (kernels_numba), with the torch pieces as fallback.
+
+    Falls back to torch for a piece whose kernel module is missing, and for attention on inputs the
+    kernels do not cover (float32, head_dim other than 64/128, block_size other than 8/16/32).
+    Without a GPU it runs only under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1), for tests.
+    """
 
     name = "numba"
+    KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+    KERNEL_HEAD_DIMS = (64, 128)
+    KERNEL_BLOCK_SIZES = (8, 16, 32)
 
     def __init__(self):
         self.cache_ops = self._load("kernels_numba.cache_ops")
@@ -255,14 +263,18 @@ class NumbaBackend(TorchPagedBackend):
             return super().write(k, v, k_cache, v_cache, slot_mapping)
         self.cache_ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
 
+    def _kernel_ok(self, q, k_cache):
+        return (q.dtype in self.KERNEL_DTYPES and k_cache.dtype == q.dtype
+                and q.shape[-1] in self.KERNEL_HEAD_DIMS and k_cache.shape[2] in self.KERNEL_BLOCK_SIZES)
+
     def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out):
-        if self.paged_prefill is None:
+        if self.paged_prefill is None or not self._kernel_ok(q, k_cache):
             return super().prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out)
         _run_into(out, self.paged_prefill.paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                         context_lens, scale=scale, out=out))
 
     def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out):
-        if self.paged_attention is None:
+        if self.paged_attention is None or not self._kernel_ok(q, k_cache):
             return super().decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)
         _run_into(out, self.paged_attention.paged_attention(q, k_cache, v_cache, block_tables, context_lens,
                                                             scale=scale, out=out))

@@ -148,3 +148,22 @@ def test_numba_backend_falls_back_to_torch_for_missing_kernels(monkeypatch):
     assert backend.fallbacks == ["cache_ops", "paged_attention", "paged_prefill"]
     q, k, v, k_cache, v_cache, meta = make_step(*BATCHES[0], 14, 2, 64, 16)
     assert_close(backend(q, k, v, k_cache, v_cache, meta), reference_step(q, k_cache, v_cache, meta))
+
+
+NUMBA_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: numba's CUDA simulator (conftest)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_numba_backend_matches_reference(dtype):
+    """The kernels_numba pieces wired through NumbaBackend (float32 attention takes the torch path).
+    Kept tiny: without a GPU every kernel thread runs in the simulator."""
+    q, k, v, k_cache, v_cache, meta = make_step([3, 1], [5, 18], 1, 2, 1, 64, 16)
+    q, k, v, k_cache, v_cache = (t.to(NUMBA_DEVICE, dtype) for t in (q, k, v, k_cache, v_cache))
+    meta = AttentionMetadata.build([3, 1], [5, 18], meta.block_tables.tolist(), 16, 1, device=NUMBA_DEVICE)
+    backend = NumbaBackend()
+    out = backend(q, k, v, k_cache, v_cache, meta)
+    assert out.dtype == dtype
+    ref = reference_step(q.cpu(), k_cache.cpu(), v_cache.cpu(), meta)
+    err = np.abs(out.double().cpu().numpy() - ref).max()
+    # fp16: fp32 accumulation then one rounding of |out| <~ 2 to fp16 (2^-10 relative): 2e-3.
+    assert err <= (2e-3 if dtype == torch.float16 else ATOL), f"max err {err:.3e}"
