@@ -1,8 +1,9 @@
 """BlockManager: each operation and each error, a share -> CoW -> free walk-through checked at
 every step, a hypothesis state machine against a shadow model, and the memory-efficiency script.
 
-The state machine runs >= 1,000 random operations per run; PAGEDATTN_HYPOTHESIS_PROFILE=long runs
-~100x more (by hand: PAGEDATTN_HYPOTHESIS_PROFILE=long python -m pytest tests/test_block_manager.py).
+The state machine runs >= 1,000 random operations per run (a few seconds). By hand, ~100x more
+(>= 50,000 operations per machine, ~10 minutes for both files on 2 cores):
+    PAGEDATTN_HYPOTHESIS_PROFILE=long python -m pytest tests/test_block_manager.py tests/test_prefix_cache.py
 """
 import os
 

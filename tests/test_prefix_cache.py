@@ -3,7 +3,7 @@ collision, LRU eviction order, the last prompt token always recomputed, the hit-
 hypothesis state machine (allocate prompt, compute in chunks, decode, share, CoW, free, evict)
 that checks the invariants and the *content* of every block after every step.
 
-PAGEDATTN_HYPOTHESIS_PROFILE=long runs ~100x more random operations.
+PAGEDATTN_HYPOTHESIS_PROFILE=long runs ~100x more random operations (see tests/test_block_manager.py).
 """
 import os
 
