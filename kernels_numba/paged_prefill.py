@@ -52,7 +52,7 @@ NEG_INF = np.float32(-np.inf)
 
 def tile_rows(head_dim, version):
     """BM: query-head rows per CTA. v1: 64 at d=64, 32 at d=128 (48 KiB of static shared
-    memory); v2: 64 (4 warps x 16 rows of mma)."""
+    memory); v2, v3: 64 (4 warps x 16 rows of mma)."""
     if version == 1:
         return 64 if head_dim == 64 else 32
     return 64
@@ -312,6 +312,9 @@ if SIMULATOR:
 
         return mma
 
+    def ex2(x):
+        return np.float32(np.exp2(np.float32(x)))
+
 else:
     from llvmlite import ir
     from numba.core import types
@@ -338,13 +341,30 @@ else:
 
         return mma
 
+    @intrinsic
+    def ex2(typingctx, x):
+        """2**x by the SFU (ex2.approx.ftz.f32: one MUFU.EX2, rel. error ~2**-22; ex2(-inf) = 0)."""
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, sig_, args):
+            f32 = ir.FloatType()
+            return builder.call(ir.InlineAsm(ir.FunctionType(f32, [f32]), "ex2.approx.ftz.f32 $0, $1;", "=f,f"), args)
+
+        return sig, codegen
+
 mma_f16 = _make_mma(False)
 mma_bf16 = _make_mma(True)
 
 
-def _build_v2(head_dim, kind):
-    """v2: tensor cores (mma.sync m16n8k16), compile-time specialised like v1."""
+def _build_v2(head_dim, kind, fixed_block_size=0, fast_exp=False):
+    """v2: tensor cores (mma.sync m16n8k16), compile-time specialised like v1.
+
+    fixed_block_size > 0 and fast_exp are v3's additions (see _build_v3)."""
     D = head_dim
+    BS = fixed_block_size  # 0: the block size is a runtime argument
+    exp = ex2 if fast_exp else math.exp
+    # scores are kept in the exponent's base: log2(e) folded into the scale for ex2
+    SCALE_MUL = np.float32(1.4426950408889634 if fast_exp else 1.0)
     BM = tile_rows(D, 2)  # 4 warps x 16 rows
     BN = 64  # keys per KV tile
     NT = BN // 8  # n-tiles of S per warp
@@ -365,7 +385,9 @@ def _build_v2(head_dim, kind):
     @cuda.jit
     def kernel(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
                num_heads, num_kv_heads, block_size, scale):
-        # arguments as in v1
+        # arguments as in v1 (block_size ignored when BS > 0)
+        bs = BS if BS > 0 else block_size  # a constant folds // and % into shifts and masks
+        qk_scale = scale * SCALE_MUL
         # flat, so that a fragment read is [per-lane base + compile-time offset]: one address
         # register per array instead of one per unrolled load (255 registers and spills otherwise)
         k_s = cuda.shared.array(K_WORDS, np.uint32)  # K tile as pairs: k_s[key * KP + pair of dims]
@@ -443,8 +465,8 @@ def _build_v2(head_dim, kind):
                 w2 = np.uint32(0)
                 w3 = np.uint32(0)
                 if pos < kv_end:
-                    block = block_tables[s, pos // block_size]
-                    w0, w1, w2, w3 = load4(k_cache, ((block * num_kv_heads + g) * block_size + pos % block_size) * W + c * 4)
+                    block = block_tables[s, pos // bs]
+                    w0, w1, w2, w3 = load4(k_cache, ((block * num_kv_heads + g) * bs + pos % bs) * W + c * 4)
                 k_s[n * KP + c * 4] = w0
                 k_s[n * KP + c * 4 + 1] = w1
                 k_s[n * KP + c * 4 + 2] = w2
@@ -459,11 +481,11 @@ def _build_v2(head_dim, kind):
                     vb[e] = np.uint32(0)
                 pos = n0 + 2 * mp
                 if pos < kv_end:
-                    block = block_tables[s, pos // block_size]
-                    va[0], va[1], va[2], va[3] = load4(v_cache, ((block * num_kv_heads + g) * block_size + pos % block_size) * W + c * 4)
+                    block = block_tables[s, pos // bs]
+                    va[0], va[1], va[2], va[3] = load4(v_cache, ((block * num_kv_heads + g) * bs + pos % bs) * W + c * 4)
                 if pos + 1 < kv_end:
-                    block = block_tables[s, (pos + 1) // block_size]
-                    vb[0], vb[1], vb[2], vb[3] = load4(v_cache, ((block * num_kv_heads + g) * block_size + (pos + 1) % block_size) * W + c * 4)
+                    block = block_tables[s, (pos + 1) // bs]
+                    vb[0], vb[1], vb[2], vb[3] = load4(v_cache, ((block * num_kv_heads + g) * bs + (pos + 1) % bs) * W + c * 4)
                 for e in range(4):  # word e holds dims c*8 + 2e (low half) and c*8 + 2e + 1 (high)
                     vt_s[(c * 8 + 2 * e) * VP + mp] = (va[e] & np.uint32(0xFFFF)) | (vb[e] << np.uint32(16))
                     vt_s[(c * 8 + 2 * e + 1) * VP + mp] = (va[e] >> np.uint32(16)) | (vb[e] & np.uint32(0xFFFF0000))
@@ -490,8 +512,8 @@ def _build_v2(head_dim, kind):
             for nt in range(NT):
                 for e in range(2):
                     key = n0 + nt * 8 + 2 * ft + e
-                    x0 = sc[nt, e] * scale if key <= qpos0 else NEG_INF
-                    x1 = sc[nt, 2 + e] * scale if key <= qpos1 else NEG_INF
+                    x0 = sc[nt, e] * qk_scale if key <= qpos0 else NEG_INF
+                    x1 = sc[nt, 2 + e] * qk_scale if key <= qpos1 else NEG_INF
                     sc[nt, e] = x0
                     sc[nt, 2 + e] = x1
                     mx0 = max(mx0, x0)
@@ -500,8 +522,8 @@ def _build_v2(head_dim, kind):
             mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 2))
             mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 1))
             mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 2))
-            alpha0 = math.exp(m0 - mx0)  # 0 on the first tile (m = -inf)
-            alpha1 = math.exp(m1 - mx1)
+            alpha0 = exp(m0 - mx0)  # 0 on the first tile (m = -inf)
+            alpha1 = exp(m1 - mx1)
             m0 = mx0
             m1 = mx1
             l0 *= alpha0
@@ -513,8 +535,8 @@ def _build_v2(head_dim, kind):
                 o[dt, 3] *= alpha1
             for nt in range(NT):
                 for e in range(2):
-                    p0 = math.exp(sc[nt, e] - m0)
-                    p1 = math.exp(sc[nt, 2 + e] - m1)
+                    p0 = exp(sc[nt, e] - m0)
+                    p1 = exp(sc[nt, 2 + e] - m1)
                     sc[nt, e] = p0
                     sc[nt, 2 + e] = p1
                     l0 += p0
@@ -549,15 +571,30 @@ def _build_v2(head_dim, kind):
     return kernel
 
 
-VERSIONS = {1: _build_v1, 2: _build_v2}
+def _build_v3(head_dim, kind, block_size):
+    """v3: v2 + the block size as a compile-time constant (the block-table lookup's // and % of
+    a runtime int64 are long integer-division sequences; a power-of-two constant makes them a
+    shift and a mask) + softmax exponentials on the SFU (ex2.approx with log2(e) folded into the
+    scale, instead of libdevice's exact expf)."""
+    return _build_v2(head_dim, kind, fixed_block_size=block_size, fast_exp=True)
+
+
+VERSIONS = {1: _build_v1, 2: _build_v2, 3: _build_v3}
+SPECIALISED_ON_BLOCK_SIZE = (3,)
 DEFAULT_VERSION = 2
 
 
-def get_kernel(head_dim, kind, version=DEFAULT_VERSION):
-    """The kernel of `version` for (head_dim, "f16" | "bf16"), built once (compiled on first launch)."""
-    key = (version, head_dim, kind)
+def get_kernel(head_dim, kind, version=DEFAULT_VERSION, block_size=16):
+    """The kernel of `version` for (head_dim, "f16" | "bf16"[, block_size]), built once (compiled
+    on first launch)."""
+    if version in SPECIALISED_ON_BLOCK_SIZE:
+        key = (version, head_dim, kind, block_size)
+        build = lambda: VERSIONS[version](head_dim, kind, block_size)  # noqa: E731
+    else:
+        key = (version, head_dim, kind)
+        build = lambda: VERSIONS[version](head_dim, kind)  # noqa: E731
     if key not in _KERNELS:
-        _KERNELS[key] = VERSIONS[version](head_dim, kind)
+        _KERNELS[key] = build()
     return _KERNELS[key]
 
 
@@ -583,7 +620,7 @@ def launch_paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, contex
         return
     group = num_heads // num_kv_heads
     grid = (num_tiles_bound(total_q, num_seqs, head_dim, group, version), num_kv_heads)
-    get_kernel(head_dim, kind, version)[grid, THREADS, stream](
+    get_kernel(head_dim, kind, version, block_size)[grid, THREADS, stream](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         num_heads, num_kv_heads, block_size, np.float32(scale),
     )

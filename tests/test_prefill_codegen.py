@@ -11,7 +11,8 @@ and the PTX is checked for what the design promises:
 * no fp64 instruction (a stray Python float constant would silently make the math double);
 * prefill: K/V tiles in shared memory, 128-bit global loads of the fp16/bf16 pool
   (ld.global.v4.u32), ex2 for the softmax; v1 does its math in fp32 FMAs, v2 in tensor-core
-  mma.sync m16n8k16 with its row reductions by warp shuffles;
+  mma.sync m16n8k16 with its row reductions by warp shuffles; v3 has fewer 64-bit divisions
+  (compile-time block size) and its exponentials as ex2.approx;
 * cache ops: the copies move 64-bit words.
 """
 import json
@@ -44,6 +45,7 @@ def stats(ptx):
         "ld_global_v4": sum(1 for o in ops if o.startswith("ld.global.v4")),
         "fma_f32": sum(1 for o in ops if o == "fma.rn.f32"),
         "ex2": sum(1 for o in ops if o.startswith("ex2")),
+        "div_s64": sum(1 for o in ops if o.startswith(("div.s64", "rem.s64"))),
         "mma": sum(1 for o in ops if o.startswith("mma.sync.aligned.m16n8k16")),
         "shfl": sum(1 for o in ops if o.startswith("shfl.sync")),
         "ld_u64": sum(1 for o in ops if re.fullmatch(r"ld(\.global)?\.u64", o) is not None),
@@ -57,7 +59,7 @@ u32, i32_2d, i32 = types.uint32[::1], types.int32[:, ::1], types.int32[::1]
 for version in sorted(paged_prefill.VERSIONS):
     for head_dim in paged_prefill.HEAD_DIMS:
         for kind in ("f16", "bf16"):
-            kernel = paged_prefill.get_kernel(head_dim, kind, version)
+            kernel = paged_prefill.get_kernel(head_dim, kind, version, block_size=16)
             sig = (u32, u32, u32, i32_2d, i32, i32, u32, types.int64, types.int64, types.int64, types.float32)
             ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
             name = f"prefill_v{version}_d{head_dim}_{kind}"
@@ -118,7 +120,7 @@ def _ptxas_info(ptx_path):
     return regs, stores, loads
 
 
-PREFILL_VARIANTS = [f"prefill_v{v}_d{d}_{k}" for v in (1, 2) for d in (64, 128) for k in ("f16", "bf16")]
+PREFILL_VARIANTS = [f"prefill_v{v}_d{d}_{k}" for v in (1, 2, 3) for d in (64, 128) for k in ("f16", "bf16")]
 
 
 @pytest.mark.parametrize("name", PREFILL_VARIANTS + ["reshape_and_cache", "copy_blocks_24_layers"])
@@ -147,6 +149,11 @@ def test_prefill_uses_shared_tiles_and_wide_loads(ptx_stats, name):
         head_dim = int(re.search(r"_d(\d+)_", name).group(1))
         assert s["mma"] == 2 * (head_dim // 16) * 8, s
         assert s["shfl"] >= 8, s  # row max per tile (2 rows x 2 steps), row sums at the end
+    if name.startswith("prefill_v3"):
+        # block size constant: the 3 block-table lookups per tile lose their 64-bit // and %
+        v2 = ptx_stats[name.replace("v3", "v2")]
+        assert s["div_s64"] <= v2["div_s64"] - 6, (s, v2)
+        assert s["ex2"] >= 2 * 8 * 2 + 2, s  # every exponential of a tile is one ex2.approx
 
 
 @pytest.mark.parametrize("name", ["reshape_and_cache", "copy_blocks_24_layers"])
