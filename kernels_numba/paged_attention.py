@@ -28,6 +28,10 @@ v5: v4's grid, loads and split-KV, with the arithmetic on tensor cores: per warp
     become 16 HMMA per 16 tokens: the kernel is left with loads and a few dozen
     instructions of bookkeeping, i.e. memory bound. P is rounded to fp16/bf16 for the
     second product, as in FlashAttention.
+v6: v5 with two 16-token sub-chunks per warp step at d=64 (16 loads of 16 bytes in flight per
+    lane instead of 8; 152 registers, 3 CTAs per SM) and a split-KV plan that sizes the grid
+    to whole waves of resident CTAs (v4/v5 could launch 1.2-1.5 waves, the last one mostly
+    idle) with partitions down to 128 tokens, so one short sequence still spreads over SMs.
 
 Every version computes the same function; tests/test_paged_attention_cuda.py checks each under
 the CUDA simulator (tiny shapes) and on the GPU (real shapes) against reference/attention.py.
@@ -534,7 +538,7 @@ def _launch_v4(a, stream):
 
 
 @lru_cache(maxsize=None)
-def _make_v5(head_dim, block_size, group, is_bf16):
+def _make_v5(head_dim, block_size, group, is_bf16, unroll=1):
     D, BS, G = head_dim, block_size, group
     NW = NUM_WARPS
     CH = 16  # tokens per warp step: one mma k-slice for p.v, two n-tiles for q.k
@@ -545,7 +549,9 @@ def _make_v5(head_dim, block_size, group, is_bf16):
     NTILE = D // 8  # p.v n-tiles (8 dims each)
     VW = DPC // 2  # words of V per token per lane
     ACC = NTILE * 4
+    U = unroll  # sub-chunks of 16 tokens whose loads are in flight together (v6: 2)
     KS4, KWN, VWN = KS * 4, 2 * QW, 4 * VW  # local array sizes must be plain constants
+    KWU, VWU = KWN * U, VWN * U
     _, _, store, _ = _converters(is_bf16)
     mma = mma_m16n8k16_bf16 if is_bf16 else mma_m16n8k16_f16
     pack = f32x2_to_bf16x2 if is_bf16 else f32x2_to_f16x2
@@ -599,92 +605,100 @@ def _make_v5(head_dim, block_size, group, is_bf16):
         for i in range(ACC):
             acc[i] = 0.0
 
-        kw = cuda.local.array(KWN, uint32)  # K of tokens g and 8+g, this lane's dims
-        vw = cuda.local.array(VWN, uint32)  # V of tokens 2t, 2t+1, 8+2t, 9+2t, dims DPC*g..
+        kw = cuda.local.array(KWU, uint32)  # per sub-chunk: K of tokens g and 8+g, this lane's dims
+        vw = cuda.local.array(VWU, uint32)  # per sub-chunk: V of tokens 2t, 2t+1, 8+2t, 9+2t, dims DPC*g..
         sc = cuda.local.array(8, float32)  # [row r][n-tile n][col c] -> r*4 + n*2 + c
         words_per_block = num_kv_heads * BS * P
         head_off = kvh * BS * P
         sl = scale * QSCALE_LOG2E
-        num_chunks = (end - start + CH - 1) // CH
-        for c in range(warp, num_chunks, NW):
-            c0 = start + c * CH
-            # loads first: 2 tokens of K (QW words each), 4 tokens of V (VW words each)
-            for n in range(2):
-                j = c0 + 8 * n + g
-                if j < end:
-                    base = block_tables[s, j // BS] * words_per_block + head_off + (j % BS) * P + t * QW
-                    for i in range(QW // 4):
-                        w = load_u32x4(k_flat, base + 4 * i)
-                        kw[n * QW + 4 * i + 0] = w[0]
-                        kw[n * QW + 4 * i + 1] = w[1]
-                        kw[n * QW + 4 * i + 2] = w[2]
-                        kw[n * QW + 4 * i + 3] = w[3]
-                else:
-                    for i in range(QW):
-                        kw[n * QW + i] = 0
-            for u in range(4):
-                j = c0 + 2 * t + (u % 2) + 8 * (u // 2)
-                if j < end:
-                    base = block_tables[s, j // BS] * words_per_block + head_off + (j % BS) * P + g * VW
-                    for i in range(VW // 4):
-                        w = load_u32x4(v_flat, base + 4 * i)
-                        vw[u * VW + 4 * i + 0] = w[0]
-                        vw[u * VW + 4 * i + 1] = w[1]
-                        vw[u * VW + 4 * i + 2] = w[2]
-                        vw[u * VW + 4 * i + 3] = w[3]
-                else:
-                    for i in range(VW):
-                        vw[u * VW + i] = 0
-            # S = Q K^T: two n-tiles of 8 tokens, KS k-steps each
-            for n in range(2):
-                d0 = float32(0.0)
-                d1 = float32(0.0)
-                d2 = float32(0.0)
-                d3 = float32(0.0)
-                for ks in range(KS):
-                    d0, d1, d2, d3 = mma(qa[ks * 4], qa[ks * 4 + 1], qa[ks * 4 + 2], qa[ks * 4 + 3],
-                                         kw[n * QW + 2 * ks], kw[n * QW + 2 * ks + 1], d0, d1, d2, d3)
-                jt = c0 + 8 * n + 2 * t  # token of column 2t of this n-tile
-                sc[n * 2 + 0] = d0 * sl if jt < end else NEG_INF
-                sc[n * 2 + 1] = d1 * sl if jt + 1 < end else NEG_INF
-                sc[4 + n * 2 + 0] = d2 * sl if jt < end else NEG_INF
-                sc[4 + n * 2 + 1] = d3 * sl if jt + 1 < end else NEG_INF
-            # online softmax per head row (the 4 lanes of a group hold the 16 tokens)
-            pw = cuda.local.array(4, uint32)  # P as A fragments: a0..a3
-            for r in range(2):
-                cmax = max(max(sc[r * 4], sc[r * 4 + 1]), max(sc[r * 4 + 2], sc[r * 4 + 3]))
-                cmax = max(cmax, cuda.shfl_xor_sync(FULL_MASK, cmax, 1))
-                cmax = max(cmax, cuda.shfl_xor_sync(FULL_MASK, cmax, 2))
-                m_new = max(m[r], cmax)
-                alpha = math.exp2(m[r] - m_new)
-                m[r] = m_new
-                p0 = math.exp2(sc[r * 4 + 0] - m_new)
-                p1 = math.exp2(sc[r * 4 + 1] - m_new)
-                p2 = math.exp2(sc[r * 4 + 2] - m_new)
-                p3 = math.exp2(sc[r * 4 + 3] - m_new)
-                lsum[r] = lsum[r] * alpha + (p0 + p1) + (p2 + p3)
-                pw[r] = pack(p0, p1)  # a0 / a1: tokens 2t, 2t+1
-                pw[2 + r] = pack(p2, p3)  # a2 / a3: tokens 8+2t, 9+2t
-                for jn in range(NTILE):
-                    acc[jn * 4 + 2 * r] *= alpha
-                    acc[jn * 4 + 2 * r + 1] *= alpha
-            # O += P V: n-tile jn covers dims DPC*g + jn (column g); B needs token pairs of one
-            # dim in a word, so interleave the halves of two tokens' words
-            for i in range(VW):
-                for hi in range(2):
-                    jn = 2 * i + hi
-                    if hi == 0:
-                        b0 = (vw[i] & 0xFFFF) | (vw[VW + i] << 16)
-                        b1 = (vw[2 * VW + i] & 0xFFFF) | (vw[3 * VW + i] << 16)
+        num_steps = (end - start + CH * U - 1) // (CH * U)
+        for c in range(warp, num_steps, NW):
+            # a step is U sub-chunks of 16 tokens: all their loads are issued before any math
+            for sub in range(U):
+                c0 = start + (c * U + sub) * CH
+                ko = sub * KWN
+                vo = sub * VWN
+                # loads first: 2 tokens of K (QW words each), 4 tokens of V (VW words each)
+                for n in range(2):
+                    j = c0 + 8 * n + g
+                    if j < end:
+                        base = block_tables[s, j // BS] * words_per_block + head_off + (j % BS) * P + t * QW
+                        for i in range(QW // 4):
+                            w = load_u32x4(k_flat, base + 4 * i)
+                            kw[ko + n * QW + 4 * i + 0] = w[0]
+                            kw[ko + n * QW + 4 * i + 1] = w[1]
+                            kw[ko + n * QW + 4 * i + 2] = w[2]
+                            kw[ko + n * QW + 4 * i + 3] = w[3]
                     else:
-                        b0 = (vw[i] >> 16) | (vw[VW + i] & 0xFFFF0000)
-                        b1 = (vw[2 * VW + i] >> 16) | (vw[3 * VW + i] & 0xFFFF0000)
-                    a0, a1, a2, a3 = mma(pw[0], pw[1], pw[2], pw[3], b0, b1, acc[jn * 4], acc[jn * 4 + 1],
-                                         acc[jn * 4 + 2], acc[jn * 4 + 3])
-                    acc[jn * 4] = a0
-                    acc[jn * 4 + 1] = a1
-                    acc[jn * 4 + 2] = a2
-                    acc[jn * 4 + 3] = a3
+                        for i in range(QW):
+                            kw[ko + n * QW + i] = 0
+                for u in range(4):
+                    j = c0 + 2 * t + (u % 2) + 8 * (u // 2)
+                    if j < end:
+                        base = block_tables[s, j // BS] * words_per_block + head_off + (j % BS) * P + g * VW
+                        for i in range(VW // 4):
+                            w = load_u32x4(v_flat, base + 4 * i)
+                            vw[vo + u * VW + 4 * i + 0] = w[0]
+                            vw[vo + u * VW + 4 * i + 1] = w[1]
+                            vw[vo + u * VW + 4 * i + 2] = w[2]
+                            vw[vo + u * VW + 4 * i + 3] = w[3]
+                    else:
+                        for i in range(VW):
+                            vw[vo + u * VW + i] = 0
+            for sub in range(U):
+                c0 = start + (c * U + sub) * CH
+                ko = sub * KWN
+                vo = sub * VWN
+                # S = Q K^T: two n-tiles of 8 tokens, KS k-steps each
+                for n in range(2):
+                    d0 = float32(0.0)
+                    d1 = float32(0.0)
+                    d2 = float32(0.0)
+                    d3 = float32(0.0)
+                    for ks in range(KS):
+                        d0, d1, d2, d3 = mma(qa[ks * 4], qa[ks * 4 + 1], qa[ks * 4 + 2], qa[ks * 4 + 3],
+                                             kw[ko + n * QW + 2 * ks], kw[ko + n * QW + 2 * ks + 1], d0, d1, d2, d3)
+                    jt = c0 + 8 * n + 2 * t  # token of column 2t of this n-tile
+                    sc[n * 2 + 0] = d0 * sl if jt < end else NEG_INF
+                    sc[n * 2 + 1] = d1 * sl if jt + 1 < end else NEG_INF
+                    sc[4 + n * 2 + 0] = d2 * sl if jt < end else NEG_INF
+                    sc[4 + n * 2 + 1] = d3 * sl if jt + 1 < end else NEG_INF
+                # online softmax per head row (the 4 lanes of a group hold the 16 tokens)
+                pw = cuda.local.array(4, uint32)  # P as A fragments: a0..a3
+                for r in range(2):
+                    cmax = max(max(sc[r * 4], sc[r * 4 + 1]), max(sc[r * 4 + 2], sc[r * 4 + 3]))
+                    cmax = max(cmax, cuda.shfl_xor_sync(FULL_MASK, cmax, 1))
+                    cmax = max(cmax, cuda.shfl_xor_sync(FULL_MASK, cmax, 2))
+                    m_new = max(m[r], cmax)
+                    alpha = math.exp2(m[r] - m_new)
+                    m[r] = m_new
+                    p0 = math.exp2(sc[r * 4 + 0] - m_new)
+                    p1 = math.exp2(sc[r * 4 + 1] - m_new)
+                    p2 = math.exp2(sc[r * 4 + 2] - m_new)
+                    p3 = math.exp2(sc[r * 4 + 3] - m_new)
+                    lsum[r] = lsum[r] * alpha + (p0 + p1) + (p2 + p3)
+                    pw[r] = pack(p0, p1)  # a0 / a1: tokens 2t, 2t+1
+                    pw[2 + r] = pack(p2, p3)  # a2 / a3: tokens 8+2t, 9+2t
+                    for jn in range(NTILE):
+                        acc[jn * 4 + 2 * r] *= alpha
+                        acc[jn * 4 + 2 * r + 1] *= alpha
+                # O += P V: n-tile jn covers dims DPC*g + jn (column g); B needs token pairs of one
+                # dim in a word, so interleave the halves of two tokens' words
+                for i in range(VW):
+                    for hi in range(2):
+                        jn = 2 * i + hi
+                        if hi == 0:
+                            b0 = (vw[vo + i] & 0xFFFF) | (vw[vo + VW + i] << 16)
+                            b1 = (vw[vo + 2 * VW + i] & 0xFFFF) | (vw[vo + 3 * VW + i] << 16)
+                        else:
+                            b0 = (vw[vo + i] >> 16) | (vw[vo + VW + i] & 0xFFFF0000)
+                            b1 = (vw[vo + 2 * VW + i] >> 16) | (vw[vo + 3 * VW + i] & 0xFFFF0000)
+                        a0, a1, a2, a3 = mma(pw[0], pw[1], pw[2], pw[3], b0, b1, acc[jn * 4], acc[jn * 4 + 1],
+                                             acc[jn * 4 + 2], acc[jn * 4 + 3])
+                        acc[jn * 4] = a0
+                        acc[jn * 4 + 1] = a1
+                        acc[jn * 4 + 2] = a2
+                        acc[jn * 4 + 3] = a3
 
         # this warp's result: rows g, g+8; acc[jn*4 + 2r + e] is dim DPC*(2t+e) + jn
         for r in range(2):
@@ -748,11 +762,67 @@ def _launch_v5(a, stream):
         )
 
 
+
+# ----------------------------------------------------------------------------------------------
+# v6: v5 with twice the bytes in flight per warp and a split plan that fills whole waves
+
+V6_MIN_PARTITION = 128  # tokens: one 32-token step for each of the 4 warps
+
+
+def _v6_unroll_and_occupancy(head_dim):
+    """(16-token sub-chunks loaded together, resident CTAs per SM) from ptxas' register counts:
+    d=64: 152 registers -> 3 CTAs of 128 threads; d=128 keeps v5's single sub-chunk (204 -> 2)."""
+    return (2, 3) if head_dim == 64 else (1, 2)
+
+
+def split_plan_waves(num_seqs, num_kv_heads, max_context_len, step, slots, min_partition=None):
+    """(num_splits, partition_size) so that the CTAs fill whole waves of `slots` resident CTAs.
+
+    Among 1 .. ceil(max_context_len / min_partition) splits, the smallest whose CTA count
+    wastes at most 10% of its last wave; failing that (few, short sequences), the most splits.
+    """
+    min_partition = V6_MIN_PARTITION if min_partition is None else min_partition
+    base = max(1, num_seqs * num_kv_heads)
+    max_splits = max(1, -(-max_context_len // min_partition))
+    splits = max_splits
+    for n in range(1, max_splits + 1):
+        ctas = base * n
+        if ctas / (-(-ctas // slots) * slots) >= 0.9:
+            splits = n
+            break
+    part = -(-max_context_len // splits)
+    part = -(-part // step) * step
+    return -(-max_context_len // part), part
+
+
+def _launch_v6(a, stream):
+    group = a.num_heads // a.num_kv_heads
+    if group > V5_MAX_GROUP:
+        return _launch_v4(a, stream)
+    unroll, ctas_per_sm = _v6_unroll_and_occupancy(a.head_dim)
+    kernel = _make_v5(a.head_dim, a.block_size, group, a.is_bf16, unroll)
+    splits, partition = split_plan_waves(a.num_seqs, a.num_kv_heads, a.max_context_len, 16 * unroll,
+                                         ctas_per_sm * a.num_sms)
+    if splits == 1:
+        part_acc = part_ml = a.scratch((1, 1, 1, 1))  # unused
+    else:
+        part_acc = a.scratch((a.num_seqs, a.num_heads, splits, a.head_dim))
+        part_ml = a.scratch((a.num_seqs, a.num_heads, splits, 2))
+    kernel[(a.num_kv_heads, a.num_seqs, splits), NUM_WARPS * 32, stream](
+        a.q32, a.k32, a.v32, a.block_tables, a.context_lens, a.out16, part_acc, part_ml,
+        a.scale, partition,
+    )
+    if splits > 1:
+        merge = _make_merge(a.head_dim, a.is_bf16)
+        merge[(a.num_seqs, a.num_heads), a.head_dim, stream](
+            part_acc, part_ml, a.context_lens, a.out16, partition
+        )
+
 # ----------------------------------------------------------------------------------------------
 # launchers
 
-VERSIONS = {1: _launch_v1, 2: _launch_v2, 3: _launch_v3, 4: _launch_v4, 5: _launch_v5}
-BEST_VERSION = 5
+VERSIONS = {1: _launch_v1, 2: _launch_v2, 3: _launch_v3, 4: _launch_v4, 5: _launch_v5, 6: _launch_v6}
+BEST_VERSION = 6
 
 
 @dataclass
@@ -774,6 +844,7 @@ class _Args:
     v32_4d: object = None
     k32: object = None  # flat pairs
     v32: object = None
+    num_sms: int = 132  # H200
 
     def __post_init__(self):
         self.num_seqs, self.num_heads, self.head_dim = self.q16.shape
@@ -867,6 +938,18 @@ def _cached_view(t, view):
             _WRAPPED.pop(next(iter(_WRAPPED)))
         hit = _WRAPPED[key] = (arr, t)
     return hit[0]
+
+
+_SMS = {}
+
+
+def _num_sms(device):
+    n = _SMS.get(device.index)
+    if n is None:
+        import torch
+
+        n = _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
 
 
 def clear_caches():
@@ -1011,7 +1094,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
                  _cached_view(out, "int16"), scale, is_bf16, int(max_context_len), scratch,
                  q32=_cached_view(q, "int32"), k32_4d=_cached_view(k_cache, "int32"),
                  v32_4d=_cached_view(v_cache, "int32"), k32=_cached_view(k_cache, "int32_flat"),
-                 v32=_cached_view(v_cache, "int32_flat"))
+                 v32=_cached_view(v_cache, "int32_flat"), num_sms=_num_sms(device))
     if torch.cuda.current_device() != device.index:
         with torch.cuda.device(device):
             VERSIONS[version](args, stream)

@@ -99,19 +99,32 @@ def test_version_matches_reference(version, case):
     assert err.max() <= _tolerance(dtype), f"v{version}: max err {err.max():.3g}, mean {err.mean():.3g}"
 
 
-@pytest.mark.parametrize("version", [4, 5])
+@pytest.mark.parametrize("version", [4, 5, 6])
 def test_split_kv_matches_reference(monkeypatch, version):
     """Force several partitions on tiny lengths so the split + merge path runs in CI."""
     monkeypatch.setattr(pa, "MIN_PARTITION", 16)
+    monkeypatch.setattr(pa, "V6_MIN_PARTITION", 16)
     chunk = pa._geometry(64, 8)[3]
-    splits, partition = pa.split_plan(3, 2, 48, chunk)
-    assert splits == 3 and partition == 16
+    assert pa.split_plan(3, 2, 48, chunk) == (3, 16)
+    assert pa.split_plan_waves(3, 2, 48, 32, 396)[0] == 2  # 32-token steps: 2 partitions
     rng = np.random.default_rng(7)
     q16, k16, v16, block_tables, context_lens, ref = make_problem(rng, 4, 2, 64, 8, np.float16, [1, 20, 47])
     out16 = np.full(q16.shape, 0x7E00, dtype=np.uint16)
     pa.launch(version, q16, k16, v16, block_tables, context_lens, out16, max_context_len=48)
     err = np.abs(_bits_to_f64(out16, np.float16) - ref)
     assert err.max() <= _tolerance(np.float16), f"max err {err.max():.3g}, mean {err.mean():.3g}"
+
+
+def test_wave_plan_fills_whole_waves():
+    slots = 3 * 132
+    for batch in [32, 64, 128, 256]:
+        splits, part = pa.split_plan_waves(batch, 2, 8192, 32, slots)
+        ctas = batch * 2 * splits
+        assert ctas / (-(-ctas // slots) * slots) >= 0.9
+    assert pa.split_plan_waves(1, 2, 8192, 32, slots) == (64, 128)  # short partitions, many SMs
+    for args in [(1, 2, 8192), (8, 2, 2048), (64, 2, 513), (3, 1, 100)]:
+        splits, part = pa.split_plan_waves(*args, 32, slots)
+        assert part % 32 == 0 and (splits - 1) * part < args[2] <= splits * part
 
 
 def test_split_plan_fills_the_gpu():
