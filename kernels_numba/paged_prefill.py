@@ -5,32 +5,43 @@ Contract (docs/architecture.md): q [total_q, num_heads, head_dim] packs the chun
 num_seqs sequences (cu_seqlens_q); their K/V are already in the pool; query i of a chunk of
 q_len sits at position context_len - q_len + i and sees positions 0..that position.
 
-Work decomposition, one CTA of 128 threads per (sequence, q tile, KV head):
+The versions, side by side (times: H200, Qwen2-0.5B layer 14/2 heads, d=64, fp16, one
+sequence of 2048 new tokens; torch SDPA on a dense cache takes 34.6 us; docs/prefill.md):
 
-    rows   = BQ queries x G query heads of the KV head's GQA group   (BM = 64 or 32 rows)
-    S      = Q_rows . K_tile^T      [BM, BN]  BN = 32 keys per KV tile
-    online softmax per row          (running max m, sum l; fp32)
-    O     += P . V_tile             [BM, head_dim] in registers (fp32)
+    v1  fp32 FMA on CUDA cores, register-blocked from shared-memory fp32 tiles   808 us
+    v2  + tensor cores: mma.sync m16n8k16 (inline PTX), Q and P in registers     196 us
+    v3  + block size as a compile-time constant, softmax on ex2.approx           129 us
 
-* Each K/V tile is loaded from the pool once per CTA and shared by all G heads of the group
-  and all BQ queries (the GQA group is why a row is (query, head) and not just a query).
-* Tiles go through shared memory as fp32: K then V in the same buffer (K is dead once S is
-  computed), rows padded by one word so the strided reads are free of bank conflicts.
-* Register blocking: thread (tr, tc) = (tid // 8, tid % 8) owns rows tr + 16 i (i < BM/16),
-  keys tc + 8 j of S (j < 4) and dims tc + 8 j of O (j < head_dim/8): every shared load feeds
-  2-3 FMAs.
-* The KV loop stops at the causal boundary of the tile's last query; only keys past a row's
-  own position are masked (-inf), and keys past context_len are never read (so unused pool
-  slots can hold anything, NaN included).
-* Global loads are 128-bit (8 halves, `common.load_u32x4`), output goes out through shared
-  memory as packed pairs.
-* The grid is 1-D over tiles (upper bound sum ceil(q_len/BQ) <= total_q/BQ + num_seqs, so no
-  host sync is needed to size it) x KV heads; each CTA finds its (sequence, tile) by scanning
-  cu_seqlens_q, and a sequence's *last* tile (the longest causal range) is scheduled first.
+Common to all: one CTA of 128 threads per (sequence, q tile, KV head), whose rows are
+BQ queries x the G query heads of the KV head's GQA group (so each K/V tile is read from the
+pool once per CTA for all G heads); online softmax (running max m, sum l) in fp32; the KV loop
+stops at the causal boundary of the tile's last query, keys past a row's own position are
+masked (-inf) and keys past context_len are never read (unused pool slots may hold NaN);
+global loads of the pool are 128-bit (`common.load_u32x4`, 8 halves); the grid is 1-D over
+tiles (an upper bound, sum ceil(q_len/BQ) <= total_q/BQ + num_seqs, so sizing it needs no host
+sync) x KV heads, each CTA finds its (sequence, tile) by scanning cu_seqlens_q, and a
+sequence's *last* tile (the longest causal range) is scheduled first.
 
-No tensor cores yet (mma.sync would be the next step): the math runs on fp32 FMA units.
-Supported: fp16 and bf16 q/K/V, head_dim 64 (BM 64) and 128 (BM 32), block_size 8/16/32,
-any GQA ratio G <= BM (G = 1 is MHA).
+v1 (BM = 64 rows at d=64, 32 at d=128; 32-key tiles)
+    S = Q K^T [BM, 32] and O += P V [BM, D] on fp32 FMAs. Q, K/V (one buffer: K is dead once S
+    is done) and P go through shared memory as fp32, rows padded by a word (no bank conflicts).
+    Thread (tr, tc) = (tid // 8, tid % 8) owns rows tr + 16 i, keys tc + 8 j of S and dims
+    tc + 8 j of O: every shared load feeds 2-3 FMAs. One thread per row runs the softmax.
+v2 (BM = 64 = 4 warps x 16 rows; 64-key tiles)
+    Warp w owns rows 16 w .. 16 w + 15. Its Q fragments stay in registers; S = Q K^T is
+    (D/16) x 8 mma per tile with K read from shared memory as pairs; the softmax runs on the
+    S fragments (a row lives in 4 lanes: max by two shfl_xor); P is packed to fp16/bf16 straight
+    into A fragments (the C layout of two n-tiles is the A layout of one k-step) and
+    O += P V reads V^T from shared memory, where the tile was stored transposed (pairs of keys).
+    Shared arrays are flat and indexed (unsigned per-lane base + constant) so the unrolled
+    fragment reads share one address register (with 2-D indexing: 255 registers and spills).
+v3 = v2 with the block size compiled in (the per-tile block-table lookups' 64-bit // and % by a
+    runtime value are long division sequences; a power-of-two constant is a shift and a mask)
+    and exponentials as ex2.approx with log2(e) folded into the scale.
+
+Supported: fp16 and bf16 q/K/V, head_dim 64 and 128, block_size 8/16/32, any GQA ratio
+G <= BM (G = 1 is MHA). Under NUMBA_ENABLE_CUDASIM=1 every version runs in the simulator (v2/v3
+with a numpy fallback of the warp's mma).
 """
 import math
 
@@ -581,7 +592,7 @@ def _build_v3(head_dim, kind, block_size):
 
 VERSIONS = {1: _build_v1, 2: _build_v2, 3: _build_v3}
 SPECIALISED_ON_BLOCK_SIZE = (3,)
-DEFAULT_VERSION = 2
+DEFAULT_VERSION = 3  # the fastest, validated on the H200 (docs/prefill.md)
 
 
 def get_kernel(head_dim, kind, version=DEFAULT_VERSION, block_size=16):
