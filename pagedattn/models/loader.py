@@ -57,7 +57,7 @@ def load_model(path, device="cpu", dtype=torch.float32, attn_backend="auto"):
 
     path: directory with config.json and *.safetensors. device: "cpu", "cuda", ... dtype: parameter dtype.
     attn_backend: "auto" / "torch" / "numba" or a backend object (see pagedattn.attention.get_backend).
-    Returns (model in eval mode on `device`, Qwen2Config).
+    Returns (model in eval mode on `device`, parameters frozen, Qwen2Config).
     """
     path = os.fspath(path)
     config = read_config(path)
@@ -84,4 +84,4 @@ def load_model(path, device="cpu", dtype=torch.float32, attn_backend="auto"):
         model.lm_head.weight = model.model.embed_tokens.weight
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     assert not still_meta, f"parameters left unloaded: {still_meta}"
-    return model.eval(), config
+    return model.eval().requires_grad_(False), config  # inference only: no autograd graphs
