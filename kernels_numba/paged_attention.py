@@ -32,6 +32,11 @@ v6: v5 with two 16-token sub-chunks per warp step at d=64 (16 loads of 16 bytes 
     lane instead of 8; 152 registers, 3 CTAs per SM) and a split-KV plan that sizes the grid
     to whole waves of resident CTAs (v4/v5 could launch 1.2-1.5 waves, the last one mostly
     idle) with partitions down to 128 tokens, so one short sequence still spreads over SMs.
+v7: v5's step, software-pipelined: two register sets, the loads of the warp's next 16-token
+    chunk are issued before the math of the current one (a load is always in flight), heads
+    in one mma row block when G <= 8 (142 registers at d=64, 3 CTAs per SM); v6's wave plan
+    with partitions a multiple of 4 warps x 16 tokens. d=128 runs v5's kernel with that plan
+    (two register sets of d=128 K/V spill).
 
 Every version computes the same function; tests/test_paged_attention_cuda.py checks each under
 the CUDA simulator (tiny shapes) and on the GPU (real shapes) against reference/attention.py.
@@ -538,7 +543,7 @@ def _launch_v4(a, stream):
 
 
 @lru_cache(maxsize=None)
-def _make_v5(head_dim, block_size, group, is_bf16, unroll=1):
+def _make_v5(head_dim, block_size, group, is_bf16, unroll=1, rows=2):
     D, BS, G = head_dim, block_size, group
     NW = NUM_WARPS
     CH = 16  # tokens per warp step: one mma k-slice for p.v, two n-tiles for q.k
@@ -550,6 +555,7 @@ def _make_v5(head_dim, block_size, group, is_bf16, unroll=1):
     VW = DPC // 2  # words of V per token per lane
     ACC = NTILE * 4
     U = unroll  # sub-chunks of 16 tokens whose loads are in flight together (v6: 2)
+    ROWS = rows  # mma row blocks that hold heads: 2 (heads g and g+8), or 1 when G <= 8 (v7)
     KS4, KWN, VWN = KS * 4, 2 * QW, 4 * VW  # local array sizes must be plain constants
     KWU, VWU = KWN * U, VWN * U
     _, _, store, _ = _converters(is_bf16)
@@ -591,7 +597,7 @@ def _make_v5(head_dim, block_size, group, is_bf16, unroll=1):
                 h = g + 8 * r
                 w0 = uint32(0)
                 w1 = uint32(0)
-                if h < G:
+                if r < ROWS and h < G:
                     w0 = uint32(q[s, h0 + h, t * QW + 2 * ks])
                     w1 = uint32(q[s, h0 + h, t * QW + 2 * ks + 1])
                 qa[ks * 4 + r] = w0  # a0 (r=0) / a1 (r=1)
@@ -665,7 +671,9 @@ def _make_v5(head_dim, block_size, group, is_bf16, unroll=1):
                     sc[4 + n * 2 + 1] = d3 * sl if jt + 1 < end else NEG_INF
                 # online softmax per head row (the 4 lanes of a group hold the 16 tokens)
                 pw = cuda.local.array(4, uint32)  # P as A fragments: a0..a3
-                for r in range(2):
+                pw[1] = 0  # rows g+8 stay zero unless ROWS == 2
+                pw[3] = 0
+                for r in range(ROWS):
                     cmax = max(max(sc[r * 4], sc[r * 4 + 1]), max(sc[r * 4 + 2], sc[r * 4 + 3]))
                     cmax = max(cmax, cuda.shfl_xor_sync(FULL_MASK, cmax, 1))
                     cmax = max(cmax, cuda.shfl_xor_sync(FULL_MASK, cmax, 2))
@@ -693,15 +701,18 @@ def _make_v5(head_dim, block_size, group, is_bf16, unroll=1):
                         else:
                             b0 = (vw[vo + i] >> 16) | (vw[vo + VW + i] & 0xFFFF0000)
                             b1 = (vw[vo + 2 * VW + i] >> 16) | (vw[vo + 3 * VW + i] & 0xFFFF0000)
+                        c2 = acc[jn * 4 + 2] if ROWS == 2 else float32(0.0)
+                        c3 = acc[jn * 4 + 3] if ROWS == 2 else float32(0.0)
                         a0, a1, a2, a3 = mma(pw[0], pw[1], pw[2], pw[3], b0, b1, acc[jn * 4], acc[jn * 4 + 1],
-                                             acc[jn * 4 + 2], acc[jn * 4 + 3])
+                                             c2, c3)
                         acc[jn * 4] = a0
                         acc[jn * 4 + 1] = a1
-                        acc[jn * 4 + 2] = a2
-                        acc[jn * 4 + 3] = a3
+                        if ROWS == 2:
+                            acc[jn * 4 + 2] = a2
+                            acc[jn * 4 + 3] = a3
 
         # this warp's result: rows g, g+8; acc[jn*4 + 2r + e] is dim DPC*(2t+e) + jn
-        for r in range(2):
+        for r in range(ROWS):
             x = lsum[r]
             x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
             x += cuda.shfl_xor_sync(FULL_MASK, x, 2)
@@ -819,10 +830,257 @@ def _launch_v6(a, stream):
         )
 
 # ----------------------------------------------------------------------------------------------
+# v7: v5's tensor-core step, software-pipelined: the next step's K/V loads are issued before
+# the current step's math, so every warp always has a step of loads in flight
+
+
+@lru_cache(maxsize=None)
+def _make_v7(head_dim, block_size, group, is_bf16):
+    D, BS, G = head_dim, block_size, group
+    NW = NUM_WARPS
+    CH = 16
+    P = D // 2
+    KS = D // 16
+    QW = D // 8
+    DPC = D // 8
+    NTILE = D // 8
+    VW = DPC // 2
+    ACC = NTILE * 4
+    ROWS = 1 if G <= 8 else 2  # mma row blocks holding heads (g, and g+8 when G > 8)
+    KS4, KWN, VWN = KS * 4, 2 * QW, 4 * VW
+    _, _, store, _ = _converters(is_bf16)
+    mma = mma_m16n8k16_bf16 if is_bf16 else mma_m16n8k16_f16
+    pack = f32x2_to_bf16x2 if is_bf16 else f32x2_to_f16x2
+    QSCALE_LOG2E = float32(LOG2E)
+
+    @cuda.jit(device=True, inline="always")
+    def load_chunk(kw, vw, k_flat, v_flat, block_tables, s, c0, end, g, t, words_per_block, head_off):
+        # K of tokens c0+g, c0+8+g (this lane's D/4 dims); V of tokens c0+2t, +1, +8, +9 (DPC dims)
+        for n in range(2):
+            j = c0 + 8 * n + g
+            if j < end:
+                base = block_tables[s, j // BS] * words_per_block + head_off + (j % BS) * P + t * QW
+                for i in range(QW // 4):
+                    w = load_u32x4(k_flat, base + 4 * i)
+                    kw[n * QW + 4 * i + 0] = w[0]
+                    kw[n * QW + 4 * i + 1] = w[1]
+                    kw[n * QW + 4 * i + 2] = w[2]
+                    kw[n * QW + 4 * i + 3] = w[3]
+            else:
+                for i in range(QW):
+                    kw[n * QW + i] = 0
+        for u in range(4):
+            j = c0 + 2 * t + (u % 2) + 8 * (u // 2)
+            if j < end:
+                base = block_tables[s, j // BS] * words_per_block + head_off + (j % BS) * P + g * VW
+                for i in range(VW // 4):
+                    w = load_u32x4(v_flat, base + 4 * i)
+                    vw[u * VW + 4 * i + 0] = w[0]
+                    vw[u * VW + 4 * i + 1] = w[1]
+                    vw[u * VW + 4 * i + 2] = w[2]
+                    vw[u * VW + 4 * i + 3] = w[3]
+            else:
+                for i in range(VW):
+                    vw[u * VW + i] = 0
+
+    @cuda.jit(device=True, inline="always")
+    def compute_chunk(kw, vw, qa, m, lsum, acc, sc, pw, c0, end, t, sl):
+        # S = Q K^T (2 n-tiles x KS k-steps), online softmax per head row, O += P V (NTILE mmas)
+        for n in range(2):
+            d0 = float32(0.0)
+            d1 = float32(0.0)
+            d2 = float32(0.0)
+            d3 = float32(0.0)
+            for ks in range(KS):
+                d0, d1, d2, d3 = mma(qa[ks * 4], qa[ks * 4 + 1], qa[ks * 4 + 2], qa[ks * 4 + 3],
+                                     kw[n * QW + 2 * ks], kw[n * QW + 2 * ks + 1], d0, d1, d2, d3)
+            jt = c0 + 8 * n + 2 * t
+            sc[n * 2 + 0] = d0 * sl if jt < end else NEG_INF
+            sc[n * 2 + 1] = d1 * sl if jt + 1 < end else NEG_INF
+            if ROWS == 2:
+                sc[4 + n * 2 + 0] = d2 * sl if jt < end else NEG_INF
+                sc[4 + n * 2 + 1] = d3 * sl if jt + 1 < end else NEG_INF
+        pw[1] = 0
+        pw[3] = 0
+        for r in range(ROWS):
+            cmax = max(max(sc[r * 4], sc[r * 4 + 1]), max(sc[r * 4 + 2], sc[r * 4 + 3]))
+            cmax = max(cmax, cuda.shfl_xor_sync(FULL_MASK, cmax, 1))
+            cmax = max(cmax, cuda.shfl_xor_sync(FULL_MASK, cmax, 2))
+            m_new = max(m[r], cmax)
+            alpha = math.exp2(m[r] - m_new)
+            m[r] = m_new
+            p0 = math.exp2(sc[r * 4 + 0] - m_new)
+            p1 = math.exp2(sc[r * 4 + 1] - m_new)
+            p2 = math.exp2(sc[r * 4 + 2] - m_new)
+            p3 = math.exp2(sc[r * 4 + 3] - m_new)
+            lsum[r] = lsum[r] * alpha + (p0 + p1) + (p2 + p3)
+            pw[r] = pack(p0, p1)
+            pw[2 + r] = pack(p2, p3)
+            for jn in range(NTILE):
+                acc[jn * 4 + 2 * r] *= alpha
+                acc[jn * 4 + 2 * r + 1] *= alpha
+        for i in range(VW):
+            for hi in range(2):
+                jn = 2 * i + hi
+                if hi == 0:
+                    b0 = (vw[i] & 0xFFFF) | (vw[VW + i] << 16)
+                    b1 = (vw[2 * VW + i] & 0xFFFF) | (vw[3 * VW + i] << 16)
+                else:
+                    b0 = (vw[i] >> 16) | (vw[VW + i] & 0xFFFF0000)
+                    b1 = (vw[2 * VW + i] >> 16) | (vw[3 * VW + i] & 0xFFFF0000)
+                c2 = acc[jn * 4 + 2] if ROWS == 2 else float32(0.0)
+                c3 = acc[jn * 4 + 3] if ROWS == 2 else float32(0.0)
+                a0, a1, a2, a3 = mma(pw[0], pw[1], pw[2], pw[3], b0, b1, acc[jn * 4], acc[jn * 4 + 1], c2, c3)
+                acc[jn * 4] = a0
+                acc[jn * 4 + 1] = a1
+                if ROWS == 2:
+                    acc[jn * 4 + 2] = a2
+                    acc[jn * 4 + 3] = a3
+
+    @cuda.jit
+    def paged_attention_v7(q, k_flat, v_flat, block_tables, context_lens, out, part_acc,
+                           part_ml, scale, partition):
+        # same arguments as v5
+        kvh = cuda.blockIdx.x
+        s = cuda.blockIdx.y
+        split = cuda.blockIdx.z
+        num_splits = cuda.gridDim.z
+        num_kv_heads = cuda.gridDim.x
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        t = lane % 4
+        ctx = context_lens[s]
+        start = split * partition
+        if start >= ctx:
+            return
+        end = min(ctx, start + partition)
+        h0 = kvh * G
+
+        m_sh = cuda.shared.array((NW, G), float32)
+        l_sh = cuda.shared.array((NW, G), float32)
+        acc_sh = cuda.shared.array((NW, G, D), float32)
+
+        qa = cuda.local.array(KS4, uint32)
+        for ks in range(KS):
+            for r in range(2):
+                h = g + 8 * r
+                w0 = uint32(0)
+                w1 = uint32(0)
+                if r < ROWS and h < G:
+                    w0 = uint32(q[s, h0 + h, t * QW + 2 * ks])
+                    w1 = uint32(q[s, h0 + h, t * QW + 2 * ks + 1])
+                qa[ks * 4 + r] = w0
+                qa[ks * 4 + 2 + r] = w1
+        m = cuda.local.array(2, float32)
+        lsum = cuda.local.array(2, float32)
+        acc = cuda.local.array(ACC, float32)
+        for r in range(2):
+            m[r] = NEG_INF
+            lsum[r] = 0.0
+        for i in range(ACC):
+            acc[i] = 0.0
+        kw_a = cuda.local.array(KWN, uint32)  # two register sets: one in flight, one in use
+        vw_a = cuda.local.array(VWN, uint32)
+        kw_b = cuda.local.array(KWN, uint32)
+        vw_b = cuda.local.array(VWN, uint32)
+        sc = cuda.local.array(8, float32)
+        pw = cuda.local.array(4, uint32)
+        words_per_block = num_kv_heads * BS * P
+        head_off = kvh * BS * P
+        sl = scale * QSCALE_LOG2E
+        num_chunks = (end - start + CH - 1) // CH
+        c = warp
+        if c < num_chunks:
+            load_chunk(kw_a, vw_a, k_flat, v_flat, block_tables, s, start + c * CH, end, g, t,
+                       words_per_block, head_off)
+        while c < num_chunks:
+            # set a holds chunk c: fetch chunk c + NW into set b, then do c's math
+            if c + NW < num_chunks:
+                load_chunk(kw_b, vw_b, k_flat, v_flat, block_tables, s, start + (c + NW) * CH, end, g, t,
+                           words_per_block, head_off)
+            compute_chunk(kw_a, vw_a, qa, m, lsum, acc, sc, pw, start + c * CH, end, t, sl)
+            c += NW
+            if c >= num_chunks:
+                break
+            if c + NW < num_chunks:
+                load_chunk(kw_a, vw_a, k_flat, v_flat, block_tables, s, start + (c + NW) * CH, end, g, t,
+                           words_per_block, head_off)
+            compute_chunk(kw_b, vw_b, qa, m, lsum, acc, sc, pw, start + c * CH, end, t, sl)
+            c += NW
+
+        for r in range(ROWS):
+            x = lsum[r]
+            x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
+            x += cuda.shfl_xor_sync(FULL_MASK, x, 2)
+            h = g + 8 * r
+            if h < G:
+                for jn in range(NTILE):
+                    acc_sh[warp, h, DPC * (2 * t) + jn] = acc[jn * 4 + 2 * r]
+                    acc_sh[warp, h, DPC * (2 * t + 1) + jn] = acc[jn * 4 + 2 * r + 1]
+                if t == 0:
+                    m_sh[warp, h] = m[r]
+                    l_sh[warp, h] = x
+        cuda.syncthreads()
+        for i in range(tid, G * D, NW * 32):
+            hh = i // D
+            d = i % D
+            mx = NEG_INF
+            for w in range(NW):
+                mx = max(mx, m_sh[w, hh])
+            num = float32(0.0)
+            den = float32(0.0)
+            for w in range(NW):
+                f = math.exp2(m_sh[w, hh] - mx)
+                num += acc_sh[w, hh, d] * f
+                den += l_sh[w, hh] * f
+            if num_splits == 1:
+                out[s, h0 + hh, d] = store(num / den)
+            else:
+                part_acc[s, h0 + hh, split, d] = num
+                if d == 0:
+                    part_ml[s, h0 + hh, split, 0] = mx
+                    part_ml[s, h0 + hh, split, 1] = den
+
+    return paged_attention_v7
+
+
+V7_CTAS_PER_SM = {64: 3, 128: 2}  # ptxas: 142 registers at d=64 (v7), 204 at d=128 (v5 kernel)
+
+
+def _launch_v7(a, stream):
+    group = a.num_heads // a.num_kv_heads
+    if group > V5_MAX_GROUP:
+        return _launch_v4(a, stream)
+    if a.head_dim == 64:
+        kernel = _make_v7(a.head_dim, a.block_size, group, a.is_bf16)
+    else:  # two register sets of d=128 K/V spill: d=128 keeps v5's kernel, with v7's plan
+        kernel = _make_v5(a.head_dim, a.block_size, group, a.is_bf16)
+    # partitions a multiple of 4 warps x 16 tokens, so the warps of a CTA get equal work
+    splits, partition = split_plan_waves(a.num_seqs, a.num_kv_heads, a.max_context_len, 16 * NUM_WARPS,
+                                         V7_CTAS_PER_SM[a.head_dim] * a.num_sms)
+    if splits == 1:
+        part_acc = part_ml = a.scratch((1, 1, 1, 1))  # unused
+    else:
+        part_acc = a.scratch((a.num_seqs, a.num_heads, splits, a.head_dim))
+        part_ml = a.scratch((a.num_seqs, a.num_heads, splits, 2))
+    kernel[(a.num_kv_heads, a.num_seqs, splits), NUM_WARPS * 32, stream](
+        a.q32, a.k32, a.v32, a.block_tables, a.context_lens, a.out16, part_acc, part_ml,
+        a.scale, partition,
+    )
+    if splits > 1:
+        merge = _make_merge(a.head_dim, a.is_bf16)
+        merge[(a.num_seqs, a.num_heads), a.head_dim, stream](
+            part_acc, part_ml, a.context_lens, a.out16, partition
+        )
+
+
+# ----------------------------------------------------------------------------------------------
 # launchers
 
-VERSIONS = {1: _launch_v1, 2: _launch_v2, 3: _launch_v3, 4: _launch_v4, 5: _launch_v5, 6: _launch_v6}
-BEST_VERSION = 6
+VERSIONS = {1: _launch_v1, 2: _launch_v2, 3: _launch_v3, 4: _launch_v4, 5: _launch_v5, 6: _launch_v6, 7: _launch_v7}
+BEST_VERSION = 7
 
 
 @dataclass

@@ -48,6 +48,7 @@ SIGS = {
     4: (i16_3, i32_1, i32_1, bt, cl, i16_3, f32_4, f32_4, types.float32, types.int64),
     5: (i32_3, i32_1, i32_1, bt, cl, i16_3, f32_4, f32_4, types.float32, types.int64),
     6: (i32_3, i32_1, i32_1, bt, cl, i16_3, f32_4, f32_4, types.float32, types.int64),
+    7: (i32_3, i32_1, i32_1, bt, cl, i16_3, f32_4, f32_4, types.float32, types.int64),
 }
 
 def ops_of(ptx):
@@ -94,6 +95,8 @@ CONFIGS = [
     (5, 64, 8, 1, "bf16"),
     (6, 64, 16, 7, "f16"),
     (6, 128, 16, 7, "bf16"),
+    (7, 64, 16, 7, "f16"),
+    (7, 64, 8, 16, "bf16"),
 ]
 
 

@@ -99,7 +99,7 @@ def test_version_matches_reference(version, case):
     assert err.max() <= _tolerance(dtype), f"v{version}: max err {err.max():.3g}, mean {err.mean():.3g}"
 
 
-@pytest.mark.parametrize("version", [4, 5, 6])
+@pytest.mark.parametrize("version", [4, 5, 6, 7])
 def test_split_kv_matches_reference(monkeypatch, version):
     """Force several partitions on tiny lengths so the split + merge path runs in CI."""
     monkeypatch.setattr(pa, "MIN_PARTITION", 16)
