@@ -1,6 +1,6 @@
 """Demo: a few coding questions batched through the paged runtime on the bundled model.
 
-    python -m pagedattn                                   # default questions, greedy, 64 tokens
+    python -m pagedattn                                   # default questions, greedy, 48 tokens
     python -m pagedattn --prompt "Write a haiku about caches." --max-tokens 48 --temperature 0.7
     python -m pagedattn --model path/to/qwen2_dir --device cuda
 
@@ -18,12 +18,12 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def main(prompts=None, max_tokens=64, temperature=0.0, model=None, device="auto", use_tqdm=True):
+def main(prompts=None, max_tokens=48, temperature=0.0, model=None, device="auto", use_tqdm=True):
     from pagedattn import LLM, SamplingParams
 
     prompts = prompts or DEFAULT_PROMPTS
     t0 = time.perf_counter()
-    llm = LLM(model, device=device, max_model_len=2048, max_num_seqs=32)
+    llm = LLM(model, device=device, max_model_len=2048, max_num_seqs=16)
     load_s = time.perf_counter() - t0
     engine = llm.engine
     print(f"model: {engine.model_path} on {engine.device} ({str(engine.config.dtype).replace('torch.', '')}), "
@@ -66,7 +66,7 @@ def main(prompts=None, max_tokens=64, temperature=0.0, model=None, device="auto"
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m pagedattn", description=__doc__.split("\n")[0])
     ap.add_argument("--prompt", action="append", help="a question (repeatable); default: four coding questions")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--model", default=None, help="HF Qwen2 directory (default: the bundled model)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")

@@ -53,9 +53,13 @@ def hf_generate(model, ids, **kwargs):
     return out[0, len(ids):].tolist()
 
 
-def test_greedy_equals_hf_generate(llm, hf_model, chat_ids):
-    outs = llm.generate(chat_ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    for ids, out in zip(chat_ids, outs):
+@pytest.fixture(scope="module")
+def greedy_outs(llm, chat_ids):
+    return llm.generate(chat_ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+
+
+def test_greedy_equals_hf_generate(llm, hf_model, chat_ids, greedy_outs):
+    for ids, out in zip(chat_ids, greedy_outs):
         want = hf_generate(hf_model, ids, max_new_tokens=MAX_TOKENS)
         got = out.outputs[0].token_ids
         assert got == want, f"first difference at token {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
@@ -78,9 +82,8 @@ def test_beam_search_equals_hf(llm, hf_model, chat_ids):
     assert bm.num_free_blocks == bm.total_blocks
 
 
-def test_stop_string_removed(llm, chat_ids):
-    greedy = llm.generate([chat_ids[0]], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    text = greedy[0].outputs[0].text
+def test_stop_string_removed(llm, chat_ids, greedy_outs):
+    text = greedy_outs[0].outputs[0].text
     stop = "def "
     assert stop in text
     out = llm.generate([chat_ids[0]], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[stop]),

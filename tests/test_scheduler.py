@@ -26,6 +26,8 @@ def fake_next_token(token_ids):
 class FakeEngine:
     """The engine's loop without a model: schedule, 'compute', append the fake next token."""
 
+    total_steps = 0
+
     def __init__(self, num_blocks, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, prefix_caching=False):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
         self.sched = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, block_size), self.bm)
@@ -42,6 +44,7 @@ class FakeEngine:
         return seq
 
     def step(self):
+        FakeEngine.total_steps += 1
         running_before = {s.seq_id for s in self.sched.running}
         out = self.sched.schedule()
         self.outputs.append(out)
@@ -264,7 +267,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.eng.bm.num_free_blocks == self.eng.bm.total_blocks
 
 
-# 40 runs x 50 rules = 2,000 random operations per CI run; PAGEDATTN_LONG_FUZZ=1 runs 25x more.
+# 60 runs x 50 rules = 3,000 random operations per CI run (over 1,000 of them scheduler steps, plus the
+# steps that drain each run in teardown); PAGEDATTN_LONG_FUZZ=1 runs 25x more.
 _SCALE = 25 if os.environ.get("PAGEDATTN_LONG_FUZZ") else 1
-SchedulerMachine.TestCase.settings = settings(max_examples=40 * _SCALE, stateful_step_count=50, deadline=None)
+SchedulerMachine.TestCase.settings = settings(max_examples=60 * _SCALE, stateful_step_count=50, deadline=None)
 test_scheduler_state_machine = SchedulerMachine.TestCase
