@@ -12,7 +12,7 @@ replay of >= 20 calls that rotate over >= 4 KV buffer sets (more for small sets,
 60 MB L2 does not serve them), median of >= 10 replays. Reported: us per call, GB/s of KV read
 (2 * B * ctx * kv_heads * d * 2 bytes), % of the measured copy bandwidth, ratio to SDPA.
 
-    python scripts/bench_kernels.py --out docs/            # table, bench_kernels.json, PNG
+    python scripts/bench_kernels.py --out docs/            # kernels_bench.md / .json / .png
     python scripts/bench_kernels.py --quick                # a few points, for a smoke test
 """
 import argparse
@@ -345,8 +345,8 @@ def main(out_dir=None, quick=False, versions=None, flex=True):
     if out_dir:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_kernels.md").write_text(report + "\n")
-        (out / "bench_kernels.json").write_text(json.dumps(dict(meta=meta, grid=rows, concurrency=conc_rows), indent=1))
+        (out / "kernels_bench.md").write_text(report + "\n")
+        (out / "kernels_bench.json").write_text(json.dumps(dict(meta=meta, grid=rows, concurrency=conc_rows), indent=1))
         plot(rows, versions, out / "kernels_bench.png")
         try:
             (out / "sass_summary.json").write_text(json.dumps(sass_summary(), indent=1, default=str))
@@ -357,7 +357,7 @@ def main(out_dir=None, quick=False, versions=None, flex=True):
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="directory for bench_kernels.md/.json and the PNG")
+    ap.add_argument("--out", default=None, help="directory for kernels_bench.md/.json/.png and sass_summary.json")
     ap.add_argument("--quick", action="store_true", help="a few points only")
     ap.add_argument("--versions", type=int, nargs="*", default=None)
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
