@@ -1144,7 +1144,7 @@ def check_supported(num_heads, num_kv_heads, head_dim, block_size):
 
 def launch(version, q, k_cache, v_cache, block_tables, context_lens, out, scale=None,
            is_bf16=False, max_context_len=None, stream=0, scratch=None):
-    """Low-level launcher: raw-bit arrays, no validation of values.
+    """Low-level launcher: raw-bit arrays, no validation of values (version None: the best).
 
     q, out: [num_seqs, num_heads, head_dim] uint16/int16 holding fp16 or bf16 bits
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] uint16/int16 bits
