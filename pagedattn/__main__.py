@@ -27,7 +27,6 @@ def main(prompts=None, max_tokens=48, temperature=0.0, model=None, device="auto"
     load_s = time.perf_counter() - t0
     engine = llm.engine
     print(f"model: {engine.model_path} on {engine.device} ({str(engine.config.dtype).replace('torch.', '')}), "
-          f"attention backend: {type(engine.model.attn_backend).__name__ if not isinstance(engine.model.attn_backend, str) else engine.model.attn_backend}, "
           f"KV pool: {engine.num_blocks} blocks x {engine.config.block_size} tokens "
           f"({engine.num_blocks * engine.bytes_per_block / 2**20:.0f} MiB); loaded in {load_s:.1f} s")
 
@@ -52,12 +51,14 @@ def main(prompts=None, max_tokens=48, temperature=0.0, model=None, device="auto"
     n_prompt = sum(len(o.prompt_token_ids) for o in outs)
     n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
     print("\n" + "=" * 80)
-    print(f"{len(outs)} requests: {n_prompt} prompt tokens, {n_gen} generated tokens in {gen_s:.1f} s "
+    print(f"{len(outs)} request(s): {n_prompt} prompt tokens, {n_gen} generated tokens in {gen_s:.1f} s "
           f"-> {n_gen / gen_s:.1f} generated tok/s, {(n_prompt + n_gen) / gen_s:.1f} total tok/s")
     print(f"KV blocks used at peak: {round(m['peak_kv_usage'] * m['num_blocks'])} of {m['num_blocks']} "
           f"({100 * m['peak_kv_usage']:.1f}%); internal fragmentation (mean over steps): "
           f"{100 * m['mean_kv_fragmentation']:.1f}% of allocated slots")
-    print(f"prefix-cache hit rate: {100 * m['prefix_cache_hit_rate']:.1f}% of prompt tokens; "
+    backend = engine.model.attn_backend
+    print(f"attention backend: {getattr(backend, 'name', backend)}; "
+          f"prefix-cache hit rate: {100 * m['prefix_cache_hit_rate']:.1f}% of prompt tokens; "
           f"preemptions: {m['num_preemptions']}; steps: {m['num_steps']}; "
           f"mean TTFT {m['mean_ttft_s']:.2f} s, mean inter-token latency {1000 * (m['mean_itl_s'] or 0):.0f} ms")
     return outs
