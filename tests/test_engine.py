@@ -252,3 +252,28 @@ def test_beam_search_in_a_tight_pool_runs_prompts_in_groups(tiny_checkpoint):
     assert_clean(tight)
     with pytest.raises(InvalidRequestError, match="beam"):
         tight.beam_search([PROMPTS[5]], BeamSearchParams(beam_width=5, max_tokens=8), use_tqdm=False)
+
+
+def test_max_num_seqs_holds_with_forks(tiny_checkpoint, hf_greedy):
+    from pagedattn import BeamSearchParams
+
+    llm = LLM(tiny_checkpoint, device="cpu", num_blocks=256, block_size=8, max_num_seqs=4)
+    sched = llm.engine.scheduler
+    schedule, seen = sched.schedule, []
+
+    def watched():
+        out = schedule()
+        seen.append((len(out.scheduled), len(sched.running)))
+        return out
+
+    sched.schedule = watched
+    params = [SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6), greedy(), greedy(),
+              SamplingParams(n=4, temperature=0.0, max_tokens=MAX_TOKENS)]
+    outs = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3]], params, use_tqdm=False)
+    assert [c.token_ids for c in outs[3].outputs] == [hf_greedy[3]] * 4
+    assert ids(outs[1:3]) == hf_greedy[1:3]
+    llm.beam_search(PROMPTS[:3], BeamSearchParams(beam_width=2, max_tokens=4), use_tqdm=False)
+    assert max(n for n, _ in seen) <= 4 and max(r for _, r in seen) <= 4
+    with pytest.raises(InvalidRequestError, match="beam_width=5"):
+        llm.beam_search(PROMPTS[:1], BeamSearchParams(beam_width=5, max_tokens=4), use_tqdm=False)
+    assert_clean(llm)

@@ -86,7 +86,7 @@ def _run_group(engine, prompts, prompt_ids, params, bar):
     states = []
     for prompt, ids in zip(prompts, prompt_ids):
         rid = f"beam-{next(engine.seq_ids)}"
-        root = engine.add_beam_root(rid, ids).seqs[0]
+        root = engine.add_beam_root(rid, ids, params.beam_width).seqs[0]
         states.append(_PromptBeams(rid, prompt, ids, root))
     try:
         while not all(s.done for s in states):
@@ -123,6 +123,8 @@ def _advance(engine, s, params):
         if len(chosen) == width:
             break
 
+    for beam in s.beams:
+        beam.num_pending_forks = 0
     # Fork before any beam gets its new token: a child copies its parent's tokens.
     taken, plan = set(), []
     for score, beam, token in chosen:

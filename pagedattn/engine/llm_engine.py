@@ -237,6 +237,8 @@ class LLMEngine:
                                       f"max_model_len={max_len}: max_tokens must be in [1, {max_len - n_prompt}]")
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} must be in [1, max_num_seqs={self.config.max_num_seqs}]")
+        if beam_width > self.config.max_num_seqs:
+            raise InvalidRequestError(f"beam_width={beam_width} must be in [1, max_num_seqs={self.config.max_num_seqs}]")
         blocks = -(-(n_prompt + params.max_tokens) // self.config.block_size) * beam_width
         if blocks > self.num_blocks:
             what = f"{beam_width} beams x " if beam_width > 1 else ""
@@ -256,18 +258,19 @@ class LLMEngine:
         group = SequenceGroup(request_id, prompt if isinstance(prompt, str) else None, ids, params, arrival)
         seq = Sequence(next(self.seq_ids), request_id, ids, len(ids), params, 0, arrival,
                        make_generator(params.seed, 0))
+        seq.num_pending_forks = params.n - 1
         group.seqs.append(seq)
         self.groups[request_id] = group
         self.scheduler.add(seq)
         return group
 
-    def add_beam_root(self, request_id, prompt_token_ids):
+    def add_beam_root(self, request_id, prompt_token_ids, beam_width=1):
         """A beam-search request's first sequence (params None: its logits go to the driver as
         log-probabilities in `seq.logprobs` instead of being sampled)."""
         arrival = now()
         group = SequenceGroup(request_id, None, prompt_token_ids, None, arrival)
         seq = Sequence(next(self.seq_ids), request_id, prompt_token_ids, len(prompt_token_ids), None, 0, arrival)
-        seq.logprobs = None
+        seq.num_pending_forks = beam_width - 1
         group.seqs.append(seq)
         self.groups[request_id] = group
         self.scheduler.add(seq)
@@ -332,6 +335,7 @@ class LLMEngine:
             to_sample.append(seq)
             if not group.forked:                         # n > 1: fork the others off the prefilled prompt
                 group.forked = True
+                seq.num_pending_forks = 0
                 for j in range(1, seq.params.n):
                     rows.append(i)
                     to_sample.append(self.fork(seq, j, make_generator(seq.params.seed, j)))

@@ -10,7 +10,8 @@ computes a chunk of the gap for some of them. Policy, per step:
    running sequence is preempted: its blocks are freed, its computed count drops to 0 and it goes to
    the front of the waiting queue; it is recomputed later (recompute, not swap).
 2. Only if nothing was preempted this step, waiting sequences are admitted in arrival order (no
-   skipping) while the token budget, `max_num_seqs` and the pool allow. Admission allocates the
+   skipping) while the token budget, `max_num_seqs` (counting the sequences a request will fork
+   into) and the pool allow. Admission allocates the
    blocks of every known token at once; with prefix caching, leading full blocks already in the
    cache are reused and count as computed.
 
@@ -109,7 +110,7 @@ class Scheduler:
 
         # 1. Running sequences, oldest first; make room by preempting the newest.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(chosen) < self.config.max_num_seqs:
             seq = self.running[i]
             n = min(seq.num_new_tokens, budget)
             if n == 0:          # nothing to compute (a beam waiting for its driver)
@@ -130,8 +131,13 @@ class Scheduler:
 
         # 2. Admit waiting sequences, unless this step had to preempt.
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            # Sequences running now or forked later (n > 1, beams): admission keeps them <= max_num_seqs.
+            seats = sum(1 + s.num_pending_forks for s in self.running)
+            while self.waiting and budget > 0 and len(chosen) < self.config.max_num_seqs:
                 seq = self.waiting[0]
+                if seats + 1 + seq.num_pending_forks > self.config.max_num_seqs:
+                    break
+                seats += 1 + seq.num_pending_forks
                 if not self._can_admit(seq):
                     break
                 self.waiting.popleft()

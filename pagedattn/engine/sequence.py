@@ -48,6 +48,7 @@ class Sequence:
         self.cumulative_logprob = 0.0    # beam search
         self.logprobs = None             # beam search: [vocab] log-probabilities of the next token
         self.num_preemptions = 0
+        self.num_pending_forks = 0       # siblings this sequence will fork into (n > 1, beams) once prefilled
         self.num_cached_tokens = 0       # prompt tokens served by the prefix cache at the last admission
         self.first_token_time = None
         self.last_token_time = None
