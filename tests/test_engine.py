@@ -277,3 +277,22 @@ def test_max_num_seqs_holds_with_forks(tiny_checkpoint, hf_greedy):
     with pytest.raises(InvalidRequestError, match="beam_width=5"):
         llm.beam_search(PROMPTS[:1], BeamSearchParams(beam_width=5, max_tokens=4), use_tqdm=False)
     assert_clean(llm)
+
+
+def test_beam_search_while_other_requests_run(tiny_checkpoint, hf_greedy):
+    from pagedattn import BeamSearchParams
+
+    llm = LLM(tiny_checkpoint, device="cpu", num_blocks=128, block_size=8)
+    bp = BeamSearchParams(beam_width=3, max_tokens=5)
+    alone = [o.sequences[0].output_token_ids for o in llm.beam_search(PROMPTS[:2], bp, use_tqdm=False)]
+    engine = llm.engine
+    engine.add_request("short", PROMPTS[1], greedy(2))        # finishes during the beam search
+    engine.add_request("long", PROMPTS[4], greedy())
+    mixed = [o.sequences[0].output_token_ids for o in llm.beam_search(PROMPTS[:2], bp, use_tqdm=False)]
+    assert mixed == alone
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o.outputs[0].token_ids
+    assert outs == {"short": hf_greedy[1][:2], "long": hf_greedy[4]}
+    assert_clean(llm)

@@ -90,7 +90,8 @@ def _run_group(engine, prompts, prompt_ids, params, bar):
         states.append(_PromptBeams(rid, prompt, ids, root))
     try:
         while not all(s.done for s in states):
-            engine.step()
+            outs = engine.step()
+            engine.deferred_outputs.extend(outs)     # other requests' outputs: for their own caller
             for s in states:
                 if not s.done and all(b.logprobs is not None for b in s.beams):
                     _advance(engine, s, params)

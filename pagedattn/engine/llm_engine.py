@@ -164,6 +164,7 @@ class LLMEngine:
         self.seq_ids = itertools.count()
         self.stats = EngineStats()
         self._frag_sum, self._frag_n = 0.0, 0
+        self.deferred_outputs = []         # finished while a beam search drove the steps; returned next step
 
     # ---- set-up ---------------------------------------------------------------------------------
     @staticmethod
@@ -303,18 +304,20 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self):
-        return bool(self.groups)
+        return bool(self.groups or self.deferred_outputs)
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self):
-        """Run one scheduler step. Returns RequestOutputs of the requests that finished in it."""
+        """Run one scheduler step. Returns RequestOutputs of the requests that finished in it (and of
+        any that finished while `beam_search` was driving the engine)."""
         t0 = now()
+        deferred, self.deferred_outputs = self.deferred_outputs, []
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.scheduler.waiting and not any(s.num_new_tokens for s in self.scheduler.running):
                 raise RuntimeError(f"no progress possible: {len(self.scheduler.waiting)} sequences wait for blocks "
                                    f"that {len(self.scheduler.running)} paused sequences hold")
-            return []
+            return deferred
         logits, seqs = self.runner.execute(out)
         self.scheduler.update(out)
         t = now()
@@ -322,7 +325,7 @@ class LLMEngine:
         num_generated = sum(1 for s in seqs if s.params is not None)
         self.stats.record_step(out.num_batched_tokens, num_generated, now() - t0, self.block_manager.utilization)
         self._sample_fragmentation()
-        return finished
+        return deferred + finished
 
     def _process(self, logits, seqs, t):
         rows, to_sample = [], []
