@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -311,7 +312,9 @@ def sass_summary():
     return summary
 
 
-def main(out_dir=None, quick=False, versions=None, flex=True):
+def main(out_dir=None, quick=False, versions=None, flex=True, prefill=True):
+    """Decode grid + concurrency table; with prefill=True also the paged prefill kernel vs SDPA
+    on a dense causal prefix (scripts/bench_prefill.py, same method, same run)."""
     from kernels_numba import paged_attention as pa
 
     versions = versions or sorted(pa.VERSIONS)
@@ -352,6 +355,11 @@ def main(out_dir=None, quick=False, versions=None, flex=True):
             (out / "sass_summary.json").write_text(json.dumps(sass_summary(), indent=1, default=str))
         except Exception as e:  # the disassembler is optional
             print(f"SASS summary unavailable: {type(e).__name__}: {e}")
+    if prefill:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_prefill
+
+        bench_prefill.main(out=out_dir)
     return rows
 
 
@@ -361,5 +369,6 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true", help="a few points only")
     ap.add_argument("--versions", type=int, nargs="*", default=None)
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the paged prefill rows")
     a = ap.parse_args()
-    main(a.out, a.quick, a.versions, not a.no_flex)
+    main(a.out, a.quick, a.versions, not a.no_flex, not a.no_prefill)
