@@ -9,6 +9,8 @@ Strings are tokenized as they are (no chat template: apply `llm.get_tokenizer().
 yourself, as the demo does).
 """
 import itertools
+import os
+import weakref
 
 from tqdm.auto import tqdm
 
@@ -23,18 +25,64 @@ class LLM:
     model: HF Qwen2 checkpoint directory, None = the bundled model. The other arguments are
     EngineConfig's (device, dtype, block_size, num_blocks, max_model_len, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, attn_backend, enforce_eager, ...).
+
+    tensor_parallel_size: P > 1 shards the model over P ranks (see docs/tensor_parallel.md): this process
+    is rank 0 and starts P - 1 worker processes (spawn; NCCL on cuda:0..P-1, gloo on CPU). They stop on
+    close(), at the end of a `with LLM(...)` block, at interpreter exit, and after a failed step. Scripts
+    that use it need the `if __name__ == "__main__":` guard that spawn requires.
     """
 
     def __init__(self, model=None, device="auto", dtype="auto", block_size=16, num_blocks=None,
                  max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=None,
-                 enable_prefix_caching=True, attn_backend="auto", enforce_eager=False, **kwargs):
+                 enable_prefix_caching=True, attn_backend="auto", enforce_eager=False, tensor_parallel_size=1,
+                 **kwargs):
+        self._close = None
+        if tensor_parallel_size != 1:
+            enforce_eager = True             # the CUDA-graph decode path is single-rank
         config = EngineConfig(model=model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
                               enable_prefix_caching=enable_prefix_caching, attn_backend=attn_backend,
                               enforce_eager=enforce_eager, **kwargs)
-        self.engine = LLMEngine(config)
+        if tensor_parallel_size == 1:
+            self.engine = LLMEngine(config)
+        else:
+            self.engine = self._tensor_parallel_engine(config, tensor_parallel_size)
         self._request_ids = itertools.count()
+
+    def _tensor_parallel_engine(self, config, tp):
+        from pagedattn.distributed.parallel import check_tensor_parallel_size
+        from pagedattn.distributed.worker import TensorParallelGroup
+        from pagedattn.models.loader import read_config
+
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise InvalidRequestError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        if config.device not in ("cpu", "cuda", "cuda:0"):
+            raise InvalidRequestError(f"tensor_parallel_size={tp} runs rank r on cuda:r (or all on cpu): "
+                                      f"device must be 'auto', 'cpu', 'cuda' or 'cuda:0', got {config.device!r}")
+        if config.model is None:
+            from pagedattn.bundled import bundled_model_path
+            config.model = bundled_model_path()
+        path = os.fspath(config.model)
+        check_tensor_parallel_size(read_config(path), tp)    # before any process starts
+        group = TensorParallelGroup(tp, config, path)
+        self._close = weakref.finalize(self, group.shutdown)  # also runs at interpreter exit
+        try:
+            return group.attach(LLMEngine(config))
+        except BaseException:
+            self._close()
+            raise
+
+    def close(self):
+        """Stop the tensor-parallel workers (a no-op at tensor_parallel_size=1); idempotent."""
+        if self._close is not None:
+            self._close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def get_tokenizer(self):
         """The checkpoint's HF tokenizer (with its chat template), or None for a bare checkpoint."""
