@@ -7,7 +7,6 @@ float32 noise (1e-4 absolute on logits of magnitude ~10), and the greedy ids mus
 """
 import random
 
-import torch
 from helpers import tiny_checkpoint  # noqa: F401
 
 from pagedattn import LLM, SamplingParams

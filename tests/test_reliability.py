@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import make_hf_tiny_model, tiny_checkpoint  # noqa: F401
+from helpers import tiny_checkpoint  # noqa: F401  (session fixture)
 
 from pagedattn import LLM, BeamSearchParams, SamplingParams
 from pagedattn.errors import InvalidRequestError, KernelLaunchError, ModelLoadError
