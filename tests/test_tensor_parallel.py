@@ -10,8 +10,8 @@ The tiny Qwen2 (tests/helpers.py: 6 query heads, 2 KV heads, vocab 128, intermed
   adds the two ranks' partial o_proj / down_proj sums in another order than one matmul, so float32
   logits differ by ~1e-6. On this model no greedy choice is that close to a tie; a model where one
   is could flip a token, which would not be a bug.
-- A worker killed mid-life makes the next generate raise TensorParallelError in the parent quickly
-  (no hang), and leaves no child process.
+- A worker killed mid-life, or one that raises, makes generate raise TensorParallelError in the
+  parent within seconds (no hang; the worker's traceback in the message), leaving no child process.
 - close() / Ctrl-C stop the workers: no child process remains.
 """
 import multiprocessing
@@ -118,6 +118,21 @@ def test_worker_failure_raises_in_parent(tiny_checkpoint):  # noqa: F811
     assert time.monotonic() - t0 < 30
     assert is_gone(pid) and not multiprocessing.active_children()
     llm.close()
+
+
+def test_worker_exception_surfaces_in_parent(tiny_checkpoint):  # noqa: F811
+    """An exception raised inside the worker (here: an op it does not know) reaches the parent with the
+    worker's traceback, within seconds."""
+    from pagedattn.distributed.worker import send_op
+
+    llm = LLM(tiny_checkpoint, tensor_parallel_size=TP, **ENGINE_ARGS)
+    (pid,) = llm.engine.runner.group.pids
+    send_op(99, 0, llm.engine.runner.device)
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match="unknown op 99"):
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert time.monotonic() - t0 < 30
+    assert is_gone(pid) and not multiprocessing.active_children()
 
 
 CTRL_C_SCRIPT = textwrap.dedent("""

@@ -132,6 +132,8 @@ def worker_main(index, world_size, init_method, model_path, device_type, dtype, 
                     op, msg = recv(device)
                     if op == OP_STOP:
                         break
+                    if op != OP_STEP:
+                        raise RuntimeError(f"rank {rank}: unknown op {op} from rank 0")
                     run_step(runner, *msg)
     finally:
         dist.destroy_process_group()
@@ -209,13 +211,15 @@ class TensorParallelGroup:
         """Shut down and raise TensorParallelError, with the failed worker's traceback when there is one."""
         self.healthy = False
         worker_error = None
-        try:
-            self.context.join(timeout=5)          # raises if a worker exited with an error or a signal
-        except Exception as e:                     # ProcessRaisedException / ProcessExitedException
-            worker_error = e
+        if not isinstance(cause, KeyboardInterrupt):   # on Ctrl-C the workers are fine: just stop them
+            try:
+                self.context.join(timeout=5)      # raises if a worker exited with an error or a signal
+            except Exception as e:                 # ProcessRaisedException / ProcessExitedException
+                worker_error = e
         self.shutdown()
         if worker_error is not None:
-            raise TensorParallelError(f"a tensor-parallel worker failed:\n{worker_error}") from cause
+            raise TensorParallelError(f"a tensor-parallel worker failed (spawn process i is rank i + 1):\n"
+                                      f"{worker_error}") from cause
         if isinstance(cause, KeyboardInterrupt):
             raise cause
         raise TensorParallelError(f"tensor-parallel step failed on rank 0: {cause!r}; workers shut down") from cause
