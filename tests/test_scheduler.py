@@ -219,7 +219,7 @@ def test_many_requests_tiny_pool_all_finish(num_blocks, prefix_caching):
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random arrivals, aborts and steps over a tiny pool (prefix caching on)."""
+    """Random arrivals, forks (copy-on-write), aborts and steps over a tiny pool (prefix caching on)."""
 
     def __init__(self):
         super().__init__()
@@ -233,6 +233,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         s = self.eng.add(prompt, max_tokens)
         self.live[s.seq_id] = (s, expected_output(prompt, max_tokens))
+
+    def _forkable(self):
+        # Running and caught up except for the token just sampled: how the engine forks n > 1 / beams.
+        return sorted(s.seq_id for s in self.eng.sched.running if s.num_computed_tokens == s.num_tokens - 1)
+
+    @precondition(lambda self: self._forkable())
+    @rule(data=st.data())
+    def fork(self, data):
+        eng = self.eng
+        parent_id = data.draw(st.sampled_from(self._forkable()))
+        parent = next(s for s in eng.sched.running if s.seq_id == parent_id)
+        child = parent.fork(eng.next_id, 1)
+        eng.next_id += 1
+        eng.bm.share_prefix(parent.seq_id, child.seq_id, len(eng.bm.block_table(parent.seq_id)))
+        eng.sched.add_running(child)
+        eng.max_tokens[child.seq_id] = eng.max_tokens[parent.seq_id]
+        self.live[child.seq_id] = (child, self.live[parent.seq_id][1])
 
     @precondition(lambda self: any(not s.is_finished for s, _ in self.live.values()))
     @rule(data=st.data())
