@@ -46,7 +46,8 @@ class EngineConfig:
         model's max_position_embeddings). max_num_seqs / max_num_batched_tokens: per-step caps
         (default token budget: 2048 on CPU, 8192 on CUDA).
     enable_prefix_caching: reuse the KV of identical leading prompt blocks across requests.
-    attn_backend: "auto" / "torch" / "numba". enforce_eager: no CUDA graphs (the only mode so far).
+    attn_backend: "auto" / "torch" / "numba". enforce_eager: no CUDA graphs (pure-decode steps on CUDA
+        otherwise replay captured graphs; see pagedattn.engine.cuda_graph).
     gpu_memory_utilization: fraction of free GPU memory the KV pool may take (after a reserve).
     cpu_kv_cache_fraction: fraction of available host memory the KV pool may take on CPU.
     """
@@ -159,7 +160,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.block_size), self.block_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  enforce_eager=config.enforce_eager)
         self.groups = {}                   # request_id -> SequenceGroup, unfinished requests
         self.seq_ids = itertools.count()
         self.stats = EngineStats()
