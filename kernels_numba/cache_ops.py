@@ -26,10 +26,10 @@ Two levels of API:
 * `launch_reshape_and_cache(...)`, `launch_copy_blocks(...)`: numba device arrays (or numpy
   arrays in the simulator) of integer words, no validation, an optional numba stream.
 """
-import numpy as np
 import torch
 from numba import config, cuda
 
+from kernels_numba.common import check_tensor, torch_stream
 from pagedattn.errors import KernelLaunchError
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
@@ -126,24 +126,8 @@ def _as_array(t):
     return cuda.as_cuda_array(t)
 
 
-def _stream():
-    if SIMULATOR:
-        return 0
-    return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
-
-
-def _check_device(name, t):
-    if not isinstance(t, torch.Tensor):
-        raise KernelLaunchError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if SIMULATOR:
-        if t.device.type != "cpu":
-            raise KernelLaunchError(f"{name} must be a CPU tensor in the CUDA simulator, got {t.device}")
-    elif t.device.type != "cuda":
-        raise KernelLaunchError(f"{name} must be a CUDA tensor, got {t.device}")
-
-
 def _check_cache(name, cache):
-    _check_device(name, cache)
+    check_tensor(name, cache)
     if cache.dim() != 4:
         raise KernelLaunchError(
             f"{name} must be [num_blocks, num_kv_heads, block_size, head_dim], got shape {tuple(cache.shape)}"
@@ -170,7 +154,7 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, check_bounds=T
     Tensors on CUDA (CPU under the simulator); runs on torch's current stream.
     """
     for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
-        _check_device(name, t)
+        check_tensor(name, t)
     _check_cache("k_cache", k_cache)
     _check_cache("v_cache", v_cache)
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
@@ -207,7 +191,7 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, check_bounds=T
     kw, vw = _word_view(key), _word_view(value)
     kcw, vcw = k_cache.view(kw.dtype), v_cache.view(vw.dtype)
     launch_reshape_and_cache(
-        _as_array(kw), _as_array(vw), _as_array(kcw), _as_array(vcw), _as_array(slot_mapping), _stream()
+        _as_array(kw), _as_array(vw), _as_array(kcw), _as_array(vcw), _as_array(slot_mapping), torch_stream()
     )
 
 
@@ -257,4 +241,4 @@ def copy_blocks(k_caches, v_caches, block_mapping, check_bounds=True):
     mapping = mapping.to(device).contiguous()
     # each cache as [num_blocks, words_per_block]: a block of one layer is contiguous
     words = tuple(_as_array(_word_view(c.view(num_blocks, -1))) for c in caches)
-    launch_copy_blocks(words, _as_array(mapping), _stream())
+    launch_copy_blocks(words, _as_array(mapping), torch_stream())

@@ -324,3 +324,45 @@ def warp_max(x):
     x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
     x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
     return x
+
+
+# ----------------------------------------------------------------------------------------
+# Host-side helpers shared by the launchers
+
+_STREAMS = {}  # torch stream handle -> numba external stream
+
+
+def torch_stream(device=None):
+    """The numba stream that wraps torch's current CUDA stream (0 under the simulator).
+
+    Launching on it orders kernels with torch's own work and lets torch.cuda.graph capture them.
+    """
+    if SIMULATOR:
+        return 0
+    import torch
+
+    handle = torch.cuda.current_stream(device).cuda_stream
+    stream = _STREAMS.get(handle)
+    if stream is None:
+        stream = _STREAMS[handle] = cuda.external_stream(handle)
+    return stream
+
+
+def check_tensor(name, t, dim=None, dtypes=None):
+    """Raise KernelLaunchError naming `name` unless t is a torch tensor on the kernels' device
+    (CUDA, or CPU under the simulator) with `dim` dims and a dtype in `dtypes`."""
+    import torch
+
+    from pagedattn.errors import KernelLaunchError
+
+    if not isinstance(t, torch.Tensor):
+        raise KernelLaunchError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if SIMULATOR:
+        if t.device.type != "cpu":
+            raise KernelLaunchError(f"{name} must be a CPU tensor in the CUDA simulator, got {t.device}")
+    elif t.device.type != "cuda":
+        raise KernelLaunchError(f"{name} must be a CUDA tensor, got {t.device}")
+    if dim is not None and t.dim() != dim:
+        raise KernelLaunchError(f"{name} must have {dim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise KernelLaunchError(f"{name}.dtype must be one of {[str(d) for d in dtypes]}, got {t.dtype}")

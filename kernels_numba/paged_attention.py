@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, uint32
 
 from kernels_numba.common import (
     FULL_MASK,
@@ -70,6 +70,7 @@ from kernels_numba.common import (
     load_u32x4,
     mma_m16n8k16_bf16,
     mma_m16n8k16_f16,
+    torch_stream,
 )
 from pagedattn.errors import KernelLaunchError
 
@@ -1175,7 +1176,6 @@ def launch(version, q, k_cache, v_cache, block_tables, context_lens, out, scale=
 
 _WRAPPED = {}  # (data_ptr, shape, dtype, view) -> (numba view, tensor): wrapped once, reused
 _SCRATCH = {}  # (device, stream, shape) -> (numba view, tensor): split-KV partials
-_STREAMS = {}  # torch stream handle -> numba external stream
 _MAX_CACHED = 256
 
 
@@ -1339,10 +1339,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
         return out
     if validate and not torch.cuda.is_current_stream_capturing():
         check_block_tables(block_tables, context_lens, num_blocks, block_size, max_context_len)
+    stream = torch_stream(q.device)
     handle = torch.cuda.current_stream(q.device).cuda_stream
-    stream = _STREAMS.get(handle)
-    if stream is None:
-        stream = _STREAMS[handle] = cuda.external_stream(handle)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     device = q.device
 

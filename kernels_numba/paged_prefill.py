@@ -50,6 +50,7 @@ import torch
 from numba import cuda, float32
 
 from kernels_numba import common
+from kernels_numba.common import check_tensor, torch_stream
 from pagedattn.errors import KernelLaunchError
 
 SIMULATOR = common.SIMULATOR
@@ -641,20 +642,6 @@ def launch_paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, contex
 # torch entry point
 
 
-def _check_tensor(name, t, dim=None, dtypes=None):
-    if not isinstance(t, torch.Tensor):
-        raise KernelLaunchError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if SIMULATOR:
-        if t.device.type != "cpu":
-            raise KernelLaunchError(f"{name} must be a CPU tensor in the CUDA simulator, got {t.device}")
-    elif t.device.type != "cuda":
-        raise KernelLaunchError(f"{name} must be a CUDA tensor, got {t.device}")
-    if dim is not None and t.dim() != dim:
-        raise KernelLaunchError(f"{name} must have {dim} dims, got shape {tuple(t.shape)}")
-    if dtypes is not None and t.dtype not in dtypes:
-        raise KernelLaunchError(f"{name}.dtype must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
-
-
 def _flat_words(name, t):
     """1-D uint32 view of a contiguous fp16/bf16 tensor, 16-byte aligned (for 128-bit loads)."""
     if t.data_ptr() % 16 != 0:
@@ -683,12 +670,12 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     Returns out [total_q, num_heads, head_dim] in q's dtype. Runs on torch's current stream.
     """
     half = tuple(DTYPES)
-    _check_tensor("q", q, 3, half)
-    _check_tensor("k_cache", k_cache, 4, half)
-    _check_tensor("v_cache", v_cache, 4, half)
-    _check_tensor("block_tables", block_tables, 2, (torch.int32,))
-    _check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
-    _check_tensor("context_lens", context_lens, 1, (torch.int32,))
+    check_tensor("q", q, 3, half)
+    check_tensor("k_cache", k_cache, 4, half)
+    check_tensor("v_cache", v_cache, 4, half)
+    check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
+    check_tensor("context_lens", context_lens, 1, (torch.int32,))
     total_q, num_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, cache_head_dim = k_cache.shape
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -720,7 +707,7 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     else:
-        _check_tensor("out", out, 3, (q.dtype,))
+        check_tensor("out", out, 3, (q.dtype,))
         if out.shape != q.shape:
             raise KernelLaunchError(f"out must be {tuple(q.shape)}, got {tuple(out.shape)}")
     if check_bounds:
@@ -745,7 +732,7 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     if q_c.data_ptr() % 16:
         q_c = q_c.clone()
     target = out if out.is_contiguous() and out.data_ptr() % 16 == 0 else torch.empty_like(q_c)
-    stream = 0 if SIMULATOR else cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+    stream = torch_stream()
     launch_paged_prefill(
         _flat_words("q", q_c), _flat_words("k_cache", k_cache), _flat_words("v_cache", v_cache),
         _as_array(block_tables.contiguous()), _as_array(cu_seqlens_q.contiguous()),
