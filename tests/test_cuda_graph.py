@@ -115,27 +115,68 @@ def _random_real_checkpoint():
 
 
 @pytest.mark.gpu
+def test_graph_equals_eager_batch1_tokens():
+    """One sequence (graph of size 1, no padding): greedy tokens with graphs == eager, 200 steps."""
+    from pagedattn import LLM, SamplingParams
+    ckpt = _random_real_checkpoint()
+    prompt = np.random.default_rng(1).integers(0, 10000, 300).tolist()
+    toks = {}
+    for eager in (True, False):
+        llm = LLM(ckpt, device="cuda", max_num_seqs=4, max_model_len=1024, num_blocks=256, enforce_eager=eager)
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), use_tqdm=False)
+        toks[eager] = out[0].outputs[0].token_ids
+        del llm
+    assert toks[True] == toks[False]
+
+
+@pytest.mark.gpu
 def test_graph_equals_eager_mixed_workload():
-    """Greedy tokens with CUDA graphs == eager, random-weight Qwen2-0.5B (real config), fp16, on a mixed
-    workload: prompts of many lengths, small token budget (prefill chunks beside decodes), batch sizes
-    that hit padded graphs (3, 5, 7, ...) as requests finish."""
+    """Every graphed decode step of a mixed workload (prompts of many lengths, a small token budget so
+    prefill chunks run beside decodes, batch sizes 13..1 that hit padded graphs as requests finish) is
+    also run eagerly on the same state: logits agree to fp16 noise, and the greedy token agrees
+    wherever the top-2 margin exceeds twice the difference (where rounding cannot flip it).
+
+    Exact token equality over a whole multi-sequence run is not a sound test: a padded batch runs
+    cuBLAS at another M (other blocking, other rounding) and the decode kernel's split plan differs,
+    so a near-tie somewhere in hundreds of greedy steps can flip and the sequences then diverge.
+    """
     from pagedattn import LLM, SamplingParams
     ckpt = _random_real_checkpoint()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 10000, int(n)).tolist() for n in rng.integers(5, 300, 13)]
     params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(10, 60, 13)]
-    results = {}
-    for eager in (True, False):
-        llm = LLM(ckpt, device="cuda", max_num_seqs=16, max_model_len=512, num_blocks=512, block_size=16,
-                  max_num_batched_tokens=256, enforce_eager=eager)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        results[eager] = [o.outputs[0].token_ids for o in outs]
-        runner = llm.engine.runner
-        assert (runner.graph_decoder is None) == eager
-        if not eager:
-            assert runner.graph_decoder.graphs.keys() == {1, 2, 4, 8, 16}
-        del llm
-    assert results[False] == results[True]
+    llm = LLM(ckpt, device="cuda", max_num_seqs=16, max_model_len=512, num_blocks=512, block_size=16,
+              max_num_batched_tokens=256)
+    runner = llm.engine.runner
+    graph_decode = runner._graph_decode
+    stats = {"steps": 0, "sizes": set(), "worst": 0.0, "mismatch": 0, "near_ties": 0}
+
+    def checked(sched_out):
+        res = graph_decode(sched_out)
+        if res is None:
+            return None
+        g_logits, seqs = res
+        g_logits = g_logits.clone()
+        step = runner.prepare(sched_out)            # eager, same inputs; rewrites the same slots
+        h = runner.model.forward(step.input_ids, step.positions, runner.kv_cache, step.attn_metadata)
+        e_logits = runner.model.compute_logits(h[step.logits_indices])
+        diff = (g_logits - e_logits).abs().amax(-1)
+        top2 = e_logits.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
+        stats["steps"] += 1
+        stats["sizes"].add(len(seqs))
+        stats["worst"] = max(stats["worst"], float(diff.max()))
+        stats["mismatch"] += int((g_logits.argmax(-1) != e_logits.argmax(-1))[clear].sum())
+        stats["near_ties"] += int((~clear).sum())
+        return g_logits, seqs
+
+    runner._graph_decode = checked
+    llm.generate(prompts, params, use_tqdm=False)
+    print(stats)
+    assert stats["steps"] > 20 and len(stats["sizes"]) > 3
+    assert stats["mismatch"] == 0
+    assert stats["worst"] < 1.0, "graph and eager logits differ by more than fp16 noise"
+    assert runner.graph_decoder.graphs.keys() == {1, 2, 4, 8, 16}
 
 
 @pytest.mark.gpu
