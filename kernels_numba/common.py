@@ -17,6 +17,12 @@ has a numpy fallback with the same name and signature.
 Stable API (other kernels import these):
     SIMULATOR                                   True under NUMBA_ENABLE_CUDASIM=1
     load_u32x4(arr_u32, i) -> (u32, u32, u32, u32)        16-byte load, i % 4 == 0
+    cp_async16(dst_shared_u32, i, src_global_u32, j)     16-byte asynchronous copy global -> shared
+                                      (PTX cp.async.cg, bypasses L1; SASS LDGSTS), i, j % 4 == 0
+    cp_async_commit()                 close the thread's group of cp.async copies issued so far
+    cp_async_wait(n)() -> None        a device function: wait until at most n groups are pending
+                                      (the thread's own copies are then visible to it)
+    f32_bits(x) -> u32, f32_from_bits(u32) -> f32      reinterpret the 32 bits
     f16x2_to_f32(u32) -> (lo, hi)     bf16x2_to_f32(u32) -> (lo, hi)     (float32)
     f16_to_f32(u16) -> f32            bf16_to_f32(u16) -> f32             (int16/int32 bits too)
     f32_to_f16(x) -> u16              f32_to_bf16(x) -> u16               (round to nearest even)
@@ -53,6 +59,22 @@ if SIMULATOR:
 
     def load_u32x4(arr, i):
         return _u32(arr[i]), _u32(arr[i + 1]), _u32(arr[i + 2]), _u32(arr[i + 3])
+
+    def cp_async16(dst, i, src, j):
+        # the simulator has no asynchronous copies: the copy is done when it is issued
+        dst[i : i + 4] = src[j : j + 4]
+
+    def cp_async_commit():
+        pass
+
+    def cp_async_wait(n):
+        return lambda: None
+
+    def f32_bits(x):
+        return np.array([x], dtype=np.float32).view(np.uint32)[0]
+
+    def f32_from_bits(u):
+        return np.array([int(u) & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0]
 
     def f16x2_to_f32(u):
         lo, hi = _halves(u, np.float16)
@@ -140,9 +162,87 @@ else:
     _v2i16 = ir.VectorType(_i16, 2)
     _v4i32 = ir.VectorType(_i32, 4)
 
-    def _asm(builder, ret, args, text, constraints):
+    def _asm(builder, ret, args, text, constraints, side_effect=False):
         fnty = ir.FunctionType(ret, [a.type for a in args])
-        return builder.call(ir.InlineAsm(fnty, text, constraints), args)
+        return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=side_effect), args)
+
+    def _item_address(context, builder, aryty, ary_val, idxty, idx_val):
+        ary = context.make_array(aryty)(context, builder, ary_val)
+        i = context.cast(builder, idx_val, idxty, types.intp)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [i], wraparound=False)
+        return builder.ptrtoint(ptr, ir.IntType(64))
+
+    def _is_u32_vector(arr):
+        return isinstance(arr, types.Array) and arr.dtype in (types.uint32, types.int32) and arr.ndim == 1
+
+    @intrinsic
+    def cp_async16(typingctx, dst, i, src, j):
+        """dst: 1-D uint32 shared array, src: 1-D uint32/int32 global array; i, j % 4 == 0."""
+        if not (_is_u32_vector(dst) and _is_u32_vector(src)):
+            return None
+        sig = types.void(dst, i, src, j)
+
+        def codegen(context, builder, sig, args):
+            d = _item_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            g = _item_address(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+            # numba passes generic pointers: convert each to its state space
+            text = ("{ .reg .u64 sa, ga; cvta.to.shared.u64 sa, $0; cvta.to.global.u64 ga, $1; "
+                    "cp.async.cg.shared.global [sa], [ga], 16; }")
+            _asm(builder, ir.VoidType(), [d, g], text, "l,l,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_commit(typingctx):
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [], "cp.async.commit_group;", "~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    _WAITS = {}
+
+    def cp_async_wait(n):
+        """A device function that waits until at most n of the thread's cp.async groups are pending."""
+        if n not in _WAITS:
+            @intrinsic
+            def wait(typingctx):
+                sig = types.void()
+
+                def codegen(context, builder, sig, args):
+                    _asm(builder, ir.VoidType(), [], f"cp.async.wait_group {int(n)};", "~{memory}",
+                         side_effect=True)
+                    return context.get_dummy_value()
+
+                return sig, codegen
+
+            _WAITS[n] = wait
+        return _WAITS[n]
+
+    @intrinsic
+    def f32_bits(typingctx, x):
+        if not isinstance(x, types.Float):
+            return None
+        sig = types.uint32(x)
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.float32), _i32)
+
+        return sig, codegen
+
+    @intrinsic
+    def f32_from_bits(typingctx, u):
+        if not isinstance(u, types.Integer):
+            return None
+        sig = types.float32(u)
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.uint32), _f32)
+
+        return sig, codegen
 
     @intrinsic
     def load_u32x4(typingctx, arr, idx):
