@@ -37,6 +37,12 @@ v7: v5's step, software-pipelined: two register sets, the loads of the warp's ne
     in one mma row block when G <= 8 (142 registers at d=64, 3 CTAs per SM); v6's wave plan
     with partitions a multiple of 4 warps x 16 tokens. d=128 runs v5's kernel with that plan
     (two register sets of d=128 K/V spill).
+v8: v7's step fed through shared memory by cp.async: a ring of 3 stages per warp keeps two
+    16-token chunks in flight without registers (127 registers, 48 KiB, 4 CTAs per SM). The
+    copies are shaped for the memory system: each instruction copies 4 whole 128-byte rows
+    (as few L2 requests as a dense kernel), and the lanes read their mma fragments back from
+    XOR-swizzled rows after a syncwarp. Offsets are hoisted out of the loop and whole chunks
+    run unmasked. d=64 (d=128 runs v7's launcher).
 
 Every version computes the same function; tests/test_paged_attention_cuda.py checks each under
 the CUDA simulator (tiny shapes) and on the GPU (real shapes) against reference/attention.py.
@@ -56,6 +62,11 @@ from numba import cuda, float32, uint32
 
 from kernels_numba.common import (
     FULL_MASK,
+    cp_async16,
+    cp_async_commit,
+    cp_async_wait,
+    f32_bits,
+    f32_from_bits,
     SIMULATOR,
     bf16_to_f32,
     bf16x2_to_f32,
@@ -519,24 +530,29 @@ def _make_merge(head_dim, is_bf16):
     return merge_splits
 
 
-def _launch_v4(a, stream):
-    kernel = _make_v4(a.head_dim, a.block_size, a.num_heads // a.num_kv_heads, a.is_bf16)
-    chunk = _geometry(a.head_dim, a.block_size)[3]
-    splits, partition = split_plan(a.num_seqs, a.num_kv_heads, a.max_context_len, chunk)
+def _launch_split_kv(a, stream, kernel, q, splits, partition):
+    """v4+'s launch: grid (KV heads, sequences, splits) of 4-warp CTAs, then, when the context is
+    split, the merge of the partitions' (max, sum, accumulator) into the output."""
     if splits == 1:
         part_acc = part_ml = a.scratch((1, 1, 1, 1))  # unused
     else:
         part_acc = a.scratch((a.num_seqs, a.num_heads, splits, a.head_dim))
         part_ml = a.scratch((a.num_seqs, a.num_heads, splits, 2))
     kernel[(a.num_kv_heads, a.num_seqs, splits), NUM_WARPS * 32, stream](
-        a.q16, a.k32, a.v32, a.block_tables, a.context_lens, a.out16, part_acc, part_ml,
-        a.scale, partition,
+        q, a.k32, a.v32, a.block_tables, a.context_lens, a.out16, part_acc, part_ml, a.scale, partition,
     )
     if splits > 1:
         merge = _make_merge(a.head_dim, a.is_bf16)
         merge[(a.num_seqs, a.num_heads), a.head_dim, stream](
             part_acc, part_ml, a.context_lens, a.out16, partition
         )
+
+
+def _launch_v4(a, stream):
+    kernel = _make_v4(a.head_dim, a.block_size, a.num_heads // a.num_kv_heads, a.is_bf16)
+    chunk = _geometry(a.head_dim, a.block_size)[3]
+    splits, partition = split_plan(a.num_seqs, a.num_kv_heads, a.max_context_len, chunk)
+    _launch_split_kv(a, stream, kernel, a.q16, splits, partition)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -758,20 +774,7 @@ def _launch_v5(a, stream):
         return _launch_v4(a, stream)
     kernel = _make_v5(a.head_dim, a.block_size, group, a.is_bf16)
     splits, partition = split_plan(a.num_seqs, a.num_kv_heads, a.max_context_len, 16)
-    if splits == 1:
-        part_acc = part_ml = a.scratch((1, 1, 1, 1))  # unused
-    else:
-        part_acc = a.scratch((a.num_seqs, a.num_heads, splits, a.head_dim))
-        part_ml = a.scratch((a.num_seqs, a.num_heads, splits, 2))
-    kernel[(a.num_kv_heads, a.num_seqs, splits), NUM_WARPS * 32, stream](
-        a.q32, a.k32, a.v32, a.block_tables, a.context_lens, a.out16, part_acc, part_ml,
-        a.scale, partition,
-    )
-    if splits > 1:
-        merge = _make_merge(a.head_dim, a.is_bf16)
-        merge[(a.num_seqs, a.num_heads), a.head_dim, stream](
-            part_acc, part_ml, a.context_lens, a.out16, partition
-        )
+    _launch_split_kv(a, stream, kernel, a.q32, splits, partition)
 
 
 
@@ -815,20 +818,7 @@ def _launch_v6(a, stream):
     kernel = _make_v5(a.head_dim, a.block_size, group, a.is_bf16, unroll)
     splits, partition = split_plan_waves(a.num_seqs, a.num_kv_heads, a.max_context_len, 16 * unroll,
                                          ctas_per_sm * a.num_sms)
-    if splits == 1:
-        part_acc = part_ml = a.scratch((1, 1, 1, 1))  # unused
-    else:
-        part_acc = a.scratch((a.num_seqs, a.num_heads, splits, a.head_dim))
-        part_ml = a.scratch((a.num_seqs, a.num_heads, splits, 2))
-    kernel[(a.num_kv_heads, a.num_seqs, splits), NUM_WARPS * 32, stream](
-        a.q32, a.k32, a.v32, a.block_tables, a.context_lens, a.out16, part_acc, part_ml,
-        a.scale, partition,
-    )
-    if splits > 1:
-        merge = _make_merge(a.head_dim, a.is_bf16)
-        merge[(a.num_seqs, a.num_heads), a.head_dim, stream](
-            part_acc, part_ml, a.context_lens, a.out16, partition
-        )
+    _launch_split_kv(a, stream, kernel, a.q32, splits, partition)
 
 # ----------------------------------------------------------------------------------------------
 # v7: v5's tensor-core step, software-pipelined: the next step's K/V loads are issued before
@@ -836,57 +826,23 @@ def _launch_v6(a, stream):
 
 
 @lru_cache(maxsize=None)
-def _make_v7(head_dim, block_size, group, is_bf16):
-    D, BS, G = head_dim, block_size, group
-    NW = NUM_WARPS
-    CH = 16
-    P = D // 2
-    KS = D // 16
-    QW = D // 8
-    DPC = D // 8
-    NTILE = D // 8
-    VW = DPC // 2
-    ACC = NTILE * 4
-    ROWS = 1 if G <= 8 else 2  # mma row blocks holding heads (g, and g+8 when G > 8)
-    KS4, KWN, VWN = KS * 4, 2 * QW, 4 * VW
-    _, _, store, _ = _converters(is_bf16)
+def _make_mma_step(head_dim, group, is_bf16):
+    """v7/v8's math on one warp's 16-token chunk in registers: S = Q K^T (2 n-tiles x D/16
+    k-steps), online softmax per head row, O += P V (D/8 mmas); full: every token of the chunk
+    is inside the context (no masking). kw: K of tokens g and 8+g (this
+    lane's D/4 dims); vw: V of tokens 2t, 2t+1, 8+2t, 9+2t (D/8 dims from DPC*g); P goes to the
+    second mma as fp16/bf16 pairs (pw), V is transposed in registers by interleaving halves."""
+    G = group
+    KS = head_dim // 16
+    QW = head_dim // 8
+    NTILE = head_dim // 8
+    VW = head_dim // 16
+    ROWS = 1 if G <= 8 else 2
     mma = mma_m16n8k16_bf16 if is_bf16 else mma_m16n8k16_f16
     pack = f32x2_to_bf16x2 if is_bf16 else f32x2_to_f16x2
-    QSCALE_LOG2E = float32(LOG2E)
 
     @cuda.jit(device=True, inline="always")
-    def load_chunk(kw, vw, k_flat, v_flat, block_tables, s, c0, end, g, t, words_per_block, head_off):
-        # K of tokens c0+g, c0+8+g (this lane's D/4 dims); V of tokens c0+2t, +1, +8, +9 (DPC dims)
-        for n in range(2):
-            j = c0 + 8 * n + g
-            if j < end:
-                base = block_tables[s, j // BS] * words_per_block + head_off + (j % BS) * P + t * QW
-                for i in range(QW // 4):
-                    w = load_u32x4(k_flat, base + 4 * i)
-                    kw[n * QW + 4 * i + 0] = w[0]
-                    kw[n * QW + 4 * i + 1] = w[1]
-                    kw[n * QW + 4 * i + 2] = w[2]
-                    kw[n * QW + 4 * i + 3] = w[3]
-            else:
-                for i in range(QW):
-                    kw[n * QW + i] = 0
-        for u in range(4):
-            j = c0 + 2 * t + (u % 2) + 8 * (u // 2)
-            if j < end:
-                base = block_tables[s, j // BS] * words_per_block + head_off + (j % BS) * P + g * VW
-                for i in range(VW // 4):
-                    w = load_u32x4(v_flat, base + 4 * i)
-                    vw[u * VW + 4 * i + 0] = w[0]
-                    vw[u * VW + 4 * i + 1] = w[1]
-                    vw[u * VW + 4 * i + 2] = w[2]
-                    vw[u * VW + 4 * i + 3] = w[3]
-            else:
-                for i in range(VW):
-                    vw[u * VW + i] = 0
-
-    @cuda.jit(device=True, inline="always")
-    def compute_chunk(kw, vw, qa, m, lsum, acc, sc, pw, c0, end, t, sl):
-        # S = Q K^T (2 n-tiles x KS k-steps), online softmax per head row, O += P V (NTILE mmas)
+    def compute_chunk(kw, vw, qa, m, lsum, acc, sc, pw, c0, end, t, sl, full):
         for n in range(2):
             d0 = float32(0.0)
             d1 = float32(0.0)
@@ -896,11 +852,11 @@ def _make_v7(head_dim, block_size, group, is_bf16):
                 d0, d1, d2, d3 = mma(qa[ks * 4], qa[ks * 4 + 1], qa[ks * 4 + 2], qa[ks * 4 + 3],
                                      kw[n * QW + 2 * ks], kw[n * QW + 2 * ks + 1], d0, d1, d2, d3)
             jt = c0 + 8 * n + 2 * t
-            sc[n * 2 + 0] = d0 * sl if jt < end else NEG_INF
-            sc[n * 2 + 1] = d1 * sl if jt + 1 < end else NEG_INF
+            sc[n * 2 + 0] = d0 * sl if full or jt < end else NEG_INF
+            sc[n * 2 + 1] = d1 * sl if full or jt + 1 < end else NEG_INF
             if ROWS == 2:
-                sc[4 + n * 2 + 0] = d2 * sl if jt < end else NEG_INF
-                sc[4 + n * 2 + 1] = d3 * sl if jt + 1 < end else NEG_INF
+                sc[4 + n * 2 + 0] = d2 * sl if full or jt < end else NEG_INF
+                sc[4 + n * 2 + 1] = d3 * sl if full or jt + 1 < end else NEG_INF
         pw[1] = 0
         pw[3] = 0
         for r in range(ROWS):
@@ -937,6 +893,58 @@ def _make_v7(head_dim, block_size, group, is_bf16):
                 if ROWS == 2:
                     acc[jn * 4 + 2] = a2
                     acc[jn * 4 + 3] = a3
+
+    return compute_chunk
+
+
+@lru_cache(maxsize=None)
+def _make_v7(head_dim, block_size, group, is_bf16):
+    D, BS, G = head_dim, block_size, group
+    NW = NUM_WARPS
+    CH = 16
+    P = D // 2
+    KS = D // 16
+    QW = D // 8
+    DPC = D // 8
+    NTILE = D // 8
+    VW = DPC // 2
+    ACC = NTILE * 4
+    ROWS = 1 if G <= 8 else 2  # mma row blocks holding heads (g, and g+8 when G > 8)
+    KS4, KWN, VWN = KS * 4, 2 * QW, 4 * VW
+    _, _, store, _ = _converters(is_bf16)
+    QSCALE_LOG2E = float32(LOG2E)
+
+    @cuda.jit(device=True, inline="always")
+    def load_chunk(kw, vw, k_flat, v_flat, block_tables, s, c0, end, g, t, words_per_block, head_off):
+        # K of tokens c0+g, c0+8+g (this lane's D/4 dims); V of tokens c0+2t, +1, +8, +9 (DPC dims)
+        for n in range(2):
+            j = c0 + 8 * n + g
+            if j < end:
+                base = block_tables[s, j // BS] * words_per_block + head_off + (j % BS) * P + t * QW
+                for i in range(QW // 4):
+                    w = load_u32x4(k_flat, base + 4 * i)
+                    kw[n * QW + 4 * i + 0] = w[0]
+                    kw[n * QW + 4 * i + 1] = w[1]
+                    kw[n * QW + 4 * i + 2] = w[2]
+                    kw[n * QW + 4 * i + 3] = w[3]
+            else:
+                for i in range(QW):
+                    kw[n * QW + i] = 0
+        for u in range(4):
+            j = c0 + 2 * t + (u % 2) + 8 * (u // 2)
+            if j < end:
+                base = block_tables[s, j // BS] * words_per_block + head_off + (j % BS) * P + g * VW
+                for i in range(VW // 4):
+                    w = load_u32x4(v_flat, base + 4 * i)
+                    vw[u * VW + 4 * i + 0] = w[0]
+                    vw[u * VW + 4 * i + 1] = w[1]
+                    vw[u * VW + 4 * i + 2] = w[2]
+                    vw[u * VW + 4 * i + 3] = w[3]
+            else:
+                for i in range(VW):
+                    vw[u * VW + i] = 0
+
+    compute_chunk = _make_mma_step(head_dim, group, is_bf16)
 
     @cuda.jit
     def paged_attention_v7(q, k_flat, v_flat, block_tables, context_lens, out, part_acc,
@@ -1001,14 +1009,14 @@ def _make_v7(head_dim, block_size, group, is_bf16):
             if c + NW < num_chunks:
                 load_chunk(kw_b, vw_b, k_flat, v_flat, block_tables, s, start + (c + NW) * CH, end, g, t,
                            words_per_block, head_off)
-            compute_chunk(kw_a, vw_a, qa, m, lsum, acc, sc, pw, start + c * CH, end, t, sl)
+            compute_chunk(kw_a, vw_a, qa, m, lsum, acc, sc, pw, start + c * CH, end, t, sl, False)
             c += NW
             if c >= num_chunks:
                 break
             if c + NW < num_chunks:
                 load_chunk(kw_a, vw_a, k_flat, v_flat, block_tables, s, start + (c + NW) * CH, end, g, t,
                            words_per_block, head_off)
-            compute_chunk(kw_b, vw_b, qa, m, lsum, acc, sc, pw, start + c * CH, end, t, sl)
+            compute_chunk(kw_b, vw_b, qa, m, lsum, acc, sc, pw, start + c * CH, end, t, sl, False)
             c += NW
 
         for r in range(ROWS):
@@ -1061,36 +1069,268 @@ def _launch_v7(a, stream):
     # partitions a multiple of 4 warps x 16 tokens, so the warps of a CTA get equal work
     splits, partition = split_plan_waves(a.num_seqs, a.num_kv_heads, a.max_context_len, 16 * NUM_WARPS,
                                          V7_CTAS_PER_SM[a.head_dim] * a.num_sms)
-    if splits == 1:
-        part_acc = part_ml = a.scratch((1, 1, 1, 1))  # unused
-    else:
-        part_acc = a.scratch((a.num_seqs, a.num_heads, splits, a.head_dim))
-        part_ml = a.scratch((a.num_seqs, a.num_heads, splits, 2))
-    kernel[(a.num_kv_heads, a.num_seqs, splits), NUM_WARPS * 32, stream](
-        a.q32, a.k32, a.v32, a.block_tables, a.context_lens, a.out16, part_acc, part_ml,
-        a.scale, partition,
-    )
-    if splits > 1:
-        merge = _make_merge(a.head_dim, a.is_bf16)
-        merge[(a.num_seqs, a.num_heads), a.head_dim, stream](
-            part_acc, part_ml, a.context_lens, a.out16, partition
-        )
+    _launch_split_kv(a, stream, kernel, a.q32, splits, partition)
+
+
+# ----------------------------------------------------------------------------------------------
+# v8: v7's tensor-core step fed by cp.async through a ring of shared-memory stages per warp, so
+# that STAGES - 1 chunks of loads are in flight per warp without holding them in registers
+
+V8_STAGES = 3  # 3 x 4 KiB per warp: 48 KiB of ring per CTA of 4 warps at d=64
+V8_LAUNCH_BOUNDS = (NUM_WARPS * 32, 4)  # <= 128 registers, so 4 CTAs (the ring allows 4) per SM
+V8_CTAS_PER_SM = V8_LAUNCH_BOUNDS[1]
+
+
+@lru_cache(maxsize=None)
+def _make_v8(head_dim, block_size, group, is_bf16, stages=V8_STAGES, ctas_per_sm=V8_CTAS_PER_SM):
+    D, BS, G, ST = head_dim, block_size, group, stages
+    NW = NUM_WARPS
+    CH = 16
+    P = D // 2
+    KS = D // 16
+    QW = D // 8  # K words of one token a lane holds (its D/4 dims)
+    VW = D // 16  # V words of one token a lane holds (D/8 dims)
+    DPC = D // 8
+    NTILE = D // 8
+    ACC = NTILE * 4
+    ROWS = 1 if G <= 8 else 2
+    KS4, KWN, VWN = KS * 4, 2 * QW, 4 * VW
+    KV4, VV4 = QW // 4, VW // 4  # 16-byte pieces of one token's K (V) a lane copies
+    NV = 2 * KV4 + 4 * VV4  # 16-byte pieces a lane copies per chunk (8 at d=64)
+    SLOT = NV * 128  # words of one warp's stage: piece p of lane L at p * 128 + 4 * L
+    WARP_WORDS = ST * SLOT
+    RING = NW * WARP_WORDS
+    HALF = 8 if BS == 8 else 0  # block size 8: tokens 8..15 of a chunk are in the next block
+    assert D == 64, "v8's stage layout is for head_dim 64 (d=128 runs v7's launcher)"
+    assert WARP_WORDS >= G * D + 2 * G, "the ring must hold a warp's partial results"
+    _, _, store, _ = _converters(is_bf16)
+    compute_chunk = _make_mma_step(head_dim, group, is_bf16)
+    wait_oldest = cp_async_wait(ST - 1)  # after step k commits chunk k + ST - 1: chunk k has landed
+    wait_all = cp_async_wait(0)
+    QSCALE_LOG2E = float32(LOG2E)
+    jit_options = {} if SIMULATOR else {"launch_bounds": (NUM_WARPS * 32, ctas_per_sm)}
+
+    @cuda.jit(device=True, inline="always")
+    def issue_chunk(ring, slot, k_flat, v_flat, base_lo, base_hi, src_lane, kdst, vdst_even, vdst_odd, c0,
+                    end, lrow, full):
+        # the chunk's 16 K rows and 16 V rows (128 bytes each at d=64), 4 rows per instruction:
+        # lane L copies 16-byte unit L % 8 of row 4 i + L // 8, so every copy instruction reads
+        # 512 contiguous bytes (whole lines: as few L2 requests as a dense kernel makes).
+        # base_lo/hi + r * P: the words of row r (rows 8.. use base_hi: block size 8).
+        # Rows past the end are not copied.
+        for i in range(4):
+            if full or c0 + 4 * i + lrow < end:
+                src = (base_lo if i < 2 else base_hi) + 4 * i * P + src_lane
+                cp_async16(ring, slot + kdst + 4 * i * P, k_flat, src)
+                cp_async16(ring, slot + (vdst_even if i % 2 == 0 else vdst_odd) + 4 * i * P, v_flat, src)
+
+    @cuda.jit(device=True, inline="always")
+    def read_chunk(kw, vw, ring, slot, krd0, krd1, vrd, c0, end, g, t, full):
+        # this lane's mma fragments from the stage (see the layout in the kernel); tokens past the
+        # end (never copied: stale words) read as zeros
+        for n in range(2):
+            ok = full or c0 + 8 * n + g < end
+            for i in range(KV4):
+                w = load_u32x4(ring, slot + (krd0 if i == 0 else krd1) + 8 * n * P)
+                for e in range(4):
+                    kw[4 * (n * KV4 + i) + e] = w[e] if ok else uint32(0)
+        for u in range(4):
+            ok = full or c0 + 2 * t + (u % 2) + 8 * (u // 2) < end
+            w = load_u32x4(ring, slot + vrd + ((u % 2) + 8 * (u // 2)) * P)
+            for e in range(4):
+                vw[4 * u + e] = w[e] if ok else uint32(0)
+
+    @cuda.jit(device=True, inline="always")
+    def chunk_bases(block_tables, s, c0, end, words_per_block, head_off):
+        # words of the chunk's row 0 in the pool; rows 8.. at base_hi + r * P (another block
+        # when the block size is 8)
+        blk = block_tables[s, c0 // BS]
+        base_lo = blk * words_per_block + head_off + (c0 & (BS - 1)) * P
+        base_hi = base_lo
+        if HALF and c0 + 8 < end:
+            base_hi = block_tables[s, c0 // BS + 1] * words_per_block + head_off - 8 * P
+        return base_lo, base_hi
+
+    @cuda.jit(**jit_options)
+    def paged_attention_v8(q, k_flat, v_flat, block_tables, context_lens, out, part_acc,
+                           part_ml, scale, partition):
+        # same arguments as v5
+        kvh = cuda.blockIdx.x
+        s = cuda.blockIdx.y
+        split = cuda.blockIdx.z
+        num_splits = cuda.gridDim.z
+        num_kv_heads = cuda.gridDim.x
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        t = lane % 4
+        ctx = context_lens[s]
+        start = split * partition
+        if start >= ctx:
+            return
+        end = min(ctx, start + partition)
+        h0 = kvh * G
+
+        ring = cuda.shared.array(RING, uint32)
+        base = warp * WARP_WORDS
+
+        qa = cuda.local.array(KS4, uint32)
+        for ks in range(KS):
+            for r in range(2):
+                h = g + 8 * r
+                w0 = uint32(0)
+                w1 = uint32(0)
+                if r < ROWS and h < G:  # lane word w <-> pair (w // 4) * 16 + 4 t + w % 4, as K
+                    w0 = uint32(q[s, h0 + h, (ks // 2) * 16 + t * 4 + (2 * ks) % 4])
+                    w1 = uint32(q[s, h0 + h, (ks // 2) * 16 + t * 4 + (2 * ks) % 4 + 1])
+                qa[ks * 4 + r] = w0
+                qa[ks * 4 + 2 + r] = w1
+        m = cuda.local.array(2, float32)
+        lsum = cuda.local.array(2, float32)
+        acc = cuda.local.array(ACC, float32)
+        for r in range(2):
+            m[r] = NEG_INF
+            lsum[r] = 0.0
+        for i in range(ACC):
+            acc[i] = 0.0
+        kw = cuda.local.array(KWN, uint32)
+        vw = cuda.local.array(VWN, uint32)
+        sc = cuda.local.array(8, float32)
+        pw = cuda.local.array(4, uint32)
+        # A stage holds a chunk's K rows (words 0 .. 16 P) then its V rows, 128 bytes per row,
+        # the eight 16-byte units of row r swizzled: K unit u at u ^ 4 (r & 1), V unit u at
+        # u ^ 2 ((r >> 1) & 3), so that the copies (8 lanes: one row) and the fragment reads
+        # (K: rows g, unit 4 i + t; V: rows 2t.., unit g) hit 8 different bank groups per phase.
+        # this lane's word offsets in a stage (row 4 i + lrow, unit lane % 8 when copying; the
+        # fragments' rows and units when reading), from the swizzles above with i, n, u folded out
+        lrow = lane // 8
+        unit = lane % 8
+        src_lane = lrow * P + 4 * unit
+        kdst = lrow * P + 4 * (unit ^ ((lrow & 1) * 4))  # + 4 i P
+        vdst_even = 16 * P + lrow * P + 4 * (unit ^ ((lrow >> 1) * 2))  # + 4 i P, i = 0, 2
+        vdst_odd = 16 * P + lrow * P + 4 * (unit ^ ((2 + (lrow >> 1)) * 2))  # i = 1, 3
+        krd0 = g * P + 16 * (g & 1) + 4 * t  # + 8 n P: K unit t of rows g, 8 + g
+        krd1 = g * P + 16 * (1 - (g & 1)) + 4 * t  # unit 4 + t
+        vrd = 16 * P + 2 * t * P + 4 * (g ^ (2 * t))  # + (u % 2 + 8 (u // 2)) P: V unit g
+        words_per_block = num_kv_heads * BS * P
+        head_off = kvh * BS * P
+        sl = scale * QSCALE_LOG2E
+        num_chunks = (end - start + CH - 1) // CH
+        nk = (num_chunks - warp + NW - 1) // NW  # this warp's chunks: warp, warp + NW, ...
+        step = NW * CH
+
+        # prologue: chunks 0 .. ST-2 into stages 0 .. ST-2, one commit group each
+        c0 = start + warp * CH
+        for k in range(ST - 1):
+            if k < nk:
+                b_lo, b_hi = chunk_bases(block_tables, s, c0, end, words_per_block, head_off)
+                issue_chunk(ring, base + k * SLOT, k_flat, v_flat, b_lo, b_hi, src_lane, kdst, vdst_even, vdst_odd, c0,
+                            end, lrow, False)
+            cp_async_commit()
+            c0 += step
+        # the pool offsets of the next chunk to issue are read a step ahead of their use
+        nxt_lo = 0
+        nxt_hi = 0
+        if ST - 1 < nk:
+            nxt_lo, nxt_hi = chunk_bases(block_tables, s, c0, end, words_per_block, head_off)
+        c_issue = c0  # first token of chunk k + ST - 1
+        c0 = start + warp * CH  # first token of chunk k
+        slot_read = base
+        slot_write = base + (ST - 1) * SLOT
+        for k in range(nk):
+            # refill the stage read at step k - 1 (its values are used) with chunk k + ST - 1
+            if k + ST - 1 < nk:
+                if c_issue + CH <= end:
+                    issue_chunk(ring, slot_write, k_flat, v_flat, nxt_lo, nxt_hi, src_lane, kdst, vdst_even,
+                                vdst_odd, c_issue, end, lrow, True)
+                else:
+                    issue_chunk(ring, slot_write, k_flat, v_flat, nxt_lo, nxt_hi, src_lane, kdst, vdst_even,
+                                vdst_odd, c_issue, end, lrow, False)
+                c_issue += step
+                if k + ST < nk:
+                    nxt_lo, nxt_hi = chunk_bases(block_tables, s, c_issue, end, words_per_block, head_off)
+            cp_async_commit()
+            slot_write = slot_read  # the stage read now is refilled at the next step
+            wait_oldest()  # this lane's copies of chunk k have landed; k+1 .. k+ST-1 stay in flight
+            cuda.syncwarp()  # ... and every lane's (a lane reads units other lanes copied)
+            # (the stage refilled at the next step is free: its values fed this step's mma.sync,
+            # which every lane of the warp must reach)
+            if c0 + CH <= end:
+                read_chunk(kw, vw, ring, slot_read, krd0, krd1, vrd, c0, end, g, t, True)
+                compute_chunk(kw, vw, qa, m, lsum, acc, sc, pw, c0, end, t, sl, True)
+            else:
+                read_chunk(kw, vw, ring, slot_read, krd0, krd1, vrd, c0, end, g, t, False)
+                compute_chunk(kw, vw, qa, m, lsum, acc, sc, pw, c0, end, t, sl, False)
+            c0 += step
+            slot_read += SLOT
+            if slot_read == base + WARP_WORDS:
+                slot_read = base
+
+        # the ring, now idle, carries each warp's (max, sum, accumulator) to the CTA's combine
+        wait_all()
+        cuda.syncthreads()
+        mo = base + G * D
+        lo = mo + G
+        for r in range(ROWS):
+            x = lsum[r]
+            x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
+            x += cuda.shfl_xor_sync(FULL_MASK, x, 2)
+            h = g + 8 * r
+            if h < G:
+                for jn in range(NTILE):
+                    ring[base + h * D + DPC * (2 * t) + jn] = f32_bits(acc[jn * 4 + 2 * r])
+                    ring[base + h * D + DPC * (2 * t + 1) + jn] = f32_bits(acc[jn * 4 + 2 * r + 1])
+                if t == 0:
+                    ring[mo + h] = f32_bits(m[r])
+                    ring[lo + h] = f32_bits(x)
+        cuda.syncthreads()
+        for i in range(tid, G * D, NW * 32):
+            hh = i // D
+            d = i % D
+            mx = NEG_INF
+            for w in range(NW):
+                mx = max(mx, f32_from_bits(ring[w * WARP_WORDS + G * D + hh]))
+            num = float32(0.0)
+            den = float32(0.0)
+            for w in range(NW):
+                f = math.exp2(f32_from_bits(ring[w * WARP_WORDS + G * D + hh]) - mx)
+                num += f32_from_bits(ring[w * WARP_WORDS + hh * D + d]) * f
+                den += f32_from_bits(ring[w * WARP_WORDS + G * D + G + hh]) * f
+            if num_splits == 1:
+                out[s, h0 + hh, d] = store(num / den)
+            else:
+                part_acc[s, h0 + hh, split, d] = num
+                if d == 0:
+                    part_ml[s, h0 + hh, split, 0] = mx
+                    part_ml[s, h0 + hh, split, 1] = den
+
+    return paged_attention_v8
+
+
+def _launch_v8(a, stream):
+    group = a.num_heads // a.num_kv_heads
+    if group > V5_MAX_GROUP or a.head_dim != 64:  # d=128: a stage would be 8 KiB per warp
+        return _launch_v7(a, stream)
+    kernel = _make_v8(a.head_dim, a.block_size, group, a.is_bf16)
+    splits, partition = split_plan_waves(a.num_seqs, a.num_kv_heads, a.max_context_len, 16 * NUM_WARPS,
+                                         V8_CTAS_PER_SM * a.num_sms)
+    _launch_split_kv(a, stream, kernel, a.q32, splits, partition)
 
 
 # ----------------------------------------------------------------------------------------------
 # launchers
 
-VERSIONS = {1: _launch_v1, 2: _launch_v2, 3: _launch_v3, 4: _launch_v4, 5: _launch_v5, 6: _launch_v6, 7: _launch_v7}
-BEST_VERSION = 7
+VERSIONS = {1: _launch_v1, 2: _launch_v2, 3: _launch_v3, 4: _launch_v4, 5: _launch_v5, 6: _launch_v6, 7: _launch_v7,
+            8: _launch_v8}
+BEST_VERSION = 8
 
 
 def _launch_best(a, stream):
-    """version=None: v7, except v5 when the batch alone gives >= 2 CTAs per SM (num_seqs x
-    num_kv_heads >= 2 x SMs): there v5's 4 resident CTAs per SM beat v7's 3 (H200, 2026-11-29:
-    B=256 x ctx 512 / 2048 / 8192: v5 35 / 87 / 285 us, v7 42 / 95 / 296 us)."""
-    if a.num_seqs * a.num_kv_heads >= 2 * a.num_sms:
-        return _launch_v5(a, stream)
-    return _launch_v7(a, stream)
+    """version=None: v8 (which runs v7's launcher for head_dim 128, and v4 for groups > 16).
+    H200, 2026-11-29: v8 was the fastest version at 15 of docs/kernels.md's 18 grid points and
+    at most 13% behind at the others (B=1 x ctx 8192: v5 17.7 us, v8 20.0 us)."""
+    return _launch_v8(a, stream)
 
 
 @dataclass

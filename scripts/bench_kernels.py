@@ -286,13 +286,11 @@ def sass_summary():
 
     from kernels_numba import paged_attention as pa
 
-    kernels = [pa._make_v1(HEAD_DIM, BLOCK_SIZE, False), pa._make_v2(HEAD_DIM, BLOCK_SIZE, False),
-               
-               pa._make_v3(HEAD_DIM, BLOCK_SIZE, False), pa._make_merge(HEAD_DIM, False)]
     group = NUM_HEADS // NUM_KV_HEADS
-    kernels += [pa._make_v4(HEAD_DIM, BLOCK_SIZE, group, False)]
-    if hasattr(pa, "_make_v5"):
-        kernels += [pa._make_v5(HEAD_DIM, BLOCK_SIZE, group, False)]
+    kernels = [pa._make_v1(HEAD_DIM, BLOCK_SIZE, False), pa._make_v2(HEAD_DIM, BLOCK_SIZE, False),
+               pa._make_v3(HEAD_DIM, BLOCK_SIZE, False), pa._make_merge(HEAD_DIM, False),
+               pa._make_v4(HEAD_DIM, BLOCK_SIZE, group, False), pa._make_v5(HEAD_DIM, BLOCK_SIZE, group, False),
+               pa._make_v7(HEAD_DIM, BLOCK_SIZE, group, False), pa._make_v8(HEAD_DIM, BLOCK_SIZE, group, False)]
     summary = {}
     for kernel in kernels:
         try:
@@ -302,12 +300,13 @@ def sass_summary():
             summary[kernel.__name__] = f"{type(e).__name__}: {e}"
             continue
         for sig, sass in sass_of.items():
-            ops = re.findall(r"\b(HFMA2[\w.]*|HMMA[\w.]*|LDG[\w.]*|SHFL[\w.]*|FFMA[\w.]*|LDL[\w.]*|STL[\w.]*"
+            ops = re.findall(r"\b(HFMA2[\w.]*|HMMA[\w.]*|LDGSTS[\w.]*|LDG[\w.]*|SHFL[\w.]*|FFMA[\w.]*|LDL[\w.]*|STL[\w.]*"
                              r"|MUFU\.EX2)\b", sass)
             count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
             summary[f"{kernel.__name__} {sig}"] = dict(
                 regs=regs.get(sig) if isinstance(regs, dict) else regs, HFMA2=count("HFMA2"), LDG=count("LDG"),
-                LDG_128=sum(1 for o in ops if o.startswith("LDG") and ".128" in o), SHFL=count("SHFL"), HMMA=count("HMMA"),
+                LDG_128=sum(1 for o in ops if o.startswith("LDG.") and ".128" in o), LDGSTS=count("LDGSTS"),
+                SHFL=count("SHFL"), HMMA=count("HMMA"),
                 FFMA=count("FFMA"), LDL=count("LDL"), STL=count("STL"), MUFU_EX2=count("MUFU.EX2"))
     return summary
 

@@ -8,7 +8,9 @@ version promises:
 * v3+: warp shuffles (shfl.sync) for the reductions;
 * v3: packed half math, fma.rn.f16x2 for fp16 pools and fma.rn.bf16x2 for bf16 pools
   (SASS: HFMA2 / HFMA2.BF16);
-* v4+: 128-bit global loads of the pool (ld.global.v4.u32, SASS LDG.E.128);
+* v4-v7: 128-bit global loads of the pool (ld.global.v4.u32, SASS LDG.E.128); v8: the pool is
+  read only by 16-byte asynchronous copies into shared memory (cp.async.cg, SASS LDGSTS.E.BYPASS.128),
+  at most 128 registers (its launch bounds: 4 CTAs per SM) and at most 48 KiB of shared memory;
 * v5+: tensor-core matrix multiply-accumulate (mma.sync.aligned.m16n8k16, SASS HMMA.16816);
 * every version: no local memory (.local / ld.local / st.local): the per-thread q, score and
   accumulator arrays must live in registers; where ptxas is installed, also its report of
@@ -49,6 +51,7 @@ SIGS = {
     5: (i32_3, i32_1, i32_1, bt, cl, i16_3, f32_4, f32_4, types.float32, types.int64),
     6: (i32_3, i32_1, i32_1, bt, cl, i16_3, f32_4, f32_4, types.float32, types.int64),
     7: (i32_3, i32_1, i32_1, bt, cl, i16_3, f32_4, f32_4, types.float32, types.int64),
+    8: (i32_3, i32_1, i32_1, bt, cl, i16_3, f32_4, f32_4, types.float32, types.int64),
 }
 
 def ops_of(ptx):
@@ -60,6 +63,8 @@ def ops_of(ptx):
         "fma_bf16x2": count("fma.rn.bf16x2"),
         "ld_global_v4": count("ld.global.v4"),
         "mma": count("mma.sync.aligned.m16n8k16"),
+        "cp_async": len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)),
+        "cp_async_wait": len(re.findall(r"cp\.async\.wait_group", ptx)),
         "local": bool(re.search(r"\.local\b|ld\.local|st\.local", ptx)),
         "f64_ops": sum(1 for o in ops if ".f64" in o),
     }
@@ -74,7 +79,8 @@ for cfg in json.loads(sys.argv[1]):
         kernel = getattr(pa, f"_make_v{version}")(head_dim, block_size, group, bf16)
     else:
         kernel = getattr(pa, f"_make_v{version}")(head_dim, block_size, bf16)
-    ptx, _ = cuda.compile_ptx(kernel.py_func, SIGS[version], cc=(9, 0))
+    bounds = pa.V8_LAUNCH_BOUNDS if version == 8 else None
+    ptx, _ = cuda.compile_ptx(kernel.py_func, SIGS[version], cc=(9, 0), launch_bounds=bounds)
     name = f"v{version}_d{head_dim}_bs{block_size}_g{group}_{kind}"
     open(f"{sys.argv[2]}/{name}.ptx", "w").write(ptx)
     out[name] = ops_of(ptx)
@@ -97,6 +103,9 @@ CONFIGS = [
     (6, 128, 16, 7, "bf16"),
     (7, 64, 16, 7, "f16"),
     (7, 64, 8, 16, "bf16"),
+    (8, 64, 16, 7, "f16"),
+    (8, 64, 8, 16, "bf16"),
+    (8, 64, 32, 1, "f16"),
 ]
 
 
@@ -141,7 +150,17 @@ def test_v3_uses_packed_half_fma(compiled, cfg):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_name)
 def test_128_bit_loads_from_v4(compiled, cfg):
     n = compiled[0][_name(cfg)]["ld_global_v4"]
-    assert (n > 0) == (cfg[0] >= 4), f"{_name(cfg)}: {n} ld.global.v4"
+    assert (n > 0) == (4 <= cfg[0] <= 7), f"{_name(cfg)}: {n} ld.global.v4"
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_name)
+def test_v8_reads_the_pool_by_cp_async(compiled, cfg):
+    stats = compiled[0][_name(cfg)]
+    if cfg[0] == 8:
+        # d=64: 2 K + 4 V pieces per lane, issued in the prologue and in the steady-state loop
+        assert stats["cp_async"] >= 2 * 6 and stats["cp_async_wait"] >= 2, stats
+    else:
+        assert stats["cp_async"] == 0, stats
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_name)
@@ -173,3 +192,6 @@ def test_ptxas_reports_no_spills(compiled, cfg):
     assert "0 bytes stack frame" in report, report
     regs = int(re.search(r"Used (\d+) registers", report).group(1))
     assert regs <= 255
+    if cfg[0] == 8:  # 4 resident CTAs per SM need <= 128 registers and <= 48 KiB (the ring) each
+        assert regs <= 128, report
+        assert int(re.search(r"(\d+) bytes smem", report).group(1)) <= 48 * 1024, report

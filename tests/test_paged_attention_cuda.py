@@ -99,7 +99,7 @@ def test_version_matches_reference(version, case):
     assert err.max() <= _tolerance(dtype), f"v{version}: max err {err.max():.3g}, mean {err.mean():.3g}"
 
 
-@pytest.mark.parametrize("version", [4, 5, 6, 7])
+@pytest.mark.parametrize("version", [4, 5, 6, 7, 8])
 def test_split_kv_matches_reference(monkeypatch, version):
     """Force several partitions on tiny lengths so the split + merge path runs in CI."""
     monkeypatch.setattr(pa, "MIN_PARTITION", 16)
@@ -253,6 +253,21 @@ def test_pair_helpers_round_trip():
     r = common.fma_f16x2(common.f32x2_to_f16x2(1.5, -2.0), common.f32x2_to_f16x2(2.0, 0.25),
                          common.f32x2_to_f16x2(0.5, 1.0))
     assert common.f16x2_to_f32(r) == (3.5, 0.5)
+
+
+@pytest.mark.skipif(not common.SIMULATOR, reason="the simulator fallbacks of the cp.async / bit-cast helpers")
+def test_async_copy_and_bit_cast_fallbacks():
+    # v8 relies on: a 16-byte copy of words j..j+3 into i..i+4, visible after the wait; f32 bits
+    src = np.arange(16, dtype=np.uint32) * 7
+    dst = np.zeros(8, dtype=np.uint32)
+    common.cp_async16(dst, 4, src, 8)
+    common.cp_async_commit()
+    common.cp_async_wait(0)()
+    assert dst.tolist() == [0, 0, 0, 0, 56, 63, 70, 77]
+    for x in (1.0, -0.0, 3.5e-8, np.inf):
+        bits = common.f32_bits(np.float32(x))
+        assert bits == np.array([x], dtype=np.float32).view(np.uint32)[0]
+        assert common.f32_from_bits(bits) == np.float32(x)
 
 
 # ---------------------------------------------------------------------------------------------
