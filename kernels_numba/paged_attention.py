@@ -560,6 +560,59 @@ def _launch_v4(a, stream):
 
 
 @lru_cache(maxsize=None)
+def _make_warp_merge(head_dim, group, rows, is_bf16):
+    """v5/v7/v8's end of a CTA: each warp's (max, sum, accumulator) per head row goes to its
+    region of `buf` (uint32 shared memory, `stride` words per warp: accumulator [h * D + d],
+    max at G * D + h, sum at G * D + G + h, as f32 bits), then the CTA combines the 4 warps and
+    writes the output (one split) or the partition's partials (several). Includes the barrier."""
+    D, G, ROWS = head_dim, group, rows
+    NW = NUM_WARPS
+    DPC = D // 8
+    NTILE = D // 8
+    store = _converters(is_bf16)[2]
+
+    @cuda.jit(device=True, inline="always")
+    def merge_warps(buf, stride, warp, g, t, tid, lsum, m, acc, out, part_acc, part_ml, s, h0, split,
+                    num_splits):
+        # this warp's result: rows g, g+8; acc[jn*4 + 2r + e] is dim DPC*(2t+e) + jn
+        base = warp * stride
+        for r in range(ROWS):
+            x = lsum[r]
+            x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
+            x += cuda.shfl_xor_sync(FULL_MASK, x, 2)
+            h = g + 8 * r
+            if h < G:
+                for jn in range(NTILE):
+                    buf[base + h * D + DPC * (2 * t) + jn] = f32_bits(acc[jn * 4 + 2 * r])
+                    buf[base + h * D + DPC * (2 * t + 1) + jn] = f32_bits(acc[jn * 4 + 2 * r + 1])
+                if t == 0:
+                    buf[base + G * D + h] = f32_bits(m[r])
+                    buf[base + G * D + G + h] = f32_bits(x)
+        cuda.syncthreads()
+        for i in range(tid, G * D, NW * 32):
+            hh = i // D
+            d = i % D
+            mx = NEG_INF
+            for w in range(NW):
+                mx = max(mx, f32_from_bits(buf[w * stride + G * D + hh]))
+            num = float32(0.0)
+            den = float32(0.0)
+            for w in range(NW):
+                f = math.exp2(f32_from_bits(buf[w * stride + G * D + hh]) - mx)
+                num += f32_from_bits(buf[w * stride + hh * D + d]) * f
+                den += f32_from_bits(buf[w * stride + G * D + G + hh]) * f
+            if num_splits == 1:
+                out[s, h0 + hh, d] = store(num / den)
+            else:
+                part_acc[s, h0 + hh, split, d] = num
+                if d == 0:
+                    part_ml[s, h0 + hh, split, 0] = mx
+                    part_ml[s, h0 + hh, split, 1] = den
+
+    return merge_warps
+
+
+@lru_cache(maxsize=None)
 def _make_v5(head_dim, block_size, group, is_bf16, unroll=1, rows=2):
     D, BS, G = head_dim, block_size, group
     NW = NUM_WARPS
@@ -573,9 +626,11 @@ def _make_v5(head_dim, block_size, group, is_bf16, unroll=1, rows=2):
     ACC = NTILE * 4
     U = unroll  # sub-chunks of 16 tokens whose loads are in flight together (v6: 2)
     ROWS = rows  # mma row blocks that hold heads: 2 (heads g and g+8), or 1 when G <= 8 (v7)
+    PART_WORDS = G * D + 2 * G  # per warp, for merge_warps
+    PART_BUF = NW * PART_WORDS
+    merge_warps = _make_warp_merge(head_dim, group, ROWS, is_bf16)
     KS4, KWN, VWN = KS * 4, 2 * QW, 4 * VW  # local array sizes must be plain constants
     KWU, VWU = KWN * U, VWN * U
-    _, _, store, _ = _converters(is_bf16)
     mma = mma_m16n8k16_bf16 if is_bf16 else mma_m16n8k16_f16
     pack = f32x2_to_bf16x2 if is_bf16 else f32x2_to_f16x2
     QSCALE_LOG2E = float32(LOG2E)
@@ -602,9 +657,7 @@ def _make_v5(head_dim, block_size, group, is_bf16, unroll=1, rows=2):
         end = min(ctx, start + partition)
         h0 = kvh * G
 
-        m_sh = cuda.shared.array((NW, G), float32)
-        l_sh = cuda.shared.array((NW, G), float32)
-        acc_sh = cuda.shared.array((NW, G, D), float32)
+        part_buf = cuda.shared.array(PART_BUF, uint32)  # the warps' results, for merge_warps
 
         # A fragments of q (rows: heads g, g+8 of the group; zero past G), per k-step:
         # k-slots (2t, 2t+1) <-> dims t*D/4 + 4*ks + (0, 1); (2t+8, 2t+9) <-> + (2, 3)
@@ -728,39 +781,8 @@ def _make_v5(head_dim, block_size, group, is_bf16, unroll=1, rows=2):
                             acc[jn * 4 + 2] = a2
                             acc[jn * 4 + 3] = a3
 
-        # this warp's result: rows g, g+8; acc[jn*4 + 2r + e] is dim DPC*(2t+e) + jn
-        for r in range(ROWS):
-            x = lsum[r]
-            x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
-            x += cuda.shfl_xor_sync(FULL_MASK, x, 2)
-            h = g + 8 * r
-            if h < G:
-                for jn in range(NTILE):
-                    acc_sh[warp, h, DPC * (2 * t) + jn] = acc[jn * 4 + 2 * r]
-                    acc_sh[warp, h, DPC * (2 * t + 1) + jn] = acc[jn * 4 + 2 * r + 1]
-                if t == 0:
-                    m_sh[warp, h] = m[r]
-                    l_sh[warp, h] = x
-        cuda.syncthreads()
-        for i in range(tid, G * D, NW * 32):
-            hh = i // D
-            d = i % D
-            mx = NEG_INF
-            for w in range(NW):
-                mx = max(mx, m_sh[w, hh])
-            num = float32(0.0)
-            den = float32(0.0)
-            for w in range(NW):
-                f = math.exp2(m_sh[w, hh] - mx)
-                num += acc_sh[w, hh, d] * f
-                den += l_sh[w, hh] * f
-            if num_splits == 1:
-                out[s, h0 + hh, d] = store(num / den)
-            else:
-                part_acc[s, h0 + hh, split, d] = num
-                if d == 0:
-                    part_ml[s, h0 + hh, split, 0] = mx
-                    part_ml[s, h0 + hh, split, 1] = den
+        merge_warps(part_buf, PART_WORDS, warp, g, t, tid, lsum, m, acc, out, part_acc, part_ml, s, h0, split,
+                    num_splits)
 
     return paged_attention_v5
 
@@ -910,8 +932,10 @@ def _make_v7(head_dim, block_size, group, is_bf16):
     VW = DPC // 2
     ACC = NTILE * 4
     ROWS = 1 if G <= 8 else 2  # mma row blocks holding heads (g, and g+8 when G > 8)
+    PART_WORDS = G * D + 2 * G  # per warp, for merge_warps
+    PART_BUF = NW * PART_WORDS
+    merge_warps = _make_warp_merge(head_dim, group, ROWS, is_bf16)
     KS4, KWN, VWN = KS * 4, 2 * QW, 4 * VW
-    _, _, store, _ = _converters(is_bf16)
     QSCALE_LOG2E = float32(LOG2E)
 
     @cuda.jit(device=True, inline="always")
@@ -967,9 +991,7 @@ def _make_v7(head_dim, block_size, group, is_bf16):
         end = min(ctx, start + partition)
         h0 = kvh * G
 
-        m_sh = cuda.shared.array((NW, G), float32)
-        l_sh = cuda.shared.array((NW, G), float32)
-        acc_sh = cuda.shared.array((NW, G, D), float32)
+        part_buf = cuda.shared.array(PART_BUF, uint32)  # the warps' results, for merge_warps
 
         qa = cuda.local.array(KS4, uint32)
         for ks in range(KS):
@@ -1019,38 +1041,8 @@ def _make_v7(head_dim, block_size, group, is_bf16):
             compute_chunk(kw_b, vw_b, qa, m, lsum, acc, sc, pw, start + c * CH, end, t, sl, False)
             c += NW
 
-        for r in range(ROWS):
-            x = lsum[r]
-            x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
-            x += cuda.shfl_xor_sync(FULL_MASK, x, 2)
-            h = g + 8 * r
-            if h < G:
-                for jn in range(NTILE):
-                    acc_sh[warp, h, DPC * (2 * t) + jn] = acc[jn * 4 + 2 * r]
-                    acc_sh[warp, h, DPC * (2 * t + 1) + jn] = acc[jn * 4 + 2 * r + 1]
-                if t == 0:
-                    m_sh[warp, h] = m[r]
-                    l_sh[warp, h] = x
-        cuda.syncthreads()
-        for i in range(tid, G * D, NW * 32):
-            hh = i // D
-            d = i % D
-            mx = NEG_INF
-            for w in range(NW):
-                mx = max(mx, m_sh[w, hh])
-            num = float32(0.0)
-            den = float32(0.0)
-            for w in range(NW):
-                f = math.exp2(m_sh[w, hh] - mx)
-                num += acc_sh[w, hh, d] * f
-                den += l_sh[w, hh] * f
-            if num_splits == 1:
-                out[s, h0 + hh, d] = store(num / den)
-            else:
-                part_acc[s, h0 + hh, split, d] = num
-                if d == 0:
-                    part_ml[s, h0 + hh, split, 0] = mx
-                    part_ml[s, h0 + hh, split, 1] = den
+        merge_warps(part_buf, PART_WORDS, warp, g, t, tid, lsum, m, acc, out, part_acc, part_ml, s, h0, split,
+                    num_splits)
 
     return paged_attention_v7
 
@@ -1090,9 +1082,7 @@ def _make_v8(head_dim, block_size, group, is_bf16, stages=V8_STAGES, ctas_per_sm
     KS = D // 16
     QW = D // 8  # K words of one token a lane holds (its D/4 dims)
     VW = D // 16  # V words of one token a lane holds (D/8 dims)
-    DPC = D // 8
-    NTILE = D // 8
-    ACC = NTILE * 4
+    ACC = (D // 8) * 4  # accumulators: D/8 n-tiles of 4
     ROWS = 1 if G <= 8 else 2
     KS4, KWN, VWN = KS * 4, 2 * QW, 4 * VW
     KV4, VV4 = QW // 4, VW // 4  # 16-byte pieces of one token's K (V) a lane copies
@@ -1103,8 +1093,8 @@ def _make_v8(head_dim, block_size, group, is_bf16, stages=V8_STAGES, ctas_per_sm
     HALF = 8 if BS == 8 else 0  # block size 8: tokens 8..15 of a chunk are in the next block
     assert D == 64, "v8's stage layout is for head_dim 64 (d=128 runs v7's launcher)"
     assert WARP_WORDS >= G * D + 2 * G, "the ring must hold a warp's partial results"
-    _, _, store, _ = _converters(is_bf16)
     compute_chunk = _make_mma_step(head_dim, group, is_bf16)
+    merge_warps = _make_warp_merge(head_dim, group, ROWS, is_bf16)
     wait_oldest = cp_async_wait(ST - 1)  # after step k commits chunk k + ST - 1: chunk k has landed
     wait_all = cp_async_wait(0)
     QSCALE_LOG2E = float32(LOG2E)
@@ -1270,40 +1260,8 @@ def _make_v8(head_dim, block_size, group, is_bf16, stages=V8_STAGES, ctas_per_sm
         # the ring, now idle, carries each warp's (max, sum, accumulator) to the CTA's combine
         wait_all()
         cuda.syncthreads()
-        mo = base + G * D
-        lo = mo + G
-        for r in range(ROWS):
-            x = lsum[r]
-            x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
-            x += cuda.shfl_xor_sync(FULL_MASK, x, 2)
-            h = g + 8 * r
-            if h < G:
-                for jn in range(NTILE):
-                    ring[base + h * D + DPC * (2 * t) + jn] = f32_bits(acc[jn * 4 + 2 * r])
-                    ring[base + h * D + DPC * (2 * t + 1) + jn] = f32_bits(acc[jn * 4 + 2 * r + 1])
-                if t == 0:
-                    ring[mo + h] = f32_bits(m[r])
-                    ring[lo + h] = f32_bits(x)
-        cuda.syncthreads()
-        for i in range(tid, G * D, NW * 32):
-            hh = i // D
-            d = i % D
-            mx = NEG_INF
-            for w in range(NW):
-                mx = max(mx, f32_from_bits(ring[w * WARP_WORDS + G * D + hh]))
-            num = float32(0.0)
-            den = float32(0.0)
-            for w in range(NW):
-                f = math.exp2(f32_from_bits(ring[w * WARP_WORDS + G * D + hh]) - mx)
-                num += f32_from_bits(ring[w * WARP_WORDS + hh * D + d]) * f
-                den += f32_from_bits(ring[w * WARP_WORDS + G * D + G + hh]) * f
-            if num_splits == 1:
-                out[s, h0 + hh, d] = store(num / den)
-            else:
-                part_acc[s, h0 + hh, split, d] = num
-                if d == 0:
-                    part_ml[s, h0 + hh, split, 0] = mx
-                    part_ml[s, h0 + hh, split, 1] = den
+        merge_warps(ring, WARP_WORDS, warp, g, t, tid, lsum, m, acc, out, part_acc, part_ml, s, h0, split,
+                    num_splits)
 
     return paged_attention_v8
 
