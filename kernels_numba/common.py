@@ -172,6 +172,16 @@ else:
         ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [i], wraparound=False)
         return builder.ptrtoint(ptr, ir.IntType(64))
 
+    def _space_address(context, builder, aryty, ary_val, idxty, idx_val, space, int_type):
+        """Address of ary[idx] in a state space (3: shared, as 32 bits; 1: global), converted by
+        LLVM (addrspacecast), not inside the asm: the conversion of the array's base is then
+        loop-invariant code that LLVM hoists, and the index becomes a plain add."""
+        ary = context.make_array(aryty)(context, builder, ary_val)
+        i = context.cast(builder, idx_val, idxty, types.intp)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [i], wraparound=False)
+        spaced = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, addrspace=space))
+        return builder.ptrtoint(spaced, int_type)
+
     def _is_u32_vector(arr):
         return isinstance(arr, types.Array) and arr.dtype in (types.uint32, types.int32) and arr.ndim == 1
 
@@ -183,12 +193,10 @@ else:
         sig = types.void(dst, i, src, j)
 
         def codegen(context, builder, sig, args):
-            d = _item_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            g = _item_address(context, builder, sig.args[2], args[2], sig.args[3], args[3])
-            # numba passes generic pointers: convert each to its state space
-            text = ("{ .reg .u64 sa, ga; cvta.to.shared.u64 sa, $0; cvta.to.global.u64 ga, $1; "
-                    "cp.async.cg.shared.global [sa], [ga], 16; }")
-            _asm(builder, ir.VoidType(), [d, g], text, "l,l,~{memory}", side_effect=True)
+            d = _space_address(context, builder, sig.args[0], args[0], sig.args[1], args[1], 3, _i32)
+            g = _space_address(context, builder, sig.args[2], args[2], sig.args[3], args[3], 1, ir.IntType(64))
+            _asm(builder, ir.VoidType(), [d, g], "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}",
+                 side_effect=True)
             return context.get_dummy_value()
 
         return sig, codegen
