@@ -43,6 +43,11 @@ v8: v7's step fed through shared memory by cp.async: a ring of 3 stages per warp
     (as few L2 requests as a dense kernel), and the lanes read their mma fragments back from
     XOR-swizzled rows after a syncwarp. Offsets are hoisted out of the loop and whole chunks
     run unmasked. d=64 (d=128 runs v7's launcher).
+v9: v8's kernel, launched by occupancy: about 8 warps per SM stream the pool as fast as 16, and
+    each split costs a merge kernel and shorter partitions, so a (sequence, KV head) gets one CTA
+    of 2 to 8 warps over its whole context before any split (4-warp CTAs when more are needed).
+    The warps of a CTA are merged in shared memory; the ring (12 KiB per warp) is dynamic
+    shared memory, beyond the 48 KiB of a static array.
 
 Every version computes the same function; tests/test_paged_attention_cuda.py checks each under
 the CUDA simulator (tiny shapes) and on the GPU (real shapes) against reference/attention.py.
@@ -530,17 +535,18 @@ def _make_merge(head_dim, is_bf16):
     return merge_splits
 
 
-def _launch_split_kv(a, stream, kernel, q, splits, partition):
-    """v4+'s launch: grid (KV heads, sequences, splits) of 4-warp CTAs, then, when the context is
-    split, the merge of the partitions' (max, sum, accumulator) into the output."""
+def _launch_split_kv(a, stream, kernel, q, splits, partition, sharedmem=0, warps=NUM_WARPS):
+    """v4+'s launch: grid (KV heads, sequences, splits) of CTAs of `warps` warps (with `sharedmem`
+    bytes of dynamic shared memory), then, when the context is split, the merge of the partitions'
+    (max, sum, accumulator) into the output."""
     if splits == 1:
         part_acc = part_ml = a.scratch((1, 1, 1, 1))  # unused
     else:
         part_acc = a.scratch((a.num_seqs, a.num_heads, splits, a.head_dim))
         part_ml = a.scratch((a.num_seqs, a.num_heads, splits, 2))
-    kernel[(a.num_kv_heads, a.num_seqs, splits), NUM_WARPS * 32, stream](
-        q, a.k32, a.v32, a.block_tables, a.context_lens, a.out16, part_acc, part_ml, a.scale, partition,
-    )
+    args = (q, a.k32, a.v32, a.block_tables, a.context_lens, a.out16, part_acc, part_ml, a.scale, partition)
+    _allow_dynamic_smem(kernel, args, sharedmem)
+    kernel[(a.num_kv_heads, a.num_seqs, splits), warps * 32, stream, sharedmem](*args)
     if splits > 1:
         merge = _make_merge(a.head_dim, a.is_bf16)
         merge[(a.num_seqs, a.num_heads), a.head_dim, stream](
@@ -560,13 +566,13 @@ def _launch_v4(a, stream):
 
 
 @lru_cache(maxsize=None)
-def _make_warp_merge(head_dim, group, rows, is_bf16):
+def _make_warp_merge(head_dim, group, rows, is_bf16, warps=NUM_WARPS):
     """v5/v7/v8's end of a CTA: each warp's (max, sum, accumulator) per head row goes to its
     region of `buf` (uint32 shared memory, `stride` words per warp: accumulator [h * D + d],
     max at G * D + h, sum at G * D + G + h, as f32 bits), then the CTA combines the 4 warps and
     writes the output (one split) or the partition's partials (several). Includes the barrier."""
     D, G, ROWS = head_dim, group, rows
-    NW = NUM_WARPS
+    NW = warps
     DPC = D // 8
     NTILE = D // 8
     store = _converters(is_bf16)[2]
@@ -1074,9 +1080,12 @@ V8_CTAS_PER_SM = V8_LAUNCH_BOUNDS[1]
 
 
 @lru_cache(maxsize=None)
-def _make_v8(head_dim, block_size, group, is_bf16, stages=V8_STAGES, ctas_per_sm=V8_CTAS_PER_SM):
+def _make_v8(head_dim, block_size, group, is_bf16, stages=V8_STAGES, ctas_per_sm=V8_CTAS_PER_SM, dynamic=False,
+             warps=NUM_WARPS):
+    """v8's kernel for CTAs of `warps` warps; dynamic: the ring is dynamic shared memory of
+    ring_bytes(stages, warps) (v9), so that it may exceed the 48 KiB a static array can have."""
     D, BS, G, ST = head_dim, block_size, group, stages
-    NW = NUM_WARPS
+    NW = warps
     CH = 16
     P = D // 2
     KS = D // 16
@@ -1090,15 +1099,16 @@ def _make_v8(head_dim, block_size, group, is_bf16, stages=V8_STAGES, ctas_per_sm
     SLOT = NV * 128  # words of one warp's stage: piece p of lane L at p * 128 + 4 * L
     WARP_WORDS = ST * SLOT
     RING = NW * WARP_WORDS
+    RING_DECL = 0 if dynamic else RING  # 0: dynamic shared memory, sized at launch
     HALF = 8 if BS == 8 else 0  # block size 8: tokens 8..15 of a chunk are in the next block
     assert D == 64, "v8's stage layout is for head_dim 64 (d=128 runs v7's launcher)"
     assert WARP_WORDS >= G * D + 2 * G, "the ring must hold a warp's partial results"
     compute_chunk = _make_mma_step(head_dim, group, is_bf16)
-    merge_warps = _make_warp_merge(head_dim, group, ROWS, is_bf16)
+    merge_warps = _make_warp_merge(head_dim, group, ROWS, is_bf16, NW)
     wait_oldest = cp_async_wait(ST - 1)  # after step k commits chunk k + ST - 1: chunk k has landed
     wait_all = cp_async_wait(0)
     QSCALE_LOG2E = float32(LOG2E)
-    jit_options = {} if SIMULATOR else {"launch_bounds": (NUM_WARPS * 32, ctas_per_sm)}
+    jit_options = {} if SIMULATOR else {"launch_bounds": (NW * 32, ctas_per_sm)}
 
     @cuda.jit(device=True, inline="always")
     def issue_chunk(ring, slot, k_flat, v_flat, base_lo, base_hi, src_lane, kdst, vdst_even, vdst_odd, c0,
@@ -1151,10 +1161,10 @@ def _make_v8(head_dim, block_size, group, is_bf16, stages=V8_STAGES, ctas_per_sm
         num_splits = cuda.gridDim.z
         num_kv_heads = cuda.gridDim.x
         tid = cuda.threadIdx.x
-        warp = tid // 32
-        lane = tid % 32
-        g = lane // 4
-        t = lane % 4
+        warp = tid >> 5  # (shifts and masks: no sign fix-ups of // and % on 64-bit ints)
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
         ctx = context_lens[s]
         start = split * partition
         if start >= ctx:
@@ -1162,7 +1172,7 @@ def _make_v8(head_dim, block_size, group, is_bf16, stages=V8_STAGES, ctas_per_sm
         end = min(ctx, start + partition)
         h0 = kvh * G
 
-        ring = cuda.shared.array(RING, uint32)
+        ring = cuda.shared.array(RING_DECL, uint32)
         base = warp * WARP_WORDS
 
         qa = cuda.local.array(KS4, uint32)
@@ -1194,8 +1204,8 @@ def _make_v8(head_dim, block_size, group, is_bf16, stages=V8_STAGES, ctas_per_sm
         # (K: rows g, unit 4 i + t; V: rows 2t.., unit g) hit 8 different bank groups per phase.
         # this lane's word offsets in a stage (row 4 i + lrow, unit lane % 8 when copying; the
         # fragments' rows and units when reading), from the swizzles above with i, n, u folded out
-        lrow = lane // 8
-        unit = lane % 8
+        lrow = lane >> 3
+        unit = lane & 7
         src_lane = lrow * P + 4 * unit
         kdst = lrow * P + 4 * (unit ^ ((lrow & 1) * 4))  # + 4 i P
         vdst_even = 16 * P + lrow * P + 4 * (unit ^ ((lrow >> 1) * 2))  # + 4 i P, i = 0, 2
@@ -1277,18 +1287,94 @@ def _launch_v8(a, stream):
 
 
 # ----------------------------------------------------------------------------------------------
+# v9: v8's kernel, its launch shaped by occupancy. Measured (docs/kernels.md, scripts/tune_splits.py):
+# about 8 warps per SM stream the pool as fast as 16, and every split costs (a merge kernel,
+# short partitions), so each (sequence, KV head) gets its share of 8 warps per SM, as one CTA of
+# 2 to 8 warps when that is enough and as partitions of 4-warp CTAs beyond. The CTA's warps are
+# combined in shared memory; an 8-warp ring (96 KiB) is dynamic shared memory.
+
+V9_WARPS_PER_SM = 8
+SMEM_PER_CTA_MAX = 227 * 1024  # H100/H200: the most dynamic shared memory one CTA may have
+
+
+def ring_bytes(head_dim, stages, warps=NUM_WARPS):
+    """v8/v9's ring: warps x stages x one 16-token chunk of K and V."""
+    return warps * stages * 2 * 16 * head_dim * 2
+
+
+def v9_plan(num_seqs, num_kv_heads, max_context_len, num_sms):
+    """(splits, partition, warps): warps per (sequence, KV head) = the power of two nearest below
+    V9_WARPS_PER_SM * num_sms / pairs, at least 2; up to 8 of them form one CTA over the whole
+    context, more are 4-warp CTAs over partitions of >= 2 chunks (128 tokens) per warp."""
+    pairs = max(1, num_seqs * num_kv_heads)
+    per_pair = max(2, 1 << max(0, (V9_WARPS_PER_SM * num_sms // pairs).bit_length() - 1))
+    warps = per_pair if per_pair <= 8 else NUM_WARPS
+    step = 16 * warps
+    max_splits = max(1, max_context_len // (2 * step))
+    part = -(-max_context_len // min(max_splits, per_pair // warps))
+    part = -(-part // step) * step
+    return -(-max_context_len // part), part, warps
+
+
+def _make_v9(head_dim, block_size, group, is_bf16, warps=8, stages=V8_STAGES):
+    """v8's kernel for CTAs of `warps` warps with a dynamic ring; launch bounds that allow 16
+    warps per SM (<= 128 registers), as v8."""
+    return _make_v8(head_dim, block_size, group, is_bf16, stages, max(1, 16 // warps), dynamic=True,
+                    warps=warps)
+
+
+_DYNAMIC_SMEM = set()  # (kernel, device, argument kinds) whose specialisation has opted in
+
+
+def _allow_dynamic_smem(kernel, args, nbytes):
+    """Beyond 48 KiB of dynamic shared memory a kernel must opt in (the driver's
+    MAX_DYNAMIC_SHARED_SIZE_BYTES attribute) before its first launch: compile the
+    specialisation for these arguments now and set the attribute on it. Each specialisation
+    is configured for the most any launch may ask (SMEM_PER_CTA_MAX), once; the per-call check
+    is a set lookup on what decides the specialisation (dtype and rank of each array)."""
+    if SIMULATOR or nbytes <= 48 * 1024:
+        return
+    kinds = tuple((getattr(x, "dtype", None), getattr(x, "ndim", type(x))) for x in args)
+    key = (id(kernel), cuda.get_current_device().id, kinds)
+    if key in _DYNAMIC_SMEM:
+        return
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    argtypes = tuple(kernel.typeof_pyval(x) for x in args)
+    cufunc = kernel.compile(argtypes)._codelibrary.get_cufunc()
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, SMEM_PER_CTA_MAX, cufunc.handle, cufunc.device.id)
+    _DYNAMIC_SMEM.add(key)
+
+
+def _launch_v9(a, stream, splits=None, warps=None, stages=V8_STAGES):
+    """splits, warps, stages: override the plan (scripts/tune_splits.py measures the choices)."""
+    group = a.num_heads // a.num_kv_heads
+    if group > V5_MAX_GROUP or a.head_dim != 64:
+        return _launch_v7(a, stream)
+    plan_splits, partition, plan_warps = v9_plan(a.num_seqs, a.num_kv_heads, a.max_context_len, a.num_sms)
+    warps = plan_warps if warps is None else warps
+    if splits is not None or warps != plan_warps:
+        n = plan_splits if splits is None else splits
+        partition = -(-a.max_context_len // n)
+        partition = -(-partition // (16 * warps)) * (16 * warps)
+    splits = -(-a.max_context_len // partition)
+    kernel = _make_v9(a.head_dim, a.block_size, group, a.is_bf16, warps, stages)
+    _launch_split_kv(a, stream, kernel, a.q32, splits, partition, ring_bytes(a.head_dim, stages, warps), warps)
+
+
+# ----------------------------------------------------------------------------------------------
 # launchers
 
 VERSIONS = {1: _launch_v1, 2: _launch_v2, 3: _launch_v3, 4: _launch_v4, 5: _launch_v5, 6: _launch_v6, 7: _launch_v7,
-            8: _launch_v8}
-BEST_VERSION = 8
+            8: _launch_v8, 9: _launch_v9}
+BEST_VERSION = 9
 
 
 def _launch_best(a, stream):
-    """version=None: v8 (which runs v7's launcher for head_dim 128, and v4 for groups > 16).
-    H200, 2026-11-29: v8 was the fastest version at 15 of docs/kernels.md's 18 grid points and
-    at most 13% behind at the others (B=1 x ctx 8192: v5 17.7 us, v8 20.0 us)."""
-    return _launch_v8(a, stream)
+    """version=None: v9 (which runs v7's launcher for head_dim 128, and v4 for groups > 16);
+    docs/kernels.md has the measurements behind the choice."""
+    return _launch_v9(a, stream)
 
 
 @dataclass
@@ -1507,8 +1593,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
     block_tables: [num_seqs, max_blocks] int32 physical block ids (entries past a sequence's
         last block are never read)
     context_lens: [num_seqs] int32, tokens each query attends to (>= 1, the new one included)
-    scale: softmax scale, default 1/sqrt(head_dim). version: 1..7; None (default) picks the
-        fastest measured for the shape (v7, or v5 for batches with >= 2 CTAs per SM).
+    scale: softmax scale, default 1/sqrt(head_dim). version: 1..9; None (default): BEST_VERSION.
     out: optional [num_seqs, num_heads, head_dim] in q's dtype, written in place.
     validate: also check context lengths and block-table entries against the pool (one
         device->host sync, ~0.1 ms; skipped automatically inside CUDA-graph capture).

@@ -290,7 +290,8 @@ def sass_summary():
     kernels = [pa._make_v1(HEAD_DIM, BLOCK_SIZE, False), pa._make_v2(HEAD_DIM, BLOCK_SIZE, False),
                pa._make_v3(HEAD_DIM, BLOCK_SIZE, False), pa._make_merge(HEAD_DIM, False),
                pa._make_v4(HEAD_DIM, BLOCK_SIZE, group, False), pa._make_v5(HEAD_DIM, BLOCK_SIZE, group, False),
-               pa._make_v7(HEAD_DIM, BLOCK_SIZE, group, False), pa._make_v8(HEAD_DIM, BLOCK_SIZE, group, False)]
+               pa._make_v7(HEAD_DIM, BLOCK_SIZE, group, False), pa._make_v8(HEAD_DIM, BLOCK_SIZE, group, False),
+               pa._make_v9(HEAD_DIM, BLOCK_SIZE, group, False)]
     summary = {}
     for kernel in kernels:
         try:
@@ -330,6 +331,9 @@ def main(out_dir=None, quick=False, versions=None, flex=True, prefill=True):
             r = rows[-1]
             print(f"B={batch:4d} ctx={ctx:5d} " + " ".join(f"{k}={v:.1f}us" for k, v in r["us"].items())
                   + f"  ({time.time() - t0:.1f}s)", flush=True)
+            if out_dir:  # what is measured so far survives an interrupted run
+                Path(out_dir).mkdir(parents=True, exist_ok=True)
+                (Path(out_dir) / "kernels_bench.partial.json").write_text(json.dumps(rows, indent=1))
     table = markdown(rows, versions, copy_gbs)
     conc, conc_rows = concurrency_table(versions, copy_gbs, notes)
     overhead = {f"v{max(versions)}_validate": host_overhead_us(max(versions), True),

@@ -95,7 +95,7 @@ def check_prefill(seed, large):
 
 # --- CPU (simulator): small and few, every kernel family -------------------------------------
 @pytest.mark.skipif(HAS_GPU, reason="simulator cases; the gpu cases below cover the device")
-@pytest.mark.parametrize("version", [3, 5, 7, 8])
+@pytest.mark.parametrize("version", [3, 5, 7, 8, 9])
 @pytest.mark.parametrize("seed", seeds(2, 100))
 def test_decode_fuzz_simulator(seed, version):
     check_decode(seed, version, large=False)
@@ -109,7 +109,7 @@ def test_prefill_fuzz_simulator(seed):
 
 # --- GPU: large ------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [4, 5, 7, 8])
+@pytest.mark.parametrize("version", [4, 5, 7, 8, 9])
 @pytest.mark.parametrize("seed", seeds(6, 1000))
 def test_decode_fuzz_gpu(seed, version):
     check_decode(seed, version, large=True)

@@ -99,7 +99,7 @@ def test_version_matches_reference(version, case):
     assert err.max() <= _tolerance(dtype), f"v{version}: max err {err.max():.3g}, mean {err.mean():.3g}"
 
 
-@pytest.mark.parametrize("version", [4, 5, 6, 7, 8])
+@pytest.mark.parametrize("version", [4, 5, 6, 7, 8, 9])
 def test_split_kv_matches_reference(monkeypatch, version):
     """Force several partitions on tiny lengths so the split + merge path runs in CI."""
     monkeypatch.setattr(pa, "MIN_PARTITION", 16)
@@ -113,6 +113,34 @@ def test_split_kv_matches_reference(monkeypatch, version):
     pa.launch(version, q16, k16, v16, block_tables, context_lens, out16, max_context_len=48)
     err = np.abs(_bits_to_f64(out16, np.float16) - ref)
     assert err.max() <= _tolerance(np.float16), f"max err {err.max():.3g}, mean {err.mean():.3g}"
+
+
+@pytest.mark.parametrize("version, warps", [(6, 4), (7, 4), (8, 4), (9, 2), (9, 4), (9, 8)])
+def test_partitions_match_reference(monkeypatch, version, warps):
+    """v6+ cut contexts into partitions of whole CTA steps (16 tokens per warp): force 4 of them
+    over lengths that end mid-partition, mid-block, on a partition edge and inside the first
+    partition (v9 with CTAs of 2, 4 and 8 warps; 8 warps' ring is 96 KiB of dynamic shared memory)."""
+    part = 16 * warps
+    monkeypatch.setattr(pa, "split_plan_waves", lambda *args, **kw: (4, part))
+    monkeypatch.setattr(pa, "v9_plan", lambda *args, **kw: (4, part, warps))
+    rng = np.random.default_rng(11)
+    lens = [1, part + 6, 3 * part + 8, 2 * part]
+    q16, k16, v16, block_tables, context_lens, ref = make_problem(rng, 4, 2, 64, 16, np.float16, lens)
+    out16 = np.full(q16.shape, 0x7E00, dtype=np.uint16)
+    pa.launch(version, q16, k16, v16, block_tables, context_lens, out16, max_context_len=4 * part)
+    err = np.abs(_bits_to_f64(out16, np.float16) - ref)
+    assert np.isfinite(err).all() and err.max() <= _tolerance(np.float16), f"max err {err.max():.3g}"
+
+
+def test_v9_plan_prefers_warps_to_splits():
+    """About 8 warps per SM: one CTA of 2 to 8 warps per (sequence, KV head) before any split."""
+    for batch, ctx, want in [(256, 512, (1, 512, 2)), (512, 512, (1, 512, 2)), (128, 2048, (1, 2048, 4)), (64, 2048, (1, 2048, 8)),
+                             (32, 8192, (4, 2048, 4)), (8, 2048, (16, 128, 4)), (1, 100, (1, 128, 4))]:
+        assert pa.v9_plan(batch, 2, ctx, 132) == want, (batch, ctx)
+    for batch, ctx in [(1, 8192), (3, 513), (7, 8191), (40, 3000), (600, 2048)]:
+        splits, part, warps = pa.v9_plan(batch, 2, ctx, 132)
+        assert warps in (2, 4, 8) and part % (16 * warps) == 0 and (splits - 1) * part < ctx <= splits * part
+        assert batch * 2 * splits * warps <= 8 * 132 or (splits == 1 and warps == 2)
 
 
 def test_wave_plan_fills_whole_waves():
@@ -190,7 +218,7 @@ BAD_ARGUMENTS = [
                                                                   device=_device()))),
     ("context_len_zero", lambda: _bad(context_lens=torch.tensor([0, 3], dtype=torch.int32, device=_device()))),
     ("context_too_long", lambda: _bad(context_lens=torch.tensor([33, 3], dtype=torch.int32, device=_device()))),
-    ("version_9", lambda: dict(_bad(), version=9)),
+    ("unknown_version", lambda: dict(_bad(), version=max(pa.VERSIONS) + 1)),
     ("not_contiguous", lambda: _bad(q=torch.zeros(4, 2, 64, dtype=torch.float16, device=_device()).transpose(0, 1))),
 ]
 
