@@ -24,6 +24,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 from helpers import tiny_checkpoint  # noqa: F401  (session fixture)
 
 from pagedattn import LLM, SamplingParams
@@ -169,3 +170,16 @@ def test_ctrl_c_stops_workers(tiny_checkpoint, tmp_path):  # noqa: F811
     while not all(is_gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(is_gone(p) for p in pids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < TP, reason=f"needs {TP} GPUs")
+def test_gpu_nccl_greedy_matches_tp1(tiny_checkpoint):  # noqa: F811
+    """The same workload on GPUs: rank r on cuda:r, NCCL all-reduces, float32 (no fp16 near-ties)."""
+    args = dict(ENGINE_ARGS, device="cuda", dtype="float32", attn_backend="torch", enforce_eager=True)
+    expected = run_workload(LLM(tiny_checkpoint, **args))
+    with LLM(tiny_checkpoint, tensor_parallel_size=TP, **args) as llm:
+        assert llm.engine.kv_cache.num_kv_heads == 1
+        got = run_workload(llm)
+    for i, (e, g) in enumerate(zip(expected, got)):
+        assert e == g, f"sequence {i}: TP=1 {e} != TP={TP} {g}"
