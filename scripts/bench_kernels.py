@@ -82,19 +82,19 @@ class Problem:
     """num_sets independent KV sets of one (B, ctx) point, in three layouts of the same values:
     the paged pool (ours), a dense cache (SDPA) and flex's paged cache [1, KVH, pages*16, D]."""
 
-    def __init__(self, batch, ctx, num_sets, want_flex, seed=0):
-        g = torch.Generator(device="cuda").manual_seed(seed)
+    def __init__(self, batch, ctx, num_sets, want_flex, seed=0, device="cuda"):
+        g = torch.Generator(device=device).manual_seed(seed)
         self.batch, self.ctx, self.num_sets = batch, ctx, num_sets
         blocks_per_seq = ctx // BLOCK_SIZE
         self.num_blocks = batch * blocks_per_seq + 1
-        self.q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", generator=g).half()
-        self.lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        self.q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, generator=g).half()
+        self.lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
         self.sets = []
         for _ in range(num_sets):
             shape = (self.num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
-            k = torch.randn(shape, device="cuda", generator=g).half()
-            v = torch.randn(shape, device="cuda", generator=g).half()
-            perm = torch.randperm(self.num_blocks, device="cuda", generator=g)
+            k = torch.randn(shape, device=device, generator=g).half()
+            v = torch.randn(shape, device=device, generator=g).half()
+            perm = torch.randperm(self.num_blocks, device=device, generator=g)
             bt = perm[: batch * blocks_per_seq].view(batch, blocks_per_seq).int().contiguous()
             # dense [B, KVH, ctx, D]: gather every sequence's blocks in order
             kd = k[bt.long()].permute(0, 2, 1, 3, 4).reshape(batch, NUM_KV_HEADS, ctx, HEAD_DIM).contiguous()
@@ -106,6 +106,28 @@ class Problem:
                 entry["vf"] = v.permute(1, 0, 2, 3).reshape(1, NUM_KV_HEADS, -1, HEAD_DIM).contiguous()
             self.sets.append(entry)
         self.kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * 2
+
+    @staticmethod
+    def num_sets_for(batch, ctx):
+        """Enough KV sets that their rotation does not fit in L2 (4 to 64)."""
+        set_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * 2
+        return min(64, max(4, math.ceil(3 * L2_BYTES / set_bytes)))
+
+    def ours(self, version, out):
+        """A callable(i): our kernel `version` on set i into `out` (no validation: timed)."""
+        from kernels_numba import paged_attention as pa
+
+        def run(i):
+            s = self.sets[i]
+            return pa.paged_attention(self.q, s["k"], s["v"], s["bt"], self.lens, version=version, out=out,
+                                      validate=False, max_context_len=self.ctx)
+        return run
+
+    def sdpa(self, i):
+        """torch SDPA on set i's dense cache."""
+        s = self.sets[i]
+        return torch.nn.functional.scaled_dot_product_attention(
+            self.q[:, :, None], s["kd"], s["vd"], enable_gqa=True)[:, :, 0]
 
     def reference(self, i):
         s = self.sets[i]
@@ -164,36 +186,23 @@ make_flex.compiled = None
 def bench_point(batch, ctx, versions, copy_gbs, want_flex, notes):
     from kernels_numba import paged_attention as pa
 
-    set_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * 2
-    num_sets = min(64, max(4, math.ceil(3 * L2_BYTES / set_bytes)))
+    num_sets = Problem.num_sets_for(batch, ctx)
     prob = Problem(batch, ctx, num_sets, want_flex)
     ref0 = prob.reference(0)
     row = dict(batch=batch, ctx=ctx, kv_mb=prob.kv_bytes / 1e6, num_sets=num_sets, us={}, err={})
     out = torch.empty_like(prob.q)
 
-    def ours(version):
-        def run(i):
-            s = prob.sets[i]
-            return pa.paged_attention(prob.q, s["k"], s["v"], s["bt"], prob.lens, version=version, out=out,
-                                      validate=False, max_context_len=ctx)
-        return run
-
     for version in versions:
         if version <= 2 and batch * ctx > SLOW_VERSION_MAX_TOKENS:
             continue
-        fn = ours(version)
+        fn = prob.ours(version, out)
         pa.paged_attention(prob.q, prob.sets[0]["k"], prob.sets[0]["v"], prob.sets[0]["bt"], prob.lens,
                            version=version, out=out)  # validated call (block tables too)
         row["err"][f"v{version}"] = _check(out, ref0, f"v{version} B={batch} ctx={ctx}")
         row["us"][f"v{version}"] = _time_graph(fn, num_sets)
 
-    def sdpa(i):
-        s = prob.sets[i]
-        return torch.nn.functional.scaled_dot_product_attention(
-            prob.q[:, :, None], s["kd"], s["vd"], enable_gqa=True)[:, :, 0]
-
-    row["err"]["sdpa"] = _check(sdpa(0), ref0, "sdpa")
-    row["us"]["sdpa"] = _time_graph(sdpa, num_sets)
+    row["err"]["sdpa"] = _check(prob.sdpa(0), ref0, "sdpa")
+    row["us"]["sdpa"] = _time_graph(prob.sdpa, num_sets)
     if want_flex:
         try:
             flex = make_flex(prob)

@@ -28,22 +28,19 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
     prob = Problem(args.batch, args.ctx, num_sets=1, want_flex=False)
-    s = prob.sets[0]
     if args.version == "sdpa":
         def run():
-            return torch.nn.functional.scaled_dot_product_attention(
-                prob.q[:, :, None], s["kd"], s["vd"], enable_gqa=True)[:, :, 0]
+            return prob.sdpa(0)
     else:
         from kernels_numba import paged_attention as pa
 
         version = int(args.version)
         if args.splits is not None:
             pa.VERSIONS[version] = functools.partial(pa.VERSIONS[version], splits=args.splits)
-        out = torch.empty_like(prob.q)
+        ours = prob.ours(version, torch.empty_like(prob.q))
 
         def run():
-            return pa.paged_attention(prob.q, s["k"], s["v"], s["bt"], prob.lens, version=version, out=out,
-                                      validate=False, max_context_len=args.ctx)
+            return ours(0)
     _check(run(), prob.reference(0), f"{args.version}")
     for _ in range(args.iters):
         run()

@@ -12,7 +12,6 @@ forced to every (splits, warps per CTA, ring stages) given whose partitions hold
 import argparse
 import functools
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import BLOCK_SIZE, HEAD_DIM, L2_BYTES, NUM_KV_HEADS, Problem, _check, _time_graph  # noqa: E402
+from bench_kernels import NUM_KV_HEADS, Problem, _check, _time_graph  # noqa: E402
 
 DEFAULT_POINTS = ["32x8192", "64x2048", "128x2048", "256x512", "64x8192", "128x8192", "256x2048",
                   "256x8192", "8x2048", "32x2048", "128x512"]
@@ -32,27 +31,17 @@ DEFAULT_STAGES = [3]
 def sweep_point(batch, ctx, split_counts, warp_counts, stage_counts):
     from kernels_numba import paged_attention as pa
 
-    set_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * 2
-    num_sets = min(64, max(4, math.ceil(3 * L2_BYTES / set_bytes)))
+    num_sets = Problem.num_sets_for(batch, ctx)
     prob = Problem(batch, ctx, num_sets, want_flex=False)
     ref0 = prob.reference(0)
     out = torch.empty_like(prob.q)
 
     def ours(version):
-        def run(i):
-            s = prob.sets[i]
-            return pa.paged_attention(prob.q, s["k"], s["v"], s["bt"], prob.lens, version=version, out=out,
-                                      validate=False, max_context_len=ctx)
-        return run
-
-    def sdpa(i):
-        s = prob.sets[i]
-        return torch.nn.functional.scaled_dot_product_attention(
-            prob.q[:, :, None], s["kd"], s["vd"], enable_gqa=True)[:, :, 0]
+        return prob.ours(version, out)
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     row = dict(batch=batch, ctx=ctx, us={}, plan={})
-    row["us"]["sdpa"] = _time_graph(sdpa, num_sets)
+    row["us"]["sdpa"] = _time_graph(prob.sdpa, num_sets)
     row["plan"]["v8"] = pa.split_plan_waves(batch, NUM_KV_HEADS, ctx, 16 * pa.NUM_WARPS, pa.V8_CTAS_PER_SM * sms)[0]
     splits, _, warps = pa.v9_plan(batch, NUM_KV_HEADS, ctx, sms)
     row["plan"]["v9"] = f"{splits} x {warps}"
@@ -69,8 +58,6 @@ def sweep_point(batch, ctx, split_counts, warp_counts, stage_counts):
             row["us"][key(n, w, st)] = _time_graph(ours(9), num_sets)
     finally:
         pa.VERSIONS[9] = launch_v9
-    del prob
-    torch.cuda.empty_cache()
     return row
 
 
@@ -118,6 +105,7 @@ def main():
         batch, ctx = (int(x) for x in p.split("x"))
         t0 = time.time()
         rows.append(sweep_point(batch, ctx, args.splits, args.warps, args.stages))
+        torch.cuda.empty_cache()  # the point's KV sets are gone: give their memory back
         u = rows[-1]["us"]
         print(f"B={batch:4d} ctx={ctx:5d} sdpa {u['sdpa']:7.2f} v8 {u['v8']:7.2f} v9 {u['v9']:7.2f} | "
               + " ".join(f"{k}:{v:.1f}" for k, v in u.items() if "_st" in k)
