@@ -13,12 +13,18 @@ exactly as fast as the real checkpoint, since that one cannot travel):
     JSON + markdown + a PNG under --out.
 CPU mode: the bundled real model on this machine, the engine vs HF `generate` (batched, left
 padding) on the same 8 prompts, greedy, float32.
+TP mode (2 GPUs): the same random checkpoint and nano-vllm workload (--num-requests of it) at
+tensor_parallel_size 1 and 2 in one run. TP runs eagerly (the CUDA-graph decode path is
+single-rank), so TP=1 is measured eagerly too (like with like) and, for reference, with graphs;
+output tokens/s side by side, and the greedy token ids of TP=2 against TP=1-eager (fp16: the
+all-reduce sums in another order, so a near-tie may flip; the first divergence is reported).
 
 Every phase runs under a time limit (a phase that overruns stops and says so), so one call ends
 inside the device's per-call limit.
 
     python scripts/bench_throughput.py --out bench_out                 # GPU
     python scripts/bench_throughput.py --mode cpu --out bench_cpu      # CPU, bundled model
+    python scripts/bench_throughput.py --mode tp --num-requests 128 --out bench_tp   # 2 GPUs
 """
 import argparse
 import json
@@ -375,6 +381,77 @@ def gpu_mode(out, num_requests, hf_requests, hf_max_new, workload_limit, batch1_
     return res
 
 
+def first_divergence(a, b):
+    """Index of the first differing token of two id lists (len of the shorter if one is a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def tp_mode(out, num_requests, workload_limit, max_num_seqs, max_model_len, ckpt=None, device="cuda", tp=2,
+            workload=None):
+    """Throughput at tensor_parallel_size 1 and `tp`, one run; see the module docstring."""
+    res = {"mode": "tp", "env": env_line(device), "errors": {}, "tp": {}, "tp_size": tp}
+    ckpt = ckpt or write_random_checkpoint()
+    prompts, out_lens = workload or nano_vllm_workload(num_requests)
+    runs = [("tp1_graphs", 1, False), ("tp1_eager", 1, True), (f"tp{tp}_eager", tp, True)]
+    outputs = {}
+    for key, size, eager in runs:
+        if size == 1 and not eager and device != "cuda":
+            continue                                             # graphs: CUDA only
+        llm = None
+        try:
+            llm = make_llm(ckpt, device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                           enforce_eager=eager, tensor_parallel_size=size)
+            run_engine(llm, prompts[:4], [8] * 4, 120)          # warm-up: compiles the kernels
+            r = run_engine(llm, prompts, out_lens, workload_limit)
+            outputs[key] = [r["outputs"].get(rid) for rid in r["ids"]]
+            res["tp"][key] = {k: r[k] for k in ("requests", "finished", "timed_out", "seconds", "output_tokens",
+                                                "output_tok_s", "num_preemptions", "num_blocks")}
+            print(f"{key}: {r['output_tok_s']:,.0f} output tok/s, {r['finished']}/{r['requests']} finished "
+                  f"in {r['seconds']:.1f}s", flush=True)
+        except Exception as ex:                                  # noqa: BLE001
+            res["errors"][key] = repr(ex)
+        finally:
+            if llm is not None:
+                llm.close()
+            del llm
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        save_tp(res, out)
+    base, other = outputs.get("tp1_eager"), outputs.get(f"tp{tp}_eager")
+    if base and other:
+        pairs = [(a, b) for a, b in zip(base, other) if a is not None and b is not None]
+        div = [first_divergence(a, b) for a, b in pairs]
+        res["greedy"] = {"compared": len(pairs), "identical": sum(a == b for a, b in pairs),
+                         "first_divergence": sorted(d for d, (a, b) in zip(div, pairs) if a != b)}
+        e1, e2 = res["tp"]["tp1_eager"], res["tp"][f"tp{tp}_eager"]
+        res["speedup_eager"] = e2["output_tok_s"] / e1["output_tok_s"]
+    save_tp(res, out)
+    return res
+
+
+def tp_markdown(res):
+    lines = [res["env"], "", "| run | output tok/s | finished | seconds | preemptions |", "|---|---|---|---|---|"]
+    for key, r in res["tp"].items():
+        lines.append(f"| {key} | {r['output_tok_s']:,.0f} | {r['finished']}/{r['requests']} | {r['seconds']:.1f} | "
+                     f"{r['num_preemptions']} |")
+    if "speedup_eager" in res:
+        g = res["greedy"]
+        lines += ["", f"TP={res['tp_size']} / TP=1 (both eager): "
+                      f"{res['speedup_eager']:.2f}x. Greedy ids identical for {g['identical']} of {g['compared']} "
+                      f"requests; first divergences at tokens {g['first_divergence'][:20]}"]
+    if res["errors"]:
+        lines += ["", "Errors: " + json.dumps(res["errors"])]
+    return "\n".join(lines) + "\n"
+
+
+def save_tp(res, out):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench_tp.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    with open(os.path.join(out, "bench_tp.md"), "w") as f:
+        f.write(tp_markdown(res))
+
+
 CPU_PROMPTS = [
     "def fibonacci(n):", "# Sort a list of numbers in Python\n", "class Stack:\n    def __init__(self):",
     "import numpy as np\n\ndef softmax(x):", "SELECT name FROM users WHERE", "def is_prime(n):\n    \"\"\"",
@@ -425,13 +502,15 @@ def main(mode="gpu", out="bench_out", num_requests=256, hf_requests=64, hf_max_n
          cpu_new_tokens=32):
     if mode == "cpu":
         return cpu_mode(out, cpu_new_tokens)
+    if mode == "tp":
+        return tp_mode(out, num_requests, workload_limit, max_num_seqs, max_model_len)
     return gpu_mode(out, num_requests, hf_requests, hf_max_new, workload_limit, batch1_tokens, hf_batch1_tokens,
                     max_num_seqs, max_model_len, skip_hf)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=("gpu", "cpu"), default="gpu")
+    ap.add_argument("--mode", choices=("gpu", "cpu", "tp"), default="gpu")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--hf-requests", type=int, default=64)

@@ -183,3 +183,22 @@ def test_gpu_nccl_greedy_matches_tp1(tiny_checkpoint):  # noqa: F811
         got = run_workload(llm)
     for i, (e, g) in enumerate(zip(expected, got)):
         assert e == g, f"sequence {i}: TP=1 {e} != TP={TP} {g}"
+
+
+def test_throughput_script_tp_mode(tiny_checkpoint, tmp_path):  # noqa: F811
+    """scripts/bench_throughput.py --mode tp, on CPU with the tiny model: TP=1 and TP=2 runs of one
+    workload, their greedy ids compared (float32 here: identical), the table written."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import bench_throughput
+
+    res = bench_throughput.tp_mode(str(tmp_path), 0, 60.0, 8, 256, ckpt=tiny_checkpoint, device="cpu",
+                                   workload=(PROMPTS, [12] * len(PROMPTS)))
+    assert not res["errors"], res["errors"]
+    assert set(res["tp"]) == {"tp1_eager", "tp2_eager"}
+    assert all(r["finished"] == len(PROMPTS) for r in res["tp"].values())
+    assert res["greedy"] == {"compared": len(PROMPTS), "identical": len(PROMPTS), "first_divergence": []}
+    assert res["speedup_eager"] > 0
+    table = (tmp_path / "bench_tp.md").read_text()
+    assert "| tp2_eager |" in table and "Greedy ids identical for 7 of 7" in table
+    assert bench_throughput.first_divergence([1, 2, 3], [1, 2, 4]) == 2
+    assert bench_throughput.first_divergence([1, 2], [1, 2, 3]) == 2
