@@ -137,11 +137,12 @@ def test_worker_exception_surfaces_in_parent(tiny_checkpoint):  # noqa: F811
 
 
 CTRL_C_SCRIPT = textwrap.dedent("""
-    import sys
+    import faulthandler, sys
     from pagedattn import LLM, SamplingParams
     if __name__ == "__main__":
         llm = LLM(sys.argv[1], device="cpu", block_size=8, num_blocks=64, tensor_parallel_size=2)
         print(*llm.engine.runner.group.pids, flush=True)
+        faulthandler.dump_traceback_later(25, exit=True)   # a hang shows where it is (the test fails on it)
         while True:
             llm.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                          use_tqdm=False)
@@ -165,6 +166,7 @@ def test_ctrl_c_stops_workers(tiny_checkpoint, tmp_path):  # noqa: F811
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    assert "Timeout (0:00:25)" not in err, f"still running 25 s after start; its threads:\n{err[-6000:]}"
     assert "KeyboardInterrupt" in err
     deadline = time.monotonic() + 10
     while not all(is_gone(p) for p in pids) and time.monotonic() < deadline:
