@@ -137,9 +137,15 @@ def test_worker_exception_surfaces_in_parent(tiny_checkpoint):  # noqa: F811
 
 
 CTRL_C_SCRIPT = textwrap.dedent("""
-    import faulthandler, sys
+    import faulthandler, signal, sys
     from pagedattn import LLM, SamplingParams
     if __name__ == "__main__":
+        # a terminal's process: Ctrl-C raises KeyboardInterrupt, whatever SIGINT state the test
+        # runner's process handed down (what it was is printed, for a failure message)
+        print("SIGINT at start:", signal.getsignal(signal.SIGINT), sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+              file=sys.stderr, flush=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
         llm = LLM(sys.argv[1], device="cpu", block_size=8, num_blocks=64, tensor_parallel_size=2)
         print(*llm.engine.runner.group.pids, flush=True)
         faulthandler.dump_traceback_later(25, exit=True)   # a hang shows where it is (the test fails on it)
