@@ -166,19 +166,17 @@ else:
         fnty = ir.FunctionType(ret, [a.type for a in args])
         return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=side_effect), args)
 
-    def _item_address(context, builder, aryty, ary_val, idxty, idx_val):
+    def _item_pointer(context, builder, aryty, ary_val, idxty, idx_val):
+        """Generic pointer to ary[idx] of a 1-D array."""
         ary = context.make_array(aryty)(context, builder, ary_val)
         i = context.cast(builder, idx_val, idxty, types.intp)
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [i], wraparound=False)
-        return builder.ptrtoint(ptr, ir.IntType(64))
+        return cgutils.get_item_pointer(context, builder, aryty, ary, [i], wraparound=False)
 
     def _space_address(context, builder, aryty, ary_val, idxty, idx_val, space, int_type):
         """Address of ary[idx] in a state space (3: shared, as 32 bits; 1: global), converted by
         LLVM (addrspacecast), not inside the asm: the conversion of the array's base is then
         loop-invariant code that LLVM hoists, and the index becomes a plain add."""
-        ary = context.make_array(aryty)(context, builder, ary_val)
-        i = context.cast(builder, idx_val, idxty, types.intp)
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [i], wraparound=False)
+        ptr = _item_pointer(context, builder, aryty, ary_val, idxty, idx_val)
         spaced = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, addrspace=space))
         return builder.ptrtoint(spaced, int_type)
 
@@ -261,10 +259,7 @@ else:
         sig = types.UniTuple(types.uint32, 4)(arr, idx)
 
         def codegen(context, builder, sig, args):
-            aryty, idxty = sig.args
-            ary = context.make_array(aryty)(context, builder, args[0])
-            i = context.cast(builder, args[1], idxty, types.intp)
-            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [i], wraparound=False)
+            ptr = _item_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             vptr = builder.bitcast(ptr, _v4i32.as_pointer())
             vec = builder.load(vptr, align=16)
             elems = [builder.extract_element(vec, ir.Constant(_i32, k)) for k in range(4)]

@@ -36,9 +36,6 @@ def sweep_point(batch, ctx, split_counts, warp_counts, stage_counts):
     ref0 = prob.reference(0)
     out = torch.empty_like(prob.q)
 
-    def ours(version):
-        return prob.ours(version, out)
-
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     row = dict(batch=batch, ctx=ctx, us={}, plan={})
     row["us"]["sdpa"] = _time_graph(prob.sdpa, num_sets)
@@ -46,16 +43,16 @@ def sweep_point(batch, ctx, split_counts, warp_counts, stage_counts):
     splits, _, warps = pa.v9_plan(batch, NUM_KV_HEADS, ctx, sms)
     row["plan"]["v9"] = f"{splits} x {warps}"
     for version in (8, 9):
-        _check(ours(version)(0), ref0, f"v{version}")
-        row["us"][f"v{version}"] = _time_graph(ours(version), num_sets)
+        _check(prob.ours(version, out)(0), ref0, f"v{version}")
+        row["us"][f"v{version}"] = _time_graph(prob.ours(version, out), num_sets)
     launch_v9 = pa.VERSIONS[9]
     try:
         for n, w, st in combos(split_counts, warp_counts, stage_counts):
             if ctx / n < 16 * w:
                 continue
             pa.VERSIONS[9] = functools.partial(launch_v9, splits=n, warps=w, stages=st)
-            _check(ours(9)(0), ref0, f"v9 splits={n} warps={w} stages={st}")
-            row["us"][key(n, w, st)] = _time_graph(ours(9), num_sets)
+            _check(prob.ours(9, out)(0), ref0, f"v9 splits={n} warps={w} stages={st}")
+            row["us"][key(n, w, st)] = _time_graph(prob.ours(9, out), num_sets)
     finally:
         pa.VERSIONS[9] = launch_v9
     return row
