@@ -12,7 +12,7 @@ the layout a real HF directory has; its weights are re-drawn at a larger scale t
 import pytest
 import torch
 
-from pagedattn.attention import AttentionMetadata
+from pagedattn.layers.attention import AttentionMetadata
 from pagedattn.kv_cache import KVCache
 
 # GQA with 3 query heads per KV head, head_dim 16, two layers: small, but every code path of Qwen2.

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedattn.attention import AttentionMetadata, NumbaBackend, TorchPagedBackend, get_backend
+from pagedattn.layers.attention import AttentionMetadata, NumbaBackend, TorchPagedBackend, get_backend
 from pagedattn.errors import KernelLaunchError
 from reference.attention import paged_decode_attention, paged_prefill_attention
 

@@ -27,7 +27,7 @@ def ckpt():
 
 def _our_logits(ckpt, prompt, forced):
     """Prefill `prompt`, then decode feeding `forced` tokens; logits [len(forced) + 1, vocab] float32."""
-    from pagedattn.attention import AttentionMetadata
+    from pagedattn.layers.attention import AttentionMetadata
     from pagedattn.kv_cache import KVCache
     from pagedattn.models.loader import load_model
     model, cfg = load_model(ckpt, "cuda", torch.float16, "numba")

@@ -44,7 +44,7 @@ def run_workload(ckpt):
     engine.block_manager.block_hash.clear()          # the poisoned blocks must not be served as cache hits
     engine.block_manager.block_key.clear()
     engine.block_manager.cached_blocks.clear()
-    from pagedattn.attention import get_backend
+    from pagedattn.layers.attention import get_backend
     rec = Recorder(get_backend("torch", "cpu"))
     engine.model.attn_backend = rec
     system = [11, 12, 13, 14, 15, 16, 17, 18, 19]

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from helpers import PagedRunner, TINY_CONFIG, tiny_checkpoint, write_tiny_checkpoint  # noqa: F401 (fixture)
-from pagedattn.attention import AttentionMetadata, TorchPagedBackend
+from pagedattn.layers.attention import AttentionMetadata, TorchPagedBackend
 from pagedattn.errors import ModelLoadError
 from pagedattn.kv_cache import KVCache
 from pagedattn.models.loader import load_model

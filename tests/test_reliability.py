@@ -137,7 +137,7 @@ def test_bad_engine_arguments(tiny_checkpoint, kwargs, field):  # noqa: F811
 
 
 def test_attention_launch_with_mismatched_shapes_is_caught(llm):
-    from pagedattn.attention import AttentionMetadata, get_backend
+    from pagedattn.layers.attention import AttentionMetadata, get_backend
 
     cache = torch.zeros(4, 2, 4, 16)
     meta = AttentionMetadata.build([1], [1], [[0]], 4, num_prefills=0)

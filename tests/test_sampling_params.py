@@ -9,7 +9,7 @@ import torch
 
 from pagedattn.engine.sequence import make_generator
 from pagedattn.errors import InvalidRequestError
-from pagedattn.sampler import apply_top_k_top_p, sample
+from pagedattn.layers.sampler import apply_top_k_top_p, sample
 from pagedattn.sampling_params import BeamSearchParams, SamplingParams
 
 BAD_SAMPLING = [

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pagedattn.attention import AttentionMetadata
+from pagedattn.layers.attention import AttentionMetadata
 from pagedattn.engine.model_runner import ModelRunner, PreparedStep
 from pagedattn.errors import PagedAttnError
 from pagedattn.distributed.parallel import free_port, init_process_group, shard_qwen2

@@ -23,7 +23,7 @@ numpy function so it is tested without a GPU.
 import numpy as np
 import torch
 
-from pagedattn.attention import AttentionMetadata
+from pagedattn.layers.attention import AttentionMetadata
 
 
 def graph_batch_sizes(max_num_seqs):

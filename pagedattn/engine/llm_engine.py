@@ -27,7 +27,7 @@ from pagedattn.engine.scheduler import Scheduler, SchedulerConfig
 from pagedattn.engine.sequence import Sequence, SequenceGroup, make_generator
 from pagedattn.errors import InvalidRequestError, ModelLoadError
 from pagedattn.kv_cache import KVCache
-from pagedattn.sampler import sample
+from pagedattn.layers.sampler import sample
 from pagedattn.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,

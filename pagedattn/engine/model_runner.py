@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedattn.attention import AttentionMetadata, NumbaBackend, get_backend
+from pagedattn.layers.attention import AttentionMetadata, NumbaBackend, get_backend
 from pagedattn.errors import KernelLaunchError
 
 

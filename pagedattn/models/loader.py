@@ -56,7 +56,7 @@ def load_model(path, device="cpu", dtype=torch.float32, attn_backend="auto"):
     """Build Qwen2ForCausalLM from a HF checkpoint directory.
 
     path: directory with config.json and *.safetensors. device: "cpu", "cuda", ... dtype: parameter dtype.
-    attn_backend: "auto" / "torch" / "numba" or a backend object (see pagedattn.attention.get_backend).
+    attn_backend: "auto" / "torch" / "numba" or a backend object (see pagedattn.layers.attention.get_backend).
     Returns (model in eval mode on `device`, parameters frozen, Qwen2Config).
     """
     path = os.fspath(path)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedattn.attention import get_backend
+from pagedattn.layers.attention import get_backend
 from pagedattn.errors import ModelLoadError
 
 
@@ -160,7 +160,7 @@ class Qwen2ForCausalLM(nn.Module):
     """Qwen2 on the paged KV cache.
 
     config: Qwen2Config. attn_backend: a backend object, or "auto" / "torch" / "numba" (resolved for the
-    device of the first forward's inputs; see pagedattn.attention.get_backend).
+    device of the first forward's inputs; see pagedattn.layers.attention.get_backend).
     """
 
     def __init__(self, config, attn_backend="auto"):
