@@ -26,6 +26,8 @@ Two levels of API:
 * `launch_reshape_and_cache(...)`, `launch_copy_blocks(...)`: numba device arrays (or numpy
   arrays in the simulator) of integer words, no validation, an optional numba stream.
 """
+import warnings
+
 import torch
 from numba import config, cuda
 
@@ -138,21 +140,31 @@ def _check_cache(name, cache):
         raise KernelLaunchError(f"{name} must be contiguous")
 
 
+def _validate_flag(validate, check_bounds):
+    """`validate`, or the deprecated `check_bounds` when a caller still passes it."""
+    if check_bounds is None:
+        return validate
+    warnings.warn("check_bounds= is deprecated: use validate=", DeprecationWarning, stacklevel=3)
+    return check_bounds
+
+
 def _capturing():
     return not SIMULATOR and torch.cuda.is_current_stream_capturing()
 
 
-def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, check_bounds=True):
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, validate=True, check_bounds=None):
     """Write new K/V vectors into the pool at their slots (in place); matches `write_kv` bitwise.
 
     key, value: [num_tokens, num_kv_heads, head_dim], any float dtype (cast to the cache dtype
         on the host by torch when it differs, exactly as write_kv casts)
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim], float16/bfloat16/float32
     slot_mapping: [num_tokens] int32/int64, slot = block_id * block_size + offset, -1 = skip
-    check_bounds: verify every slot is < num_blocks * block_size (one host sync; skipped
+    validate: verify every slot is < num_blocks * block_size (one host sync; skipped
         automatically while a CUDA graph is being captured)
+    check_bounds: deprecated name of `validate`
     Tensors on CUDA (CPU under the simulator); runs on torch's current stream.
     """
+    validate = _validate_flag(validate, check_bounds)
     for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
         check_tensor(name, t)
     _check_cache("k_cache", k_cache)
@@ -177,7 +189,7 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, check_bounds=T
         raise KernelLaunchError(f"slot_mapping.dtype must be int32 or int64, got {slot_mapping.dtype}")
     if key.shape[0] == 0:
         return
-    if check_bounds and not _capturing():
+    if validate and not _capturing():
         hi = int(slot_mapping.max())
         if hi >= num_blocks * block_size or int(slot_mapping.min()) < -1:
             raise KernelLaunchError(
@@ -195,7 +207,7 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, check_bounds=T
     )
 
 
-def copy_blocks(k_caches, v_caches, block_mapping, check_bounds=True):
+def copy_blocks(k_caches, v_caches, block_mapping, validate=True, check_bounds=None):
     """Copy whole blocks src -> dst in every layer, K and V, in one launch; matches the torch
     `copy_blocks` bitwise.
 
@@ -205,9 +217,11 @@ def copy_blocks(k_caches, v_caches, block_mapping, check_bounds=True):
         The destinations must be distinct and must not be sources of other pairs (copy-on-write
         never produces such a mapping; torch's gather-then-scatter would define it, one launch
         of independent CTAs would not).
-    check_bounds: verify block ids and the rules above on the host (one host sync for a device
+    validate: verify block ids and the rules above on the host (one host sync for a device
         tensor; skipped while a CUDA graph is being captured)
+    check_bounds: deprecated name of `validate`
     """
+    validate = _validate_flag(validate, check_bounds)
     k_caches, v_caches = list(k_caches), list(v_caches)
     if len(k_caches) == 0 or len(k_caches) != len(v_caches):
         raise KernelLaunchError(
@@ -229,7 +243,7 @@ def copy_blocks(k_caches, v_caches, block_mapping, check_bounds=True):
         return
     if mapping.dim() != 2 or mapping.shape[1] != 2:
         raise KernelLaunchError(f"block_mapping must be [num_pairs, 2] (src, dst), got {tuple(mapping.shape)}")
-    if check_bounds and not _capturing():
+    if validate and not _capturing():
         host = mapping.cpu()
         if int(host.min()) < 0 or int(host.max()) >= num_blocks:
             raise KernelLaunchError(f"block_mapping has block ids outside [0, {num_blocks})")

@@ -44,6 +44,7 @@ G <= BM (G = 1 is MHA). Under NUMBA_ENABLE_CUDASIM=1 every version runs in the s
 with a numpy fallback of the warp's mma).
 """
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -655,7 +656,7 @@ def _as_array(t):
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
-                  version=None, check_bounds=False):
+                  version=None, validate=False, check_bounds=None):
     """Causal prefill attention over the paged pool (new K/V already written).
 
     q: [total_q, num_heads, head_dim] float16/bfloat16, the chunks of num_seqs sequences packed
@@ -665,8 +666,9 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     context_lens: [num_seqs] int32, tokens in the pool for s after the write (prefix + chunk)
     scale: softmax scale (default 1/sqrt(head_dim)); out: optional [total_q, num_heads, head_dim]
     version: kernel version (VERSIONS; default DEFAULT_VERSION)
-    check_bounds: verify the metadata on the host (one sync): context_len >= q_len, block ids
+    validate: verify the metadata on the host (one sync): context_len >= q_len, block ids
         inside the pool, enough table columns. Off by default (the kernel is graph-capturable).
+    check_bounds: deprecated name of `validate`
     Returns out [total_q, num_heads, head_dim] in q's dtype. Runs on torch's current stream.
     """
     half = tuple(DTYPES)
@@ -710,7 +712,10 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
         check_tensor("out", out, 3, (q.dtype,))
         if out.shape != q.shape:
             raise KernelLaunchError(f"out must be {tuple(q.shape)}, got {tuple(out.shape)}")
-    if check_bounds:
+    if check_bounds is not None:
+        warnings.warn("check_bounds= is deprecated: use validate=", DeprecationWarning, stacklevel=2)
+        validate = check_bounds
+    if validate:
         cu, ctx = cu_seqlens_q.cpu().long(), context_lens.cpu().long()
         q_lens = cu[1:] - cu[:-1]
         if int(cu[0]) != 0 or int(cu[-1]) != total_q or bool((q_lens < 1).any()):

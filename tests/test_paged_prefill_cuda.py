@@ -91,7 +91,7 @@ def case_id(c):
 @pytest.mark.parametrize("version", VERSIONS)
 def test_paged_prefill_matches_reference(version, case):
     q, k, v, bt, cu, ctx = make_batch(*case, seed=1)
-    out = pp.paged_prefill(q, k, v, bt, cu, ctx, version=version, check_bounds=True)
+    out = pp.paged_prefill(q, k, v, bt, cu, ctx, version=version, validate=True)
     ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
     assert out.shape == q.shape and out.dtype == q.dtype
     check_against_reference(out, ref, q.dtype, sim_tolerance(ref, v, q.dtype, version))
@@ -118,6 +118,8 @@ def test_paged_prefill_rejects_bad_arguments():
     with pytest.raises(KernelLaunchError, match="num_kv_heads"):
         pp.paged_prefill(q[:, :3].contiguous(), k, v, bt, cu, ctx)
     with pytest.raises(KernelLaunchError, match="context_lens"):
+        pp.paged_prefill(q, k, v, bt, cu, torch.tensor([2], dtype=torch.int32, device=DEVICE), validate=True)
+    with pytest.warns(DeprecationWarning, match="validate"), pytest.raises(KernelLaunchError, match="context_lens"):
         pp.paged_prefill(q, k, v, bt, cu, torch.tensor([2], dtype=torch.int32, device=DEVICE), check_bounds=True)
     with pytest.raises(KernelLaunchError, match="block_tables"):
         pp.paged_prefill(q, k, v, bt.long(), cu, ctx)
@@ -164,7 +166,7 @@ def test_gpu_paged_prefill_vs_sdpa_error(case):
     # floor: one unit in the last place of the largest output (both round their result once)
     tol = 2 * base + 2 * UNIT_ROUNDOFF[q.dtype] * float(np.abs(ref).max())
     for version in VERSIONS:
-        out = pp.paged_prefill(q, k, v, bt, cu, ctx, version=version, check_bounds=True)
+        out = pp.paged_prefill(q, k, v, bt, cu, ctx, version=version, validate=True)
         torch.cuda.synchronize()
         err = check_against_reference(out, ref, q.dtype, tol=tol)
         print(f"v{version}: max err {err.max():.3g} (SDPA {base:.3g}), mean {err.mean():.3g}")
