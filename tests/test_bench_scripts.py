@@ -155,3 +155,49 @@ def test_save_plot_writes_a_png(tmp_path):
     path = benchlib.save_plot(str(tmp_path / "p.png"), ["workload", "batch 1"], {"greedy": [2e4, 330.0],
                               "sampled": [1.9e4, None]}, "", "tok/s", "t", logy=True, kind="bar")
     assert Path(path).read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- scripts/tp_layer_diff.py -------------------------------------------------------------------
+from scripts import tp_layer_diff  # noqa: E402
+
+
+def test_tp_layer_diff_plan_chunks_prompts_then_decodes():
+    plan = tp_layer_diff.make_plan([1, 17, 40], decode_steps=2, chunk=16)
+    assert plan == [[(0, 0, 1, True), (1, 0, 16, True), (2, 0, 16, True)],
+                    [(1, 16, 1, True), (2, 16, 16, True)],
+                    [(2, 32, 8, True)],
+                    [(0, 1, 1, False), (1, 17, 1, False), (2, 40, 1, False)],
+                    [(0, 2, 1, False), (1, 18, 1, False), (2, 41, 1, False)]]
+    assert tp_layer_diff.make_plan([5, 3], 0) == [[(0, 0, 5, True), (1, 0, 3, True)]]
+
+
+def test_tp_layer_diff_compare_names_the_first_site_that_leaves_the_noise():
+    torch.manual_seed(0)
+    ref = [{s: torch.randn(4, 8, dtype=torch.float64) for s in ("L00 attn", "L00 out", "L01 attn")}]
+    tp1 = [{s: t + 1e-3 * torch.randn_like(t) for s, t in ref[0].items()}]
+    tp2 = [{s: t + 2e-3 * torch.randn_like(t) for s, t in ref[0].items()}]
+    clean = tp_layer_diff.compare(ref, tp1, tp2, torch.float16, ["prefill"])
+    assert not any(r["jump"] for r in clean)
+    tp2[0]["L00 out"] = tp2[0]["L00 out"].clone()
+    tp2[0]["L00 out"][2] *= 1.5                         # one token of one site goes wrong
+    tp2[0]["L01 attn"] = torch.full_like(ref[0]["L01 attn"], float("nan"))
+    rows = tp_layer_diff.compare(ref, tp1, tp2, torch.float16, ["prefill"])
+    assert [r["site"] for r in rows if r["jump"]] == ["L00 out", "L01 attn"]
+    assert rows[2]["tp2_vs_ref"] == float("inf")
+    summary = tp_layer_diff.summarize(rows, ["L00 attn", "L00 out", "L01 attn"])
+    assert [s["jump"] for s in summary] == [False, True, True]
+
+
+def test_tp_layer_diff_on_two_cpu_ranks_finds_no_jump(tmp_path):
+    # float32 over gloo against a float64 reference: TP=2 differs from TP=1 only by the all-reduce's
+    # summation order, so every site stays within 4x TP=1's own float32 error (measured ratios ~1.0-1.2)
+    path = benchlib.random_checkpoint(TINY_SHAPES, cache_dir=str(tmp_path), dtype=torch.float32, device="cpu")
+    res = tp_layer_diff.main(device="cpu", model=path, prompt_lens=(1, 17, 40), decode_steps=2, chunk=16,
+                             block_size=8, out=str(tmp_path / "out"), timeout_s=120)
+    assert res["first_jump"] is None, res["first_jump"]
+    assert [s["site"] for s in res["sites"]] == tp_layer_diff.site_names(2)
+    assert len(res["rows"]) == 5 * 8                    # 3 prefill chunks + 2 decode steps, 8 sites each
+    assert max(r["tp2_vs_ref"] for r in res["rows"]) < 1e-5
+    assert all(a["tp2_eq_tp1"] == a["chunks"] for a in res["argmax"])
+    md = (tmp_path / "out" / "tp_layer_diff.md").read_text()
+    assert "No jump" in md and "| L01 mlp |" in md
