@@ -1,527 +1,436 @@
-"""End-to-end throughput: the engine vs HF transformers, in one run.
+"""End-to-end throughput of the engine: the nano-vllm workload and batch 1, greedy and sampled;
+tensor parallelism; the HF transformers baseline. One call per mode; every run has a time limit.
 
-GPU mode (one call on the H200; random weights of the real Qwen2-0.5B config in fp16, which is
-exactly as fast as the real checkpoint, since that one cannot travel):
-  * the nano-vllm workload: 256 requests, prompt lengths uniform in [100, 1024], output lengths
-    uniform in [100, 1024], random token ids in [0, 10000], ignore_eos, seed 0, greedy decoding;
-    the engine (CUDA graphs) on all of it, HF `generate_batch` (continuous batching, paged cache)
-    on the first --hf-requests requests with one max_new_tokens (the mean of their output lengths);
-    tokens/s compared;
-  * batch-1 decode: prompt 512, 256 new tokens, the engine vs HF `generate` (fewer new tokens for HF
-    if --hf-batch1-tokens says so; tokens/s compared);
-  * output tokens/s, TTFT and per-request mean ITL percentiles, peak KV usage, preemptions;
-    JSON + markdown + a PNG under --out.
-CPU mode: the bundled real model on this machine, the engine vs HF `generate` (batched, left
-padding) on the same 8 prompts, greedy, float32.
-TP mode (2 GPUs): the same random checkpoint and nano-vllm workload (--num-requests of it) at
-tensor_parallel_size 1 and 2 in one run. TP runs eagerly (the CUDA-graph decode path is
-single-rank), so TP=1 is measured eagerly too (like with like) and, for reference, with graphs;
-output tokens/s side by side, and the greedy token ids of TP=2 against TP=1-eager (fp16: the
-all-reduce sums in another order, so a near-tie may flip; the first divergence is reported).
+Model: random weights of the real Qwen2.5-0.5B config in fp16 (as fast as the real checkpoint;
+scripts/benchlib.py `random_checkpoint`, generated once into a cache directory), or --model DIR.
 
-Every phase runs under a time limit (a phase that overruns stops and says so), so one call ends
-inside the device's per-call limit.
+--mode workload (default; one GPU):
+  * the nano-vllm workload: 256 requests, prompt lengths uniform in [100, 1024] with token ids in
+    [0, 10000], output lengths uniform in [100, 1024], ignore_eos, seed 0 — run greedy, sampled
+    (temperature 0.8, top_p 0.95) with a seed per request and unseeded, and with the default
+    SamplingParams() (temperature 1.0): output tok/s each and its ratio to greedy;
+  * batch 1: one request, 512 prompt + 256 output tokens, greedy and sampled: decode tok/s
+    ((tokens - 1) / (seconds after the first token)).
+--mode tp (two GPUs): TP=1 and TP=2, with CUDA graphs and eagerly, on --config 0.5b or 7b: batch-1
+  decode tok/s and the workload's (--num-requests of it) output tok/s; the greedy token ids of TP=2
+  against TP=1 (requests identical, first divergence positions).
+--mode hf: HF transformers on the same requests (batch 1 with `generate`, greedy and sampled; the
+  first --hf-requests workload requests with `generate_batch`, greedy); beside the engine's numbers
+  when --out holds a workload run's bench_throughput.json.
 
-    python scripts/bench_throughput.py --out bench_out                 # GPU
-    python scripts/bench_throughput.py --mode cpu --out bench_cpu      # CPU, bundled model
-    python scripts/bench_throughput.py --mode tp --num-requests 128 --out bench_tp   # 2 GPUs
+Every mode prints one table last and writes <name>.json / .md (and a PNG) under --out.
+
+    python scripts/bench_throughput.py --out OUT                              # workload, one H200
+    python scripts/bench_throughput.py --mode hf --out OUT                    # after the workload run
+    python scripts/bench_throughput.py --mode tp --config 0.5b --out OUT      # two H200s
+    python scripts/bench_throughput.py --mode tp --config 7b --num-requests 64 --runs tp1_graphs,tp2_graphs --out OUT
 """
-import argparse
+import gc
 import json
 import os
 import random
-import statistics
 import sys
-import time
 
-import torch
+if __name__ == "__main__":          # run as a file: make `scripts.` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import torch  # noqa: E402
 
-# Qwen2.5-0.5B / Qwen2.5-Coder-0.5B (the bundled model's config.json).
-QWEN2_05B_CONFIG = dict(
-    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-    rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, hidden_act="silu",
-    bos_token_id=151643, eos_token_id=151645, use_sliding_window=False,
-)
-RANDOM_CKPT_DIR = os.environ.get("PAGEDATTN_RANDOM_CKPT", "/tmp/pagedattn_qwen2_05b_random")
+from scripts import benchlib  # noqa: E402
+
+SAMPLED = dict(temperature=0.8, top_p=0.95)
+PARAM_KINDS = ("greedy", "sampled seeded", "sampled unseeded", "default params")
+BATCH1_KINDS = ("greedy", "sampled seeded", "sampled unseeded")
+BATCH1 = (512, 256)                 # prompt tokens, output tokens
 
 
-def make_random_hf_model(seed=0, device="cpu", dtype=torch.float16, **overrides):
-    """transformers.Qwen2ForCausalLM with the real 0.5B config and reproducible random weights.
+def sampling_params(kind, max_tokens, index):
+    """The SamplingParams of request `index` for a kind of PARAM_KINDS (ignore_eos, max_tokens)."""
+    from pagedattn import SamplingParams
 
-    Projections ~ N(0, 1/fan_in) (unit-variance activations through every layer), norms ~ 1 + 0.1 N,
-    biases 0.1 N, lm_head 4x larger (logits with std ~4, so the top-1 margins are well above fp16
-    noise, as a trained model's are). Built in float32 from one CPU generator, then cast.
-    """
-    import transformers
-
-    config = transformers.Qwen2Config(**{**QWEN2_05B_CONFIG, **overrides})
-    with torch.device(device):
-        model = transformers.Qwen2ForCausalLM(config)
-    g = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g, device=device, dtype=torch.float32)
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * r)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * r)
-            elif name == "lm_head.weight":
-                p.copy_(4 * r / p.shape[-1] ** 0.5)
-            else:
-                p.copy_(r / p.shape[-1] ** 0.5)
-    return model.to(dtype).eval()
+    if kind == "greedy":
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    if kind == "sampled seeded":
+        return SamplingParams(**SAMPLED, seed=index, max_tokens=max_tokens, ignore_eos=True)
+    if kind == "sampled unseeded":
+        return SamplingParams(**SAMPLED, max_tokens=max_tokens, ignore_eos=True)
+    if kind == "default params":
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    raise ValueError(f"unknown sampling kind {kind!r}: one of {PARAM_KINDS}")
 
 
-def write_random_checkpoint(path=RANDOM_CKPT_DIR, seed=0, device=None):
-    """Save the random fp16 model (safetensors) to `path` once; later calls reuse it. Returns path."""
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = make_random_hf_model(seed, device)
-    tmp = path + f".tmp{os.getpid()}"
-    model.save_pretrained(tmp, safe_serialization=True)
-    os.replace(tmp, path)
-    del model
-    return path
-
-
-def nano_vllm_workload(num_requests=256, min_len=100, max_len=1024, seed=0):
-    """(prompts, output lengths) as nano-vllm's bench.py draws them (random.seed(0), ids in [0, 10000])."""
+def batch1_request(max_model_len, vocab_size, lens=BATCH1, seed=1):
+    """The batch-1 prompt (token ids in [0, 10000], or the vocabulary if smaller) and output length,
+    both scaled down to fit max_model_len if they do not."""
+    prompt_len, out_len = lens
+    if prompt_len + out_len > max_model_len:
+        scale = max_model_len / (prompt_len + out_len)
+        prompt_len, out_len = max(1, int(prompt_len * scale)), max(2, int(out_len * scale) - 1)
     rng = random.Random(seed)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_requests)]
-    out_lens = [rng.randint(min_len, max_len) for _ in range(num_requests)]
-    return prompts, out_lens
+    return [rng.randint(0, min(10000, vocab_size - 1)) for _ in range(prompt_len)], out_len
 
 
-def pct(xs, qs=(50, 90, 99)):
-    if not xs:
-        return {}
-    xs = sorted(xs)
-    return {f"p{q}": xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] for q in qs}
+def vocab_size(ckpt):
+    from pagedattn.models.loader import read_config
+
+    return read_config(ckpt).vocab_size
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+# ---- the engine -----------------------------------------------------------------------------------
+def run_requests(llm, prompts, params, time_limit, tag):
+    """Add every request at once, step the engine until all finish or `time_limit` seconds pass
+    (the rest are aborted), and measure.
+
+    prompts: token-id lists; params: one SamplingParams per prompt. Returns a dict: requests,
+    finished, timed_out, seconds, output_tokens (every generated token, unfinished requests
+    included), output_tok_s, ttft_s / itl_s percentiles (finished requests), preemptions, and
+    token_ids (one list per request, None for an unfinished one).
+    """
+    engine = llm.engine
+    before = llm.metrics()
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    watch = benchlib.Stopwatch()
+    for rid, prompt, p in zip(ids, prompts, params):
+        engine.add_request(rid, prompt, p)
+    outs, timed_out = {}, False
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if getattr(o, "finished", True):
+                outs[o.request_id] = o
+        if watch.elapsed(wait=False) > time_limit:
+            timed_out = True
+            break
+    seconds = watch.elapsed()
+    after = llm.metrics()
+    for rid in ids:
+        if rid not in outs:
+            engine.abort_request(rid)
+    if "num_generated_tokens" in after:
+        generated = after["num_generated_tokens"] - before["num_generated_tokens"]
+    else:
+        generated = sum(len(c.token_ids) for o in outs.values() for c in o.outputs)
+    metrics = [o.metrics for o in outs.values() if getattr(o, "metrics", None) is not None]
+    return dict(requests=len(prompts), finished=len(outs), timed_out=timed_out, seconds=seconds,
+                output_tokens=generated, output_tok_s=generated / seconds,
+                ttft_s=benchlib.percentiles([m.ttft for m in metrics if m.ttft is not None]),
+                itl_s=benchlib.percentiles([m.mean_itl for m in metrics if m.mean_itl is not None]),
+                preemptions=after["num_preemptions"] - before["num_preemptions"],
+                token_ids=[outs[r].outputs[0].token_ids if r in outs else None for r in ids])
 
 
-# ---- the engine ---------------------------------------------------------------------------------
+def run_batch1(llm, prompt, out_len, kind, time_limit, tag):
+    """One request alone: decode tok/s = (tokens - 1) / (seconds - TTFT), and the token ids."""
+    r = run_requests(llm, [prompt], [sampling_params(kind, out_len, 0)], time_limit, tag)
+    ttft = r["ttft_s"].get("p50")
+    tokens = r["token_ids"][0] or []
+    decode_s = r["seconds"] - ttft if ttft is not None else None
+    return dict(r, output_tok_s=(len(tokens) - 1) / decode_s if decode_s and len(tokens) > 1 else None,
+                ttft_p50_s=ttft)
+
+
+def warm_up(llm, prompts, kinds):
+    """A few short requests of every kind: kernels compiled and CUDA graphs captured before timing."""
+    for i, kind in enumerate(kinds):
+        run_requests(llm, prompts[:4], [sampling_params(kind, 8, j) for j in range(len(prompts[:4]))], 300,
+                     f"warm{i}")
+
+
 def make_llm(ckpt, device, **kw):
     from pagedattn import LLM
+
     return LLM(ckpt, device=device, **kw)
 
 
-def run_engine(llm, prompts, out_lens, time_limit):
-    """Drive the engine's step loop with a deadline; per-request TTFT/ITL from its metrics."""
-    from pagedattn import SamplingParams
-
-    engine = llm.engine
-    ids = []
-    t0 = time.perf_counter()
-    for i, (p, n) in enumerate(zip(prompts, out_lens)):
-        rid = f"bench-{i}-{t0}"
-        engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                           prompt_token_ids=p, arrival_time=t0)
-        ids.append(rid)
-    outs, kv_peak, timed_out = {}, 0.0, False
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            outs[o.request_id] = o
-        kv_peak = max(kv_peak, engine.block_manager.utilization)
-        if time.perf_counter() - t0 > time_limit:
-            timed_out = True
-            break
-    sync()
-    elapsed = time.perf_counter() - t0
-    generated = sum(len(o.outputs[0].token_ids) for o in outs.values())
-    if timed_out:       # count the tokens of the unfinished ones too, then clean up
-        for g in list(engine.groups.values()):
-            generated += sum(s.num_output_tokens for s in g.seqs)
-        for rid in ids:
-            if rid not in outs:
-                engine.abort_request(rid)
-    ttft = [o.metrics.ttft for o in outs.values() if o.metrics and o.metrics.ttft is not None]
-    itl = [o.metrics.mean_itl for o in outs.values() if o.metrics and o.metrics.mean_itl is not None]
-    m = llm.metrics()
-    return {
-        "requests": len(prompts), "finished": len(outs), "timed_out": timed_out, "seconds": elapsed,
-        "output_tokens": generated, "output_tok_s": generated / elapsed,
-        "prompt_tokens": sum(map(len, prompts)),
-        "ttft_s": pct(ttft), "itl_s": pct(itl), "peak_kv_usage": kv_peak,
-        "num_preemptions": m["num_preemptions"], "num_blocks": m["num_blocks"],
-        "ttfts": ttft, "outputs": {rid: outs[rid].outputs[0].token_ids for rid in ids if rid in outs},
-        "ids": ids,
-    }
-
-
-# ---- HF -----------------------------------------------------------------------------------------
-def load_hf(ckpt, device, dtype, attn="sdpa"):
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=attn)
-    return model.to(device).eval()
-
-
-def run_hf_generate_batch(model, prompts, max_new_tokens):
-    from transformers import GenerationConfig
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1,
-                           pad_token_id=0)
-    t0 = time.perf_counter()
-    res = model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
-    sync()
-    elapsed = time.perf_counter() - t0
-    generated = sum(len(r.generated_tokens) for r in res.values())
-    return {"requests": len(prompts), "max_new_tokens": max_new_tokens, "seconds": elapsed,
-            "output_tokens": generated, "output_tok_s": generated / elapsed}
-
-
-def run_hf_generate(model, prompt_ids, new_tokens, device):
-    ids = torch.tensor([prompt_ids], device=device)
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-              attention_mask=torch.ones_like(ids), pad_token_id=0)
-    model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})     # warm-up
-    sync()
-    t0 = time.perf_counter()
-    out = model.generate(ids, **kw)
-    sync()
-    elapsed = time.perf_counter() - t0
-    n = out.shape[1] - ids.shape[1]
-    return {"new_tokens": n, "seconds": elapsed, "tok_s": n / elapsed, "tokens": out[0, ids.shape[1]:].tolist()}
-
-
-# ---- report -------------------------------------------------------------------------------------
-def plot(res, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
-    w = res.get("workload", {})
-    names, vals = [], []
-    for key, label in (("engine", "pagedattn"), ("hf_generate_batch", "HF generate_batch")):
-        if key in w and "output_tok_s" in w[key]:
-            names.append(label)
-            vals.append(w[key]["output_tok_s"])
-    ax[0].bar(names, vals, color=["tab:blue", "tab:gray"][:len(vals)])
-    ax[0].axhline(20000, color="red", ls="--", lw=1, label="goal 20,000")
-    ax[0].set_yscale("log")
-    ax[0].set_ylabel("output tokens/s")
-    ax[0].set_title("256-request workload")
-    ax[0].legend()
-    b = res.get("batch1", {})
-    names, vals = [], []
-    for key, label in (("engine", "pagedattn"), ("engine_eager", "pagedattn eager"), ("hf_generate", "HF generate")):
-        if key in b and "tok_s" in b[key]:
-            names.append(label)
-            vals.append(b[key]["tok_s"])
-    ax[1].bar(names, vals, color=["tab:blue", "tab:cyan", "tab:gray"][:len(vals)])
-    ax[1].axhline(300, color="red", ls="--", lw=1, label="goal 300")
-    ax[1].set_ylabel("tokens/s")
-    ax[1].set_title("batch 1 decode (prompt 512)")
-    ax[1].legend()
-    ttfts = sorted(w.get("engine", {}).get("ttfts", []))
-    if ttfts:
-        ax[2].plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))])
-        ax[2].set_xlabel("TTFT (s), all requests arrive at t=0")
-        ax[2].set_ylabel("fraction of requests")
-        ax[2].set_title("pagedattn TTFT CDF")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
-
-
-def markdown(res):
-    lines = [f"# Throughput benchmark ({res['mode']})", "", f"- {res['env']}", ""]
-    w = res.get("workload")
-    if w:
-        e, h = w.get("engine", {}), w.get("hf_generate_batch", {})
-        lines += ["## Workload (nano-vllm: 256 requests, prompts/outputs uniform in [100, 1024], greedy, ignore_eos)",
-                  "", "| system | requests | output tokens | seconds | output tok/s |", "|---|---|---|---|---|"]
-        for label, r in (("pagedattn", e), ("HF generate_batch", h)):
-            if "output_tok_s" in r:
-                lines.append(f"| {label} | {r['requests']} | {r['output_tokens']:,} | {r['seconds']:.1f} | "
-                             f"{r['output_tok_s']:,.0f} |")
-            elif r:
-                lines.append(f"| {label} | {r} | | | |")
-        if "output_tok_s" in e:
-            lines += ["", f"- TTFT (s): {fmt(e['ttft_s'])}; per-request mean ITL (s): {fmt(e['itl_s'])}",
-                      f"- peak KV usage {100 * e['peak_kv_usage']:.1f}% of {e['num_blocks']} blocks; "
-                      f"preemptions {e['num_preemptions']}; timed out: {e['timed_out']}"]
-        if "ratio_vs_hf" in w:
-            lines.append(f"- ratio vs HF generate_batch: {w['ratio_vs_hf']:.1f}x (goal >= 20x); "
-                         f"output tok/s {e.get('output_tok_s', 0):,.0f} (goal >= 20,000)")
-    b = res.get("batch1")
-    if b:
-        lines += ["", "## Batch 1 decode (prompt 512)", "", "| system | new tokens | tok/s |", "|---|---|---|"]
-        for key, label in (("engine", "pagedattn (CUDA graphs)"), ("engine_eager", "pagedattn (eager)"),
-                           ("hf_generate", "HF generate")):
-            r = b.get(key)
-            if r and "tok_s" in r:
-                lines.append(f"| {label} | {r['new_tokens']} | {r['tok_s']:,.1f} |")
-            elif r:
-                lines.append(f"| {label} | {r} | |")
-    c = res.get("cpu")
-    if c:
-        lines += ["", "## CPU: the bundled model, 8 prompts, greedy, float32", "",
-                  "| system | new tokens | seconds | tok/s |", "|---|---|---|---|"]
-        for key, label in (("engine", "pagedattn"), ("hf_generate", "HF generate (batched, left padding)")):
-            r = c[key]
-            lines.append(f"| {label} | {r['new_tokens']} | {r['seconds']:.2f} | {r['tok_s']:.1f} |")
-        lines.append(f"- same greedy tokens as HF on {c['matching_prompts']} of 8 prompts")
-    if res.get("errors"):
-        lines += ["", "## Errors", ""] + [f"- {k}: {v}" for k, v in res["errors"].items()]
-    return "\n".join(lines) + "\n"
-
-
-def fmt(d):
-    return ", ".join(f"{k} {v:.3f}" for k, v in d.items()) if d else "-"
-
-
-def env_line(device):
-    import transformers
-    import numba
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return (f"{time.strftime('%Y-%m-%d')}, {gpu}, torch {torch.__version__}, transformers {transformers.__version__}, "
-            f"numba {numba.__version__}, device {device}")
-
-
-def save(res, out):
-    os.makedirs(out, exist_ok=True)
-    slim = json.loads(json.dumps(res, default=str))
-    for part in (slim.get("workload") or {}).values():
-        if isinstance(part, dict):
-            part.pop("outputs", None)
-            part.pop("ids", None)
-    with open(os.path.join(out, "bench_throughput.json"), "w") as f:
-        json.dump(slim, f, indent=1)
-    with open(os.path.join(out, "bench_throughput.md"), "w") as f:
-        f.write(markdown(res))
-    plot(res, os.path.join(out, "bench_throughput.png"))
-
-
-# ---- modes --------------------------------------------------------------------------------------
-def gpu_mode(out, num_requests, hf_requests, hf_max_new, workload_limit, batch1_tokens, hf_batch1_tokens,
-             max_num_seqs, max_model_len, skip_hf):
-    device = "cuda"
-    res = {"mode": "gpu", "env": env_line(device), "errors": {}}
-    t = time.perf_counter()
-    ckpt = write_random_checkpoint()
-    res["checkpoint_seconds"] = time.perf_counter() - t
-    prompts, out_lens = nano_vllm_workload(num_requests)
-    res["workload"] = {}
-    llm = make_llm(ckpt, device, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-    t = time.perf_counter()
-    llm.engine.runner.capture_graphs()
-    res["graph_capture_seconds"] = time.perf_counter() - t
-    print(f"graphs captured in {res['graph_capture_seconds']:.1f}s", flush=True)
-    # warm-up: a few short requests (compiles the prefill kernels)
-    run_engine(llm, prompts[:4], [8] * 4, 60)
-    try:
-        e = run_engine(llm, prompts, out_lens, workload_limit)
-        res["workload"]["engine"] = e
-        print(f"engine: {e['output_tok_s']:,.0f} output tok/s, {e['finished']}/{e['requests']} finished "
-              f"in {e['seconds']:.1f}s, preemptions {e['num_preemptions']}", flush=True)
-    except Exception as ex:                                      # noqa: BLE001
-        res["errors"]["engine_workload"] = repr(ex)
-    save(res, out)
-    # batch 1
-    res["batch1"] = {}
-    rng = random.Random(1)
-    p512 = [rng.randint(0, 10000) for _ in range(512)]
-    for key, eager in (("engine", False), ("engine_eager", True)):
-        try:
-            target = llm if not eager else make_llm(ckpt, device, max_num_seqs=8, max_model_len=2048,
-                                                    enforce_eager=True, num_blocks=1024)
-            run_engine(target, [p512], [4], 60)
-            r = run_engine(target, [p512], [batch1_tokens], 120)
-            toks = next(iter(r["outputs"].values()))
-            # decode rate: tokens after the first over the time after the first token
-            dec_time = r["seconds"] - r["ttft_s"]["p50"]
-            res["batch1"][key] = {"new_tokens": len(toks), "seconds": r["seconds"], "ttft_s": r["ttft_s"]["p50"],
-                                  "tok_s": (len(toks) - 1) / dec_time, "tokens": toks}
-            print(f"batch1 {key}: {res['batch1'][key]['tok_s']:.1f} tok/s", flush=True)
-            if eager:
-                del target
-        except Exception as ex:                                  # noqa: BLE001
-            res["errors"][f"batch1_{key}"] = repr(ex)
-    if "engine" in res["batch1"] and "engine_eager" in res["batch1"]:
-        res["batch1"]["graph_equals_eager"] = res["batch1"]["engine"]["tokens"] == res["batch1"]["engine_eager"]["tokens"]
-    del llm
-    import gc
+def free(llm, device):
+    """Stop an LLM's workers and give its memory back before the next one starts."""
+    if llm is not None:
+        llm.close()
     gc.collect()
-    torch.cuda.empty_cache()
-    save(res, out)
-    if skip_hf:
-        return res
-    try:
-        hf = load_hf(ckpt, device, torch.float16)
-        r = run_hf_generate(hf, p512, hf_batch1_tokens, device)
-        res["batch1"]["hf_generate"] = r
-        ours = res["batch1"].get("engine", {}).get("tokens", [])
-        res["batch1"]["hf_same_tokens_prefix"] = next((i for i, (a, b) in enumerate(zip(ours, r["tokens"])) if a != b),
-                                                      min(len(ours), len(r["tokens"])))
-        print(f"batch1 HF generate: {r['tok_s']:.1f} tok/s", flush=True)
-        save(res, out)
-        sub_p, sub_o = prompts[:hf_requests], out_lens[:hf_requests]
-        max_new = min(hf_max_new, int(statistics.mean(sub_o)))
-        h = run_hf_generate_batch(hf, sub_p, max_new)
-        res["workload"]["hf_generate_batch"] = h
-        print(f"HF generate_batch: {h['output_tok_s']:,.0f} output tok/s on {h['requests']} requests", flush=True)
-        if "engine" in res["workload"]:
-            res["workload"]["ratio_vs_hf"] = res["workload"]["engine"]["output_tok_s"] / h["output_tok_s"]
-    except Exception as ex:                                      # noqa: BLE001
-        res["errors"]["hf"] = repr(ex)
-    save(res, out)
-    return res
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
+def result_row(group, kind, r):
+    return dict(group=group, params=kind, requests=r["requests"], finished=r["finished"],
+                output_tokens=r["output_tokens"], seconds=r["seconds"], tok_s=r["output_tok_s"], vs_greedy=None,
+                ttft_p50_s=r["ttft_s"].get("p50"), itl_p50_ms=1e3 * r["itl_s"]["p50"] if r["itl_s"] else None,
+                preemptions=r["preemptions"], timed_out=r["timed_out"])
+
+
+def add_ratios(rows):
+    """vs_greedy: each row's tok/s over the greedy row's of its group."""
+    greedy = {r["group"]: r["tok_s"] for r in rows if r["params"] == "greedy" and r["tok_s"]}
+    for r in rows:
+        if r["tok_s"] and greedy.get(r["group"]):
+            r["vs_greedy"] = r["tok_s"] / greedy[r["group"]]
+
+
+WORKLOAD_COLUMNS = ["group", "params", "requests", "finished", "output_tokens", "seconds", "tok_s", "vs_greedy",
+                    "ttft_p50_s", "itl_p50_ms", "preemptions", "timed_out"]
+
+
+def workload_markdown(rows, meta):
+    lines = [f"Model {meta['model']}, {meta['device']}, {meta['dtype']}, CUDA graphs: {not meta['eager']}; "
+             f"warm-up (compiles, graph capture) {meta['warmup_s']:.1f} s, not counted. Workload: "
+             f"{meta['num_requests']} nano-vllm requests ({meta['prompt_tokens']:,} prompt tokens); batch 1: "
+             f"{meta['batch1'][0]} prompt + {meta['batch1'][1]} output tokens (tok/s = decode rate). "
+             f"Sampled = temperature 0.8, top_p 0.95; default params = SamplingParams() (temperature 1.0).", "",
+             benchlib.markdown_table(rows, WORKLOAD_COLUMNS, floatfmt={"vs_greedy": "{:.2f}", "seconds": "{:.1f}"})]
+    if meta.get("errors"):
+        lines += ["", "Errors: " + json.dumps(meta["errors"])]
+    return "\n".join(lines)
+
+
+def workload_mode(out, ckpt, device, num_requests=256, time_limit=120.0, engine_kw=None, workload=None,
+                  kinds=PARAM_KINDS, batch1_kinds=BATCH1_KINDS, batch1=BATCH1):
+    """The nano-vllm workload and batch 1 for every sampling kind on one LLM; see the module docstring.
+    Returns {"meta": ..., "rows": [...]} (also written to <out>/bench_throughput.{json,md,png})."""
+    engine_kw = dict(engine_kw or {})
+    prompts, out_lens = workload or benchlib.nano_vllm_workload(num_requests)
+    llm = make_llm(ckpt, device, **engine_kw)
+    p1, n1 = batch1_request(engine_kw.get("max_model_len", 2048), vocab_size(ckpt), batch1)
+    meta = dict(mode="workload", model=ckpt, device=device, dtype=str(getattr(llm.engine.config, "dtype", "auto")),
+                eager=engine_kw.get("enforce_eager", False) or torch.device(device).type != "cuda",
+                num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)), batch1=(len(p1), n1),
+                time_limit_s=time_limit, num_blocks=llm.metrics()["num_blocks"], errors={})
+    watch = benchlib.Stopwatch()
+    warm_up(llm, prompts, list(dict.fromkeys([*kinds, *batch1_kinds])))
+    meta["warmup_s"] = watch.elapsed()
+    rows = []
+    for group, todo in (("workload", kinds), ("batch 1", batch1_kinds)):
+        for kind in todo:
+            try:
+                if group == "workload":
+                    params = [sampling_params(kind, n, i) for i, n in enumerate(out_lens)]
+                    r = run_requests(llm, prompts, params, time_limit, f"wl-{kind}")
+                else:
+                    r = run_batch1(llm, p1, n1, kind, time_limit, f"b1-{kind}")
+                rows.append(result_row(group, kind, r))
+                print(f"{group} {kind}: {rows[-1]['tok_s'] or 0:,.1f} tok/s", flush=True)
+            except Exception as e:                                   # noqa: BLE001 (the other rows still run)
+                meta["errors"][f"{group} {kind}"] = repr(e)
+            add_ratios(rows)
+            benchlib.save(out, "bench_throughput", rows, meta, workload_markdown(rows, meta))
+    free(llm, device)
+    md = workload_markdown(rows, meta)
+    benchlib.save(out, "bench_throughput", rows, meta, md)
+    groups = ["workload", "batch 1"]
+    series = {k: [next((r["tok_s"] for r in rows if r["group"] == g and r["params"] == k), None) for g in groups]
+              for k in PARAM_KINDS}
+    benchlib.save_plot(os.path.join(out, "bench_throughput.png"), groups, series, "", "output tokens/s",
+                       "pagedattn: greedy vs sampled", logy=True, kind="bar")
+    print(benchlib.env_line() + "\n\n" + md)
+    return dict(meta=meta, rows=rows)
+
+
+# ---- tensor parallelism ---------------------------------------------------------------------------
 def first_divergence(a, b):
     """Index of the first differing token of two id lists (len of the shorter if one is a prefix)."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def compare_greedy(base, other):
+    """How many requests' greedy ids agree, and where the others first diverge (sorted)."""
+    pairs = [(a, b) for a, b in zip(base, other) if a is not None and b is not None]
+    return dict(compared=len(pairs), identical=sum(a == b for a, b in pairs),
+                first_divergence=sorted(first_divergence(a, b) for a, b in pairs if a != b))
+
+
+def tp_runs(tp, device):
+    """(name, tensor_parallel_size, enforce_eager) of every run; graphs need CUDA."""
+    runs = [("tp1_graphs", 1, False), ("tp1_eager", 1, True), (f"tp{tp}_graphs", tp, False), (f"tp{tp}_eager", tp, True)]
+    return [r for r in runs if r[2] or torch.device(device).type == "cuda"]
+
+
+def tp_markdown(res):
+    rows = [dict(run=k, **{c: r.get(c) for c in ("graphs", "batch1_tok_s", "output_tok_s", "finished", "requests",
+                                                  "seconds", "num_preemptions")}) for k, r in res["tp"].items()]
+    lines = [f"Model {res['model']}; workload: {res['num_requests']} nano-vllm requests, greedy; batch 1: "
+             f"{res['batch1'][0]} prompt + {res['batch1'][1]} output tokens (decode tok/s). `graphs`: the engine's "
+             "own enforce_eager after construction.", "",
+             benchlib.markdown_table(rows, floatfmt={"seconds": "{:.1f}"}), ""]
+    tp = res["tp_size"]
+    for mode in ("graphs", "eager"):
+        a, b = res["tp"].get(f"tp1_{mode}"), res["tp"].get(f"tp{tp}_{mode}")
+        if a and b:
+            lines.append(f"- TP={tp} / TP=1 ({mode}): workload {b['output_tok_s'] / a['output_tok_s']:.2f}x"
+                         + (f", batch 1 {b['batch1_tok_s'] / a['batch1_tok_s']:.2f}x"
+                            if a.get("batch1_tok_s") and b.get("batch1_tok_s") else ""))
+        g = res.get("greedy" if mode == "eager" else "greedy_graphs")
+        if g:
+            lines.append(f"- {mode}: Greedy ids identical for {g['identical']} of {g['compared']} requests; "
+                         f"first divergences at tokens {g['first_divergence'][:20]}")
+    if res["errors"]:
+        lines += ["", "Errors: " + json.dumps(res["errors"])]
+    return "\n".join(lines)
+
+
 def tp_mode(out, num_requests, workload_limit, max_num_seqs, max_model_len, ckpt=None, device="cuda", tp=2,
-            workload=None):
-    """Throughput at tensor_parallel_size 1 and `tp`, one run; see the module docstring."""
-    res = {"mode": "tp", "env": env_line(device), "errors": {}, "tp": {}, "tp_size": tp}
-    ckpt = ckpt or write_random_checkpoint()
-    prompts, out_lens = workload or nano_vllm_workload(num_requests)
-    runs = [("tp1_graphs", 1, False), ("tp1_eager", 1, True), (f"tp{tp}_eager", tp, True)]
-    outputs = {}
-    for key, size, eager in runs:
-        if size == 1 and not eager and device != "cuda":
-            continue                                             # graphs: CUDA only
+            workload=None, config="0.5b", runs=None, batch1=BATCH1):
+    """TP=1 vs TP=`tp` on one workload and batch 1 (see the module docstring). Returns a dict: "tp"
+    {run: numbers}, "greedy" (TP=`tp` vs TP=1, eager) and "greedy_graphs" (with graphs), speedups,
+    "errors"; written to <out>/bench_tp.{json,md}."""
+    ckpt = ckpt or benchlib.random_checkpoint(config)
+    prompts, out_lens = workload or benchlib.nano_vllm_workload(num_requests)
+    p1, n1 = batch1_request(max_model_len, vocab_size(ckpt), batch1)
+    res = dict(mode="tp", model=ckpt, tp_size=tp, num_requests=len(prompts), batch1=(len(p1), n1), tp={},
+               errors={})
+    ids = {}
+    for key, size, eager in tp_runs(tp, device):
+        if runs and key not in runs:
+            continue
         llm = None
         try:
             llm = make_llm(ckpt, device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                            enforce_eager=eager, tensor_parallel_size=size)
-            run_engine(llm, prompts[:4], [8] * 4, 120)          # warm-up: compiles the kernels
-            r = run_engine(llm, prompts, out_lens, workload_limit)
-            outputs[key] = [r["outputs"].get(rid) for rid in r["ids"]]
-            res["tp"][key] = {k: r[k] for k in ("requests", "finished", "timed_out", "seconds", "output_tokens",
-                                                "output_tok_s", "num_preemptions", "num_blocks")}
-            print(f"{key}: {r['output_tok_s']:,.0f} output tok/s, {r['finished']}/{r['requests']} finished "
-                  f"in {r['seconds']:.1f}s", flush=True)
-        except Exception as ex:                                  # noqa: BLE001
-            res["errors"][key] = repr(ex)
+            warm_up(llm, prompts, ["greedy"])
+            r = run_requests(llm, prompts, [sampling_params("greedy", n, i) for i, n in enumerate(out_lens)],
+                             workload_limit, key)
+            b = run_batch1(llm, p1, n1, "greedy", workload_limit, f"{key}-b1")
+            ids[key] = r["token_ids"]
+            res["tp"][key] = dict(graphs=not getattr(llm.engine.config, "enforce_eager", eager)
+                                  and torch.device(device).type == "cuda",
+                                  **{k: r[k] for k in ("requests", "finished", "timed_out", "seconds", "output_tokens",
+                                                       "output_tok_s")},
+                                  num_preemptions=r["preemptions"], num_blocks=llm.metrics()["num_blocks"],
+                                  batch1_tok_s=b["output_tok_s"])
+            print(f"{key}: workload {r['output_tok_s']:,.0f} tok/s, batch 1 {b['output_tok_s'] or 0:,.1f} tok/s",
+                  flush=True)
+        except Exception as e:                                       # noqa: BLE001 (the other runs still go)
+            res["errors"][key] = repr(e)
         finally:
-            if llm is not None:
-                llm.close()
+            free(llm, device)
             del llm
-            if device == "cuda":
-                torch.cuda.empty_cache()
-        save_tp(res, out)
-    base, other = outputs.get("tp1_eager"), outputs.get(f"tp{tp}_eager")
-    if base and other:
-        pairs = [(a, b) for a, b in zip(base, other) if a is not None and b is not None]
-        div = [first_divergence(a, b) for a, b in pairs]
-        res["greedy"] = {"compared": len(pairs), "identical": sum(a == b for a, b in pairs),
-                         "first_divergence": sorted(d for d, (a, b) in zip(div, pairs) if a != b)}
-        e1, e2 = res["tp"]["tp1_eager"], res["tp"][f"tp{tp}_eager"]
-        res["speedup_eager"] = e2["output_tok_s"] / e1["output_tok_s"]
-    save_tp(res, out)
+        benchlib.save(out, "bench_tp", list(res["tp"].values()), res, tp_markdown(res))
+    for mode, name in (("eager", "greedy"), ("graphs", "greedy_graphs")):
+        if f"tp1_{mode}" in ids and f"tp{tp}_{mode}" in ids:
+            res[name] = compare_greedy(ids[f"tp1_{mode}"], ids[f"tp{tp}_{mode}"])
+            a, b = res["tp"][f"tp1_{mode}"], res["tp"][f"tp{tp}_{mode}"]
+            res[f"speedup_{mode}"] = b["output_tok_s"] / a["output_tok_s"]
+            if a["batch1_tok_s"] and b["batch1_tok_s"]:
+                res[f"batch1_speedup_{mode}"] = b["batch1_tok_s"] / a["batch1_tok_s"]
+    md = tp_markdown(res)
+    benchlib.save(out, "bench_tp", [dict(run=k, **v) for k, v in res["tp"].items()], res, md)
+    print(benchlib.env_line() + "\n\n" + md)
     return res
 
 
-def tp_markdown(res):
-    lines = [res["env"], "", "| run | output tok/s | finished | seconds | preemptions |", "|---|---|---|---|---|"]
-    for key, r in res["tp"].items():
-        lines.append(f"| {key} | {r['output_tok_s']:,.0f} | {r['finished']}/{r['requests']} | {r['seconds']:.1f} | "
-                     f"{r['num_preemptions']} |")
-    if "speedup_eager" in res:
-        g = res["greedy"]
-        lines += ["", f"TP={res['tp_size']} / TP=1 (both eager): "
-                      f"{res['speedup_eager']:.2f}x. Greedy ids identical for {g['identical']} of {g['compared']} "
-                      f"requests; first divergences at tokens {g['first_divergence'][:20]}"]
-    if res["errors"]:
-        lines += ["", "Errors: " + json.dumps(res["errors"])]
-    return "\n".join(lines) + "\n"
+# ---- HF transformers ------------------------------------------------------------------------------
+def load_hf(ckpt, device, dtype):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
 
 
-def save_tp(res, out):
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "bench_tp.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    with open(os.path.join(out, "bench_tp.md"), "w") as f:
-        f.write(tp_markdown(res))
+def hf_generate_s(model, prompt, new_tokens, sampled, device):
+    """Seconds of one HF `generate` call that makes exactly `new_tokens` tokens after `prompt`."""
+    ids = torch.tensor([prompt], device=device)                                  # (1, prompt_len)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, attention_mask=torch.ones_like(ids),
+              pad_token_id=0, do_sample=sampled, **({**SAMPLED, "top_k": 0} if sampled else {}))
+    watch = benchlib.Stopwatch()
+    with torch.no_grad():
+        model.generate(ids, **kw)
+    return watch.elapsed()
 
 
-CPU_PROMPTS = [
-    "def fibonacci(n):", "# Sort a list of numbers in Python\n", "class Stack:\n    def __init__(self):",
-    "import numpy as np\n\ndef softmax(x):", "SELECT name FROM users WHERE", "def is_prime(n):\n    \"\"\"",
-    "// Reverse a string in JavaScript\nfunction reverse(s) {", "def quicksort(arr):",
-]
+def hf_batch1(model, prompt, new_tokens, sampled, device):
+    """HF decode tok/s at batch 1, the engine's way: (tokens - 1) / (time of N tokens - time of 1)."""
+    hf_generate_s(model, prompt, 4, sampled, device)                           # warm-up
+    first = hf_generate_s(model, prompt, 1, sampled, device)
+    total = hf_generate_s(model, prompt, new_tokens, sampled, device)
+    return dict(output_tokens=new_tokens, seconds=total, tok_s=(new_tokens - 1) / max(total - first, 1e-9))
 
 
-def cpu_mode(out, new_tokens):
-    from pagedattn.bundled import bundled_model_path
-    torch.manual_seed(0)
-    path = bundled_model_path()
-    res = {"mode": "cpu", "env": env_line("cpu"), "errors": {}}
-    from pagedattn import SamplingParams
-    llm = make_llm(path, "cpu", dtype=torch.float32, max_num_seqs=8, max_model_len=1024)
-    tok = llm.get_tokenizer()
-    ids = [tok(p)["input_ids"] for p in CPU_PROMPTS]
-    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(ids[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)        # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(ids, sp, use_tqdm=False)
-    te = time.perf_counter() - t0
-    ours = [o.outputs[0].token_ids for o in outs]
-    hf = load_hf(path, "cpu", torch.float32)
-    tok.padding_side = "left"
-    batch = tok(CPU_PROMPTS, return_tensors="pt", padding=True)
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-              pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
-    hf.generate(**tok(CPU_PROMPTS[:2], return_tensors="pt", padding=True), **{**kw, "max_new_tokens": 2,
-                                                                              "min_new_tokens": 2})
-    t0 = time.perf_counter()
-    g = hf.generate(**batch, **kw)
-    th = time.perf_counter() - t0
-    theirs = g[:, batch["input_ids"].shape[1]:].tolist()
-    n = sum(map(len, ours))
-    res["cpu"] = {"engine": {"new_tokens": n, "seconds": te, "tok_s": n / te},
-                  "hf_generate": {"new_tokens": len(theirs) * new_tokens, "seconds": th,
-                                  "tok_s": len(theirs) * new_tokens / th},
-                  "matching_prompts": sum(a == b for a, b in zip(ours, theirs)),
-                  "threads": torch.get_num_threads()}
-    res["cpu"]["speedup"] = res["cpu"]["engine"]["tok_s"] / res["cpu"]["hf_generate"]["tok_s"]
-    save(res, out)
-    print(markdown(res))
-    return res
+def hf_generate_batch(model, prompts, max_new_tokens):
+    """HF continuous batching (`generate_batch`, paged cache), greedy, one max_new_tokens for all."""
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    watch = benchlib.Stopwatch()
+    res = model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
+    seconds = watch.elapsed()
+    generated = sum(len(r.generated_tokens) for r in res.values())
+    return dict(output_tokens=generated, seconds=seconds, tok_s=generated / seconds)
 
 
-def main(mode="gpu", out="bench_out", num_requests=256, hf_requests=64, hf_max_new=512, workload_limit=150.0,
-         batch1_tokens=256, hf_batch1_tokens=64, max_num_seqs=256, max_model_len=2048, skip_hf=False,
-         cpu_new_tokens=32):
-    if mode == "cpu":
-        return cpu_mode(out, cpu_new_tokens)
+def hf_mode(out, ckpt, device, num_requests=256, hf_requests=64, hf_max_new=512, batch1_tokens=64,
+            max_model_len=2048, dtype=None, workload=None):
+    """HF beside the engine on the same requests; see the module docstring. Returns {"meta", "rows"}."""
+    dtype = dtype or (torch.float16 if torch.device(device).type == "cuda" else torch.float32)
+    prompts, out_lens = workload or benchlib.nano_vllm_workload(num_requests)
+    p1, n1 = batch1_request(max_model_len, vocab_size(ckpt))
+    model = load_hf(ckpt, device, dtype)
+    engine = {}
+    try:
+        with open(os.path.join(out, "bench_throughput.json")) as f:
+            engine = {(r["group"], r["params"]): r["tok_s"] for r in json.load(f)["rows"]}
+    except (OSError, ValueError, KeyError):
+        pass
+    meta = dict(mode="hf", model=ckpt, device=device, dtype=str(dtype), errors={})
+    rows = []
+    for kind in ("greedy", "sampled seeded"):
+        try:
+            r = hf_batch1(model, p1, min(batch1_tokens, n1), kind != "greedy", device)
+            rows.append(dict(group="batch 1", params=kind, system="HF generate", **r))
+        except Exception as e:                                       # noqa: BLE001
+            meta["errors"][f"batch 1 {kind}"] = repr(e)
+    sub = prompts[:hf_requests]                     # a subset: HF is ~20-70x slower (docs/performance.md)
+    max_new = min(hf_max_new, sum(out_lens[:hf_requests]) // max(1, len(sub)))
+    try:
+        if sub:
+            r = hf_generate_batch(model, sub, max_new)
+            rows.append(dict(group="workload", params="greedy",
+                             system=f"HF generate_batch ({len(sub)} requests x {max_new} tokens)", **r))
+    except Exception as e:                                           # noqa: BLE001
+        meta["errors"]["workload greedy"] = repr(e)
+    for r in rows:
+        ours = engine.get((r["group"], r["params"]))
+        r["engine_tok_s"], r["engine_vs_hf"] = ours, ours / r["tok_s"] if ours and r["tok_s"] else None
+    md = ("HF transformers (sdpa) on the engine's requests; engine_tok_s from this --out's bench_throughput.json."
+          "\n\n" + benchlib.markdown_table(rows, ["group", "params", "system", "output_tokens", "seconds", "tok_s",
+                                                  "engine_tok_s", "engine_vs_hf"],
+                                           floatfmt={"engine_vs_hf": "{:.1f}", "seconds": "{:.1f}"}))
+    if meta["errors"]:
+        md += "\n\nErrors: " + json.dumps(meta["errors"])
+    benchlib.save(out, "bench_hf", rows, meta, md)
+    print(benchlib.env_line() + "\n\n" + md)
+    return dict(meta=meta, rows=rows)
+
+
+def main(mode="workload", out="bench_out", model=None, config="0.5b", device=None, num_requests=256,
+         time_limit=120.0, max_num_seqs=256, max_model_len=2048, eager=False, tp=2, runs=None, hf_requests=64,
+         hf_max_new=512, hf_batch1_tokens=64):
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if mode == "tp":
-        return tp_mode(out, num_requests, workload_limit, max_num_seqs, max_model_len)
-    return gpu_mode(out, num_requests, hf_requests, hf_max_new, workload_limit, batch1_tokens, hf_batch1_tokens,
-                    max_num_seqs, max_model_len, skip_hf)
+        return tp_mode(out, num_requests, time_limit, max_num_seqs, max_model_len, ckpt=model, device=device, tp=tp,
+                       config=config, runs=runs)
+    ckpt = model or benchlib.random_checkpoint(config)
+    if mode == "hf":
+        return hf_mode(out, ckpt, device, num_requests, hf_requests, hf_max_new, hf_batch1_tokens, max_model_len)
+    return workload_mode(out, ckpt, device, num_requests, time_limit,
+                         dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, enforce_eager=eager))
 
 
 if __name__ == "__main__":
+    import argparse
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=("gpu", "cpu", "tp"), default="gpu")
+    ap.add_argument("--mode", choices=("workload", "tp", "hf"), default="workload")
     ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: random weights of --config)")
+    ap.add_argument("--config", choices=sorted(benchlib.QWEN2_CONFIGS), default="0.5b")
+    ap.add_argument("--device", default=None)
     ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--hf-requests", type=int, default=64)
-    ap.add_argument("--hf-max-new", type=int, default=512)
-    ap.add_argument("--workload-limit", type=float, default=150.0, help="seconds for the engine's workload run")
-    ap.add_argument("--batch1-tokens", type=int, default=256)
-    ap.add_argument("--hf-batch1-tokens", type=int, default=64)
+    ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per run (the rest is aborted)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--cpu-new-tokens", type=int, default=32)
+    ap.add_argument("--eager", action="store_true", help="workload mode without CUDA graphs")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--runs", default=None, help="tp mode: a subset of tp1_graphs,tp1_eager,tp2_graphs,tp2_eager")
+    ap.add_argument("--hf-requests", type=int, default=64)
+    ap.add_argument("--hf-max-new", type=int, default=512)
+    ap.add_argument("--hf-batch1-tokens", type=int, default=64)
     a = ap.parse_args()
-    main(a.mode, a.out, a.num_requests, a.hf_requests, a.hf_max_new, a.workload_limit, a.batch1_tokens,
-         a.hf_batch1_tokens, a.max_num_seqs, a.max_model_len, a.skip_hf, a.cpu_new_tokens)
+    main(a.mode, a.out, a.model, a.config, a.device, a.num_requests, a.time_limit, a.max_num_seqs, a.max_model_len,
+         a.eager, a.tp, a.runs.split(",") if a.runs else None, a.hf_requests, a.hf_max_new, a.hf_batch1_tokens)

@@ -1,132 +1,231 @@
-"""Where a decode step's time goes: scheduling / preparing inputs / GPU / sampling.
+"""What one engine step costs: kernels per step and per layer, GPU time, wall time, the memory floor.
 
-Runs the engine's step by hand (the same calls LLMEngine.step makes), synchronising between the
-phases so each is timed alone (the real step overlaps host work with the GPU; the sum here is an upper
-bound). For each batch size: `batch` requests are prefilled, then `steps` pure-decode steps are timed,
-with CUDA graphs and with enforce_eager. Random weights of the real Qwen2-0.5B config, fp16.
+For each batch size (default 1, 16, 64, 256) `batch` requests with --prompt-len-token prompts are
+prefilled, then pure-decode steps are measured (the engine as a user runs it: CUDA graphs unless
+--eager). One prefill step (--prefill-seqs prompts of --prefill-len tokens in one step) is measured
+the same way. Per step:
 
-    python scripts/profile_step.py --out prof_out          # writes profile_step.md / .json there
+  * wall ms: the wall time of `engine.step()` (it returns after the sampled tokens reach the host,
+    so it includes the GPU time; wall - GPU is the host time the GPU does not hide);
+  * GPU ms and kernels: torch.profiler around a few steps, CUDA kernel events summed per name (the
+    kernels inside CUDA-graph replays appear one by one); kernels per layer = kernels per step /
+    num_hidden_layers; the top kernels by GPU time;
+  * memory floor: the bytes a decode step must read — every weight once (the embedding only for
+    the batch's rows) plus the KV cache of every sequence — over the copy bandwidth measured in the
+    same run; "x floor" = GPU ms / floor ms.
+
+Only public APIs are used (LLM, llm.engine.add_request / step / abort_request, llm.metrics()), so
+any engine version can be profiled. Sampled decoding (temperature 0.8, top_p 0.95, seeded) is
+profiled beside greedy with --sampled.
+
+    python scripts/profile_step.py --out OUT                                  # one H200
+    python scripts/profile_step.py --out OUT --batches 1,256 --sampled
 """
-import argparse
-import json
 import os
 import random
 import sys
-import time
 
-import torch
+if __name__ == "__main__":          # run as a file: make `scripts.` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import torch  # noqa: E402
 
-from scripts.bench_throughput import env_line, make_llm, write_random_checkpoint  # noqa: E402
+from scripts import benchlib  # noqa: E402
 
-
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
+SAMPLED = dict(temperature=0.8, top_p=0.95)
 
 
-def profile(llm, batch, steps, prompt_len, device):
-    from pagedattn import SamplingParams
-    engine = llm.engine
-    runner, sched = engine.runner, engine.scheduler
-    rng = random.Random(batch)
-    for i in range(batch):
-        p = [rng.randint(0, 10000) for _ in range(prompt_len)]
-        engine.add_request(f"prof-{batch}-{i}-{time.time()}", p,
-                           SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True), prompt_token_ids=p)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for g in engine.groups.values() for s in g.seqs):
-        engine.step()                                  # prefills (and the first decodes) untimed
-    engine.step()                                      # one decode: captures the graphs if needed
-    phases = {"scheduling": 0.0, "preparing inputs": 0.0, "GPU (forward + logits)": 0.0, "sampling": 0.0}
-    n = 0
-    with torch.inference_mode():
-        for _ in range(steps):
-            sync(device)
-            t0 = time.perf_counter()
-            out = sched.schedule()
-            t1 = time.perf_counter()
-            runner.copy_blocks(out.block_copies)
-            seqs = [s for s, _ in out.scheduled]
-            dec = runner.graph_decoder if runner.use_graphs and not out.num_prefills else None
-            if dec is not None:
-                tokens = [s.token_ids[-1] for s in seqs]
-                positions = [s.num_tokens - 1 for s in seqs]
-                tables = [engine.block_manager.block_table(s.seq_id) for s in seqs]
-                from pagedattn.engine.cuda_graph import padded_batch_size
-                b = padded_batch_size(len(seqs), dec.sizes)
-                dec.buffers.fill(tokens, positions, tables, dec.block_size, b)
-                sync(device)
-                t2 = time.perf_counter()
-                dec.graphs[b].replay()
-                logits = dec.logits[b][:len(seqs)]
-            else:
-                step = runner.prepare(out)
-                sync(device)
-                t2 = time.perf_counter()
-                hidden = runner.model.forward(step.input_ids, step.positions, runner.kv_cache, step.attn_metadata)
-                logits = runner.model.compute_logits(hidden[step.logits_indices])
-                seqs = step.sampling_seqs
-            sync(device)
-            t3 = time.perf_counter()
-            sched.update(out)
-            engine._process(logits, seqs, t3)
-            t4 = time.perf_counter()
-            for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                phases[k] += dt
-            n += 1
-    for g in list(engine.groups):
-        engine.abort_request(g)
-    return {k: 1e3 * v / n for k, v in phases.items()}
+def weight_bytes_per_step(cfg, batch, itemsize):
+    """Bytes of weights a decode step of `batch` sequences reads: every projection, bias and norm of
+    every layer, the final norm and lm_head once, and `batch` rows of the embedding."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    layer = h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * i + 2 * h         # qkv (+bias), o, gate/up/down, norms
+    lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
+    return itemsize * (cfg.num_hidden_layers * layer + h + lm_head + batch * h)
 
 
-def markdown(rows, env):
-    lines = ["| batch | mode | scheduling ms | preparing inputs ms | GPU ms | sampling ms | total ms | tok/s |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        p = r["phases_ms"]
-        total = sum(p.values())
-        lines.append(f"| {r['batch']} | {r['mode']} | " + " | ".join(f"{v:.3f}" for v in p.values()) +
-                     f" | {total:.3f} | {r['batch'] * 1e3 / total:,.0f} |")
-    return f"Decode steps, {env}\n\n" + "\n".join(lines) + "\n"
+def kv_bytes_per_step(cfg, context_lens, itemsize):
+    """Bytes of K and V every layer reads for sequences of `context_lens` tokens."""
+    return itemsize * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * sum(context_lens)
 
 
-def main(out="prof_out", batches=(1, 16, 64, 256), steps=30, prompt_len=256, device=None, ckpt=None):
+def add_requests(llm, prompts, params, tag):
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        llm.engine.add_request(rid, p, params)
+    return ids
+
+
+def step_until_pure_decode(llm, batch, max_steps=10_000):
+    """Step until one step computed exactly `batch` tokens and sampled `batch` (every sequence is
+    decoding), by the engine's counters; returns the number of steps taken."""
+    for n in range(1, max_steps + 1):
+        before = llm.metrics()
+        llm.engine.step()
+        after = llm.metrics()
+        computed = after["num_computed_tokens"] - before["num_computed_tokens"]
+        generated = after["num_generated_tokens"] - before["num_generated_tokens"]
+        if computed == generated == batch:
+            return n
+    raise RuntimeError(f"no pure-decode step of {batch} sequences within {max_steps} steps")
+
+
+def wall_ms_per_step(llm, steps):
+    """Mean wall milliseconds of `steps` back-to-back step() calls (host and GPU overlap as they would
+    in a run; the clock stops after the GPU is done)."""
+    watch = benchlib.Stopwatch()
+    for _ in range(steps):
+        llm.engine.step()
+    return watch.elapsed() * 1e3 / steps
+
+
+def summarize(name, batch, wall_ms, prof, profile_steps, cfg, floor_bytes, copy_gbs, top):
+    """One table row (and the top kernels) from the measurements of one batch size."""
+    kernels = prof["kernels"]
+    count = sum(k["count"] for k in kernels.values()) / profile_steps
+    gpu_ms = sum(k["us"] for k in kernels.values()) / profile_steps / 1e3
+    copies_ms = sum(k["us"] for k in prof["memcpy"].values()) / profile_steps / 1e3
+    floor_ms = floor_bytes / (copy_gbs * 1e9) * 1e3 if copy_gbs else None
+    row = dict(step=name, batch=batch, wall_ms=wall_ms, gpu_ms=gpu_ms if kernels else None,
+               host_ms=wall_ms - gpu_ms if kernels else None, copies_ms=copies_ms if kernels else None,
+               kernels=count if kernels else None,
+               kernels_per_layer=count / cfg.num_hidden_layers if kernels else None,
+               floor_ms=floor_ms, x_floor=gpu_ms / floor_ms if floor_ms and kernels else None,
+               tok_s=batch / wall_ms * 1e3)
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1]["us"])[:top]
+    top_rows = [dict(kernel=n[:90], per_step=k["count"] / profile_steps, us_per_step=k["us"] / profile_steps,
+                     share=k["us"] / profile_steps / 1e3 / gpu_ms if gpu_ms else None) for n, k in ranked]
+    return row, top_rows
+
+
+def profile_decode(llm, cfg, batch, prompt_len, params, steps, profile_steps, copy_gbs, itemsize, top, seed):
+    """Decode steps of `batch` sequences: (row, top kernels)."""
+    rng = random.Random(seed)
+    vocab = min(10000, cfg.vocab_size - 1)
+    prompts = [[rng.randint(0, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    ids = add_requests(llm, prompts, params, f"dec{batch}-{seed}")
+    try:
+        taken = step_until_pure_decode(llm, batch)
+        for _ in range(2):                          # the first decode steps capture graphs / compile
+            llm.engine.step()
+        wall = wall_ms_per_step(llm, steps)
+        prof = benchlib.kernel_times(llm.engine.step, profile_steps)
+    finally:
+        for rid in ids:
+            llm.engine.abort_request(rid)
+    context = prompt_len + taken + 2 + (steps + profile_steps) / 2                 # mean context while measured
+    floor = weight_bytes_per_step(cfg, batch, itemsize) + kv_bytes_per_step(cfg, [context] * batch, itemsize)
+    name = "decode" + (" sampled" if params.temperature > 0 else "")
+    return summarize(name, batch, wall, prof, profile_steps, cfg, floor, copy_gbs, top)
+
+
+def profile_prefill(llm, cfg, num_seqs, prompt_len, params, copy_gbs, itemsize, top, seed):
+    """One step that prefills `num_seqs` prompts of `prompt_len` tokens: (row, top kernels). Its floor
+    counts the weights and the KV it writes; prefill is compute-bound, so the floor is far below."""
+    rng = random.Random(seed)
+    vocab = min(10000, cfg.vocab_size - 1)
+
+    def prefill_step(tag, measure):
+        """New prompts (no prefix-cache hit), their prefill step measured, then aborted."""
+        prompts = [[rng.randint(0, vocab) for _ in range(prompt_len)] for _ in range(num_seqs)]
+        ids = add_requests(llm, prompts, params, f"pre-{tag}-{seed}")
+        try:
+            return measure()
+        finally:
+            for rid in ids:
+                llm.engine.abort_request(rid)
+
+    prefill_step("warm", llm.engine.step)           # compiles the prefill kernels
+    wall = prefill_step("wall", lambda: wall_ms_per_step(llm, 1))
+    prof = prefill_step("prof", lambda: benchlib.kernel_times(llm.engine.step, 1))
+    floor = weight_bytes_per_step(cfg, num_seqs * prompt_len, itemsize) + kv_bytes_per_step(
+        cfg, [prompt_len] * num_seqs, itemsize)
+    row, top_rows = summarize("prefill", num_seqs, wall, prof, 1, cfg, floor, copy_gbs, top)
+    row["tok_s"] = num_seqs * prompt_len / wall * 1e3                              # prompt tokens per second
+    return row, top_rows
+
+
+COLUMNS = ["step", "batch", "wall_ms", "gpu_ms", "host_ms", "copies_ms", "kernels", "kernels_per_layer", "floor_ms",
+           "x_floor", "tok_s"]
+
+
+def markdown(rows, tops, meta):
+    head = (f"Model {meta['model']} ({meta['num_layers']} layers), {meta['device']}, {meta['dtype']}, CUDA graphs: "
+            f"{not meta['eager']}; decode prompts of {meta['prompt_len']} tokens; prefill step: {meta['prefill_seqs']} x "
+            f"{meta['prefill_len']} tokens. Copy bandwidth {meta['copy_gbs'] or 0:,.0f} GB/s (0: no GPU). Wall = step() (mean "
+            f"of {meta['steps']} back to back); GPU = kernel time from torch.profiler (mean of {meta['profile_steps']} steps); "
+            "host = wall - GPU; floor = bytes a step must read / copy bandwidth; tok/s = batch / wall "
+            "(prefill: prompt tokens / wall).")
+    parts = [head, "", benchlib.markdown_table(rows, COLUMNS, floatfmt="{:.3g}")]
+    for (step, batch), top in tops.items():
+        if top:
+            parts += ["", f"Top kernels, {step} at batch {batch}:", "",
+                      benchlib.markdown_table(top, floatfmt={"share": "{:.1%}", "per_step": "{:.3g}",
+                                                             "us_per_step": "{:.1f}"})]
+    return "\n".join(parts)
+
+
+def main(out="prof_out", batches=(1, 16, 64, 256), model=None, config="0.5b", device=None, eager=False,
+         prompt_len=256, steps=20, profile_steps=5, prefill_seqs=8, prefill_len=1024, sampled=False, top=8,
+         max_model_len=2048, engine_kw=None):
+    """Profile every batch size (greedy, and sampled with sampled=True) and one prefill step; prints
+    the table and writes profile_step.{json,md} under `out`. Returns {"meta", "rows", "top"}."""
+    from pagedattn import LLM, SamplingParams
+    from pagedattn.models.loader import read_config
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    ckpt = ckpt or write_random_checkpoint()
-    rows = []
-    for eager in (False, True):
-        kw = dict(max_num_seqs=max(batches), max_model_len=1024, enforce_eager=eager)
-        if device == "cpu":
-            kw.update(dtype=torch.float32, num_blocks=max(batches) * 24)
-        llm = make_llm(ckpt, device, **kw)
+    ckpt = model or benchlib.random_checkpoint(config)
+    cfg = read_config(ckpt)
+    max_tokens = steps + profile_steps + 2 + 64     # decode never ends while measured (64: tokens made while others prefill)
+    copy_gbs = benchlib.copy_bandwidth_gbs() if torch.device(device).type == "cuda" else None   # before the KV pool
+    kw = dict(max_num_seqs=max(batches), max_model_len=max_model_len, enforce_eager=eager, **(engine_kw or {}))
+    llm = LLM(ckpt, device=device, **kw)
+    dtype = llm.engine.config.dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    kinds = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)]
+    if sampled:
+        kinds.append(SamplingParams(**SAMPLED, seed=0, max_tokens=max_tokens, ignore_eos=True))
+    rows, tops = [], {}
+    row, top_rows = profile_prefill(llm, cfg, prefill_seqs, prefill_len, kinds[0], copy_gbs, itemsize, top, 1)
+    rows.append(row)
+    tops[("prefill", prefill_seqs)] = top_rows
+    for params in kinds:
         for b in batches:
-            rows.append({"batch": b, "mode": "eager" if eager or device != "cuda" else "CUDA graph",
-                         "phases_ms": profile(llm, b, steps, prompt_len, device)})
-            print(rows[-1], flush=True)
-        del llm
-        if device != "cuda":
-            break
-    env = env_line(device)
-    os.makedirs(out, exist_ok=True)
-    md = markdown(rows, env)
-    with open(os.path.join(out, "profile_step.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(out, "profile_step.json"), "w") as f:
-        json.dump({"env": env, "rows": rows}, f, indent=1)
-    print(md)
-    return rows
+            row, top_rows = profile_decode(llm, cfg, b, prompt_len, params, steps, profile_steps, copy_gbs, itemsize,
+                                           top, seed=b)
+            rows.append(row)
+            tops[(row["step"], b)] = top_rows
+            print({k: row[k] for k in ("step", "batch", "wall_ms", "gpu_ms", "kernels_per_layer")}, flush=True)
+    llm.close()
+    meta = dict(model=ckpt, num_layers=cfg.num_hidden_layers, device=device, dtype=str(dtype), eager=eager
+                or torch.device(device).type != "cuda", prompt_len=prompt_len, prefill_seqs=prefill_seqs,
+                prefill_len=prefill_len, steps=steps, profile_steps=profile_steps, copy_gbs=copy_gbs)
+    md = markdown(rows, tops, meta)
+    top_json = [dict(step=s, batch=b, kernels=t) for (s, b), t in tops.items()]
+    benchlib.save(out, "profile_step", rows, {**meta, "top": top_json}, md)
+    print(benchlib.env_line() + "\n\n" + md)
+    return dict(meta=meta, rows=rows, top=top_json)
 
 
 if __name__ == "__main__":
+    import argparse
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="prof_out")
     ap.add_argument("--batches", default="1,16,64,256")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: random weights of --config)")
+    ap.add_argument("--config", choices=sorted(benchlib.QWEN2_CONFIGS), default="0.5b")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--ckpt", default=None, help="checkpoint dir (default: the random 0.5B-config one)")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=20, help="decode steps timed (wall) per batch size")
+    ap.add_argument("--profile-steps", type=int, default=5, help="decode steps profiled per batch size")
+    ap.add_argument("--prefill-seqs", type=int, default=8)
+    ap.add_argument("--prefill-len", type=int, default=1024)
+    ap.add_argument("--sampled", action="store_true", help="also profile sampled decoding")
+    ap.add_argument("--top", type=int, default=8, help="top kernels listed per batch size")
+    ap.add_argument("--max-model-len", type=int, default=2048)
     a = ap.parse_args()
-    main(a.out, tuple(int(x) for x in a.batches.split(",")), a.steps, a.prompt_len, a.device, a.ckpt)
+    main(a.out, tuple(int(x) for x in a.batches.split(",")), a.model, a.config, a.device, a.eager, a.prompt_len,
+         a.steps, a.profile_steps, a.prefill_seqs, a.prefill_len, a.sampled, a.top, a.max_model_len)

@@ -126,7 +126,8 @@ def run_steps(model, config, plan, tokens, tables, num_blocks, block_size, devic
     record = {}
 
     def hook(name):
-        return lambda module, args, output: record.__setitem__(name, _tensor_of(output).detach().cpu())
+        # a copy: fused kernels may update the residual stream in place later in the forward
+        return lambda module, args, output: record.__setitem__(name, _tensor_of(output).detach().to("cpu", copy=True))
 
     handles = []
     for i, layer in enumerate(model.model.layers):
@@ -144,7 +145,7 @@ def run_steps(model, config, plan, tokens, tables, num_blocks, block_size, devic
             record.clear()
             hidden = model.forward(torch.tensor(ids, device=device), torch.tensor(pos, device=device), kv, meta)
             last = torch.tensor([q for _, _, q, _ in step], device=device).cumsum(0) - 1   # (S,) each chunk's last row
-            record["norm"] = hidden.detach().cpu()
+            record["norm"] = hidden.detach().to("cpu", copy=True)
             record["logits"] = model.compute_logits(hidden[last]).detach().cpu()           # (S, V)
             steps.append(dict(record))
     finally:

@@ -132,19 +132,22 @@ def test_nano_vllm_workload_matches_its_draw_order():
 
 def test_random_checkpoint_loads_in_both_loaders_and_is_reused(tmp_path):
     import transformers
+    from safetensors.torch import load_file
+
     from pagedattn.models.loader import load_model
 
     path = benchlib.random_checkpoint(TINY_SHAPES, cache_dir=str(tmp_path), dtype=torch.float32,
                                       shard_bytes=200_000, device="cpu")
-    shards = sorted(p.name for p in Path(path).glob("*.safetensors"))
-    assert len(shards) > 1 and shards[-1].endswith(f"-of-{len(shards):05d}.safetensors")
-    ours, _ = load_model(path)
+    shards = sorted(Path(path).glob("*.safetensors"))
+    assert len(shards) > 1 and shards[-1].name.endswith(f"-of-{len(shards):05d}.safetensors")
+    written = {name: t for shard in shards for name, t in load_file(shard).items()}
     theirs = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
-    for name, t in ours.state_dict().items():
+    assert set(written) == set(theirs)                  # HF's names and shapes, nothing missing or extra
+    for name, t in written.items():
         assert torch.equal(t, theirs[name]), name
-    emb = ours.model.embed_tokens.weight
-    assert abs(emb.std().item() - 96 ** -0.5) < 0.01                  # N(0, 1/fan_in)
-    assert abs(ours.lm_head.weight.std().item() - 4 * 96 ** -0.5) < 0.04
+    load_model(path)                                    # and our loader accepts it
+    assert abs(written["model.embed_tokens.weight"].std().item() - 96 ** -0.5) < 0.01      # N(0, 1/fan_in)
+    assert abs(written["lm_head.weight"].std().item() - 4 * 96 ** -0.5) < 0.04
     assert benchlib.random_checkpoint(TINY_SHAPES, cache_dir=str(tmp_path), dtype=torch.float32,
                                       device="cpu") == path
     assert torch.equal(benchlib.random_weight("lm_head.weight", (4, 8), 0), benchlib.random_weight("lm_head.weight", (4, 8), 0))
@@ -201,3 +204,111 @@ def test_tp_layer_diff_on_two_cpu_ranks_finds_no_jump(tmp_path):
     assert all(a["tp2_eq_tp1"] == a["chunks"] for a in res["argmax"])
     md = (tmp_path / "out" / "tp_layer_diff.md").read_text()
     assert "No jump" in md and "| L01 mlp |" in md
+
+
+# ---- scripts/bench_throughput.py and scripts/profile_step.py: their logic on CPU, tiny random model ----
+import random  # noqa: E402
+
+from scripts import bench_throughput, profile_step  # noqa: E402
+
+ENGINE = dict(max_num_seqs=8, max_model_len=256, num_blocks=96, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_random(tmp_path_factory):
+    return benchlib.random_checkpoint(TINY_SHAPES, cache_dir=str(tmp_path_factory.mktemp("ckpt")),
+                                      dtype=torch.float32, device="cpu")
+
+
+def tiny_workload(n=5, seed=0):
+    rng = random.Random(seed)
+    return ([[rng.randrange(128) for _ in range(rng.randint(3, 30))] for _ in range(n)],
+            [rng.randint(4, 12) for _ in range(n)])
+
+
+def test_workload_mode_measures_every_kind_and_writes_its_table(tiny_random, tmp_path):
+    res = bench_throughput.workload_mode(str(tmp_path), tiny_random, "cpu", engine_kw=ENGINE,
+                                         workload=tiny_workload(), batch1=(40, 10))
+    assert not res["meta"]["errors"], res["meta"]["errors"]
+    rows = {(r["group"], r["params"]): r for r in res["rows"]}
+    assert set(rows) == {("workload", k) for k in bench_throughput.PARAM_KINDS} | {
+        ("batch 1", k) for k in bench_throughput.BATCH1_KINDS}
+    wanted = sum(tiny_workload()[1])
+    for (group, kind), r in rows.items():
+        assert r["finished"] == r["requests"] and not r["timed_out"]
+        assert r["output_tokens"] == (wanted if group == "workload" else 10), (group, kind)
+        assert r["tok_s"] > 0 and r["vs_greedy"] == pytest.approx(r["tok_s"] / rows[(group, "greedy")]["tok_s"])
+    assert rows[("workload", "greedy")]["vs_greedy"] == 1.0
+    md = (tmp_path / "bench_throughput.md").read_text().splitlines()
+    assert md[0] == json.loads((tmp_path / "bench_throughput.json").read_text())["meta"]["env"]
+    assert any(line.startswith("| batch 1 | sampled seeded | 1 | 1 | 10 |") for line in md)
+    assert (tmp_path / "bench_throughput.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_run_requests_stops_at_the_time_limit_and_leaves_the_engine_empty(tiny_random):
+    from pagedattn import LLM
+
+    llm = LLM(tiny_random, device="cpu", **ENGINE)
+    prompts, _ = tiny_workload(3)
+    params = [bench_throughput.sampling_params("greedy", 60, i) for i in range(3)]
+    r = bench_throughput.run_requests(llm, prompts, params, time_limit=0.0, tag="t")
+    assert r["timed_out"] and r["finished"] == 0 and r["token_ids"] == [None] * 3
+    assert r["output_tokens"] == llm.metrics()["num_generated_tokens"] and not llm.engine.has_unfinished_requests()
+    full = bench_throughput.run_requests(llm, prompts, params, time_limit=60.0, tag="u")
+    assert full["finished"] == 3 and full["output_tokens"] == 180 and all(len(t) == 60 for t in full["token_ids"])
+
+
+def test_batch1_request_fits_the_model_and_its_vocabulary():
+    prompt, n = bench_throughput.batch1_request(2048, 151936)
+    assert len(prompt) == 512 and n == 256 and max(prompt) <= 10000
+    prompt, n = bench_throughput.batch1_request(256, 128)
+    assert len(prompt) + n <= 256 and len(prompt) == 170 and max(prompt) < 128
+    assert bench_throughput.batch1_request(256, 128) == (prompt, n)              # seeded: the same request
+
+
+def test_compare_greedy_counts_identical_requests_and_first_divergences():
+    base = [[1, 2, 3], [4, 5, 6], [7, 8], None]
+    other = [[1, 2, 3], [4, 9, 6], [7, 8, 9], [1]]
+    assert bench_throughput.compare_greedy(base, other) == dict(compared=3, identical=1, first_divergence=[1, 2])
+    assert bench_throughput.first_divergence([1, 2, 3], [1, 2, 4]) == 2
+
+
+def test_tp_mode_compares_tp2_with_tp1_on_two_cpu_ranks(tiny_random, tmp_path):
+    prompts, lens = tiny_workload(4)
+    res = bench_throughput.tp_mode(str(tmp_path), 0, 60.0, 8, 256, ckpt=tiny_random, device="cpu",
+                                   workload=(prompts, lens), batch1=(40, 10))
+    assert not res["errors"], res["errors"]
+    assert set(res["tp"]) == {"tp1_eager", "tp2_eager"}                 # graphs: CUDA only
+    assert all(r["finished"] == 4 and r["batch1_tok_s"] > 0 and not r["graphs"] for r in res["tp"].values())
+    assert res["greedy"] == {"compared": 4, "identical": 4, "first_divergence": []}   # float32: no near-ties
+    assert res["speedup_eager"] > 0 and res["batch1_speedup_eager"] > 0
+    table = (tmp_path / "bench_tp.md").read_text()
+    assert "| tp2_eager | no |" in table and "Greedy ids identical for 4 of 4" in table
+
+
+def test_hf_mode_runs_hf_beside_the_engine_numbers(tiny_random, tmp_path):
+    benchlib.save(str(tmp_path), "bench_throughput", [dict(group="batch 1", params="greedy", tok_s=100.0)], {})
+    res = bench_throughput.hf_mode(str(tmp_path), tiny_random, "cpu", hf_requests=0, batch1_tokens=6,
+                                   max_model_len=64, workload=tiny_workload())
+    assert not res["meta"]["errors"], res["meta"]["errors"]
+    greedy, sampled = res["rows"]
+    assert (greedy["params"], sampled["params"]) == ("greedy", "sampled seeded")
+    assert greedy["output_tokens"] == 6 and greedy["engine_vs_hf"] == pytest.approx(100.0 / greedy["tok_s"])
+    assert sampled["engine_tok_s"] is None
+    assert "| batch 1 | greedy | HF generate | 6 |" in (tmp_path / "bench_hf.md").read_text()
+
+
+def test_profile_step_rows_and_memory_floor(tiny_random, tmp_path):
+    res = profile_step.main(str(tmp_path), batches=(1, 3), model=tiny_random, device="cpu", prompt_len=12, steps=2,
+                            profile_steps=1, prefill_seqs=2, prefill_len=20, sampled=True, max_model_len=256,
+                            engine_kw=dict(num_blocks=96, block_size=8))
+    steps = [(r["step"], r["batch"]) for r in res["rows"]]
+    assert steps == [("prefill", 2), ("decode", 1), ("decode", 3), ("decode sampled", 1), ("decode sampled", 3)]
+    assert all(r["wall_ms"] > 0 and r["tok_s"] > 0 for r in res["rows"])
+    assert "| decode sampled | 3 |" in (tmp_path / "profile_step.md").read_text()
+    from pagedattn.models.loader import read_config
+
+    cfg = read_config(tiny_random)                      # 2 layers, hidden 96, 6/2 heads of 16, I 160, V 128
+    per_layer = 96 * (96 + 64) + (96 + 64) + 96 * 96 + 3 * 96 * 160 + 2 * 96
+    assert profile_step.weight_bytes_per_step(cfg, 3, 2) == 2 * (2 * per_layer + 96 + 128 * 96 + 3 * 96)
+    assert profile_step.kv_bytes_per_step(cfg, [10, 30], 2) == 2 * 2 * 2 * 2 * 16 * 40
