@@ -21,11 +21,14 @@ import os
 import sys
 from dataclasses import dataclass
 
-import numpy as np
+if __name__ == "__main__":          # run as a file: make `scripts.` and `pagedattn` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import numpy as np  # noqa: E402
+
 from pagedattn.block_manager import BlockManager  # noqa: E402
 from pagedattn.errors import OutOfBlocksError  # noqa: E402
+from scripts.benchlib import markdown_table  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -98,9 +101,8 @@ def design_table(block_size=16):
 
 
 def format_table(header, rows, fmt):
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(f.format(v) for f, v in zip(fmt, row)) + " |" for row in rows]
-    return "\n".join(lines)
+    """markdown_table of tuples: header names the columns, fmt formats each (one format per column)."""
+    return markdown_table([dict(zip(header, row)) for row in rows], header, floatfmt=dict(zip(header, fmt)))
 
 
 def main(num_seqs=64, min_len=100, max_len=1024, max_model_len=4096, budget_mib=2048.0, block_size=16,
@@ -144,6 +146,7 @@ def write_docs(out_dir, result, design_md, mix_md, args):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    os.makedirs(out_dir, exist_ok=True)
     mix, sweep = result["mix"], result["sweep"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     names = ["contiguous\nreserved", "paged\nreserved", "tokens\nstored"]

@@ -17,11 +17,15 @@ ShareGPT), with OPT-13B and much longer outputs than here; the saving grows with
 of each sequence's tokens.
 
     python scripts/memory_sharing.py                       # bundled model, CPU, ~3-6 min on 2 cores
-    python scripts/memory_sharing.py --max-tokens 16 --json docs/memory_sharing.json
+    python scripts/memory_sharing.py --max-tokens 16 --out OUT     # also OUT/memory_sharing.{json,md}
 """
-import argparse
-import json
-import time
+import os
+import sys
+
+if __name__ == "__main__":          # run as a file: make `scripts.` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts import benchlib  # noqa: E402
 
 QUESTIONS = [
     "Write a Python function that merges two sorted lists into one sorted list.",
@@ -43,7 +47,7 @@ class BlockMeter:
     def step(self):
         out = self._step()
         bm = self.engine.block_manager
-        logical = sum(len(bm.sequence_blocks[s.seq_id]) for s in self.engine.scheduler.running)
+        logical = sum(len(table) for table in bm.sequence_blocks.values())     # every sequence's own copy
         if logical:
             self.samples.append((bm.num_used_blocks, logical))
         return out
@@ -58,48 +62,58 @@ class BlockMeter:
         self.engine.step = self._step
 
 
-def main(model=None, device="cpu", max_tokens=32, widths=(2, 4, 8), beam_width=4, json_path=None):
+def measure(llm, run, kind, width):
+    """One workload under a BlockMeter: its row (block counts, savings, seconds)."""
+    meter = BlockMeter(llm.engine)
+    watch = benchlib.Stopwatch()
+    try:
+        run()
+    finally:
+        meter.close()
+    return dict(kind=kind, width=width, seconds=watch.elapsed(), **meter.result())
+
+
+def main(model=None, device="cpu", max_tokens=32, widths=(2, 4, 8), beam_width=4, out=None, prompts=None):
+    """Every parallel-sampling width and beam search on the same prompts; prints the table, writes
+    <out>/memory_sharing.{json,md} when out is given. prompts: token-id lists (default: the chat
+    template applied to QUESTIONS). Returns the rows."""
     from pagedattn import LLM, BeamSearchParams, SamplingParams
 
     llm = LLM(model, device=device, enable_prefix_caching=False, max_model_len=1024, max_num_seqs=64)
-    tok = llm.get_tokenizer()
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                  add_generation_prompt=True)) for q in QUESTIONS]
+    if prompts is None:
+        tok = llm.get_tokenizer()
+        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                      add_generation_prompt=True)) for q in QUESTIONS]
     n_prompt = sum(map(len, prompts)) / len(prompts)
-    print(f"{len(prompts)} chat prompts, mean {n_prompt:.0f} tokens; up to {max_tokens} new tokens; "
-          f"block_size {llm.engine.config.block_size}")
     rows = []
     for n in widths:
-        meter = BlockMeter(llm.engine)
-        t0 = time.perf_counter()
-        llm.generate(prompts, SamplingParams(n=n, temperature=0.8, top_p=0.95, seed=0, max_tokens=max_tokens),
-                     use_tqdm=False)
-        meter.close()
-        rows.append(dict(kind="parallel sampling", width=n, seconds=time.perf_counter() - t0, **meter.result()))
-    meter = BlockMeter(llm.engine)
-    t0 = time.perf_counter()
-    llm.beam_search(prompts, BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens), use_tqdm=False)
-    meter.close()
-    rows.append(dict(kind="beam search", width=beam_width, seconds=time.perf_counter() - t0, **meter.result()))
-
-    print(f"\n{'workload':<20}{'n/width':>8}{'blocks shared':>15}{'unshared':>10}{'saving@peak':>13}"
-          f"{'mean saving':>13}   paper")
+        params = SamplingParams(n=n, temperature=0.8, top_p=0.95, seed=0, max_tokens=max_tokens)
+        rows.append(measure(llm, lambda: llm.generate(prompts, params, use_tqdm=False), "parallel sampling", n))
+    beam = BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens)
+    rows.append(measure(llm, lambda: llm.beam_search(prompts, beam, use_tqdm=False), "beam search", beam_width))
     for r in rows:
-        paper = PAPER["beam" if r["kind"] == "beam search" else "parallel"]
-        print(f"{r['kind']:<20}{r['width']:>8}{r['peak_physical_blocks']:>15}{r['peak_logical_blocks']:>10}"
-              f"{100 * r['saving_at_peak']:>12.1f}%{100 * r['mean_saving']:>12.1f}%   {paper}")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(dict(max_tokens=max_tokens, mean_prompt_tokens=n_prompt, rows=rows, paper=PAPER), f, indent=2)
+        r["paper"] = PAPER["beam" if r["kind"] == "beam search" else "parallel"]
+    md = (f"{len(prompts)} prompts, mean {n_prompt:.0f} tokens; up to {max_tokens} new tokens; block_size "
+          f"{llm.metrics()['block_size']}. Blocks: physical (shared) and logical (every sequence's own copy) at "
+          "the step where logical peaks; saving = 1 - physical / logical.\n\n" + benchlib.markdown_table(
+              rows, ["kind", "width", "peak_physical_blocks", "peak_logical_blocks", "saving_at_peak", "mean_saving",
+                     "steps", "seconds", "paper"],
+              floatfmt={"saving_at_peak": "{:.1%}", "mean_saving": "{:.1%}", "seconds": "{:.1f}"}))
+    print(md)
+    if out:
+        benchlib.save(out, "memory_sharing", rows, dict(max_tokens=max_tokens, mean_prompt_tokens=n_prompt,
+                                                         paper=PAPER), md)
     return rows
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="KV blocks with and without sharing (parallel sampling, beam search)")
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF Qwen2 directory (default: the bundled model)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--beam-width", type=int, default=4)
-    ap.add_argument("--json", default=None, help="also write the table as JSON here")
+    ap.add_argument("--out", default=None, help="also write memory_sharing.json / .md here")
     a = ap.parse_args()
-    main(a.model, a.device, a.max_tokens, beam_width=a.beam_width, json_path=a.json)
+    main(a.model, a.device, a.max_tokens, beam_width=a.beam_width, out=a.out)

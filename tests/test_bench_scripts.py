@@ -312,3 +312,18 @@ def test_profile_step_rows_and_memory_floor(tiny_random, tmp_path):
     per_layer = 96 * (96 + 64) + (96 + 64) + 96 * 96 + 3 * 96 * 160 + 2 * 96
     assert profile_step.weight_bytes_per_step(cfg, 3, 2) == 2 * (2 * per_layer + 96 + 128 * 96 + 3 * 96)
     assert profile_step.kv_bytes_per_step(cfg, [10, 30], 2) == 2 * 2 * 2 * 2 * 16 * 40
+
+
+# ---- scripts/memory_sharing.py ------------------------------------------------------------------
+def test_memory_sharing_counts_shared_blocks(tiny_random, tmp_path):
+    from scripts import memory_sharing
+
+    prompts = [[(7 * i + j) % 120 + 3 for j in range(40)] for i in range(2)]     # 3 blocks of 16 tokens each
+    rows = memory_sharing.main(tiny_random, max_tokens=6, widths=(2,), beam_width=2, out=str(tmp_path),
+                               prompts=prompts)
+    sampling, beam = rows
+    assert (sampling["kind"], sampling["width"], beam["kind"], beam["width"]) == (
+        "parallel sampling", 2, "beam search", 2)
+    for r in rows:                                     # forks share the prompt's blocks: physical < logical
+        assert 0 < r["peak_physical_blocks"] < r["peak_logical_blocks"] and 0 < r["saving_at_peak"] < 1
+    assert "| parallel sampling | 2 |" in (tmp_path / "memory_sharing.md").read_text()
