@@ -31,7 +31,6 @@ import inspect
 import math
 import os
 import random
-import socket
 import sys
 
 if __name__ == "__main__":          # run as a file: make `scripts.` importable (spawned ranks inherit it)
@@ -207,12 +206,6 @@ def argmax_agreement(ref, tp1, tp2):
 
 
 # ---- ranks ----------------------------------------------------------------------------------------
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_device(device_type, rank):
     return torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
 
@@ -270,7 +263,9 @@ def main(device=None, backend=None, model=None, config="0.5b", dtype=None, ref_d
     kinds = ["prefill" if step[0][3] else "decode" for step in plan]
     spec = dict(device=device, path=path, dtype=dtype, backend=backend, plan=plan, tokens=tokens, tables=tables,
                 num_blocks=num_blocks, block_size=block_size, timeout_s=timeout_s)
-    port = _free_port()
+    from pagedattn.distributed.parallel import free_port
+
+    port = free_port()
     workers = mp.start_processes(_worker, args=(world_size, port, spec), nprocs=world_size - 1, join=False,
                                  start_method="spawn")
     try:
