@@ -18,7 +18,8 @@ scripts/benchlib.py `random_checkpoint`, generated once into a cache directory),
   first --hf-requests workload requests with `generate_batch`, greedy); beside the engine's numbers
   when --out holds a workload run's bench_throughput.json.
 
-Every mode prints one table last and writes <name>.json / .md (and a PNG) under --out.
+Prefix caching is off (the runs repeat the same prompts). Every mode prints one table last and
+writes <name>.json / .md (and a PNG) under --out.
 
     python scripts/bench_throughput.py --out OUT                              # workload, one H200
     python scripts/bench_throughput.py --mode hf --out OUT                    # after the workload run
@@ -141,10 +142,9 @@ def make_llm(ckpt, device, **kw):
     return LLM(ckpt, device=device, **kw)
 
 
-def free(llm, device):
-    """Stop an LLM's workers and give its memory back before the next one starts."""
-    if llm is not None:
-        llm.close()
+def release(device):
+    """Give the memory of dropped engines back to the driver (the next LLM sizes its KV pool from the
+    free memory the driver reports): collect reference cycles, then empty torch's cache."""
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
@@ -174,7 +174,8 @@ def workload_markdown(rows, meta):
              f"warm-up (compiles, graph capture) {meta['warmup_s']:.1f} s, not counted. Workload: "
              f"{meta['num_requests']} nano-vllm requests ({meta['prompt_tokens']:,} prompt tokens); batch 1: "
              f"{meta['batch1'][0]} prompt + {meta['batch1'][1]} output tokens (tok/s = decode rate). "
-             f"Sampled = temperature 0.8, top_p 0.95; default params = SamplingParams() (temperature 1.0).", "",
+             f"Sampled = temperature 0.8, top_p 0.95; default params = SamplingParams() (temperature 1.0). "
+             "Prefix caching off (the kinds run the same prompts).", "",
              benchlib.markdown_table(rows, WORKLOAD_COLUMNS, floatfmt={"vs_greedy": "{:.2f}", "seconds": "{:.1f}"})]
     if meta.get("errors"):
         lines += ["", "Errors: " + json.dumps(meta["errors"])]
@@ -186,6 +187,7 @@ def workload_mode(out, ckpt, device, num_requests=256, time_limit=120.0, engine_
     """The nano-vllm workload and batch 1 for every sampling kind on one LLM; see the module docstring.
     Returns {"meta": ..., "rows": [...]} (also written to <out>/bench_throughput.{json,md,png})."""
     engine_kw = dict(engine_kw or {})
+    engine_kw.setdefault("enable_prefix_caching", False)   # every kind runs the same prompts: no cross-run hits
     prompts, out_lens = workload or benchlib.nano_vllm_workload(num_requests)
     llm = make_llm(ckpt, device, **engine_kw)
     p1, n1 = batch1_request(engine_kw.get("max_model_len", 2048), vocab_size(ckpt), batch1)
@@ -211,7 +213,9 @@ def workload_mode(out, ckpt, device, num_requests=256, time_limit=120.0, engine_
                 meta["errors"][f"{group} {kind}"] = repr(e)
             add_ratios(rows)
             benchlib.save(out, "bench_throughput", rows, meta, workload_markdown(rows, meta))
-    free(llm, device)
+    llm.close()
+    del llm
+    release(device)
     md = workload_markdown(rows, meta)
     benchlib.save(out, "bench_throughput", rows, meta, md)
     groups = ["workload", "batch 1"]
@@ -282,7 +286,7 @@ def tp_mode(out, num_requests, workload_limit, max_num_seqs, max_model_len, ckpt
         llm = None
         try:
             llm = make_llm(ckpt, device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                           enforce_eager=eager, tensor_parallel_size=size)
+                           enforce_eager=eager, tensor_parallel_size=size, enable_prefix_caching=False)
             warm_up(llm, prompts, ["greedy"])
             r = run_requests(llm, prompts, [sampling_params("greedy", n, i) for i, n in enumerate(out_lens)],
                              workload_limit, key)
@@ -299,8 +303,10 @@ def tp_mode(out, num_requests, workload_limit, max_num_seqs, max_model_len, ckpt
         except Exception as e:                                       # noqa: BLE001 (the other runs still go)
             res["errors"][key] = repr(e)
         finally:
-            free(llm, device)
-            del llm
+            if llm is not None:
+                llm.close()                                          # stops the TP workers
+            llm = None
+            release(device)
         benchlib.save(out, "bench_tp", list(res["tp"].values()), res, tp_markdown(res))
     for mode, name in (("eager", "greedy"), ("graphs", "greedy_graphs")):
         if f"tp1_{mode}" in ids and f"tp{tp}_{mode}" in ids:
