@@ -136,18 +136,23 @@ def profile_prefill(llm, cfg, num_seqs, prompt_len, params, copy_gbs, itemsize, 
             for rid in ids:
                 llm.engine.abort_request(rid)
 
+    def timed():
+        before = llm.metrics()["num_computed_tokens"]
+        wall = wall_ms_per_step(llm, 1)
+        return wall, llm.metrics()["num_computed_tokens"] - before
+
     prefill_step("warm", llm.engine.step)           # compiles the prefill kernels
-    wall = prefill_step("wall", lambda: wall_ms_per_step(llm, 1))
+    wall, tokens = prefill_step("wall", timed)      # tokens < num_seqs * prompt_len if the budget splits it
     prof = prefill_step("prof", lambda: benchlib.kernel_times(llm.engine.step, 1))
-    floor = weight_bytes_per_step(cfg, num_seqs * prompt_len, itemsize) + kv_bytes_per_step(
-        cfg, [prompt_len] * num_seqs, itemsize)
+    floor = weight_bytes_per_step(cfg, tokens, itemsize) + kv_bytes_per_step(cfg, [tokens], itemsize)
     row, top_rows = summarize("prefill", num_seqs, wall, prof, 1, cfg, floor, copy_gbs, top)
-    row["tok_s"] = num_seqs * prompt_len / wall * 1e3                              # prompt tokens per second
+    row["tok_s"] = tokens / wall * 1e3                                             # prompt tokens per second
+    row["prefill_tokens"] = tokens
     return row, top_rows
 
 
 COLUMNS = ["step", "batch", "wall_ms", "gpu_ms", "host_ms", "copies_ms", "kernels", "kernels_per_layer", "floor_ms",
-           "x_floor", "tok_s"]
+           "x_floor", "tok_s", "prefill_tokens"]
 
 
 def markdown(rows, tops, meta):

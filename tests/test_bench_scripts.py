@@ -305,6 +305,7 @@ def test_profile_step_rows_and_memory_floor(tiny_random, tmp_path):
     steps = [(r["step"], r["batch"]) for r in res["rows"]]
     assert steps == [("prefill", 2), ("decode", 1), ("decode", 3), ("decode sampled", 1), ("decode sampled", 3)]
     assert all(r["wall_ms"] > 0 and r["tok_s"] > 0 for r in res["rows"])
+    assert res["rows"][0]["prefill_tokens"] == 2 * 20                             # one step prefilled both
     assert "| decode sampled | 3 |" in (tmp_path / "profile_step.md").read_text()
     from pagedattn.models.loader import read_config
 
