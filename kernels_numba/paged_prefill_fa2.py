@@ -1,0 +1,883 @@
+"""Paged prefill v4+: the FlashAttention-2 structure in numba.
+
+Same contract as kernels_numba/paged_prefill.py (v1-v3): q [total_q, H, D] packs the chunks
+of num_seqs sequences (cu_seqlens_q); their K/V are already in the pool; query i of a chunk of
+q_len sits at position context_len - q_len + i and sees positions 0..that position (the cached
+prefix and its own chunk). Unused pool slots may hold anything (NaN in the tests): no position
+at or past context_len is ever read.
+
+The versions (predicted times: H200, Qwen2-0.5B layer 14/2 heads, d=64, fp16, one sequence of
+2048 new tokens; v3 takes 129 us, torch SDPA (flash) on a dense cache 34.9 us; docs/prefill.md):
+
+    v4  one CTA of 4 warps per (sequence, 64 rows, KV head); K/V tiles of 64 keys staged by
+        cp.async through a 2-stage shared-memory ring (swizzled: no bank conflicts), fragments
+        by ldmatrix (.trans for V), S = Q K^T and O += P V on mma.sync m16n8k16, exp2 online
+        softmax, only diagonal tiles masked                                    predicted ~50 us
+    v5  + 128 rows per CTA at d=64 (each warp two m-tiles of 16 rows): every K/V fragment
+        read from shared memory feeds two mma instead of one                  predicted ~40 us
+    v6  + split-KV when the grid is short (fewer CTAs than SMs, e.g. a short chunk behind a
+        long prefix): the KV range of each tile is cut into parts, each part's CTA writes a
+        normalised fp32 partial and its log-sum-exp, a small kernel merges them
+                                                             (1x2048: as v5; 1x(4096+256) ~2x v5)
+
+Why ~50 us for v4 at 1x2048 (prediction, written before any GPU run): the work is 7.5 GFLOP of
+causal attention (4 * 14 * 64 * 2048 * 2049 / 2). v3 spent its time on synchronous tile loads
+(global -> registers -> shared, then a barrier, two per tile), 32-bit shared fragment reads
+(128 LDS per warp per tile) and transposing stores of V. v4 issues the next tile's copies before
+computing on the current one (one barrier per tile), reads fragments with 32 ldmatrix.x4 per
+warp per tile, and skips the mask on all but the diagonal tiles. At ~150 TFLOP/s (~28% of
+mma.sync's dense peak on 132 SMs, what FA2-class kernels reach at d=64 with 4 warps per CTA)
+that is 50 us; the shared-memory reads (64 KB per CTA per tile at 64 rows, 128 B/clk/SM) are as
+long as its mma work, which is why v5 doubles the rows per CTA.
+
+Design (every version)
+----------------------
+Rows. A CTA owns BM rows = (query, head-in-group) pairs of one sequence and KV head g: row r
+is query q0 + r // G of head g * G + r % G (G = num_heads / num_kv_heads), so a K/V tile is
+read from the pool once for all G heads (G = 7: 9 queries x 7 heads = 63 of 64 rows). Warp w
+owns rows 16 (w * MT + mt) .. + 15 for its m-tiles mt < MT. Rows past the chunk are computed
+(as the chunk's last position: finite) and never stored.
+
+Grid. (tiles, num_kv_heads, splits): x is an upper bound of sum_s ceil(q_len_s / BQ), BQ = BM // G
+(no host sync to size it); a CTA finds its (sequence, tile) by scanning cu_seqlens_q and takes
+a sequence's last (longest causal range) tile first, as v3 does. z = 1 except in v6's plan.
+
+Pipeline per CTA (ST = 2 stages of [K tile | V tile], 64 keys each, dynamic shared memory):
+    Q tile -> stage ST-1 by cp.async (zeros for rows past the chunk), commit
+    tiles 0 .. ST-2 -> stages 0 .. ST-2, one commit group each
+    wait for Q, barrier, Q fragments -> registers by ldmatrix.x4 (held for the whole loop)
+    for each KV tile j: wait for tile j (cp.async.wait_group ST-2), barrier (every thread's
+        copies of j have landed and every warp is done with tile j - 1), issue tile j + ST - 1
+        into the stage tile j - 1 used, then S = Q K^T, mask (diagonal tiles only), online
+        softmax, O += P V on stage j
+    O / l -> shared (packed) -> 16-byte coalesced stores (v6 split: fp32 partials + lse)
+A tile's rows at or past the CTA's last visible position are zero-filled by ordinary shared
+stores, never copied: the pool's unused slots are not read and stale shared memory (which the
+simulator poisons with NaN) never reaches P V (0 * NaN would be NaN).
+
+Shared layout. A tile row (one key's D halves: 128 B at d=64, 256 B at d=128) is stored as
+16-byte chunks, chunk c of row r at position c ^ (r & 7) (an XOR swizzle). ldmatrix reads 8
+rows of one logical chunk per 8x8 matrix: the 8 physical chunks are distinct mod 8, so the
+128 bytes hit 32 distinct banks; the cp.async writes (CPR threads per row, consecutive chunks)
+are likewise conflict-free. Without the swizzle every row starts on bank 0 (8-way conflicts).
+
+Fragments (PTX ISA 9.7.14.5.8, "Matrix Fragments for mma.m16n8k16 with floating point type";
+lane = 4 g + t; a word = 2 halves, the lower-indexed element in the low 16 bits):
+    A 16x16 row major: a0 = A[g, 2t:2t+2]   a1 = A[g+8, 2t:2t+2]
+                       a2 = A[g, 2t+8:2t+10] a3 = A[g+8, 2t+8:2t+10]
+    B 16x8 (k x n):    b0 = B[2t:2t+2, g]    b1 = B[2t+8:2t+10, g]
+    C/D 16x8 fp32:     c0, c1 = C[g, 2t:2t+2]  c2, c3 = C[g+8, 2t:2t+2]
+ldmatrix (PTX ISA 9.7.14.5.15): lanes 8i .. 8i+7 give the addresses of the 8 rows of matrix i
+(16 bytes each); lane 4 g + t receives of matrix i the word (row g, halves 2t, 2t+1), or with
+.trans the halves (row 2t, col g) and (row 2t+1, col g). Hence, with 16-byte chunks of rows:
+    Q (A of S = Q K^T), k-step ks: matrices (rows 0-7, chunk 2ks), (rows 8-15, chunk 2ks),
+        (rows 0-7, chunk 2ks+1), (rows 8-15, chunk 2ks+1) -> a0, a1, a2, a3
+    K (B of S, "col": B[k, n] = K[key n, dim k]), n-tile of keys 8nt..8nt+7: matrices (those
+        keys, chunks 4p, 4p+1, 4p+2, 4p+3) -> b0, b1 of k-step 2p and b0, b1 of k-step 2p+1
+    V (B of O += P V: B[k, n] = V[key k, dim n]), k-step kk of keys 16kk..16kk+15, .trans:
+        matrices (keys +0-7, chunk 2dp), (keys +8-15, chunk 2dp), (keys +0-7, chunk 2dp+1),
+        (keys +8-15, chunk 2dp+1) -> b0, b1 of d-tile 2dp and b0, b1 of d-tile 2dp+1
+    P (A of O += P V): the C fragments of S's n-tiles 2kk and 2kk+1 are the A fragment of
+        k-step kk (packed to fp16/bf16 in registers, never through memory).
+
+Softmax. Scores stay in fp32 in the S fragments; the running max m (raw score units) and this
+lane's share of the row sum l are per row; p = 2^(s * scale * log2(e) - m * scale * log2(e))
+(one FFMA + one MUFU.EX2); a row's max over its 4 lanes takes two shfl_xor. A row whose part of
+the KV range is fully masked (possible only in a split) keeps m = -inf and contributes nothing.
+
+Supported: fp16 and bf16, head_dim 64 and 128, block_size 8/16/32, G <= 64 rows' worth of
+queries (any G <= BM). Under NUMBA_ENABLE_CUDASIM=1 the kernels run in the simulator: cp.async
+copies at issue, and ldmatrix, mma and the shuffles go through warp-collective fallbacks that
+follow the fragment layouts above element by element.
+
+Intrinsics defined here (candidates for kernels_numba/common.py): ldmatrix_x4,
+ldmatrix_x4_trans, store_u32x4, ex2.
+"""
+import math
+
+import numpy as np
+import torch
+from numba import cuda, float32, uint32
+
+from kernels_numba import common
+from kernels_numba.common import check_tensor, cp_async16, cp_async_commit, cp_async_wait, load_u32x4, torch_stream
+from pagedattn.errors import KernelLaunchError
+
+SIMULATOR = common.SIMULATOR
+THREADS = 128  # 4 warps
+LAUNCH_BOUNDS = (THREADS, 2)  # (threads, CTAs per SM the registers must allow)
+BN = 64  # keys per KV tile
+HEAD_DIMS = (64, 128)
+BLOCK_SIZES = (8, 16, 32)
+DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+NEG_INF = float32(-np.inf)
+LOG2E = 1.4426950408889634
+NAN_WORD = 0x7FC07FC0  # two halves that are NaN as fp16 and as bf16 (the simulator's poison)
+SMEM_OPT_IN = 48 * 1024  # dynamic shared memory beyond this needs the kernel's opt-in
+SMEM_PER_CTA_MAX = 227 * 1024  # H100/H200: the most one CTA may have
+SMEM_ALIGN = None if SIMULATOR else 16  # cp.async and ldmatrix address 16-byte units (the simulator takes no alignment)
+
+# ----------------------------------------------------------------------------------------
+# Intrinsics: ldmatrix (.x4, .trans), a 16-byte store, ex2.approx
+
+if SIMULATOR:
+    from kernels_numba import simulator as _sim
+
+    def ldmatrix_x4(arr, i):
+        """Four 8x8 b16 matrices of shared memory: this lane gives the row at word i of matrix
+        lane // 8 (16 bytes); returns, of matrix 0..3, the word (row lane // 4, halves 2 (lane % 4), +1)."""
+        rows = _sim.warp_all((arr, int(i)))  # each lane's row address (arrays are shared: one block)
+        lane = _sim.lane_id()
+        g, t = lane >> 2, lane & 3
+        words = []
+        for m in range(4):
+            a, j = rows[8 * m + g]
+            words.append(np.uint32(int(a[j + t]) & 0xFFFFFFFF))
+        return tuple(words)
+
+    def _half(a, j, col):
+        # half `col` (0..7) of the 16-byte row at word j of a
+        return (int(a[j + col // 2]) >> (16 * (col % 2))) & 0xFFFF
+
+    def ldmatrix_x4_trans(arr, i):
+        """As ldmatrix_x4 with .trans: of matrix m this lane receives the halves (row 2t, col g)
+        (low) and (row 2t + 1, col g) (high), lane = 4 g + t."""
+        rows = _sim.warp_all((arr, int(i)))
+        lane = _sim.lane_id()
+        g, t = lane >> 2, lane & 3
+        words = []
+        for m in range(4):
+            lo = _half(*rows[8 * m + 2 * t], g)
+            hi = _half(*rows[8 * m + 2 * t + 1], g)
+            words.append(np.uint32(lo | (hi << 16)))
+        return tuple(words)
+
+    # mma.sync m16n8k16 for the simulator, vectorised over the warp (common's fallback unpacks
+    # every lane's fragments in Python for every lane: 30x slower). Where each lane's words sit
+    # in A (16x16) and B (16x8), from the layouts in the header: word w, half e of lane 4 g + t.
+    _g = (np.arange(32) >> 2)[:, None, None]
+    _t = (np.arange(32) & 3)[:, None, None]
+    _e = np.arange(2)[None, None, :]
+    _w4 = np.arange(4)[None, :, None]
+    _w2 = np.arange(2)[None, :, None]
+    _A_ROW = np.broadcast_to(_g + 8 * (_w4 & 1), (32, 4, 2))
+    _A_COL = np.broadcast_to(2 * _t + 8 * (_w4 >> 1) + _e, (32, 4, 2))
+    _B_ROW = np.broadcast_to(2 * _t + 8 * _w2 + _e, (32, 2, 2))
+    _B_COL = np.broadcast_to(_g, (32, 2, 2))
+
+    def _make_mma(bf16):
+        def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            """D = A B + C for the warp: exact products summed in float64, one rounding to fp32."""
+            words = np.array(_sim.warp_all((a0, a1, a2, a3, b0, b1)), dtype=np.uint32)  # (lane, word)
+            h = words.view(np.uint16).reshape(32, 6, 2)  # little endian: the low half first
+            x = (h.astype(np.uint32) << 16).view(np.float32) if bf16 else h.view(np.float16)
+            x = x.astype(np.float64)
+            a = np.empty((16, 16))
+            b = np.empty((16, 8))
+            a[_A_ROW, _A_COL] = x[:, :4]
+            b[_B_ROW, _B_COL] = x[:, 4:]
+            lane = _sim.lane_id()
+            g, t = lane >> 2, lane & 3
+            d = a[[g, g + 8]] @ b[:, 2 * t : 2 * t + 2]  # this lane's C/D elements
+            return (np.float32(d[0, 0] + c0), np.float32(d[0, 1] + c1),
+                    np.float32(d[1, 0] + c2), np.float32(d[1, 1] + c3))
+
+        return mma
+
+    mma_f16 = _make_mma(False)
+    mma_bf16 = _make_mma(True)
+
+    def store_u32x4(arr, i, a, b, c, d):
+        arr[i], arr[i + 1], arr[i + 2], arr[i + 3] = a, b, c, d
+
+    def ex2(x):
+        with np.errstate(over="ignore"):
+            return np.float32(np.exp2(np.float32(x)))
+
+else:
+    from llvmlite import ir
+    from numba.core import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    _i32 = ir.IntType(32)
+
+    def _shared_address(context, builder, aryty, ary_val, idxty, idx_val):
+        """32-bit shared-window address of ary[idx] (a 1-D shared array): addrspacecast by LLVM,
+        so the array base is loop-invariant and a constant index offset folds into the instruction."""
+        ary = context.make_array(aryty)(context, builder, ary_val)
+        i = context.cast(builder, idx_val, idxty, types.intp)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [i], wraparound=False)
+        spaced = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, addrspace=3))
+        return builder.ptrtoint(spaced, _i32)
+
+    def _make_ldmatrix(trans):
+        text = ("ldmatrix.sync.aligned.m8n8.x4" + (".trans" if trans else "")
+                + ".shared.b16 {$0, $1, $2, $3}, [$4];")
+
+        @intrinsic
+        def impl(typingctx, arr, idx):
+            if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype in (types.uint32, types.int32)
+                    and isinstance(idx, types.Integer)):
+                return None
+            sig = types.UniTuple(types.uint32, 4)(arr, idx)
+
+            def codegen(context, builder, sig, args):
+                addr = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                fnty = ir.FunctionType(ir.LiteralStructType([_i32] * 4), [_i32])
+                # the memory clobber keeps it after the barrier that publishes the tile
+                res = builder.call(ir.InlineAsm(fnty, text, "=r,=r,=r,=r,r,~{memory}"), [addr])
+                return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, k) for k in range(4)])
+
+            return sig, codegen
+
+        return impl
+
+    ldmatrix_x4 = _make_ldmatrix(False)
+    ldmatrix_x4_trans = _make_ldmatrix(True)
+
+    @intrinsic
+    def store_u32x4(typingctx, arr, idx, a, b, c, d):
+        """arr[idx:idx+4] = a, b, c, d as one 16-byte store (idx % 4 == 0)."""
+        if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype in (types.uint32, types.int32)):
+            return None
+        sig = types.void(arr, idx, a, b, c, d)
+
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            i = context.cast(builder, args[1], sig.args[1], types.intp)
+            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [i], wraparound=False)
+            vec = ir.Constant(ir.VectorType(_i32, 4), ir.Undefined)
+            for k in range(4):
+                w = context.cast(builder, args[2 + k], sig.args[2 + k], types.uint32)
+                vec = builder.insert_element(vec, w, ir.Constant(_i32, k))
+            builder.store(vec, builder.bitcast(ptr, ir.VectorType(_i32, 4).as_pointer()), align=16)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def ex2(typingctx, x):
+        """2**x on the SFU (ex2.approx.ftz.f32: one MUFU.EX2, rel. error ~2**-22; ex2(-inf) = 0)."""
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, sig_, args):
+            f32 = ir.FloatType()
+            return builder.call(ir.InlineAsm(ir.FunctionType(f32, [f32]), "ex2.approx.ftz.f32 $0, $1;", "=f,f"), args)
+
+        return sig, codegen
+
+    mma_f16 = common.mma_m16n8k16_f16
+    mma_bf16 = common.mma_m16n8k16_bf16
+
+
+# ----------------------------------------------------------------------------------------
+# The kernels
+
+
+class Config:
+    """Compile-time shape of one version's kernel: MT m-tiles of 16 rows per warp, ST stages,
+    Q's fragments held in registers or read from shared memory at every KV tile."""
+
+    def __init__(self, m_tiles, stages=2, q_in_smem=False):
+        self.m_tiles = m_tiles
+        self.stages = stages
+        self.q_in_smem = q_in_smem
+
+    def key(self):
+        return (self.m_tiles, self.stages, self.q_in_smem)
+
+
+def version_config(version, head_dim, stages=None):
+    """v4: 64 rows per CTA; v5, v6: 128 at d=64 (at d=128 two m-tiles need more than 255
+    registers: O alone is 128), 64 at d=128. stages: override the ring's 2 stages (bench sweeps)."""
+    stages = 2 if stages is None else stages
+    if version == 4 or head_dim == 128:
+        return Config(m_tiles=1, stages=stages)
+    return Config(m_tiles=2, stages=stages, q_in_smem=True)
+
+
+def tile_rows(version, head_dim):
+    """BM: (query, head) rows per CTA."""
+    return 4 * 16 * version_config(version, head_dim).m_tiles
+
+
+def smem_bytes(version, head_dim, stages=None):
+    """Dynamic shared memory of one CTA: ST stages of a K and a V tile (+ the Q tile when its
+    fragments are re-read at every KV tile)."""
+    cfg = version_config(version, head_dim, stages)
+    q_tile = tile_rows(version, head_dim) * head_dim * 2 if cfg.q_in_smem else 0
+    return cfg.stages * 2 * BN * head_dim * 2 + q_tile
+
+
+_KERNELS = {}
+
+
+def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem):
+    """The kernel for one (head_dim, "f16" | "bf16", block_size) and Config."""
+    D, BS, MT, ST, Q_SMEM = head_dim, block_size, m_tiles, stages, q_in_smem
+    BM = 64 * MT  # rows per CTA
+    W = D // 2  # words (pairs of halves) per row
+    CPR = D // 8  # 16-byte chunks per row
+    RPP = THREADS // CPR  # rows a copy pass covers (one chunk per thread)
+    PASSES = BN // RPP  # copy passes per K (and V) tile
+    Q_PASSES = BM // RPP
+    NT = BN // 8  # n-tiles of S per m-tile
+    KS = D // 16  # k-steps of S = Q K^T
+    KP = KS // 2  # ldmatrix.x4 of K per n-tile (two k-steps each)
+    KK = BN // 16  # k-steps of O += P V
+    DT = D // 8  # n-tiles (8 dims) of O
+    DP = DT // 2  # ldmatrix.x4.trans of V per k-step (two d-tiles each)
+    TILE = BN * W  # words of a K (or V) tile
+    STAGE = 2 * TILE
+    RING = ST * STAGE
+    assert BM * W <= STAGE, "the Q (and O) tile fits in one stage of the ring"
+    SMEM_WORDS = RING + (BM * W if Q_SMEM else 0)
+    BS_SHIFT = BS.bit_length() - 1  # block_tables index: pos >> BS_SHIFT, offset: pos & (BS - 1)
+    assert BS == 1 << BS_SHIFT
+    mma = mma_bf16 if kind == "bf16" else mma_f16
+    pack = common.f32x2_to_bf16x2 if kind == "bf16" else common.f32x2_to_f16x2
+    wait_q = cp_async_wait(ST - 1)  # Q's group done, the prologue's ST-1 tile groups may pend
+    wait_tile = cp_async_wait(ST - 2)  # tile j done, tiles j+1 .. j+ST-2 may pend
+    POISON = SIMULATOR  # fill the ring with NaN first, so a read of an unwritten word shows
+    # 2 CTAs (8 warps) per SM, as FA2 at d=64: up to 255 registers (v4 needs ~210, v5 255)
+    jit_options = {} if SIMULATOR else {"launch_bounds": LAUNCH_BOUNDS}
+
+    @cuda.jit(device=True, inline="always")
+    def issue_tile(ring, dst0, k_cache, v_cache, block_tables, s, block_words, n0, kv_stop, row0, tdst, tsrc):
+        # K and V rows n0 .. n0+63 into the stage at word dst0: this thread copies one 16-byte
+        # chunk of rows row0 + RPP i (row0 < RPP); rows at or past kv_stop become zeros.
+        # tdst: the chunk's swizzled offset in row row0 (row & 7 is the same for every pass);
+        # tsrc: its offset in the pool block (KV head, row0's slot, chunk). As n0 is a multiple
+        # of BN and RPP, BS are powers of two, pass i's block is (n0 + RPP i) / BS + row0 / BS
+        # and its slot (RPP i) % BS + row0 % BS: compile-time offsets from per-tile values.
+        rem = kv_stop - n0 - row0  # pass i copies while RPP i < rem
+        b0 = (n0 >> BS_SHIFT) + (row0 >> BS_SHIFT)
+        for i in range(PASSES):
+            dst = dst0 + tdst + RPP * i * W
+            if RPP * i < rem:
+                block = block_tables[s, b0 + ((RPP * i) >> BS_SHIFT)]
+                src = block * block_words + tsrc + ((RPP * i) & (BS - 1)) * W
+                cp_async16(ring, dst, k_cache, src)
+                cp_async16(ring, dst + TILE, v_cache, src)
+            else:
+                store_u32x4(ring, dst, 0, 0, 0, 0)
+                store_u32x4(ring, dst + TILE, 0, 0, 0, 0)
+
+    @cuda.jit(**jit_options)
+    def kernel(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse,
+               num_heads, num_kv_heads, scale):
+        # q, out: flat uint32 views of [total_q, num_heads, D]; k_cache, v_cache: flat uint32
+        # views of [num_blocks, num_kv_heads, BS, D]; block_tables [num_seqs, max_blocks],
+        # cu_seqlens_q [num_seqs + 1], context_lens [num_seqs] int32; part_o float32
+        # [splits, total_q * num_heads, D] and part_lse float32 [splits, total_q * num_heads]
+        # (used when gridDim.z > 1); scale float32.
+        ring = cuda.shared.array(0, uint32, alignment=SMEM_ALIGN)  # ST stages of [K tile | V tile]; Q, then O, staged in it
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        fg = lane >> 2  # fragment row group
+        ft = lane & 3  # fragment column pair
+        head = cuda.blockIdx.y  # KV head
+        split = cuda.blockIdx.z
+        num_splits = cuda.gridDim.z
+        group = num_heads // num_kv_heads
+        bq = BM // group  # queries per tile
+        rows_used = bq * group
+
+        # ---- which (sequence, q tile): scan the chunk lengths, a sequence's last tile first
+        t = cuda.blockIdx.x
+        s = -1
+        tile = 0
+        for i in range(context_lens.shape[0]):
+            ntiles = (cu_seqlens_q[i + 1] - cu_seqlens_q[i] + bq - 1) // bq
+            if t < ntiles:
+                s = i
+                tile = ntiles - 1 - t
+                break
+            t -= ntiles
+        if s < 0:
+            return  # past the last tile: the grid is an upper bound
+        q_start = cu_seqlens_q[s]
+        q_len = cu_seqlens_q[s + 1] - q_start
+        first_pos = context_lens[s] - q_len  # position of the chunk's query 0
+        q0 = tile * bq
+        kv_end = first_pos + min(q0 + bq, q_len)  # one past the tile's last visible position
+        unmasked_end = first_pos + q0 + 1  # keys below it are visible to every row of the tile
+        total_rows = q.shape[0] // W  # total_q * num_heads
+
+        # ---- this split's KV tiles [t_lo, t_hi) (all of them without a split)
+        n_tiles = (kv_end + BN - 1) // BN
+        per_split = (n_tiles + num_splits - 1) // num_splits
+        t_lo = split * per_split
+        t_hi = min(n_tiles, t_lo + per_split)
+        if t_lo >= t_hi:  # an empty part of a split tile: nothing to add to the merge
+            for r in range(tid, rows_used, THREADS):
+                qi = q0 + r // group
+                if qi < q_len:
+                    part_lse[split * total_rows + (q_start + qi) * num_heads + head * group + r % group] = NEG_INF
+            return
+        kv_stop = min(kv_end, t_hi * BN)
+
+        if POISON:
+            for i in range(tid, SMEM_WORDS, THREADS):
+                ring[i] = uint32(NAN_WORD)
+            cuda.syncthreads()
+
+        # ---- Q tile -> past the ring, or the last stage when its fragments move to registers
+        # (rows past the chunk: zeros), then tiles t_lo .. t_lo + ST - 2
+        qs = RING if Q_SMEM else (ST - 1) * STAGE
+        chunk = tid % CPR
+        row0 = tid // CPR
+        tdst = row0 * W + ((chunk ^ (row0 & 7)) << 2)
+        tsrc = (head * BS + (row0 & (BS - 1))) * W + chunk * 4
+        block_words = num_kv_heads * BS * W
+        for i in range(Q_PASSES):
+            r = row0 + RPP * i
+            qi = q0 + r // group
+            dst = qs + r * W + ((chunk ^ (r & 7)) << 2)
+            if r < rows_used and qi < q_len:
+                src = ((q_start + qi) * num_heads + head * group + r % group) * W + chunk * 4
+                cp_async16(ring, dst, q, src)
+            else:
+                store_u32x4(ring, dst, 0, 0, 0, 0)
+        cp_async_commit()
+        for k in range(ST - 1):
+            if t_lo + k < t_hi:
+                issue_tile(ring, k * STAGE, k_cache, v_cache, block_tables, s, block_words, (t_lo + k) * BN,
+                           kv_stop, row0, tdst, tsrc)
+            cp_async_commit()
+
+        # ---- per lane: rows (warp MT + mt) 16 + fg + 8 h, their positions, Q fragments
+        lrow = (lane & 7) + ((lane >> 3) & 1) * 8  # ldmatrix row of Q and V this lane addresses
+        lhi = lane >> 4  # ... and its chunk offset (0 or 1)
+        pos = cuda.local.array((MT, 2), np.int64)
+        for mt in range(MT):
+            for h in range(2):
+                r = (warp * MT + mt) * 16 + fg + 8 * h
+                qi = q0 + r // group
+                pos[mt, h] = first_pos + qi if (r < rows_used and qi < q_len) else kv_end - 1
+        qrow = qs + (warp * MT * 16 + lrow) * W  # + 16 W mt: this lane's ldmatrix row of Q
+        qa = cuda.local.array((MT, KS, 4), uint32)  # Q fragments (when held in registers)
+        if not Q_SMEM:
+            wait_q()
+            cuda.syncthreads()
+            for mt in range(MT):
+                for ks in range(KS):
+                    a0, a1, a2, a3 = ldmatrix_x4(ring, qrow + mt * 16 * W + (((2 * ks + lhi) ^ (lane & 7)) << 2))
+                    qa[mt, ks, 0] = a0
+                    qa[mt, ks, 1] = a1
+                    qa[mt, ks, 2] = a2
+                    qa[mt, ks, 3] = a3
+
+        sc = cuda.local.array((MT, NT, 4), float32)  # S, then P, of this tile
+        o = cuda.local.array((MT, DT, 4), float32)
+        m = cuda.local.array((MT, 2), float32)  # running max per row (raw score units)
+        lsum = cuda.local.array((MT, 2), float32)  # this lane's part of the row sums
+        for mt in range(MT):
+            for h in range(2):
+                m[mt, h] = NEG_INF
+                lsum[mt, h] = float32(0.0)
+            for dt in range(DT):
+                for e in range(4):
+                    o[mt, dt, e] = float32(0.0)
+        sl = scale * float32(LOG2E)
+        krow = (lane & 7) * W  # K: this lane addresses key 8 nt + lane % 8 of chunk 4 kp + lane // 8
+        vrow = lrow * W  # V: key 16 kk + lrow of chunk 2 dp + lhi
+
+        read = 0  # word offset of tile j's stage
+        write = (ST - 1) * STAGE  # ... and of the stage tile j + ST - 1 goes to
+        for j in range(t_lo, t_hi):
+            wait_tile()
+            cuda.syncthreads()
+            if j + ST - 1 < t_hi:
+                issue_tile(ring, write, k_cache, v_cache, block_tables, s, block_words, (j + ST - 1) * BN,
+                           kv_stop, row0, tdst, tsrc)
+            cp_async_commit()
+            n0 = j * BN
+
+            # ---- S = Q K^T: per n-tile, KP ldmatrix.x4 of K, each feeding 2 MT mma
+            for mt in range(MT):
+                for nt in range(NT):
+                    for e in range(4):
+                        sc[mt, nt, e] = float32(0.0)
+            for kp in range(KP):
+                if Q_SMEM:  # this k-step pair's Q fragments, re-read (the tile stays in shared memory)
+                    for mt in range(MT):
+                        for ks in range(2 * kp, 2 * kp + 2):
+                            a0, a1, a2, a3 = ldmatrix_x4(ring, qrow + mt * 16 * W + (((2 * ks + lhi) ^ (lane & 7)) << 2))
+                            qa[mt, ks, 0] = a0
+                            qa[mt, ks, 1] = a1
+                            qa[mt, ks, 2] = a2
+                            qa[mt, ks, 3] = a3
+                kaddr = read + krow + (((4 * kp + (lane >> 3)) ^ (lane & 7)) << 2)
+                for nt in range(NT):
+                    b0, b1, b2, b3 = ldmatrix_x4(ring, kaddr + nt * 8 * W)
+                    for mt in range(MT):
+                        c0, c1, c2, c3 = mma(qa[mt, 2 * kp, 0], qa[mt, 2 * kp, 1], qa[mt, 2 * kp, 2],
+                                             qa[mt, 2 * kp, 3], b0, b1,
+                                             sc[mt, nt, 0], sc[mt, nt, 1], sc[mt, nt, 2], sc[mt, nt, 3])
+                        c0, c1, c2, c3 = mma(qa[mt, 2 * kp + 1, 0], qa[mt, 2 * kp + 1, 1], qa[mt, 2 * kp + 1, 2],
+                                             qa[mt, 2 * kp + 1, 3], b2, b3, c0, c1, c2, c3)
+                        sc[mt, nt, 0] = c0
+                        sc[mt, nt, 1] = c1
+                        sc[mt, nt, 2] = c2
+                        sc[mt, nt, 3] = c3
+
+            # ---- causal mask, only where some key of the tile is past some row's position
+            if n0 + BN > unmasked_end:
+                for mt in range(MT):
+                    for nt in range(NT):
+                        for e in range(4):
+                            if n0 + nt * 8 + 2 * ft + (e & 1) > pos[mt, e >> 1]:
+                                sc[mt, nt, e] = NEG_INF
+
+            # ---- online softmax in base 2 (a row lives in the 4 lanes of its fg)
+            for mt in range(MT):
+                for h in range(2):
+                    mx = m[mt, h]
+                    for nt in range(NT):
+                        mx = max(mx, max(sc[mt, nt, 2 * h], sc[mt, nt, 2 * h + 1]))
+                    mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 1))
+                    mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 2))
+                    ms = mx * sl if mx != NEG_INF else float32(0.0)  # a fully masked row: p = 0
+                    alpha = ex2(m[mt, h] * sl - ms)  # 0 while the row has seen nothing
+                    m[mt, h] = mx
+                    total = float32(0.0)
+                    for nt in range(NT):
+                        p0 = ex2(sc[mt, nt, 2 * h] * sl - ms)
+                        p1 = ex2(sc[mt, nt, 2 * h + 1] * sl - ms)
+                        sc[mt, nt, 2 * h] = p0
+                        sc[mt, nt, 2 * h + 1] = p1
+                        total += p0 + p1
+                    lsum[mt, h] = lsum[mt, h] * alpha + total
+                    for dt in range(DT):
+                        o[mt, dt, 2 * h] *= alpha
+                        o[mt, dt, 2 * h + 1] *= alpha
+
+            # ---- O += P V: P from the S fragments, V by ldmatrix.trans
+            for kk in range(KK):
+                vaddr = read + TILE + kk * 16 * W + vrow
+                pa = cuda.local.array((MT, 4), uint32)
+                for mt in range(MT):
+                    pa[mt, 0] = pack(sc[mt, 2 * kk, 0], sc[mt, 2 * kk, 1])
+                    pa[mt, 1] = pack(sc[mt, 2 * kk, 2], sc[mt, 2 * kk, 3])
+                    pa[mt, 2] = pack(sc[mt, 2 * kk + 1, 0], sc[mt, 2 * kk + 1, 1])
+                    pa[mt, 3] = pack(sc[mt, 2 * kk + 1, 2], sc[mt, 2 * kk + 1, 3])
+                for dp in range(DP):
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(ring, vaddr + (((2 * dp + lhi) ^ (lane & 7)) << 2))
+                    for mt in range(MT):
+                        o[mt, 2 * dp, 0], o[mt, 2 * dp, 1], o[mt, 2 * dp, 2], o[mt, 2 * dp, 3] = mma(
+                            pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], b0, b1,
+                            o[mt, 2 * dp, 0], o[mt, 2 * dp, 1], o[mt, 2 * dp, 2], o[mt, 2 * dp, 3])
+                        o[mt, 2 * dp + 1, 0], o[mt, 2 * dp + 1, 1], o[mt, 2 * dp + 1, 2], o[mt, 2 * dp + 1, 3] = mma(
+                            pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], b2, b3,
+                            o[mt, 2 * dp + 1, 0], o[mt, 2 * dp + 1, 1], o[mt, 2 * dp + 1, 2], o[mt, 2 * dp + 1, 3])
+
+            write = read
+            read += STAGE
+            if read == RING:
+                read = 0
+
+        # ---- full row sums; write O / l
+        for mt in range(MT):
+            for h in range(2):
+                x = lsum[mt, h]
+                x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 1)
+                x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 2)
+                lsum[mt, h] = x
+        if num_splits == 1:
+            # packed rows into shared memory (swizzled as the tiles), then 16-byte stores
+            cuda.syncthreads()  # every warp is done reading the ring
+            for mt in range(MT):
+                for h in range(2):
+                    r = (warp * MT + mt) * 16 + fg + 8 * h  # r & 7 == fg
+                    inv = float32(1.0) / lsum[mt, h]
+                    for dt in range(DT):
+                        ring[r * W + ((dt ^ fg) << 2) + ft] = pack(o[mt, dt, 2 * h] * inv, o[mt, dt, 2 * h + 1] * inv)
+            cuda.syncthreads()
+            for i in range(Q_PASSES):
+                r = row0 + RPP * i
+                qi = q0 + r // group
+                if r < rows_used and qi < q_len:
+                    w0, w1, w2, w3 = load_u32x4(ring, r * W + ((chunk ^ (r & 7)) << 2))
+                    dst = ((q_start + qi) * num_heads + head * group + r % group) * W + chunk * 4
+                    store_u32x4(out, dst, w0, w1, w2, w3)
+        else:
+            # this part's normalised O (fp32) and log2-sum-exp per row; merged by _build_merge
+            for mt in range(MT):
+                for h in range(2):
+                    r = (warp * MT + mt) * 16 + fg + 8 * h
+                    qi = q0 + r // group
+                    if r < rows_used and qi < q_len:
+                        row = split * total_rows + (q_start + qi) * num_heads + head * group + r % group
+                        x = lsum[mt, h]
+                        inv = float32(1.0) / x if x > float32(0.0) else float32(0.0)
+                        for dt in range(DT):
+                            part_o[row * D + dt * 8 + 2 * ft] = o[mt, dt, 2 * h] * inv
+                            part_o[row * D + dt * 8 + 2 * ft + 1] = o[mt, dt, 2 * h + 1] * inv
+                        if ft == 0:
+                            part_lse[row] = m[mt, h] * sl + math.log2(x) if x > float32(0.0) else NEG_INF
+
+    return kernel
+
+
+MERGE_THREADS = 128
+
+
+def _build_merge(kind):
+    """O[row] = sum_p 2^(lse_p - lse) O_p over the parts p of a split row (lse = log2 sum 2^lse_p)."""
+    pack = common.f32x2_to_bf16x2 if kind == "bf16" else common.f32x2_to_f16x2
+
+    @cuda.jit
+    def merge(part_o, part_lse, out, head_dim, num_splits):
+        # part_o float32 [splits, rows, head_dim], part_lse float32 [splits, rows] (-inf: empty
+        # part); out: flat uint32 view of [rows, head_dim]; one thread per pair of dims of a row
+        w_per_row = head_dim // 2
+        rows = part_lse.shape[0] // num_splits
+        idx = cuda.blockIdx.x * MERGE_THREADS + cuda.threadIdx.x
+        row = idx // w_per_row
+        w = idx % w_per_row
+        if row >= rows:
+            return
+        mx = NEG_INF
+        for p in range(num_splits):
+            mx = max(mx, part_lse[p * rows + row])
+        total = float32(0.0)
+        a0 = float32(0.0)
+        a1 = float32(0.0)
+        for p in range(num_splits):
+            lse = part_lse[p * rows + row]
+            if lse != NEG_INF:  # an empty part's O was never written
+                wgt = ex2(lse - mx)
+                total += wgt
+                a0 += wgt * part_o[(p * rows + row) * head_dim + 2 * w]
+                a1 += wgt * part_o[(p * rows + row) * head_dim + 2 * w + 1]
+        out[row * w_per_row + w] = pack(a0 / total, a1 / total)
+
+    return merge
+
+
+def get_kernel(version, head_dim, kind, block_size, stages=None):
+    """The attention kernel of `version` for (head_dim, "f16" | "bf16", block_size), built once."""
+    cfg = version_config(version, head_dim, stages)
+    key = (head_dim, kind, block_size) + cfg.key()
+    if key not in _KERNELS:
+        _KERNELS[key] = _build(head_dim, kind, block_size, *cfg.key())
+    return _KERNELS[key]
+
+
+def get_merge(kind):
+    key = ("merge", kind)
+    if key not in _KERNELS:
+        _KERNELS[key] = _build_merge(kind)
+    return _KERNELS[key]
+
+
+# ----------------------------------------------------------------------------------------
+# Launch plan
+
+MAX_SPLITS = 16
+MIN_TILES_PER_SPLIT = 4  # 256 keys: shorter parts cost more in partials and merge than they gain
+
+
+def num_tiles_bound(total_q, num_seqs, group, version, head_dim):
+    """Grid x: an upper bound of sum_s ceil(q_len_s / BQ) that needs no host sync."""
+    bq = tile_rows(version, head_dim) // group
+    return (total_q + bq - 1) // bq + num_seqs
+
+
+def split_plan(num_ctas, max_context_len, num_sms):
+    """v6: KV parts per q tile. 1 while the grid covers every SM; otherwise as many parts as fit
+    one wave of resident CTAs (LAUNCH_BOUNDS[1] per SM: a second, partial wave would cost a whole
+    part's time), each at least MIN_TILES_PER_SPLIT KV tiles long, at most MAX_SPLITS."""
+    if num_ctas >= num_sms:
+        return 1
+    fit = LAUNCH_BOUNDS[1] * num_sms // num_ctas
+    longest = -(-max_context_len // BN) // MIN_TILES_PER_SPLIT
+    return max(1, min(fit, MAX_SPLITS, longest))
+
+
+VERSIONS = (4, 5, 6)
+SPLITS_KV = (6,)
+DEFAULT_VERSION = 6
+
+_SMS = {}
+_DYNAMIC_SMEM = set()
+
+
+def _num_sms(device):
+    if SIMULATOR:
+        return 132
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
+def _allow_dynamic_smem(kernel, args, nbytes):
+    """Above 48 KiB of dynamic shared memory (d=128: 64 KiB) a kernel must opt in before its first
+    launch: compile the specialisation for these arguments and set the driver attribute once."""
+    if SIMULATOR or nbytes <= SMEM_OPT_IN:
+        return
+    kinds = tuple((getattr(x, "dtype", None), getattr(x, "ndim", type(x))) for x in args)
+    key = (id(kernel), cuda.get_current_device().id, kinds)
+    if key in _DYNAMIC_SMEM:
+        return
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    cufunc = kernel.compile(tuple(kernel.typeof_pyval(x) for x in args))._codelibrary.get_cufunc()
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, SMEM_PER_CTA_MAX, cufunc.handle, cufunc.device.id)
+    _DYNAMIC_SMEM.add(key)
+
+
+def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse,
+           num_heads, num_kv_heads, head_dim, block_size, scale, kind, splits=1, stream=0, stages=None):
+    """Launch on raw arrays, no checks.
+
+    q, out: 1-D uint32 views of [total_q, num_heads, head_dim], 16-byte aligned
+    k_cache, v_cache: 1-D uint32 views of [num_blocks, num_kv_heads, block_size, head_dim]
+    block_tables [num_seqs, max_blocks], cu_seqlens_q [num_seqs + 1], context_lens [num_seqs]: int32
+    part_o: float32 [splits * total_q * num_heads * head_dim], part_lse: float32
+        [splits * total_q * num_heads] (any 1-element arrays when splits == 1)
+    numba device arrays (numpy in the simulator).
+    """
+    total_q = q.shape[0] // (num_heads * head_dim // 2)
+    num_seqs = context_lens.shape[0]
+    if total_q == 0 or num_seqs == 0:
+        return
+    group = num_heads // num_kv_heads
+    grid = (num_tiles_bound(total_q, num_seqs, group, version, head_dim), num_kv_heads, splits)
+    kernel = get_kernel(version, head_dim, kind, block_size, stages)
+    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse,
+            num_heads, num_kv_heads, np.float32(scale))
+    nbytes = smem_bytes(version, head_dim, stages)
+    _allow_dynamic_smem(kernel, args, nbytes)
+    kernel[grid, THREADS, stream, nbytes](*args)
+    if splits > 1:
+        words = total_q * num_heads * head_dim // 2
+        get_merge(kind)[(words + MERGE_THREADS - 1) // MERGE_THREADS, MERGE_THREADS, stream](
+            part_o, part_lse, out, head_dim, splits)
+
+
+# ----------------------------------------------------------------------------------------
+# torch entry point
+
+
+def _words(name, t):
+    """1-D uint32 view of a contiguous fp16/bf16 tensor, 16-byte aligned (for 16-byte copies)."""
+    if t.data_ptr() % 16 != 0:
+        raise KernelLaunchError(f"{name} must be 16-byte aligned")
+    w = t.view(-1).view(torch.int32)
+    return w.numpy().view(np.uint32) if SIMULATOR else cuda.as_cuda_array(w).view(np.uint32)
+
+
+def _array(t):
+    return t.numpy() if SIMULATOR else cuda.as_cuda_array(t)
+
+
+def _check_values(block_tables, cu_seqlens_q, context_lens, total_q, num_blocks, block_size):
+    """Metadata values against each other and the pool (one device->host sync)."""
+    cu, ctx = cu_seqlens_q.cpu().long(), context_lens.cpu().long()
+    q_lens = cu[1:] - cu[:-1]
+    if int(cu[0]) != 0 or int(cu[-1]) != total_q or bool((q_lens < 1).any()):
+        raise KernelLaunchError(f"cu_seqlens_q must rise from 0 to total_q={total_q} by >= 1 per sequence")
+    if bool((ctx < q_lens).any()):
+        raise KernelLaunchError("context_lens must be >= each sequence's q_len")
+    need = (ctx + block_size - 1) // block_size
+    if len(ctx) and int(need.max()) > block_tables.shape[1]:
+        raise KernelLaunchError(f"block_tables has {block_tables.shape[1]} columns, a sequence needs {int(need.max())}")
+    bt = block_tables.cpu().long()
+    used = torch.arange(bt.shape[1])[None, :] < need[:, None]
+    if bool((used & ((bt < 0) | (bt >= num_blocks))).any()):
+        raise KernelLaunchError(f"block_tables has block ids outside [0, {num_blocks})")
+
+
+def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
+                  version=None, validate=False, max_context_len=None, splits=None, stages=None):
+    """Causal prefill attention over the paged pool (new K/V already written), v4+.
+
+    q: [total_q, num_heads, head_dim] float16/bfloat16, the chunks of num_seqs sequences packed
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim], q's dtype, contiguous
+    block_tables: [num_seqs, max_blocks] int32 (entries past a sequence's end are never read)
+    cu_seqlens_q: [num_seqs + 1] int32, sequence s owns q[cu[s]:cu[s+1]] (each >= 1 token)
+    context_lens: [num_seqs] int32, tokens in the pool for s after the write (prefix + chunk)
+    scale: softmax scale (default 1/sqrt(head_dim)); out: optional [total_q, num_heads, head_dim]
+    version: 4, 5 or 6 (default DEFAULT_VERSION)
+    validate: also check the metadata values on the host (one sync; skipped inside CUDA-graph
+        capture). Off by default, as in paged_prefill.paged_prefill.
+    max_context_len: an upper bound of context_lens for v6's split plan (default max_blocks * block_size)
+    splits: force v6's number of KV parts (tests); None: split_plan
+    stages: override the ring's number of stages (2; bench sweeps, tests)
+    Returns out [total_q, num_heads, head_dim] in q's dtype. Runs on torch's current stream; with
+    validate=False (or while capturing) there is no host sync.
+    """
+    half = tuple(DTYPES)
+    check_tensor("q", q, 3, half)
+    check_tensor("k_cache", k_cache, 4, half)
+    check_tensor("v_cache", v_cache, 4, half)
+    check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
+    check_tensor("context_lens", context_lens, 1, (torch.int32,))
+    total_q, num_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+    version = DEFAULT_VERSION if version is None else version
+    if version not in VERSIONS:
+        raise KernelLaunchError(f"version must be one of {list(VERSIONS)}, got {version!r}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise KernelLaunchError(f"k_cache/v_cache dtype must equal q.dtype={q.dtype}, got {k_cache.dtype}/{v_cache.dtype}")
+    if v_cache.shape != k_cache.shape:
+        raise KernelLaunchError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise KernelLaunchError("k_cache and v_cache must be contiguous")
+    if cache_head_dim != head_dim:
+        raise KernelLaunchError(f"q head_dim={head_dim} must equal the cache's head_dim={cache_head_dim}")
+    if head_dim not in HEAD_DIMS:
+        raise KernelLaunchError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if block_size not in BLOCK_SIZES:
+        raise KernelLaunchError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
+    if num_heads % num_kv_heads != 0:
+        raise KernelLaunchError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    group = num_heads // num_kv_heads
+    if group > tile_rows(version, head_dim):
+        raise KernelLaunchError(f"GQA group {group} must be <= {tile_rows(version, head_dim)} rows for v{version}")
+    num_seqs = context_lens.shape[0]
+    if cu_seqlens_q.shape[0] != num_seqs + 1:
+        raise KernelLaunchError(f"cu_seqlens_q must be [num_seqs + 1 = {num_seqs + 1}], got {tuple(cu_seqlens_q.shape)}")
+    if block_tables.shape[0] != num_seqs:
+        raise KernelLaunchError(f"block_tables must have num_seqs={num_seqs} rows, got {block_tables.shape[0]}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        check_tensor("out", out, 3, (q.dtype,))
+        if out.shape != q.shape:
+            raise KernelLaunchError(f"out must be {tuple(q.shape)}, got {tuple(out.shape)}")
+    capturing = not SIMULATOR and torch.cuda.is_current_stream_capturing()
+    if validate and not capturing:
+        _check_values(block_tables, cu_seqlens_q, context_lens, total_q, num_blocks, block_size)
+    if total_q == 0 or num_seqs == 0:
+        return out
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * block_size
+    if splits is None:
+        splits = 1
+        if version in SPLITS_KV:
+            ctas = num_tiles_bound(total_q, num_seqs, group, version, head_dim) * num_kv_heads
+            splits = split_plan(ctas, max_context_len, _num_sms(q.device))
+    elif version not in SPLITS_KV and splits != 1:
+        raise KernelLaunchError(f"splits={splits}: only v{SPLITS_KV} split the KV range")
+    rows = total_q * num_heads
+    part_o = torch.empty(splits * rows * head_dim if splits > 1 else 1, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(splits * rows if splits > 1 else 1, dtype=torch.float32, device=q.device)
+    q_c = q.contiguous()
+    if q_c.data_ptr() % 16:
+        q_c = q_c.clone()
+    target = out if out.is_contiguous() and out.data_ptr() % 16 == 0 else torch.empty_like(q_c)
+    launch(version, _words("q", q_c), _words("k_cache", k_cache), _words("v_cache", v_cache),
+           _array(block_tables.contiguous()), _array(cu_seqlens_q.contiguous()), _array(context_lens.contiguous()),
+           _words("out", target), _array(part_o), _array(part_lse), num_heads, num_kv_heads, head_dim, block_size,
+           scale, DTYPES[q.dtype], splits, torch_stream(), stages)
+    if target is not out:
+        out.copy_(target)
+    return out

@@ -1,0 +1,504 @@
+"""Paged prefill v4+ (kernels_numba/paged_prefill_fa2.py): layouts, simulator, codegen, GPU.
+
+* The simulator fallbacks of ldmatrix and mma.sync are checked against the PTX ISA's fragment
+  layouts written out independently here, so a layout mistake in the kernel fails on the CPU.
+* Every version runs in numba's CUDA simulator on tiny shapes against the float64 reference
+  (ragged chunks, prefixes ending mid-block, NaN in every unused pool slot, shuffled tables).
+  The simulator runs each CUDA thread as a Python thread (~1 s of CPU per CTA and KV tile), so
+  the default run keeps one case per feature; the full matrix and the fuzz are `slow`.
+* Codegen: kernels compiled for sm_90 in a subprocess (no simulator), PTX and ptxas -v checked.
+* `gpu`: real shapes against 2x torch SDPA's own error, forced splits, CUDA-graph capture.
+"""
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from numba import cuda
+
+from kernels_numba import paged_prefill_fa2 as fa
+from pagedattn.errors import KernelLaunchError
+from reference.attention import gather_paged_kv, paged_prefill_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def make_batch(num_heads, num_kv_heads, head_dim, block_size, dtype, q_lens, cached_lens, seed=0, device=DEVICE):
+    """A packed prefill batch over a shuffled pool whose unused slots (the tail of each last block
+    and a few spare blocks) are NaN, and one padding column in the block table.
+
+    Returns q [total_q, H, D], k_cache, v_cache [num_blocks, Hkv, block_size, D] (dtype),
+    block_tables [num_seqs, max_blocks] int32, cu_seqlens_q [num_seqs + 1] int32,
+    context_lens [num_seqs] int32.
+    """
+    g = torch.Generator().manual_seed(seed)
+    ctx = [q + c for q, c in zip(q_lens, cached_lens)]
+    blocks_of = [math.ceil(c / block_size) for c in ctx]
+    num_blocks = sum(blocks_of) + 3
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    block_tables = torch.zeros(len(ctx), max(blocks_of) + 1, dtype=torch.int32)
+    used = 0
+    for s, c in enumerate(ctx):
+        block_tables[s, : blocks_of[s]] = perm[used : used + blocks_of[s]]
+        used += blocks_of[s]
+        pos = torch.arange(c)
+        block, offset = block_tables[s, pos // block_size].long(), pos % block_size
+        k_cache[block, :, offset] = torch.randn(c, num_kv_heads, head_dim, generator=g).to(dtype)  # (c, Hkv, D)
+        v_cache[block, :, offset] = torch.randn(c, num_kv_heads, head_dim, generator=g).to(dtype)
+    cu = torch.tensor([0] + list(np.cumsum(q_lens)), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), num_heads, head_dim, generator=g).to(dtype)
+    ctx = torch.tensor(ctx, dtype=torch.int32)
+    return tuple(t.to(device) for t in (q, k_cache, v_cache, block_tables, cu, ctx))
+
+
+def tolerance(ref, v_cache, dtype):
+    """Twice the output's own rounding (2u|ref|), plus u * max|v| for rounding P to the input
+    dtype before P V (as flash attention does: the error of sum_j p_j v_j is at most
+    u sum_j p_j |v_j| <= u max|v|), plus 1e-5."""
+    u = UNIT_ROUNDOFF[dtype]
+    v = v_cache.double().cpu().numpy()
+    return 1e-5 + 2 * u * np.abs(ref) + u * float(np.nanmax(np.abs(v)))
+
+
+def check(out, ref, tol):
+    err = np.abs(out.double().cpu().numpy() - ref)
+    assert not np.isnan(err).any(), f"{int(np.isnan(err).sum())} NaN in the output (a read past a sequence's end?)"
+    bad = err > tol
+    assert not bad.any(), f"max err {err.max():.3g}, mean err {err.mean():.3g}, {bad.sum()} of {bad.size} over tolerance"
+    return err
+
+
+# ---------------------------------------------------------------------------------------------
+# The fallbacks follow the PTX ISA (9.7.14.5.15 ldmatrix, 9.7.14.5.8 mma.m16n8k16 fragments)
+
+
+def test_ldmatrix_fallback_follows_the_ptx_layout():
+    # four 8x8 b16 matrices, element (m, r, c) = 64 m + 8 r + c, each row stored at a scattered
+    # 16-byte slot; lane L gives the address of row L % 8 of matrix L // 8
+    slot = np.random.default_rng(0).permutation(32)  # slot of (matrix, row) = 8 m + r
+    mem = np.zeros(32 * 4, dtype=np.uint32)
+    for m in range(4):
+        for r in range(8):
+            halves = np.arange(8, dtype=np.uint32) + 64 * m + 8 * r
+            mem[4 * slot[8 * m + r] : 4 * slot[8 * m + r] + 4] = halves[0::2] | (halves[1::2] << 16)
+    addr = (4 * slot).astype(np.int64)
+    got = np.zeros((2, 32, 4), dtype=np.uint32)
+
+    @cuda.jit
+    def kernel(mem, addr, got):
+        sh = cuda.shared.array(128, np.uint32)
+        lane = cuda.threadIdx.x
+        for i in range(4):
+            sh[4 * lane + i] = mem[4 * lane + i]
+        cuda.syncthreads()
+        w = fa.ldmatrix_x4(sh, addr[lane])
+        t = fa.ldmatrix_x4_trans(sh, addr[lane])
+        for i in range(4):
+            got[0, lane, i] = w[i]
+            got[1, lane, i] = t[i]
+
+    kernel[1, 32](mem, addr, got)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for m in range(4):
+            # each thread holds two consecutive elements of row g; .trans: of column g
+            assert got[0, lane, m] == (64 * m + 8 * g + 2 * t) | ((64 * m + 8 * g + 2 * t + 1) << 16)
+            assert got[1, lane, m] == (64 * m + 8 * (2 * t) + g) | ((64 * m + 8 * (2 * t + 1) + g) << 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mma_fallback_matches_a_matmul(dtype):
+    rng = torch.Generator().manual_seed(1)
+    a = torch.randn(16, 16, generator=rng).to(dtype)
+    b = torch.randn(16, 8, generator=rng).to(dtype)
+    c = torch.randn(16, 8, generator=rng)
+    words = lambda x: x.contiguous().view(torch.int32).numpy().view(np.uint32)  # noqa: E731 pairs along a row
+    a_w = words(a)  # (16, 8): a_w[r, j] = A[r, 2j:2j+2]
+    bt_w = words(b.t())  # (8, 8): bt_w[n, j] = B[2j:2j+2, n]
+    d = np.zeros((16, 8), dtype=np.float32)
+    mma = fa.mma_bf16 if dtype == torch.bfloat16 else fa.mma_f16
+
+    @cuda.jit
+    def kernel(a_w, bt_w, c, d):
+        lane = cuda.threadIdx.x
+        g = lane // 4
+        t = lane % 4
+        r = mma(a_w[g, t], a_w[g + 8, t], a_w[g, t + 4], a_w[g + 8, t + 4], bt_w[g, t], bt_w[g, t + 4],
+                c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+        d[g, 2 * t] = r[0]
+        d[g, 2 * t + 1] = r[1]
+        d[g + 8, 2 * t] = r[2]
+        d[g + 8, 2 * t + 1] = r[3]
+
+    kernel[1, 32](a_w, bt_w, c.numpy(), d)
+    want = a.double() @ b.double() + c.double()
+    np.testing.assert_allclose(d, want.numpy(), rtol=2**-22, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Simulator: every version on tiny shapes
+
+# (version, forced splits, (num_heads, num_kv_heads, head_dim, block_size, dtype, q_lens, cached_lens))
+FAST_CASES = [
+    # GQA 7, ragged chunks of 1, 15, 17 (two q tiles of 9 queries) behind prefixes of 0, 20, 9:
+    # chunks start mid-block
+    (4, None, (7, 1, 64, 16, torch.float16, [1, 15, 17], [0, 20, 9])),
+    # MHA, bf16, block 8: 87 keys in two KV tiles, the chunk starts mid-block
+    (5, None, (1, 1, 64, 8, torch.bfloat16, [17], [70])),
+    # a 97-query chunk split in 2: rows 0-63 see nothing in the second part (an all -inf part)
+    (6, 2, (1, 1, 64, 16, torch.float16, [97], [0])),
+    # head_dim 128, GQA 3, block 32
+    (6, None, (3, 1, 128, 32, torch.bfloat16, [12, 2], [21, 45])),
+]
+
+SLOW_SHAPES = [
+    (14, 2, 64, 16, torch.float16, [1, 15, 17, 97], [0, 16, 100, 3]),
+    (14, 2, 64, 8, torch.bfloat16, [33, 1], [7, 130]),
+    (7, 1, 64, 32, torch.float16, [40], [90]),
+    (4, 4, 128, 16, torch.float16, [97], [5]),
+    (16, 2, 128, 8, torch.bfloat16, [9, 23], [64, 1]),
+]
+
+
+def case_id(c):
+    version, splits, (h, hkv, d, bs, dtype, q_lens, cached) = c
+    return f"v{version}-s{splits}-H{h}-Hkv{hkv}-d{d}-bs{bs}-{str(dtype)[6:]}-q{'.'.join(map(str, q_lens))}"
+
+
+def run_case(version, splits, shape, seed=1):
+    q, k, v, bt, cu, ctx = make_batch(*shape, seed=seed)
+    out = fa.paged_prefill(q, k, v, bt, cu, ctx, version=version, splits=splits)
+    ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    return check(out, ref, tolerance(ref, v, q.dtype))
+
+
+@pytest.mark.parametrize("case", FAST_CASES, ids=case_id)
+def test_matches_reference(case):
+    run_case(*case)
+
+
+SLOW_CASES = [(version, None, shape) for version in fa.VERSIONS for shape in SLOW_SHAPES] + [
+    (6, splits, shape) for splits in (3, 5) for shape in SLOW_SHAPES[:3]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CASES, ids=case_id)
+def test_matches_reference_full_matrix(case):
+    run_case(*case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+def test_fuzz_random_lengths(seed):
+    rng = np.random.default_rng(seed)
+    num_kv_heads, group = [(1, 7), (2, 1), (1, 3), (2, 2)][seed]
+    num_seqs = int(rng.integers(1, 4))
+    q_lens = [int(x) for x in rng.integers(1, 40, num_seqs)]
+    cached = [int(x) for x in rng.integers(0, 90, num_seqs)]
+    shape = (num_kv_heads * group, num_kv_heads, [64, 128][seed % 2], [8, 16, 32][seed % 3],
+             [torch.float16, torch.bfloat16][seed % 2], q_lens, cached)
+    version = fa.VERSIONS[seed % len(fa.VERSIONS)]
+    run_case(version, int(rng.integers(2, 4)) if version in fa.SPLITS_KV else None, shape, seed=seed)
+
+
+def test_scale_and_out_argument():
+    q, k, v, bt, cu, ctx = make_batch(2, 1, 64, 16, torch.float16, [3], [5], seed=2)
+    out = torch.full_like(q, float("nan"))
+    assert fa.paged_prefill(q, k, v, bt, cu, ctx, scale=0.3, out=out, version=4) is out
+    ref = paged_prefill_attention(q, k, v, bt, cu, ctx, scale=0.3)
+    check(out, ref, tolerance(ref, v, q.dtype))
+
+
+def test_rejects_bad_arguments():
+    q, k, v, bt, cu, ctx = make_batch(4, 2, 64, 8, torch.float16, [3], [2], seed=3)
+    with pytest.raises(KernelLaunchError, match="head_dim"):
+        fa.paged_prefill(q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous(), bt, cu, ctx)
+    with pytest.raises(KernelLaunchError, match="dtype"):
+        fa.paged_prefill(q, k.float(), v.float(), bt, cu, ctx)
+    with pytest.raises(KernelLaunchError, match="q.dtype"):
+        fa.paged_prefill(q, k.bfloat16(), v.bfloat16(), bt, cu, ctx)
+    with pytest.raises(KernelLaunchError, match="cu_seqlens_q"):
+        fa.paged_prefill(q, k, v, bt, cu[:1], ctx)
+    with pytest.raises(KernelLaunchError, match="num_kv_heads"):
+        fa.paged_prefill(q[:, :3].contiguous(), k, v, bt, cu, ctx)
+    with pytest.raises(KernelLaunchError, match="context_lens"):
+        fa.paged_prefill(q, k, v, bt, cu, torch.tensor([2], dtype=torch.int32, device=DEVICE), validate=True)
+    with pytest.raises(KernelLaunchError, match="outside"):
+        fa.paged_prefill(q, k, v, torch.full_like(bt, k.shape[0]), cu, ctx, validate=True)
+    with pytest.raises(KernelLaunchError, match="block_tables"):
+        fa.paged_prefill(q, k, v, bt.long(), cu, ctx)
+    with pytest.raises(KernelLaunchError, match="version"):
+        fa.paged_prefill(q, k, v, bt, cu, ctx, version=3)
+    with pytest.raises(KernelLaunchError, match="splits"):
+        fa.paged_prefill(q, k, v, bt, cu, ctx, version=4, splits=2)
+
+
+def test_split_plan():
+    # a grid that covers the SMs is never split (Qwen2-0.5B, 1 x 2048 new tokens: 230 CTAs)
+    ctas = fa.num_tiles_bound(2048, 1, 7, 6, 64) * 2
+    assert ctas >= 132 and fa.split_plan(ctas, 2048, 132) == 1
+    # 1 x (4096 cached + 256 new): 16 q tiles x 2 KV heads; 8 parts fill one wave of 2 x 132
+    ctas = fa.num_tiles_bound(256, 1, 7, 6, 64) * 2
+    assert ctas == 32 and fa.split_plan(ctas, 4352, 132) == 8
+    # bounded by MAX_SPLITS and by parts of >= MIN_TILES_PER_SPLIT KV tiles
+    assert fa.split_plan(1, 10**6, 132) == fa.MAX_SPLITS
+    assert fa.split_plan(4, 3 * fa.BN * fa.MIN_TILES_PER_SPLIT, 132) == 3
+    assert fa.split_plan(4, 10, 132) == 1
+    assert fa.split_plan(100, 10**6, 132) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Codegen: compiled for sm_90 without the simulator (conftest.py turns it on in this process)
+
+_SCRIPT = r"""
+import json, re, sys, types as _pytypes
+import numba.cuda.dispatcher as _dispatcher
+_dispatcher.get_current_device = lambda: _pytypes.SimpleNamespace(compute_capability=(9, 0))
+from numba import cuda, types
+from kernels_numba import paged_prefill_fa2 as fa
+
+u32, f32, bt, i32 = types.uint32[::1], types.float32[::1], types.int32[:, ::1], types.int32[::1]
+SIG = (u32, u32, u32, bt, i32, i32, u32, f32, f32, types.int64, types.int64, types.float32)
+MERGE_SIG = (f32, f32, u32, types.int64, types.int64)
+out = {}
+for version, head_dim, kind, block_size in json.loads(sys.argv[1]):
+    name = f"v{version}_d{head_dim}_{kind}_bs{block_size}"
+    if version == "merge":
+        ptx, _ = cuda.compile_ptx(fa.get_merge(kind).py_func, MERGE_SIG, cc=(9, 0))
+    else:
+        kernel = fa.get_kernel(version, head_dim, kind, block_size)
+        ptx, _ = cuda.compile_ptx(kernel.py_func, SIG, cc=(9, 0), launch_bounds=fa.LAUNCH_BOUNDS)
+    open(f"{sys.argv[2]}/{name}.ptx", "w").write(ptx)
+    ops = re.findall(r"^\s*(?:@!?%p\d+\s+)?([a-z][a-z0-9_.]*)", ptx, re.M)
+    count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))
+    out[name] = {
+        "mma": count("mma.sync.aligned.m16n8k16.row.col.f32." + kind),
+        "ldmatrix": count("ldmatrix.sync.aligned.m8n8.x4.shared.b16"),
+        "ldmatrix_trans": count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"),
+        "cp_async": len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)),
+        "cp_async_wait": len(re.findall(r"cp\.async\.wait_group", ptx)),
+        "ex2": count("ex2.approx"),
+        "ld_shared_scalar": count("ld.shared.u32"),
+        "dynamic_smem_align16": bool(re.search(r"\.extern \.shared \.align 16", ptx)),
+        "st_global_v4": count("st.global.v4"),
+        "local": bool(re.search(r"\.local\b|ld\.local|st\.local", ptx)),
+        "f64_ops": sum(1 for o in ops if ".f64" in o),
+    }
+print("STATS" + json.dumps(out))
+"""
+
+CODEGEN_FAST = [(4, 64, "f16", 16), (5, 64, "bf16", 8), ("merge", 0, "f16", 0)]
+CODEGEN_SLOW = [(4, 128, "bf16", 32), (5, 128, "f16", 16), (4, 64, "bf16", 8), (5, 64, "f16", 32),
+                ("merge", 0, "bf16", 0)]
+# ptxas register bounds: 2 CTAs of 128 threads per SM (LAUNCH_BOUNDS) allow 255; v4 at d=64
+# measured 212 (numba 0.68 / numba-cuda 0.30.4): a rise past 232 means a regression worth a look
+REGISTER_BOUND = {(4, 64): 232}
+
+
+def _name(cfg):
+    return f"v{cfg[0]}_d{cfg[1]}_{cfg[2]}_bs{cfg[3]}"
+
+
+def _compile(configs, tmp):
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(configs), tmp], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0 and "CUDA toolkit" in proc.stderr + proc.stdout:
+        pytest.skip("no CUDA toolkit (NVVM) to compile with")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("STATS"))
+    return json.loads(line[len("STATS"):])
+
+
+def _ptxas(ptx_path):
+    """ptxas -v for sm_90: (registers, spill store bytes, spill load bytes)."""
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        pytest.skip("ptxas not installed")
+    text = ptx_path.read_text()
+    # numba's NVVM may declare a newer PTX ISA than the installed ptxas reads; nothing here needs it
+    ver = re.search(r"release (\d+)\.(\d+)", subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout)
+    if ver:
+        text = re.sub(r"^\.version \d+\.\d+", f".version {int(ver.group(1)) - 4}.{ver.group(2)}", text, flags=re.M)
+    src = ptx_path.with_suffix(".fixed.ptx")
+    src.write_text(text)
+    proc = subprocess.run([ptxas, "-arch=sm_90", "-v", str(src), "-o", os.devnull], capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-2000:]
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    stores, loads = (int(x) for x in re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
+    return regs, stores, loads
+
+
+def check_codegen(stats, tmp, cfg):
+    s = stats[_name(cfg)]
+    assert not s["local"] and s["f64_ops"] == 0, s
+    regs, stores, loads = _ptxas(Path(tmp) / f"{_name(cfg)}.ptx")
+    assert stores == 0 and loads == 0, f"{_name(cfg)}: {regs} registers, {stores} B spill stores, {loads} B loads"
+    assert regs <= 255, regs
+    if cfg[0] == "merge":
+        return
+    version, head_dim = cfg[0], cfg[1]
+    assert regs <= REGISTER_BOUND.get((version, head_dim), 255), f"{_name(cfg)}: {regs} registers"
+    mt = fa.version_config(version, head_dim).m_tiles
+    q_in_smem = fa.version_config(version, head_dim).q_in_smem
+    # per KV tile and warp: S = Q K^T and O += P V are (D / 2) MT mma each
+    assert s["mma"] == head_dim * mt, s
+    # K: D/4 ldmatrix.x4 (8 n-tiles x D/32), Q: D/16 per m-tile (once, or at every tile)
+    assert s["ldmatrix"] == head_dim // 4 + (head_dim // 16) * mt, s
+    # V: D/4 ldmatrix.x4.trans (4 k-steps x D/16 pairs of d-tiles)
+    assert s["ldmatrix_trans"] == head_dim // 4, s
+    # the pool and Q only through cp.async (Q tile, prologue tile, steady-state tile), waits
+    # for Q and for each tile; no scalar shared loads of fragments
+    passes = fa.BN // (fa.THREADS // (head_dim // 8))
+    assert s["cp_async"] >= 2 * 2 * passes, s
+    assert s["cp_async_wait"] >= (1 if q_in_smem else 2), s
+    assert s["ld_shared_scalar"] == 0, s
+    # every exponential of the softmax is one ex2.approx: 2 x 8 per row pair, + 1 rescale each
+    assert s["ex2"] == mt * 2 * (2 * 8 + 1), s
+    assert s["dynamic_smem_align16"] and s["st_global_v4"] >= 1, s
+
+
+@pytest.fixture(scope="module")
+def codegen_fast():
+    with tempfile.TemporaryDirectory() as tmp:
+        yield _compile(CODEGEN_FAST, tmp), tmp
+
+
+@pytest.mark.parametrize("cfg", CODEGEN_FAST, ids=_name)
+def test_codegen(codegen_fast, cfg):
+    check_codegen(*codegen_fast, cfg)
+
+
+@pytest.mark.slow
+def test_codegen_other_shapes():
+    with tempfile.TemporaryDirectory() as tmp:
+        stats = _compile(CODEGEN_SLOW, tmp)
+        for cfg in CODEGEN_SLOW:
+            check_codegen(stats, tmp, cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: realistic shapes, tolerance from torch's own attention error
+
+GPU_SHAPES = [
+    # Qwen2-0.5B layer: 14 query heads, 2 KV heads, d=64
+    (14, 2, 64, 16, torch.float16, [1, 15, 17, 97, 1025, 300], [0, 16, 100, 3, 500, 0]),
+    (14, 2, 64, 8, torch.bfloat16, [2048], [0]),
+    (14, 2, 64, 32, torch.float16, [512] * 4, [1024, 7, 0, 333]),
+    (14, 2, 64, 16, torch.float16, [256], [4096]),  # v6 splits this one by itself
+    # MHA and d=128
+    (8, 8, 128, 16, torch.float16, [1, 97, 640], [63, 200, 1]),
+    (16, 2, 128, 32, torch.bfloat16, [255, 129], [1000, 17]),
+]
+
+
+def shape_id(s):
+    return f"H{s[0]}-Hkv{s[1]}-d{s[2]}-bs{s[3]}-{str(s[4])[6:]}-{len(s[5])}seq"
+
+
+def sdpa_error(q, k, v, bt, cu, ctx, ref):
+    """max |SDPA - ref| of torch's attention in q's dtype on dense per-sequence K/V, bottom-right causal."""
+    worst = 0.0
+    for s in range(len(ctx)):
+        lo, hi, c = int(cu[s]), int(cu[s + 1]), int(ctx[s])
+        kd, vd = (torch.from_numpy(x).to(q.dtype).to(q.device) for x in gather_paged_kv(k, v, bt[s], c))  # (c, Hkv, D)
+        qs = q[lo:hi].transpose(0, 1)  # (H, q_len, D)
+        pos = torch.arange(c - (hi - lo), c, device=q.device)
+        mask = torch.arange(c, device=q.device)[None, :] <= pos[:, None]  # (q_len, c)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qs, kd.transpose(0, 1), vd.transpose(0, 1), attn_mask=mask, enable_gqa=True).transpose(0, 1)
+        worst = max(worst, float(np.abs(o.double().cpu().numpy() - ref[lo:hi]).max()))
+    return worst
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=shape_id)
+def test_gpu_vs_sdpa_error(shape):
+    q, k, v, bt, cu, ctx = make_batch(*shape, seed=4)
+    ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
+    base = sdpa_error(q, k, v, bt, cu, ctx, ref)
+    # floor: one unit in the last place of the largest output (both round their result once)
+    tol = 2 * base + 2 * UNIT_ROUNDOFF[q.dtype] * float(np.abs(ref).max())
+    for version, splits in [(4, None), (5, None), (6, None), (6, 2), (6, 7), (6, 16)]:
+        out = fa.paged_prefill(q, k, v, bt, cu, ctx, version=version, splits=splits)
+        torch.cuda.synchronize()
+        err = check(out, ref, tol)
+        print(f"v{version} splits={splits}: max err {err.max():.3g} (SDPA {base:.3g}), mean {err.mean():.3g}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(6))
+def test_gpu_fuzz(seed):
+    rng = np.random.default_rng(100 + seed)
+    num_kv_heads, group = [(2, 7), (1, 1), (2, 4), (4, 2), (2, 7), (1, 16)][seed]
+    num_seqs = int(rng.integers(1, 7))
+    q_lens = [int(x) for x in rng.integers(1, 400, num_seqs)]
+    cached = [int(x) * int(rng.integers(0, 2)) for x in rng.integers(0, 2000, num_seqs)]
+    shape = (num_kv_heads * group, num_kv_heads, [64, 128][seed % 2], [8, 16, 32][seed % 3],
+             [torch.float16, torch.bfloat16][seed % 2], q_lens, cached)
+    q, k, v, bt, cu, ctx = make_batch(*shape, seed=seed)
+    ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
+    tol = tolerance(ref, v, q.dtype)
+    for version in fa.VERSIONS:
+        check(fa.paged_prefill(q, k, v, bt, cu, ctx, version=version, splits=None), ref, tol)
+    check(fa.paged_prefill(q, k, v, bt, cu, ctx, version=6, splits=int(rng.integers(2, 12))), ref, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 4])
+def test_gpu_in_cuda_graph(splits):
+    q, k, v, bt, cu, ctx = make_batch(14, 2, 64, 16, torch.float16, [100, 7], [50, 0], seed=5)
+    out = torch.empty_like(q)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fa.paged_prefill(q, k, v, bt, cu, ctx, out=out, splits=splits)  # compile outside the capture
+    torch.cuda.synchronize()
+    out.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fa.paged_prefill(q, k, v, bt, cu, ctx, out=out, splits=splits)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
+    check(out, ref, tolerance(ref, v, q.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# scripts/bench_prefill.py: what it counts and checks (its timings need the GPU)
+
+
+def test_bench_counts_causal_flops():
+    from scripts import bench_prefill as bp
+
+    for num_seqs, cached, new in [(1, 0, 2048), (4, 1024, 512), (1, 4096, 256)]:
+        keys = sum(cached + i + 1 for i in range(new))
+        assert bp.causal_flops(num_seqs, cached, new) == 4 * bp.NUM_HEADS * bp.HEAD_DIM * keys * num_seqs
+
+
+@pytest.mark.slow
+def test_bench_validates_every_kernel_before_timing():
+    from scripts import bench_prefill as bp
+
+    x = bp.make_inputs(1, 20, 3, seed=0, device=DEVICE)  # a prefix ending mid-block, NaN past it
+    sdpa, how = bp.sdpa_call(20, 3)
+    assert how == "causal_lower_right"
+    errors = bp.validate({k: bp.kernel_call(k) for k in bp.KERNELS}, x, sdpa, 1, 3)
+    assert set(errors) == set(bp.KERNELS) | {"sdpa"}
+    with pytest.raises(AssertionError, match="max err"):  # a wrong kernel stops the run
+        bp.validate({"zeros": lambda x, out: out.zero_()}, x, sdpa, 1, 3)
