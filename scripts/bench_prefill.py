@@ -1,30 +1,23 @@
-"""Paged prefill kernels (every version) vs torch SDPA on a dense causal prefix, Qwen2-0.5B layer shapes.
+"""Paged prefill kernels (v3 and the FlashAttention-2-style v4+) vs torch SDPA on a dense causal
+prefix, Qwen2-0.5B layer shapes, in one run.
 
-For each shape (num_seqs x (cached prefix + new tokens)): build a shuffled paged pool and the
-same K/V as a dense [B, Hkv, ctx, D] tensor, check both outputs against a float64 reference
-(kernel error <= 2x SDPA's error + one fp16 ulp of the largest output), then time each by
-CUDA-graph replay (CALLS launches per graph, median of REPS replays, ROTATE sets of buffers
-cycled so L2 does not serve repeated reads). SDPA runs bottom-right causal (is_causal when
-there is no prefix, torch's causal_lower_right otherwise) with enable_gqa. Also the kernel's
-eager launch cost (host overhead included), which graphs remove.
+For each shape (num_seqs x (cached prefix + new tokens)): build a shuffled paged pool and the same
+K/V as a dense [B, Hkv, ctx, D] tensor, check every kernel and SDPA against a float64 reference
+(kernel error <= 2x SDPA's error + one fp16 ulp of the largest output) *before* timing anything,
+then time each by CUDA-graph replay (scripts/benchlib.graph_time_us: a graph of >= 20 calls,
+median of 10 replays) with enough input sets rotated that L2 cannot serve repeated reads. SDPA
+runs bottom-right causal (is_causal without a prefix, torch's causal_lower_right with one) with
+enable_gqa, torch's default dispatch (flash attention on the H200). Each row also shows the
+prediction written before the GPU run (docs/prefill.md) and the default version's eager cost.
 
-    python scripts/bench_prefill.py [--out DIR] [--reps 10] [--calls 20]
+    python3 scripts/bench_prefill.py [--out DIR] [--stages 3] [--reps 10]
 
 Prints a table; with --out writes bench_prefill.json and bench_prefill.md there.
 """
 import argparse
-import json
 import math
-import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels_numba import paged_prefill as pp  # noqa: E402
 
 # (label, num_seqs, cached tokens, new tokens)
 SHAPES = [
@@ -34,44 +27,60 @@ SHAPES = [
     ("1x(4096+256)", 1, 4096, 256),
 ]
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 14, 2, 64, 16, torch.float16
-VERSIONS = sorted(pp.VERSIONS)
-DEVICE = "cuda"
+UNIT_ROUNDOFF = 2.0**-11  # fp16
+
+# kernel label -> (module name, version); v3 is the best of the first journey (paged_prefill.py)
+KERNELS = {"v3": ("paged_prefill", 3), "v4": ("paged_prefill_fa2", 4), "v5": ("paged_prefill_fa2", 5),
+           "v6": ("paged_prefill_fa2", 6)}
+DEFAULT = "v6"
+
+# predicted µs per shape, written before the first GPU run of v4-v6 (docs/prefill.md says why)
+PREDICTED_US = {
+    "v4": {"1x2048 new": 50, "8x512 new": 28, "4x(1024+512)": 60, "1x(4096+256)": 45},
+    "v5": {"1x2048 new": 40, "8x512 new": 22, "4x(1024+512)": 48, "1x(4096+256)": 55},
+    "v6": {"1x2048 new": 40, "8x512 new": 22, "4x(1024+512)": 48, "1x(4096+256)": 15},
+}
 
 
-def causal_flops(num_seqs, cached, new, num_heads, head_dim):
+def causal_flops(num_seqs, cached, new, num_heads=NUM_HEADS, head_dim=HEAD_DIM):
     """2 matmuls x 2 flops x heads x d x (keys each query sees), summed over queries."""
-    keys = sum(cached + i + 1 for i in range(new))
+    keys = new * cached + new * (new + 1) // 2
     return 4 * num_heads * head_dim * keys * num_seqs
 
 
-def make_inputs(num_seqs, cached, new, seed):
-    """Paged pool (shuffled tables) and the same K/V dense; every pool block is in use."""
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
+def make_inputs(num_seqs, cached, new, seed, device="cuda"):
+    """Paged pool (shuffled block table; the tail of each last block NaN) and the same K/V dense.
+
+    Returns a dict: q [B*new, H, D] packed, k_cache/v_cache [num_blocks, Hkv, bs, D],
+    block_tables [B, blocks] int32, cu [B+1] int32, context_lens [B] int32, and the dense
+    q_dense [B, H, new, D], k_dense/v_dense [B, Hkv, ctx, D].
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
     ctx = cached + new
     blocks_per_seq = math.ceil(ctx / BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq
-    k_dense = torch.randn(num_seqs, NUM_KV_HEADS, ctx, HEAD_DIM, device=DEVICE, generator=g, dtype=DTYPE)
-    v_dense = torch.randn(num_seqs, NUM_KV_HEADS, ctx, HEAD_DIM, device=DEVICE, generator=g, dtype=DTYPE)
-    q_dense = torch.randn(num_seqs, NUM_HEADS, new, HEAD_DIM, device=DEVICE, generator=g, dtype=DTYPE)
-    perm = torch.randperm(num_blocks, device=DEVICE, generator=g).to(torch.int32)
+    k_dense = torch.randn(num_seqs, NUM_KV_HEADS, ctx, HEAD_DIM, device=device, generator=g).to(DTYPE)
+    v_dense = torch.randn(num_seqs, NUM_KV_HEADS, ctx, HEAD_DIM, device=device, generator=g).to(DTYPE)
+    q_dense = torch.randn(num_seqs, NUM_HEADS, new, HEAD_DIM, device=device, generator=g).to(DTYPE)
+    perm = torch.randperm(num_blocks, device=device, generator=g).to(torch.int32)
     block_tables = perm.view(num_seqs, blocks_per_seq).contiguous()
     shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
-    k_cache = torch.full(shape, float("nan"), device=DEVICE, dtype=DTYPE)
-    v_cache = torch.full(shape, float("nan"), device=DEVICE, dtype=DTYPE)
-    pos = torch.arange(ctx, device=DEVICE)
+    k_cache = torch.full(shape, float("nan"), device=device, dtype=DTYPE)
+    v_cache = torch.full(shape, float("nan"), device=device, dtype=DTYPE)
+    pos = torch.arange(ctx, device=device)
     for s in range(num_seqs):
         blocks, offs = block_tables[s, pos // BLOCK_SIZE].long(), pos % BLOCK_SIZE
         k_cache[blocks, :, offs] = k_dense[s].transpose(0, 1)  # (ctx, Hkv, D) into [b, :, o, :]
         v_cache[blocks, :, offs] = v_dense[s].transpose(0, 1)
-    q = q_dense.permute(0, 2, 1, 3).reshape(num_seqs * new, NUM_HEADS, HEAD_DIM).contiguous()  # packed
-    cu = torch.arange(0, num_seqs + 1, device=DEVICE, dtype=torch.int32) * new
-    context_lens = torch.full((num_seqs,), ctx, device=DEVICE, dtype=torch.int32)
+    q = q_dense.permute(0, 2, 1, 3).reshape(num_seqs * new, NUM_HEADS, HEAD_DIM).contiguous()  # (B*new, H, D)
+    cu = torch.arange(0, num_seqs + 1, device=device, dtype=torch.int32) * new
+    context_lens = torch.full((num_seqs,), ctx, device=device, dtype=torch.int32)
     return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, cu=cu,
                 context_lens=context_lens, q_dense=q_dense, k_dense=k_dense, v_dense=v_dense)
 
 
 def sdpa_call(cached, new):
-    """SDPA bottom-right causal, GQA; returns (fn(q, k, v) -> [B, H, new, D], description)."""
+    """SDPA bottom-right causal with GQA: (fn(q, k, v) -> [B, H, new, D], how the mask is given)."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if cached == 0:
         return (lambda q, k, v: sdpa(q, k, v, is_causal=True, enable_gqa=True)), "is_causal"
@@ -85,142 +94,139 @@ def reference(x):
     """float64 bottom-right causal attention on the dense tensors: [B, H, new, D]."""
     q, k, v = x["q_dense"].double(), x["k_dense"].double(), x["v_dense"].double()
     group = NUM_HEADS // NUM_KV_HEADS
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, ctx, D)
     new, ctx = q.shape[2], k.shape[2]
     scores = q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM)  # (B, H, new, ctx)
-    visible = torch.arange(ctx, device=DEVICE)[None, :] <= torch.arange(ctx - new, ctx, device=DEVICE)[:, None]
+    visible = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - new, ctx, device=q.device)[:, None]
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
 
-def kernel_call(x, out, version=pp.DEFAULT_VERSION):
-    pp.paged_prefill(x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["cu"], x["context_lens"], out=out,
-                     version=version)
+def kernel_call(label, stages=None):
+    """fn(x, out) launching kernel `label` on input set x (no host sync: capturable)."""
+    import importlib
+
+    module_name, version = KERNELS[label]
+    module = importlib.import_module(f"kernels_numba.{module_name}")
+    extra = {} if stages is None else {"stages": stages}
+
+    def call(x, out):
+        module.paged_prefill(x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["cu"], x["context_lens"],
+                             out=out, version=version, validate=False, **extra)
+
+    return call
 
 
-def time_graph(step, calls, reps):
-    """Median µs per call: `calls` steps captured in one CUDA graph, replayed `reps` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):  # warm up: compile, allocator pools
-            step(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            step(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+def validate(label_calls, x, sdpa, num_seqs, new):
+    """Max abs error of every kernel and of SDPA vs the float64 reference; raises if a kernel's
+    error exceeds 2x SDPA's + one fp16 ulp of the largest output (both round their result once)."""
+    ref = reference(x)  # (B, H, new, D)
+    err_sdpa = (sdpa(x["q_dense"], x["k_dense"], x["v_dense"]).double() - ref).abs().max().item()
+    tol = 2 * err_sdpa + 2 * UNIT_ROUNDOFF * ref.abs().max().item()
+    errors = {"sdpa": err_sdpa}
+    for label, call in label_calls.items():
+        out = torch.full_like(x["q"], float("nan"))
+        call(x, out)
+        ours = out.view(num_seqs, new, NUM_HEADS, HEAD_DIM).permute(0, 2, 1, 3).double()  # (B, H, new, D)
+        err = (ours - ref).abs().max().item()
+        if not err <= tol:  # NaN fails too
+            raise AssertionError(f"{label}: max err {err:.3g} > tol {tol:.3g} (SDPA err {err_sdpa:.3g})")
+        errors[label] = err
+    return errors
 
 
-def time_eager(step, calls):
-    """µs per call launched from Python (host overhead included), after a warm-up."""
-    step(0)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i in range(calls):
-        step(i)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e6 / calls
+def bench_shape(label, num_seqs, cached, new, labels, stages, reps, calls):
+    from scripts import benchlib
 
-
-def bench_shape(label, num_seqs, cached, new, reps, calls, rotate):
+    set_bytes = 2 * num_seqs * (cached + new) * NUM_KV_HEADS * HEAD_DIM * 2  # K and V
+    rotate = benchlib.num_sets_for(set_bytes, maximum=16)
     sets = [make_inputs(num_seqs, cached, new, seed=i) for i in range(rotate)]
     sdpa, how = sdpa_call(cached, new)
+    label_calls = {k: kernel_call(k) for k in labels}
+    if stages is not None:
+        label_calls.update({f"{k} st{stages}": kernel_call(k, stages) for k in labels if k != "v3"})
+    errors = validate(label_calls, sets[0], sdpa, num_seqs, new)
 
-    # validate every version before timing, on the first set
-    x = sets[0]
-    ref = reference(x)  # (B, H, new, D)
-    theirs = sdpa(x["q_dense"], x["k_dense"], x["v_dense"]).double()
-    err_sdpa = (theirs - ref).abs().max().item()
-    tol = 2 * err_sdpa + 2 * 2.0**-11 * ref.abs().max().item()
-    row = dict(shape=label, num_seqs=num_seqs, cached=cached, new=new, sdpa_mask=how, err_sdpa=err_sdpa)
-    for version in VERSIONS:
-        out = torch.empty_like(x["q"])
-        kernel_call(x, out, version)
-        ours = out.view(num_seqs, new, NUM_HEADS, HEAD_DIM).permute(0, 2, 1, 3).double()
-        err = (ours - ref).abs().max().item()
-        if not err <= tol:
-            raise AssertionError(f"{label}: v{version} max err {err:.3g} > tol {tol:.3g} (SDPA err {err_sdpa:.3g})")
-        row[f"err_v{version}"] = err
-
-    flops = causal_flops(num_seqs, cached, new, NUM_HEADS, HEAD_DIM)
+    flops = causal_flops(num_seqs, cached, new)
     outs = [torch.empty_like(s["q"]) for s in sets]
-    for version in VERSIONS:
-        us = time_graph(lambda i: kernel_call(sets[i % rotate], outs[i % rotate], version), calls, reps)
-        row[f"us_v{version}"], row[f"tflops_v{version}"] = us, flops / us / 1e6
-    us = time_graph(lambda i: sdpa(sets[i % rotate]["q_dense"], sets[i % rotate]["k_dense"],
-                                   sets[i % rotate]["v_dense"]), calls, reps)
-    row["us_sdpa"], row["tflops_sdpa"] = us, flops / us / 1e6
-    best = min(VERSIONS, key=lambda v: row[f"us_v{v}"])
-    row["best"], row["speed_vs_sdpa"] = best, row["us_sdpa"] / row[f"us_v{best}"]
-    row["us_eager"] = time_eager(lambda i: kernel_call(sets[i % rotate], outs[i % rotate], best), calls)
+    n_calls = max(calls, rotate)
+    row = dict(shape=label, num_seqs=num_seqs, cached=cached, new=new, sdpa_mask=how, sets=rotate)
+    us = {}
+    for k, call in label_calls.items():
+        us[k] = benchlib.graph_time_us(lambda i, call=call: call(sets[i % rotate], outs[i % rotate]),
+                                       calls=n_calls, replays=reps)
+    us["sdpa"] = benchlib.graph_time_us(
+        lambda i: sdpa(sets[i % rotate]["q_dense"], sets[i % rotate]["k_dense"], sets[i % rotate]["v_dense"]),
+        calls=n_calls, replays=reps)
+    for k in list(label_calls) + ["sdpa"]:
+        row[f"us {k}"] = us[k]
+        row[f"TFLOP/s {k}"] = flops / us[k] / 1e6
+        row[f"err {k}"] = errors[k]
+        if k != "sdpa":
+            row[f"{k} / SDPA speed"] = us["sdpa"] / us[k]
+            if label in PREDICTED_US.get(k, {}):
+                row[f"predicted us {k}"] = PREDICTED_US[k][label]
+    if DEFAULT in label_calls:
+        eager = label_calls[DEFAULT]
+        row[f"eager us {DEFAULT}"] = benchlib.host_time_us(lambda i: eager(sets[i % rotate], outs[i % rotate]),
+                                                           calls=50)
     return row
 
 
-def format_table(rows):
-    cols = [f"v{v} µs (TFLOP/s)" for v in VERSIONS] + ["SDPA µs (TFLOP/s)", "best / SDPA speed",
-                                                         "best eager µs", "max err " + ", ".join(f"v{v}" for v in VERSIONS) + " (SDPA)"]
-    lines = ["| shape | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
+def table(rows, labels):
+    """Markdown: per kernel µs (TFLOP/s) [prediction] and speed vs SDPA, then errors."""
+    lines = ["| shape | " + " | ".join(f"{k} µs (TFLOP/s) [pred.]" for k in labels) + " | SDPA µs (TFLOP/s) | "
+             + " | ".join(f"{k} / SDPA" for k in labels) + " | max err " + ", ".join(labels) + " (SDPA) |"]
+    lines.append("|" + "---|" * (2 + 2 * len(labels)))
     for r in rows:
-        cells = [f"{r[f'us_v{v}']:.1f} ({r[f'tflops_v{v}']:.1f})" for v in VERSIONS]
-        cells += [f"{r['us_sdpa']:.1f} ({r['tflops_sdpa']:.1f})", f"v{r['best']}: {r['speed_vs_sdpa']:.3f}x",
-                  f"{r['us_eager']:.1f}",
-                  ", ".join(f"{r[f'err_v{v}']:.2g}" for v in VERSIONS) + f" ({r['err_sdpa']:.2g})"]
+        cells = []
+        for k in labels:
+            pred = r.get(f"predicted us {k}")
+            cells.append(f"{r[f'us {k}']:.1f} ({r[f'TFLOP/s {k}']:.0f})" + (f" [{pred}]" if pred else ""))
+        cells.append(f"{r['us sdpa']:.1f} ({r['TFLOP/s sdpa']:.0f})")
+        cells += [f"{r[f'{k} / SDPA speed']:.2f}x" for k in labels]
+        cells.append(", ".join(f"{r[f'err {k}']:.2g}" for k in labels) + f" ({r['err sdpa']:.2g})")
         lines.append(f"| {r['shape']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def environment():
-    from importlib.metadata import version
+def main(out=None, labels=None, stages=None, reps=10, calls=20, shapes=None):
+    """Validate then time every kernel at every shape; returns the rows. out: folder for
+    bench_prefill.{json,md}. stages: also time v4+ with a ring of that many stages."""
+    from scripts import benchlib
 
-    return dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                cuda=torch.version.cuda, numba=version("numba"), numba_cuda=version("numba-cuda"),
-                numpy=version("numpy"))
-
-
-def main(out=None, reps=10, calls=20, rotate=4, shapes=None):
-    """Run every shape; return the rows. out: a folder for bench_prefill.{json,md}."""
     if not torch.cuda.is_available():
         raise SystemExit("bench_prefill needs a CUDA GPU")
-    env = environment()
-    print(" ".join(f"{k}={v}" for k, v in env.items()))
+    labels = list(labels or KERNELS)
+    env = benchlib.env_line()
+    print(env)
     print(f"layer: {NUM_HEADS} q heads / {NUM_KV_HEADS} KV heads, d={HEAD_DIM}, {DTYPE}, block {BLOCK_SIZE}; "
-          f"graph of {calls} calls, median of {reps} replays, {rotate} buffer sets")
+          f"CUDA-graph replay, median of {reps}")
     rows = []
-    for label, num_seqs, cached, new in shapes or SHAPES:
-        rows.append(bench_shape(label, num_seqs, cached, new, reps, calls, rotate))
+    for shape in shapes or SHAPES:
+        rows.append(bench_shape(*shape, labels, stages, reps, calls))
         r = rows[-1]
-        print(f"{label:>14}: " + "  ".join(f"v{v} {r[f'us_v{v}']:8.1f} µs ({r[f'tflops_v{v}']:5.1f} TFLOP/s)"
-                                            for v in VERSIONS)
-              + f"  SDPA[{r['sdpa_mask']}] {r['us_sdpa']:8.1f} µs ({r['tflops_sdpa']:5.1f} TFLOP/s)"
-              + f"  eager v{r['best']} {r['us_eager']:.1f} µs", flush=True)
-    table = format_table(rows)
-    print(table)
+        timed = [k for k in r if k.startswith("us ")]
+        print(f"{r['shape']:>14}: " + "  ".join(f"{k[3:]} {r[k]:7.1f} µs" for k in timed), flush=True)
+    all_labels = [k[3:] for k in rows[0] if k.startswith("us ") and k != "us sdpa"]
+    text = table(rows, all_labels)
+    print(text)
     if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_prefill.json").write_text(json.dumps(dict(env=env, rows=rows), indent=2))
-        (out / "bench_prefill.md").write_text(" ".join(f"{k}={v}" for k, v in env.items()) + "\n\n" + table + "\n")
+        for path in benchlib.save(out, "bench_prefill", rows, dict(shapes=shapes or SHAPES, stages=stages), text):
+            print("wrote", path)
     return rows
 
 
 if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="folder for bench_prefill.json / .md")
+    parser.add_argument("--kernels", nargs="*", default=None, help=f"subset of {list(KERNELS)}")
+    parser.add_argument("--stages", type=int, default=None, help="also time v4+ with this many ring stages")
     parser.add_argument("--reps", type=int, default=10, help="graph replays; the median is reported")
-    parser.add_argument("--calls", type=int, default=20, help="launches captured per graph")
-    parser.add_argument("--rotate", type=int, default=4, help="buffer sets cycled through")
+    parser.add_argument("--calls", type=int, default=20, help="launches captured per graph (at least the set count)")
     args = parser.parse_args()
-    main(out=args.out, reps=args.reps, calls=args.calls, rotate=args.rotate)
+    main(out=args.out, labels=args.kernels, stages=args.stages, reps=args.reps, calls=args.calls)
