@@ -317,6 +317,10 @@ def tp_mode(out, num_requests, workload_limit, max_num_seqs, max_model_len, ckpt
                 res[f"batch1_speedup_{mode}"] = b["batch1_tok_s"] / a["batch1_tok_s"]
     md = tp_markdown(res)
     benchlib.save(out, "bench_tp", [dict(run=k, **v) for k, v in res["tp"].items()], res, md)
+    if res["tp"]:
+        benchlib.save_plot(os.path.join(out, "bench_tp.png"), ["batch 1 decode", "workload"],
+                           {k: [r["batch1_tok_s"], r["output_tok_s"]] for k, r in res["tp"].items()}, "",
+                           "output tokens/s", f"TP=1 vs TP={tp}", logy=True, kind="bar")
     print(benchlib.env_line() + "\n\n" + md)
     return res
 
@@ -400,6 +404,10 @@ def hf_mode(out, ckpt, device, num_requests=256, hf_requests=64, hf_max_new=512,
     if meta["errors"]:
         md += "\n\nErrors: " + json.dumps(meta["errors"])
     benchlib.save(out, "bench_hf", rows, meta, md)
+    if rows:
+        benchlib.save_plot(os.path.join(out, "bench_hf.png"), [f"{r['group']} {r['params']}" for r in rows],
+                           {"HF": [r["tok_s"] for r in rows], "pagedattn": [r["engine_tok_s"] for r in rows]}, "",
+                           "output tokens/s", "pagedattn vs HF transformers", logy=True, kind="bar")
     print(benchlib.env_line() + "\n\n" + md)
     return dict(meta=meta, rows=rows)
 

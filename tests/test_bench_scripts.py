@@ -284,6 +284,7 @@ def test_tp_mode_compares_tp2_with_tp1_on_two_cpu_ranks(tiny_random, tmp_path):
     assert res["speedup_eager"] > 0 and res["batch1_speedup_eager"] > 0
     table = (tmp_path / "bench_tp.md").read_text()
     assert "| tp2_eager | no |" in table and "Greedy ids identical for 4 of 4" in table
+    assert (tmp_path / "bench_tp.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_hf_mode_runs_hf_beside_the_engine_numbers(tiny_random, tmp_path):
@@ -296,6 +297,7 @@ def test_hf_mode_runs_hf_beside_the_engine_numbers(tiny_random, tmp_path):
     assert greedy["output_tokens"] == 6 and greedy["engine_vs_hf"] == pytest.approx(100.0 / greedy["tok_s"])
     assert sampled["engine_tok_s"] is None
     assert "| batch 1 | greedy | HF generate | 6 |" in (tmp_path / "bench_hf.md").read_text()
+    assert (tmp_path / "bench_hf.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_profile_step_rows_and_memory_floor(tiny_random, tmp_path):
