@@ -1,0 +1,493 @@
+"""Paged attention on the CPU, compiled by numba's CPU target: decode and prefill read K/V through
+the block table in place (no gather into a dense tensor), plus the KV write.
+
+Contract (the same as the CUDA kernels', docs/architecture.md):
+
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+    decode:  q [S, H, D], sequence s attends to its context_lens[s] tokens
+    prefill: q [total_q, H, D] packs the chunks of P sequences (cu_seqlens_q); their K/V are already
+             in the pool; query i of a chunk of q_len sits at position context_len - q_len + i and
+             sees positions 0..that position (a cached prefix, earlier chunks, itself)
+    token j of sequence s lives at k_cache[block_tables[s, j // block_size], :, j % block_size]
+
+One kernel does both (a decode is a prefill chunk of one query). Work item = (query tile, KV head):
+the tile's BQ queries x the G query heads of the KV head's GQA group are the R = BQ * G rows that
+share every K/V block read. Per KV block of the sequence, up to the causal end of the tile's last
+query:
+
+    S  = (Q * scale) K_block^T         [R, BS]   keys past a row's own position are not used
+    online softmax per row: m (running max), l (running sum), acc *= exp(m_old - m_new)
+    acc += exp(S - m) V_block          [R, D]
+
+and out = acc / l at the end. Both products take four keys per pass over the head dimension (four
+dot products sharing each q load; four V rows per load and store of acc), which LLVM vectorises over D. Everything is float32; exponentials use a polynomial that LLVM can
+vectorise (2^k built from the exponent bits, e^r by a degree-6 Taylor series on |r| <= ln2/2: relative
+error ~1e-7; numba has no vector exp without Intel's SVML, and a scalar libm call per score cost more
+than the two matrix products it sits between).
+
+Scheduling: work items are sorted by cost (rows x keys) and dealt round-robin to the threads, so a
+long sequence and a causal tile near the end of a long prompt do not leave a thread idle while another
+finishes them. Calls below PARALLEL_MIN_WORK run on the calling thread alone (a decode step of one
+short sequence costs less than waking a second thread).
+
+Pools: float32 is read in place; bfloat16 and float16 pools (numba's CPU target has neither type) are
+passed as 16-bit integer views, uint16 for bf16 and int16 for fp16, and each block tile is widened
+into a float32 scratch tile before use. The KV write (`write_kv`) handles float32 pools; 16-bit
+pools are written by torch (pagedattn.kv_cache.write_kv).
+
+Compilation: every function is `cache=True`, so only the first process compiles (float32: ~10 s of
+CPU time, each 16-bit pool dtype ~4 s more; stored in kernels_numba/__pycache__ or NUMBA_CACHE_DIR);
+later processes load the machine code in about a second.
+
+Safety: numba does not check bounds, so the kernels check every block id a call will read (and the
+slots a write will touch) before any work and return an error code; the wrappers turn it into a
+KernelLaunchError naming the field.
+"""
+import math
+
+import numpy as np
+from numba import njit
+from numba.core import types
+from numba.extending import overload
+
+from pagedattn.errors import KernelLaunchError
+
+# Fast-math without 'nnan'/'ninf': poisoned pool slots are never read, but a NaN or inf that does
+# arrive (e.g. an overflowing query) must propagate, not be assumed away.
+FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+QUERY_TILE = 8            # BQ: queries per prefill work item (R = 8 * G rows: 56 for Qwen2's G = 7)
+PARALLEL_MIN_WORK = 1 << 14  # rows x keys below which one thread does it all (~0.2 ms: less than waking a pool)
+LOG2E = np.float32(1.4426950408889634)
+LN2_HI = np.float32(0.693359375)          # ln 2 = LN2_HI + LN2_LO, LN2_HI exact in 9 bits
+LN2_LO = np.float32(-2.12194440e-4)
+MIN_EXP_ARG = np.float32(-87.0)            # exp(-87) ~ 1.6e-38, still a normal float32: lower x give that
+
+ERR_BLOCK, ERR_CONTEXT, ERR_SLOT = 1, 2, 3
+
+
+# ----------------------------------------------------------------------------------------
+# helpers (inlined by LLVM into the kernels)
+
+
+def _tile(cache, block, head, scratch):
+    """cache[block, head] as a float32 [block_size, head_dim] array (numba only, see the overload)."""
+    raise NotImplementedError
+
+
+@overload(_tile)
+def _tile_impl(cache, block, head, scratch):
+    # scratch: [block_size, head_dim] uint32 whose float32 view receives a widened 16-bit tile.
+    if cache.dtype == types.float32:
+        def read_in_place(cache, block, head, scratch):
+            return cache[block, head]                                              # (BS, D) view
+        return read_in_place
+    if cache.dtype == types.uint16:  # bfloat16: the high half of a float32
+        def widen_bf16(cache, block, head, scratch):
+            src = cache[block, head]
+            for j in range(src.shape[0]):
+                for d in range(src.shape[1]):
+                    scratch[j, d] = np.uint32(src[j, d]) << 16
+            return scratch.view(np.float32)
+        return widen_bf16
+    if cache.dtype == types.int16:  # float16
+        def widen_fp16(cache, block, head, scratch):
+            src = cache[block, head]
+            out = scratch.view(np.float32)
+            for j in range(src.shape[0]):
+                for d in range(src.shape[1]):
+                    h = np.uint32(src[j, d]) & 0xFFFF
+                    if (h & 0x7C00) == 0x7C00:                     # inf / NaN: exponent all ones
+                        scratch[j, d] = ((h & 0x8000) << 16) | 0x7F800000 | ((h & 0x3FF) << 13)
+                    else:
+                        # Exponent and mantissa moved into float32 position (a half subnormal
+                        # becomes a float32 subnormal), then rescaled by 2^(127 - 15).
+                        scratch[j, d] = (h & 0x7FFF) << 13
+                        out[j, d] = out[j, d] * np.float32(5.192296858534828e33)
+                        if h & 0x8000:
+                            out[j, d] = -out[j, d]
+            return out
+        return widen_fp16
+    return None
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _exp_inplace(x, n, bits):
+    """x[:n] = exp(x[:n]) for x <= 0 (scores minus their running max), vectorisable.
+
+    bits: [>= n] uint32 scratch. exp(x) = 2^k e^r with k = round(x log2 e) and r = x - k ln2, where
+    k ln2 is subtracted in two parts (Cody-Waite: LN2_HI has few mantissa bits, so k * LN2_HI is exact
+    and r keeps full precision even for x near -87).
+    """
+    scale = bits.view(np.float32)
+    for j in range(n):
+        xj = max(x[j], MIN_EXP_ARG)
+        k = math.floor(xj * LOG2E + np.float32(0.5))
+        r = (xj - k * LN2_HI) - k * LN2_LO                                         # |r| <~ ln2 / 2
+        p = np.float32(1.0 / 720.0)
+        p = p * r + np.float32(1.0 / 120.0)
+        p = p * r + np.float32(1.0 / 24.0)
+        p = p * r + np.float32(1.0 / 6.0)
+        p = p * r + np.float32(0.5)
+        p = p * r + np.float32(1.0)
+        p = p * r + np.float32(1.0)
+        bits[j] = np.uint32(np.int32(k) + 127) << 23                               # 2^k, k >= -126
+        x[j] = p
+    for j in range(n):
+        x[j] *= scale[j]
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _attend_tile(q, q_row0, nq, pos0, g, k_cache, v_cache, table, scale, out,
+                 qs, acc, m, l, s, kbuf, vbuf, bits):
+    """Queries q[q_row0 : q_row0 + nq] (positions pos0 .. pos0 + nq - 1), the G heads of KV head g.
+
+    table: [>= blocks] the sequence's block table. Scratch (per thread): qs, acc [R, D], m, l [R],
+    s [R, BS] float32, kbuf, vbuf [BS, D] uint32, bits [BS] uint32, R >= nq * G.
+    Row r = i * G + h is query i, head g * G + h.
+    """
+    H, D = q.shape[1], q.shape[2]
+    BS = k_cache.shape[2]
+    G = H // k_cache.shape[1]
+    R = nq * G
+    for i in range(nq):
+        for h in range(G):
+            r = i * G + h
+            for d in range(D):
+                qs[r, d] = q[q_row0 + i, g * G + h, d] * scale
+                acc[r, d] = 0.0
+            m[r] = -np.inf
+            l[r] = 0.0
+    kv_end = pos0 + nq                           # keys 0 .. pos0 + nq - 1 (the last query's causal range)
+    for b in range((kv_end + BS - 1) // BS):
+        kb = _tile(k_cache, table[b], g, kbuf)                                      # (BS, D)
+        vb = _tile(v_cache, table[b], g, vbuf)                                      # (BS, D)
+        for r in range(R):
+            # Keys this row sees in the block: positions b*BS .. its own position (< context_len).
+            nr = min(BS, pos0 + r // G - b * BS + 1)
+            if nr <= 0:
+                continue
+            # S[r, :nr] = qs[r] . K[j]: four keys per pass over D, so each q element loaded feeds
+            # four FMAs and each reduction runs over the contiguous head dimension.
+            j = 0
+            while j + 4 <= nr:
+                s0 = s1 = s2 = s3 = np.float32(0.0)
+                for d in range(D):
+                    qd = qs[r, d]
+                    s0 += qd * kb[j, d]
+                    s1 += qd * kb[j + 1, d]
+                    s2 += qd * kb[j + 2, d]
+                    s3 += qd * kb[j + 3, d]
+                s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3] = s0, s1, s2, s3
+                j += 4
+            while j < nr:
+                s0 = np.float32(0.0)
+                for d in range(D):
+                    s0 += qs[r, d] * kb[j, d]
+                s[r, j] = s0
+                j += 1
+            m_new = m[r]
+            for j in range(nr):
+                m_new = max(m_new, s[r, j])
+            alpha = math.exp(m[r] - m_new)     # exp(-inf) = 0 on the first block
+            m[r] = m_new
+            for j in range(nr):
+                s[r, j] -= m_new
+            _exp_inplace(s[r], nr, bits)
+            row_sum = np.float32(0.0)
+            for j in range(nr):
+                row_sum += s[r, j]
+            l[r] = l[r] * alpha + row_sum
+            # acc[r] = alpha acc[r] + P[r, :nr] V: four keys per pass (one load and store of acc per four FMAs).
+            j = 0
+            while j + 4 <= nr:
+                p0, p1, p2, p3 = s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3]
+                if j == 0:
+                    for d in range(D):
+                        acc[r, d] = acc[r, d] * alpha + (p0 * vb[0, d] + p1 * vb[1, d] + p2 * vb[2, d] + p3 * vb[3, d])
+                else:
+                    for d in range(D):
+                        acc[r, d] += p0 * vb[j, d] + p1 * vb[j + 1, d] + p2 * vb[j + 2, d] + p3 * vb[j + 3, d]
+                j += 4
+            if nr < 4:
+                for d in range(D):
+                    acc[r, d] *= alpha
+            while j < nr:
+                p0 = s[r, j]
+                for d in range(D):
+                    acc[r, d] += p0 * vb[j, d]
+                j += 1
+    for i in range(nq):
+        for h in range(G):
+            r = i * G + h
+            inv = np.float32(1.0) / l[r]
+            for d in range(D):
+                out[q_row0 + i, g * G + h, d] = acc[r, d] * inv
+
+
+@njit(cache=True)
+def _check_tables(block_tables, context_lens, num_blocks, block_size):
+    """0, or an error code when a sequence needs more table columns than there are, or a block id
+    it will read is outside [0, num_blocks)."""
+    for s in range(context_lens.shape[0]):
+        ctx = context_lens[s]
+        nb = (ctx + block_size - 1) // block_size
+        if ctx < 1 or nb > block_tables.shape[1]:
+            return ERR_CONTEXT
+        for b in range(nb):
+            if block_tables[s, b] < 0 or block_tables[s, b] >= num_blocks:
+                return ERR_BLOCK
+    return 0
+
+
+# ----------------------------------------------------------------------------------------
+# kernels
+
+
+@njit(cache=True)
+def _plan(block_tables, cu_seqlens_q, context_lens, num_blocks, block_size, num_kv_heads, query_tile):
+    """Check the metadata and list the work items, most expensive first.
+
+    block_tables: [S, max_blocks] int32; cu_seqlens_q: [S + 1] int32 (sequence s owns query rows
+    cu_seqlens_q[s] : cu_seqlens_q[s + 1]); context_lens: [S] int32; query_tile: queries per item.
+    Returns (error code or 0, tile_seq, tile_q0 [num_tiles] int64, order [num_tiles * Hkv] int64:
+    item w = (tile order[w] // Hkv, KV head order[w] % Hkv), work: sum of rows x keys over the items).
+    """
+    S = context_lens.shape[0]
+    empty = np.empty(0, np.int64)
+    err = _check_tables(block_tables, context_lens, num_blocks, block_size)
+    if err:
+        return err, empty, empty, empty, 0
+    num_tiles = 0
+    for si in range(S):
+        q_len = cu_seqlens_q[si + 1] - cu_seqlens_q[si]
+        if q_len < 1 or q_len > context_lens[si]:
+            return ERR_CONTEXT, empty, empty, empty, 0
+        num_tiles += (q_len + query_tile - 1) // query_tile
+    tile_seq = np.empty(num_tiles, np.int64)
+    tile_q0 = np.empty(num_tiles, np.int64)
+    cost = np.empty(num_tiles * num_kv_heads, np.int64)
+    t, work = 0, 0
+    for si in range(S):
+        q_len = cu_seqlens_q[si + 1] - cu_seqlens_q[si]
+        for q0 in range(0, q_len, query_tile):
+            tile_seq[t] = si
+            tile_q0[t] = q0
+            keys = context_lens[si] - q_len + min(q0 + query_tile, q_len)     # the tile's causal range
+            rows_x_keys = keys * min(query_tile, q_len - q0)
+            work += rows_x_keys * num_kv_heads
+            for g in range(num_kv_heads):
+                cost[t * num_kv_heads + g] = -rows_x_keys
+            t += 1
+    return 0, tile_seq, tile_q0, np.argsort(cost), work
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def _run(thread, num_threads, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, query_tile,
+         tile_seq, tile_q0, order, out):
+    """Work items thread, thread + num_threads, ... of `order` (round-robin over the sorted list keeps
+    the threads' totals within one item of each other). Arguments as in `_plan` and `_attend_tile`.
+    Releases the GIL, so several Python threads can run it at once on disjoint items."""
+    D = q.shape[2]
+    Hkv, BS = k_cache.shape[1], k_cache.shape[2]
+    R = query_tile * (q.shape[1] // Hkv)
+    qs = np.empty((R, D), np.float32)
+    acc = np.empty((R, D), np.float32)
+    m = np.empty(R, np.float32)
+    l = np.empty(R, np.float32)
+    s = np.empty((R, BS), np.float32)
+    kbuf = np.empty((BS, D), np.uint32)
+    vbuf = np.empty((BS, D), np.uint32)
+    bits = np.empty(BS, np.uint32)
+    for w in range(thread, order.shape[0], num_threads):
+        tile, g = order[w] // Hkv, order[w] % Hkv
+        si = tile_seq[tile]
+        q_len = cu_seqlens_q[si + 1] - cu_seqlens_q[si]
+        q0 = tile_q0[tile]
+        _attend_tile(q, cu_seqlens_q[si] + q0, min(query_tile, q_len - q0), context_lens[si] - q_len + q0, g,
+                     k_cache, v_cache, block_tables[si], scale, out, qs, acc, m, l, s, kbuf, vbuf, bits)
+
+
+class _Threads:
+    """A small pool of Python threads for `_run` (which releases the GIL).
+
+    Python threads rather than numba's `prange`: they sleep on a lock between calls instead of
+    spinning in a second OpenMP runtime beside torch's (numba links the system libgomp, torch ships
+    its own), and a kernel without `parallel=True` compiles in half the time. Rebuilt after a fork.
+    """
+
+    def __init__(self):
+        self.executor, self.size, self.pid = None, 0, None
+
+    def run(self, num_threads, args):
+        """_run(t, num_threads, *args) for t in 0..num_threads-1; thread 0 in the calling thread."""
+        import os
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self.executor is None or self.size < num_threads - 1 or self.pid != os.getpid():
+            self.executor = ThreadPoolExecutor(max_workers=num_threads - 1, thread_name_prefix="cpu_attention")
+            self.size, self.pid = num_threads - 1, os.getpid()
+        futures = [self.executor.submit(_run, t, num_threads, *args) for t in range(1, num_threads)]
+        _run(0, num_threads, *args)
+        for f in futures:
+            f.result()
+
+
+_THREADS = _Threads()
+
+
+@njit(cache=True)
+def _write_kv(key, value, k_cache, v_cache, slot_mapping):
+    """k_cache[slot // BS, :, slot % BS] = key[t] for every slot >= 0 (float32). Returns 0 or ERR_SLOT."""
+    num_blocks, Hkv, BS, D = k_cache.shape
+    for t in range(slot_mapping.shape[0]):
+        if slot_mapping[t] >= num_blocks * BS:
+            return ERR_SLOT
+    for t in range(slot_mapping.shape[0]):
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        blk, off = slot // BS, slot % BS
+        for h in range(Hkv):
+            for d in range(D):
+                k_cache[blk, h, off, d] = key[t, h, d]
+                v_cache[blk, h, off, d] = value[t, h, d]
+    return 0
+
+
+# ----------------------------------------------------------------------------------------
+# wrappers: torch CPU tensors or numpy arrays in, checked, no copies of the pool
+
+
+def _array(x, name):
+    """numpy view of a CPU torch tensor or numpy array (no copy)."""
+    if hasattr(x, "detach"):
+        if x.device.type != "cpu":
+            raise KernelLaunchError(f"{name} is on {x.device}: the CPU kernels need CPU tensors")
+        dtype = str(x.dtype)
+        if dtype == "torch.bfloat16":
+            return x.detach().view(_torch().int16).numpy().view(np.uint16)
+        if dtype == "torch.float16":
+            return x.detach().view(_torch().int16).numpy()
+        return x.detach().numpy()
+    return np.asarray(x)
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _ints(x, name):
+    a = np.ascontiguousarray(_array(x, name), dtype=np.int32)
+    return a
+
+
+def _pool(k_cache, v_cache):
+    kc, vc = _array(k_cache, "k_cache"), _array(v_cache, "v_cache")
+    if kc.ndim != 4 or kc.shape != vc.shape or kc.dtype != vc.dtype:
+        raise KernelLaunchError(f"k_cache {kc.shape} {kc.dtype} and v_cache {vc.shape} {vc.dtype} must both be "
+                                "[num_blocks, num_kv_heads, block_size, head_dim] of one dtype")
+    if kc.dtype not in (np.float32, np.uint16, np.int16):
+        raise KernelLaunchError(f"pool dtype {kc.dtype} is not float32 / bfloat16 / float16")
+    if not (kc.flags.c_contiguous and vc.flags.c_contiguous):
+        raise KernelLaunchError("k_cache and v_cache must be contiguous")
+    return kc, vc
+
+
+def _queries(q, out, num_kv_heads, head_dim):
+    """(q as float32 C array, the float32 array the kernel writes: out itself when it can be)."""
+    qa = np.ascontiguousarray(_array(q, "q"), dtype=np.float32)
+    if qa.ndim != 3 or qa.shape[2] != head_dim or qa.shape[1] % num_kv_heads:
+        raise KernelLaunchError(f"q has shape {qa.shape}: expected [tokens, H, {head_dim}] with H a multiple of "
+                                f"num_kv_heads={num_kv_heads}")
+    if out is None:
+        return qa, np.empty_like(qa)
+    if tuple(out.shape) != qa.shape:
+        raise KernelLaunchError(f"out has shape {tuple(out.shape)}, q has {qa.shape}")
+    oa = _array(out, "out")
+    if oa.dtype == np.float32 and oa.flags.c_contiguous:
+        return qa, oa
+    return qa, np.empty_like(qa)                 # written in float32, then copied into out
+
+
+_ERRORS = {
+    ERR_BLOCK: "block_tables holds a block id outside [0, num_blocks) within a sequence's context",
+    ERR_CONTEXT: "context_lens / cu_seqlens_q inconsistent: need 1 <= q_len <= context_len and "
+                 "ceil(context_len / block_size) <= block_tables.shape[1]",
+    ERR_SLOT: "slot_mapping holds a slot outside the pool",
+}
+
+
+def _finish(err, out, work):
+    if err:
+        raise KernelLaunchError(_ERRORS[err])
+    if out is None:
+        return work
+    if hasattr(out, "copy_"):
+        if out.data_ptr() != work.ctypes.data:
+            out.copy_(_torch().from_numpy(work))
+    elif out is not work:
+        out[...] = work
+    return out
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
+                            num_threads=1, query_tile=QUERY_TILE):
+    """Causal prefill over the paged pool (new K/V already written).
+
+    q: [total_q, H, D] float32 (other float dtypes are converted); k_cache, v_cache: [num_blocks, Hkv,
+    block_size, D] float32 / bfloat16 / float16; block_tables: [P, max_blocks] int; cu_seqlens_q:
+    [P + 1] int; context_lens: [P] int (tokens in the pool after the write). scale: default 1/sqrt(D).
+    out: optional [total_q, H, D] destination (torch or numpy). num_threads: threads to split the work
+    over (calls with less than PARALLEL_MIN_WORK rows x keys run on one). Returns out (or a new float32 array).
+    """
+    kc, vc = _pool(k_cache, v_cache)
+    qa, work = _queries(q, out, kc.shape[1], kc.shape[3])
+    tables, cu, ctx = _ints(block_tables, "block_tables"), _ints(cu_seqlens_q, "cu_seqlens_q"), \
+        _ints(context_lens, "context_lens")
+    if tables.ndim != 2 or tables.shape[0] != ctx.shape[0] or cu.shape[0] != ctx.shape[0] + 1:
+        raise KernelLaunchError(f"block_tables {tables.shape}, cu_seqlens_q {cu.shape}, context_lens {ctx.shape}: "
+                                "expected [P, max_blocks], [P + 1], [P]")
+    if cu[0] != 0 or cu[-1] != qa.shape[0]:
+        raise KernelLaunchError(f"cu_seqlens_q must run from 0 to total_q={qa.shape[0]}, got {cu[0]}..{cu[-1]}")
+    scale = np.float32(1.0 / math.sqrt(kc.shape[3]) if scale is None else scale)
+    err, tile_seq, tile_q0, order, rows_x_keys = _plan(tables, cu, ctx, kc.shape[0], kc.shape[2], kc.shape[1],
+                                                       query_tile)
+    if not err:
+        args = (qa, kc, vc, tables, cu, ctx, scale, query_tile, tile_seq, tile_q0, order, work)
+        threads = min(num_threads or 1, len(order))
+        if threads > 1 and rows_x_keys >= PARALLEL_MIN_WORK:
+            _THREADS.run(threads, args)
+        else:
+            _run(0, 1, *args)
+    return _finish(err, out, work)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, num_threads=1):
+    """One query per sequence over its paged K/V (the new token's K/V already written).
+
+    q: [S, H, D]; context_lens: [S] int; block_tables: [S, max_blocks] int; the rest as in
+    paged_prefill_attention. Returns out (or a new float32 array).
+    """
+    S = _array(q, "q").shape[0]
+    cu = np.arange(S + 1, dtype=np.int32)                                           # one query each
+    return paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, context_lens, scale, out, num_threads,
+                                   query_tile=1)
+
+
+def write_kv(key, value, k_cache, v_cache, slot_mapping):
+    """Store the step's K/V rows at their slots (float32 pools; slot -1 = skip).
+
+    key, value: [T, Hkv, D]; k_cache, v_cache: [num_blocks, Hkv, block_size, D] float32; slot_mapping: [T] int.
+    """
+    kc, vc = _pool(k_cache, v_cache)
+    if kc.dtype != np.float32:
+        raise KernelLaunchError("write_kv handles float32 pools; write 16-bit pools with pagedattn.kv_cache.write_kv")
+    ka = np.ascontiguousarray(_array(key, "key"), dtype=np.float32)
+    va = np.ascontiguousarray(_array(value, "value"), dtype=np.float32)
+    slots = np.ascontiguousarray(_array(slot_mapping, "slot_mapping"), dtype=np.int64)
+    if ka.shape != va.shape or ka.shape[1:] != kc.shape[1:2] + kc.shape[3:] or ka.shape[0] != slots.shape[0]:
+        raise KernelLaunchError(f"key {ka.shape} / value {va.shape} / slot_mapping {slots.shape} do not match a pool "
+                                f"of {kc.shape}")
+    if _write_kv(ka, va, kc, vc, slots):
+        raise KernelLaunchError(_ERRORS[ERR_SLOT])
