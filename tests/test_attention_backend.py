@@ -132,13 +132,62 @@ def test_mismatched_inputs_raise():
         TorchPagedBackend()(q, k[:, :1], v[:, :1], k_cache, v_cache, meta)
 
 
-def test_get_backend():
+def test_write_then_attend_equals_call():
+    """The model writes K/V (or has the rotary kernel write them) and then only attends: the same output
+    as the one-call path, also with the decode bound given on the host (no device read of the lengths)."""
+    q, k, v, k_cache, v_cache, meta = make_step(*BATCHES[0], 14, 2, 64, 16)
+    backend = TorchPagedBackend()
+    want = backend(q, k, v, k_cache.clone(), v_cache.clone(), meta)
+    backend.write(k, v, k_cache, v_cache, meta.slot_mapping)
+    assert meta.max_context_len == max(BATCHES[0][1])
+    out = torch.full_like(q, float("nan"))
+    assert backend.attend(q, k_cache, v_cache, meta, out=out) is out
+    assert torch.equal(out, want)
+    meta.max_context_len = None                                   # read from the device instead
+    assert torch.equal(backend.attend(q, k_cache, v_cache, meta), want)
+
+
+def test_copy_blocks_copies_every_layer():
+    pools = [torch.randn(4, 2, 8, 16) for _ in range(4)]
+    before = [p.clone() for p in pools]
+    TorchPagedBackend().copy_blocks(pools[:2], pools[2:], [[1, 3], [0, 2]])
+    for p, b in zip(pools, before):
+        assert torch.equal(p[3], b[1]) and torch.equal(p[2], b[0]) and torch.equal(p[:2], b[:2])
+
+
+def test_can_capture_and_fused():
+    """Only the numba kernels at fp16/bf16 with a supported head_dim and block_size can be captured in
+    a CUDA graph; the torch backend sizes its gather on the host, so it never can."""
+    numba = NumbaBackend()
+    assert numba.validate and numba.can_capture(torch.float16, 64, 16) and numba.can_capture("bfloat16", 128, 8)
+    for args in ((torch.float32, 64, 16), (torch.float16, 96, 16), (torch.float16, 64, 64)):
+        assert not numba.can_capture(*args)
+    assert not TorchPagedBackend().can_capture(torch.float16, 64, 16)
+    assert not TorchPagedBackend().fused(torch.zeros(2, dtype=torch.float16))
+    assert numba.fused(torch.zeros(2, dtype=torch.bfloat16, device=NUMBA_DEVICE))
+    assert not numba.fused(torch.zeros(2, device=NUMBA_DEVICE))
+
+
+def test_get_backend(monkeypatch):
     assert isinstance(get_backend("auto", "cpu"), TorchPagedBackend)
     assert get_backend("torch", "cpu").name == "torch"
+    assert isinstance(get_backend("auto", "cuda"), NumbaBackend)
     backend = TorchPagedBackend()
     assert get_backend(backend) is backend
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         get_backend("flash", "cpu")
+    # the numba CPU backend (pagedattn.layers.cpu_attention) is "auto" on CPU when it imports
+    import pagedattn.layers.attention as attention
+
+    class CpuBackend(TorchPagedBackend):
+        name = "cpu"
+
+    monkeypatch.setattr(attention, "_cpu_backend_class", lambda: None)
+    assert type(get_backend("auto", "cpu")) is TorchPagedBackend
+    with pytest.raises(ValueError, match="'cpu' needs pagedattn.layers.cpu_attention"):
+        get_backend("cpu", "cpu")
+    monkeypatch.setattr(attention, "_cpu_backend_class", lambda: CpuBackend)
+    assert type(get_backend("auto", "cpu")) is CpuBackend and type(get_backend("cpu", "cpu")) is CpuBackend
 
 
 def test_numba_backend_falls_back_to_torch_for_missing_kernels(monkeypatch):
@@ -153,14 +202,16 @@ def test_numba_backend_falls_back_to_torch_for_missing_kernels(monkeypatch):
 NUMBA_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: numba's CUDA simulator (conftest)
 
 
+@pytest.mark.parametrize("validate", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_numba_backend_matches_reference(dtype):
-    """The kernels_numba pieces wired through NumbaBackend (float32 attention takes the torch path).
-    Kept tiny: without a GPU every kernel thread runs in the simulator."""
+def test_numba_backend_matches_reference(dtype, validate):
+    """The kernels_numba pieces wired through NumbaBackend (float32 attention takes the torch path), with
+    the kernels' host checks on and off (the engine's setting). Kept tiny: without a GPU every kernel
+    thread runs in the simulator."""
     q, k, v, k_cache, v_cache, meta = make_step([3, 1], [5, 18], 1, 2, 1, 64, 16)
     q, k, v, k_cache, v_cache = (t.to(NUMBA_DEVICE, dtype) for t in (q, k, v, k_cache, v_cache))
     meta = AttentionMetadata.build([3, 1], [5, 18], meta.block_tables.tolist(), 16, 1, device=NUMBA_DEVICE)
-    backend = NumbaBackend()
+    backend = NumbaBackend(validate=validate)
     out = backend(q, k, v, k_cache, v_cache, meta)
     assert out.dtype == dtype
     ref = reference_step(q.cpu(), k_cache.cpu(), v_cache.cpu(), meta)

@@ -1,23 +1,31 @@
 """Attention over the paged KV cache: the per-step metadata and the backends that use it.
 
 A step's tokens are one flat batch: first the prefill chunks of `num_prefills` sequences, then one
-token per decoding sequence. Every layer calls its backend the same way:
+token per decoding sequence. A backend does two things per layer:
 
-    out = backend(q, k, v, k_cache, v_cache, attn_metadata)     # q [T, H, D], k/v [T, Hkv, D]
+    backend.write(k, v, k_cache, v_cache, slot_mapping)         # the step's new K/V into the pool
+    out = backend.attend(q, k_cache, v_cache, attn_metadata)     # q [T, H, D] -> out [T, H, D]
 
-which first writes the step's new K/V into the pool at `slot_mapping`, then attends: query i of a
-prefill chunk of length q_len sits at position context_len - q_len + i and sees every cached token
-up to itself; a decode query sees all context_len tokens. Scale 1/sqrt(D); GQA query head h reads
+and `backend(q, k, v, k_cache, v_cache, attn_metadata)` is the two in a row. The model may instead write
+K/V through the fused rotary + cache-write kernel (pagedattn/layers/rotary.py) and then only attend.
+Query i of a prefill chunk of length q_len sits at position context_len - q_len + i and sees every cached
+token up to itself; a decode query sees all context_len tokens. Scale 1/sqrt(D); GQA query head h reads
 KV head h // (H // Hkv).
+
+A backend also names the kernels the rest of the layer runs: `fused(x)` says whether the numba glue
+kernels (RMSNorm, rotary + cache write, SiLU-and-mul) run on tensor x; `validate` turns the kernels'
+host-side checks on (False in the engine, which checks each step's metadata once on the host);
+`can_capture(dtype, head_dim, block_size)` says whether every piece it would run can be recorded in a
+CUDA graph; `copy_blocks` does the copy-on-write block copies of every layer.
 
 Backends:
   * TorchPagedBackend: torch ops on any device. Gathers each sequence's K/V through its block table
     into one padded dense tensor and runs scaled_dot_product_attention with an explicit mask
-    (causal + context length), in float32.
+    (causal + context length), in float32. Not capturable (it sizes the gather on the host).
   * NumbaBackend: the kernels of kernels_numba (CUDA), imported lazily so CPU never imports numba;
     a piece whose kernel module is missing falls back to the torch version of that piece.
 
-get_backend("auto" | "torch" | "numba", device) picks one.
+get_backend("auto" | "torch" | "numba" | "cpu", device) picks one.
 """
 import importlib
 import math
@@ -29,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pagedattn.errors import KernelLaunchError
-from pagedattn.kv_cache import write_kv
+from pagedattn.kv_cache import copy_blocks, write_kv
 
 
 @dataclass
@@ -41,6 +49,9 @@ class AttentionMetadata:
     context_lens: Tensor              # [num_seqs] int32, tokens in the cache *after* this step's write
     block_tables: Tensor              # [num_seqs, max_blocks] int32, prefills first then decodes
     cu_seqlens_q: Tensor              # [num_prefills + 1] int32, prefill chunk boundaries
+    max_context_len: int | None = None  # host int >= every context_len (eager steps: sizes the decode
+                                        # kernel's split-KV plan, spares the torch path a sync); None inside
+                                        # CUDA graphs: block-table width x block size
 
     def __post_init__(self):
         # Shape checks only: they never read tensor data, so they cost no device sync.
@@ -114,6 +125,7 @@ class AttentionMetadata:
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=device).reshape(len(tables), width),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            max_context_len=max(context_lens, default=0),
         )
 
 
@@ -131,18 +143,19 @@ def _check_inputs(q, k, v, k_cache, v_cache, meta):
         raise KernelLaunchError(f"q has {T} tokens but the metadata describes {meta.num_tokens}")
 
 
-def paged_sdpa(q, q_pos, k_cache, v_cache, block_tables, context_lens, scale, max_q_chunk=512):
+def paged_sdpa(q, q_pos, k_cache, v_cache, block_tables, context_lens, scale, max_q_chunk=512, max_len=None):
     """Attention of padded queries over each sequence's paged K/V, in float32.
 
     q: [S, Qmax, H, D] (any float dtype); q_pos: [S, Qmax] int64, the position of each query
         (a query sees keys 0..q_pos; rows that are padding should carry a valid position and be ignored).
     k_cache, v_cache: [num_blocks, Hkv, block_size, D]; block_tables: [S, max_blocks] int.
-    context_lens: [S] int, keys per sequence. Returns [S, Qmax, H, D] float32.
+    context_lens: [S] int, keys per sequence. max_len: a host bound >= every context length (default:
+    read from context_lens, one device sync). Returns [S, Qmax, H, D] float32.
     """
     S, Qmax, H, D = q.shape
     _, Hkv, block_size, _ = k_cache.shape
     group = H // Hkv
-    L = int(context_lens.max())
+    L = int(context_lens.max()) if max_len is None else max_len
     # Gather through the block tables: key position j of sequence s is in block
     # block_tables[s, j // block_size] at offset j % block_size.
     pos = torch.arange(L, device=q.device)                                           # (L,)
@@ -172,6 +185,7 @@ class TorchPagedBackend:
     """Paged attention with torch ops: works on any device (CPU, and the fallback on GPU)."""
 
     name = "torch"
+    validate = True            # accepted for a uniform interface; the torch pieces check shapes only
 
     def __call__(self, q, k, v, k_cache, v_cache, attn_metadata, scale=None):
         """Write the step's K/V into the pool, then attend.
@@ -181,23 +195,36 @@ class TorchPagedBackend:
         attn_metadata: AttentionMetadata of the step. scale: default 1/sqrt(D).
         Returns [T, H, D] in q's dtype.
         """
+        _check_inputs(q, k, v, k_cache, v_cache, attn_metadata)
+        self.write(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+        return self.attend(q, k_cache, v_cache, attn_metadata, scale=scale)
+
+    forward = __call__
+
+    def write(self, k, v, k_cache, v_cache, slot_mapping):
+        """k, v: [T, Hkv, D] into k_cache, v_cache [num_blocks, Hkv, block_size, D] at slot_mapping [T] (-1: skip)."""
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, attn_metadata, out=None, scale=None):
+        """Attention of the step's queries over the pool, which already holds the step's K/V.
+
+        q: [T, H, D] (prefill tokens first, then one per decode); k_cache, v_cache: [num_blocks, Hkv,
+        block_size, D]; out: optional [T, H, D] in q's dtype (contiguous). Returns out.
+        """
         meta = attn_metadata
-        _check_inputs(q, k, v, k_cache, v_cache, meta)
+        if q.shape[0] != meta.num_tokens:
+            raise KernelLaunchError(f"q has {q.shape[0]} tokens but the metadata describes {meta.num_tokens}")
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        self.write(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         P, Np = meta.num_prefills, meta.num_prefill_tokens
         if P > 0:
             self.prefill(q[:Np], k_cache, v_cache, meta.block_tables[:P], meta.cu_seqlens_q,
                          meta.context_lens[:P], scale, out[:Np])
         if meta.num_decode_tokens > 0:
-            self.decode(q[Np:], k_cache, v_cache, meta.block_tables[P:], meta.context_lens[P:], scale, out[Np:])
+            self.decode(q[Np:], k_cache, v_cache, meta.block_tables[P:], meta.context_lens[P:], scale, out[Np:],
+                        max_context_len=meta.max_context_len)
         return out
-
-    forward = __call__
-
-    def write(self, k, v, k_cache, v_cache, slot_mapping):
-        write_kv(k_cache, v_cache, k, v, slot_mapping)
 
     def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out):
         """q, out: [Np, H, D]; sequence s owns rows cu_seqlens_q[s]:cu_seqlens_q[s+1]."""
@@ -214,11 +241,26 @@ class TorchPagedBackend:
         res = paged_sdpa(q[rows], q_pos, k_cache, v_cache, block_tables.to(q.device), ctx, scale)
         out[rows[real]] = res[real].to(out.dtype)                                    # (Np, H, D)
 
-    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out):
-        """q, out: [num_decodes, H, D]; each query sees its sequence's context_len tokens."""
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len=None):
+        """q, out: [num_decodes, H, D]; each query sees its sequence's context_len tokens.
+        max_context_len: a host bound on context_lens (None: read from the device)."""
         ctx = context_lens.to(device=q.device, dtype=torch.long)
-        res = paged_sdpa(q[:, None], (ctx - 1)[:, None], k_cache, v_cache, block_tables.to(q.device), ctx, scale)
+        res = paged_sdpa(q[:, None], (ctx - 1)[:, None], k_cache, v_cache, block_tables.to(q.device), ctx, scale,
+                         max_len=max_context_len)
         out.copy_(res[:, 0])
+
+    def copy_blocks(self, k_caches, v_caches, block_copies):
+        """Copy-on-write: block_copies [C, 2] rows (src, dst), copied in every layer's K and V pool."""
+        copy_blocks(k_caches, v_caches, block_copies)
+
+    def fused(self, x):
+        """Whether the numba glue kernels run on tensor x: never with torch ops."""
+        return False
+
+    def can_capture(self, dtype, head_dim, block_size):
+        """Whether a decode step through this backend can be recorded in a CUDA graph: no, the gather
+        is sized on the host (int(context_lens.max())), so float32 / torch steps run eagerly by design."""
+        return False
 
 
 def _run_into(out, result):
@@ -227,20 +269,29 @@ def _run_into(out, result):
         out.copy_(result)
 
 
+def _as_dtype(dtype):
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
 class NumbaBackend(TorchPagedBackend):
     """The numba CUDA kernels (kernels_numba), with the torch pieces as fallback.
 
     Falls back to torch for a piece whose kernel module is missing, and for attention on inputs the
     kernels do not cover (float32, head_dim other than 64/128, block_size other than 8/16/32).
     Without a GPU it runs only under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1), for tests.
+
+    validate: the kernels' host-side checks (shapes, and value checks that cost a device sync each,
+    skipped inside CUDA-graph capture). The engine turns it off and checks each step's metadata once.
     """
 
     name = "numba"
     KERNEL_DTYPES = (torch.float16, torch.bfloat16)
     KERNEL_HEAD_DIMS = (64, 128)
     KERNEL_BLOCK_SIZES = (8, 16, 32)
+    FUSED_MODULES = ("rmsnorm", "rotary", "activation")
 
-    def __init__(self):
+    def __init__(self, validate=True):
+        self.validate = validate
         self.cache_ops = self._load("kernels_numba.cache_ops")
         self.paged_attention = self._load("kernels_numba.paged_attention")
         self.paged_prefill = self._load("kernels_numba.paged_prefill")
@@ -250,6 +301,10 @@ class NumbaBackend(TorchPagedBackend):
         if missing:
             warnings.warn(f"kernels_numba.{{{', '.join(missing)}}} not available: using torch for those pieces",
                           stacklevel=2)
+        fused = [self._load(f"kernels_numba.{n}") for n in self.FUSED_MODULES]
+        self.fused_kernels = all(m is not None for m in fused)
+        common = self._load("kernels_numba.common")
+        self.simulated = common is not None and common.SIMULATOR
 
     @staticmethod
     def _load(module_name):
@@ -258,41 +313,81 @@ class NumbaBackend(TorchPagedBackend):
         except ImportError:
             return None
 
+    def _on_kernel_device(self, t):
+        return t.is_cuda or (self.simulated and t.device.type == "cpu")
+
+    def fused(self, x):
+        """The glue kernels run on fp16/bf16 tensors on the GPU (CPU tensors under the simulator)."""
+        return self.fused_kernels and x.dtype in self.KERNEL_DTYPES and self._on_kernel_device(x)
+
+    def can_capture(self, dtype, head_dim, block_size):
+        """Every piece of a decode step is a numba kernel or a torch op without host syncs for fp16/bf16
+        at the head_dim / block_size the decode kernel covers."""
+        writes = self.cache_ops is not None or (self.fused_kernels and head_dim % 16 == 0)
+        return (self.paged_attention is not None and writes and _as_dtype(dtype) in self.KERNEL_DTYPES
+                and head_dim in self.KERNEL_HEAD_DIMS and block_size in self.KERNEL_BLOCK_SIZES)
+
     def write(self, k, v, k_cache, v_cache, slot_mapping):
-        if self.cache_ops is None:
+        if self.cache_ops is None or not self._on_kernel_device(k_cache):
             return super().write(k, v, k_cache, v_cache, slot_mapping)
-        self.cache_ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+        self.cache_ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, validate=self.validate)
+
+    def copy_blocks(self, k_caches, v_caches, block_copies):
+        if self.cache_ops is None or len(block_copies) == 0 or not self._on_kernel_device(k_caches[0]):
+            return super().copy_blocks(k_caches, v_caches, block_copies)
+        self.cache_ops.copy_blocks(k_caches, v_caches, block_copies, validate=self.validate)
 
     def _kernel_ok(self, q, k_cache):
-        return (q.dtype in self.KERNEL_DTYPES and k_cache.dtype == q.dtype
+        return (q.dtype in self.KERNEL_DTYPES and k_cache.dtype == q.dtype and self._on_kernel_device(q)
                 and q.shape[-1] in self.KERNEL_HEAD_DIMS and k_cache.shape[2] in self.KERNEL_BLOCK_SIZES)
 
     def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out):
         if self.paged_prefill is None or not self._kernel_ok(q, k_cache):
             return super().prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out)
         _run_into(out, self.paged_prefill.paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                                        context_lens, scale=scale, out=out))
+                                                        context_lens, scale=scale, out=out,
+                                                        validate=self.validate))
 
-    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out):
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len=None):
         if self.paged_attention is None or not self._kernel_ok(q, k_cache):
-            return super().decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+            return super().decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len)
         _run_into(out, self.paged_attention.paged_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                                            scale=scale, out=out))
+                                                            scale=scale, out=out, validate=self.validate,
+                                                            max_context_len=max_context_len))
 
 
 BACKENDS = {"torch": TorchPagedBackend, "numba": NumbaBackend}
 
 
+def _cpu_backend_class():
+    """CpuNumbaBackend (numba's CPU target) when pagedattn.layers.cpu_attention imports, else None."""
+    try:
+        from pagedattn.layers.cpu_attention import CpuNumbaBackend
+    except ImportError:
+        return None
+    return CpuNumbaBackend
+
+
 def get_backend(name="auto", device="cpu"):
-    """An attention backend: "auto" = numba on CUDA, torch elsewhere; "torch" / "numba" force one.
+    """An attention backend: "auto" = numba on CUDA, on CPU the numba CPU backend when it is available
+    (else torch); "torch" / "numba" / "cpu" force one.
 
     Accepts an existing backend object (returned as is). device: str or torch.device.
     """
     if not isinstance(name, str):
         return name
     if name == "auto":
-        name = "numba" if torch.device(device).type == "cuda" else "torch"
+        if torch.device(device).type == "cuda":
+            name = "numba"
+        else:
+            cls = _cpu_backend_class()
+            return cls() if cls is not None else TorchPagedBackend()
+    if name == "cpu":
+        cls = _cpu_backend_class()
+        if cls is None:
+            raise ValueError("attention backend 'cpu' needs pagedattn.layers.cpu_attention, which did not import")
+        return cls()
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}: choose 'auto', " +
+        raise ValueError(f"unknown attention backend {name!r}: choose 'auto', 'cpu', " +
                          ", ".join(repr(n) for n in BACKENDS))
     return BACKENDS[name]()
