@@ -21,14 +21,22 @@ from reference.attention import paged_decode_attention, paged_prefill_attention
 
 
 class Recorder:
-    """Wraps the model's attention backend; keeps what each call saw and returned."""
+    """Wraps the model's attention backend; keeps what each layer's write + attend saw and returned."""
 
     def __init__(self, inner):
-        self.inner, self.calls = inner, []
+        self.inner, self.calls, self.written = inner, [], None
 
-    def __call__(self, q, k, v, k_cache, v_cache, attn_metadata, scale=None):
-        out = self.inner(q, k, v, k_cache, v_cache, attn_metadata)
-        self.calls.append(dict(q=q.clone(), k=k.clone(), v=v.clone(), k_cache=k_cache.clone(),
+    def __getattr__(self, name):                    # fused(), validate, copy_blocks, ...: the inner backend's
+        return getattr(self.inner, name)
+
+    def write(self, k, v, k_cache, v_cache, slot_mapping):
+        self.inner.write(k, v, k_cache, v_cache, slot_mapping)
+        self.written = (k.clone(), v.clone())
+
+    def attend(self, q, k_cache, v_cache, attn_metadata, out=None, scale=None):
+        out = self.inner.attend(q, k_cache, v_cache, attn_metadata, out=out, scale=scale)
+        k, v = self.written
+        self.calls.append(dict(q=q.clone(), k=k, v=v, k_cache=k_cache.clone(),
                                v_cache=v_cache.clone(), meta=attn_metadata, out=out.clone()))
         return out
 

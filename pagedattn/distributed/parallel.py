@@ -1,9 +1,10 @@
-"""Megatron-style tensor parallelism for Qwen2 over torch.distributed.
+"""Tensor parallelism for Qwen2 over torch.distributed: the process group and its checks.
 
-With world size P, rank r of a layer holds:
+The sharded layers live in pagedattn/layers/linear.py and a rank loads its shard directly:
+load_model(path, device, dtype, attn_backend, tp_rank=r, tp_size=P). With world size P, rank r holds
 
-    q_proj / k_proj / v_proj   column-parallel: rows of heads [r*H/P, (r+1)*H/P) (K/V: of Hkv/P heads)
-    gate_proj / up_proj        column-parallel: rows [r*I/P, (r+1)*I/P) of the intermediate size I
+    qkv_proj                   column-parallel: its H/P query heads, then its Hkv/P key and value heads
+    gate_up_proj               column-parallel: rows [r*I/P, (r+1)*I/P) of gate, then of up
     o_proj / down_proj         row-parallel: the matching input columns; partial sums -> one all-reduce
     embed_tokens               vocab-parallel: rows [r*V/P, (r+1)*V/P); other ids give 0 -> all-reduce
     lm_head                    vocab-parallel: each rank's [N, V/P] logits -> all-gather -> [N, V]
@@ -21,8 +22,6 @@ import socket
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from pagedattn.errors import InvalidRequestError
 
@@ -57,103 +56,46 @@ def init_process_group(rank, world_size, init_method, device, timeout_s):
                             timeout=timedelta(seconds=timeout_s), **kwargs)
 
 
-def _shard(t, dim, rank, world_size):
-    """The rank's contiguous 1/world_size slice of `t` along `dim`, as its own tensor."""
-    size = t.shape[dim] // world_size
-    return t.narrow(dim, rank * size, size).clone()
+def _checkpoint_view(model):
+    """{HF checkpoint name: tensor} views of a loaded whole (tp_size 1) model: the merged qkv_proj and
+    gate_up_proj split back into their parts."""
+    from pagedattn.models.qwen2 import checkpoint_shapes
 
-
-class ColumnParallelLinear(nn.Linear):
-    """y_r = x @ W_r.T + b_r: this rank's slice of the output features, no communication."""
-
-
-class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_r @ W_r.T) + b: x_r is this rank's slice of the input features [T, in/P]."""
-
-    def __init__(self, weight, bias, group=None):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)          # (out, in/P)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.group = group
-
-    def forward(self, x):                                                  # (T, in/P) -> (T, out)
-        y = F.linear(x, self.weight)
-        dist.all_reduce(y, group=self.group)
-        return y if self.bias is None else y + self.bias
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Rows [start, start + V/P) of the embedding; ids outside give zeros, the all-reduce fills them in."""
-
-    def __init__(self, weight, start, group=None):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)          # (V/P, hidden)
-        self.start, self.group = start, group
-
-    def forward(self, ids):                                                # (T,) int64 -> (T, hidden)
-        local = ids - self.start
-        inside = (local >= 0) & (local < self.weight.shape[0])             # (T,)
-        x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
-        x = x * inside[:, None].to(x.dtype)                                # exact zeros elsewhere
-        dist.all_reduce(x, group=self.group)                               # one rank contributes each row
-        return x
-
-
-class ParallelLMHead(nn.Module):
-    """Logits of this rank's vocab slice [N, V/P], all-gathered into [N, V] on every rank."""
-
-    def __init__(self, weight, world_size, group=None):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)          # (V/P, hidden)
-        self.world_size, self.group = world_size, group
-
-    def forward(self, hidden):                                             # (N, hidden) -> (N, V)
-        local = F.linear(hidden, self.weight).contiguous()                 # (N, V/P)
-        parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(parts, local, group=self.group)
-        return torch.cat(parts, dim=-1)                                    # rank order = vocab order
-
-
-def _column(linear, rank, world_size):
-    out = ColumnParallelLinear(linear.in_features, linear.out_features // world_size,
-                               bias=linear.bias is not None, device="meta")
-    out.weight = nn.Parameter(_shard(linear.weight, 0, rank, world_size), requires_grad=False)
-    if linear.bias is not None:
-        out.bias = nn.Parameter(_shard(linear.bias, 0, rank, world_size), requires_grad=False)
-    return out
-
-
-def _row(linear, rank, world_size, group):
-    bias = None if linear.bias is None else linear.bias.detach().clone()  # added once, after the sum
-    return RowParallelLinear(_shard(linear.weight, 1, rank, world_size), bias, group)
+    c = model.config
+    params = dict(model.named_parameters())
+    parts = {"qkv_proj": [c.num_attention_heads * c.head_dim] + [c.num_key_value_heads * c.head_dim] * 2,
+             "gate_up_proj": [c.intermediate_size] * 2}
+    index = {"q": 0, "k": 1, "v": 2, 0: 0, 1: 1}
+    tensors = {}
+    for name in checkpoint_shapes(c):
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, proj = module_path.rpartition(".")
+        if proj in model.packed_modules_mapping:
+            merged, shard = model.packed_modules_mapping[proj]
+            tensors[name] = params[f"{parent}.{merged}.{leaf}"].split(parts[merged])[index[shard]]
+        else:
+            tensors[name] = params[name]
+    return tensors
 
 
 @torch.no_grad()
-def shard_qwen2(model, rank, world_size, group=None):
-    """Turn a loaded (full) Qwen2ForCausalLM into rank `rank`'s shard, in place; returns it.
+def shard_qwen2(model, rank, world_size):
+    """Turn a loaded whole Qwen2ForCausalLM into rank `rank`'s shard of `world_size`, in place; returns it.
 
-    The full weights are sliced and dropped, so peak memory is one full model per rank while loading.
-    Every rank of `group` (default: the default process group of world_size ranks) must run the
-    sharded model's forward and compute_logits together, since they communicate.
+    Superseded by loading the shard directly (load_model(..., tp_rank=rank, tp_size=world_size)), which never
+    holds the whole model; kept until every caller has moved. Every rank of the default process group must
+    run the sharded model's forward and compute_logits together, since they communicate.
     """
+    from pagedattn.models.loader import build_model, load_weights
+
     config = model.config
     check_tensor_parallel_size(config, world_size)
     if world_size == 1:
         return model
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.q_proj, attn.k_proj, attn.v_proj = (_column(m, rank, world_size)
-                                                 for m in (attn.q_proj, attn.k_proj, attn.v_proj))
-        attn.o_proj = _row(attn.o_proj, rank, world_size, group)
-        attn.num_heads //= world_size                      # the views in Qwen2Attention.forward follow
-        attn.num_kv_heads //= world_size
-        mlp.gate_proj, mlp.up_proj = _column(mlp.gate_proj, rank, world_size), _column(mlp.up_proj, rank, world_size)
-        mlp.down_proj = _row(mlp.down_proj, rank, world_size, group)
-    vocab_per_rank = config.vocab_size // world_size
-    embed = model.model.embed_tokens.weight
-    lm_head = model.lm_head.weight                         # the same tensor when tie_word_embeddings
-    model.model.embed_tokens = VocabParallelEmbedding(_shard(embed, 0, rank, world_size),
-                                                      rank * vocab_per_rank, group)
-    model.lm_head = ParallelLMHead(_shard(lm_head, 0, rank, world_size), world_size, group)
-    model.tensor_parallel = (rank, world_size)
-    return model
+    param = next(model.parameters())
+    shard = build_model(config, param.device, param.dtype, model.attn_backend, rank, world_size)
+    load_weights(shard, _checkpoint_view(model))
+    model.model, model.lm_head = shard.model, shard.lm_head
+    model.tp_rank, model.tp_size = rank, world_size
+    model.attn_backend = model.attn_backend            # hand the backend to the new layers
+    return model.eval().requires_grad_(False)

@@ -1,10 +1,20 @@
-"""Load a Hugging Face Qwen2 checkpoint directory into pagedattn's Qwen2ForCausalLM.
+"""Load a Hugging Face Qwen2 checkpoint directory into pagedattn's Qwen2ForCausalLM (or one rank's shard).
 
 Reads config.json and the safetensors files (one file, several, or a sharded
-model.safetensors.index.json) with the safetensors library, checks every tensor's name and shape
-against the model, and assigns them; HF's own model classes are never used. Every problem is a
-ModelLoadError that names the file or tensor at fault.
+model.safetensors.index.json) with the safetensors library and checks every tensor's name and shape
+against the config; HF's own model classes are never used. Every problem is a ModelLoadError that names
+the file or tensor at fault.
+
+The checkpoint stays in HF's layout; the model's layout differs in two ways, resolved tensor by tensor:
+
+    q_proj, k_proj, v_proj (weight, bias)  ->  rows of self_attn.qkv_proj   (packed_modules_mapping)
+    gate_proj, up_proj                     ->  rows of mlp.gate_up_proj
+    every column/row/vocab-parallel layer  ->  only rank tp_rank's slice (pagedattn/layers/linear.py)
+
+Each checkpoint tensor is opened as a safetensors slice and handed to its layer's `weight_loader`, which
+reads only the rows (or columns) its rank keeps, so a rank never holds more than its shard.
 """
+import contextlib
 import glob
 import json
 import os
@@ -13,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from pagedattn.errors import ModelLoadError
-from pagedattn.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from pagedattn.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, checkpoint_shapes
 
 
 def read_config(path):
@@ -52,36 +62,83 @@ def _tensor_files(path):
     return where
 
 
-def load_model(path, device="cpu", dtype=torch.float32, attn_backend="auto"):
-    """Build Qwen2ForCausalLM from a HF checkpoint directory.
+def _target(model, name):
+    """Checkpoint tensor name -> (owning module, its parameter, shard id or None)."""
+    module_path, _, leaf = name.rpartition(".")                  # e.g. model.layers.0.self_attn.q_proj, weight
+    parent, _, proj = module_path.rpartition(".")
+    shard = None
+    if proj in model.packed_modules_mapping:
+        proj, shard = model.packed_modules_mapping[proj]
+        module_path = f"{parent}.{proj}"
+    module = model.get_submodule(module_path)
+    return module, getattr(module, leaf), shard
 
-    path: directory with config.json and *.safetensors. device: "cpu", "cuda", ... dtype: parameter dtype.
-    attn_backend: "auto" / "torch" / "numba" or a backend object (see pagedattn.layers.attention.get_backend).
+
+def load_weights(model, tensors):
+    """Fill model's parameters from checkpoint tensors, rank slices only.
+
+    model: Qwen2ForCausalLM (any tp_rank / tp_size). tensors: {HF tensor name: torch tensor or safetensors
+    slice} with every name of checkpoint_shapes(model.config), of those shapes (checked by the caller).
+    """
+    for name, loaded in tensors.items():
+        module, param, shard = _target(model, name)
+        loader = getattr(module, "weight_loader", None)
+        if loader is None:                                       # norms: the whole tensor on every rank
+            param.data.copy_(loaded[:])
+        elif shard is None:
+            loader(param, loaded)
+        else:
+            loader(param, loaded, shard)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    """Parameters are created in `dtype` (torch.empty: no initialisation, filled by the loader)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(config, device="cpu", dtype=torch.float32, attn_backend="auto", tp_rank=0, tp_size=1):
+    """An unloaded Qwen2ForCausalLM (rank tp_rank of tp_size) with uninitialised parameters on `device`."""
+    with _default_dtype(dtype), torch.device(device):
+        return Qwen2ForCausalLM(config, attn_backend, tp_rank, tp_size)
+
+
+def load_model(path, device="cpu", dtype=torch.float32, attn_backend="auto", tp_rank=0, tp_size=1):
+    """Build Qwen2ForCausalLM from a HF checkpoint directory: the whole model, or rank tp_rank's shard.
+
+    path: directory with config.json and *.safetensors. device: "cpu", "cuda", "cuda:1", ... dtype: parameter
+    dtype. attn_backend: "auto" / "torch" / "numba" or a backend object (pagedattn.layers.attention).
+    tp_rank, tp_size: tensor-parallel position; the ranks' forwards all-reduce on the default process group,
+    so with tp_size > 1 every rank must run each forward together.
     Returns (model in eval mode on `device`, parameters frozen, Qwen2Config).
     """
+    from pagedattn.distributed.parallel import check_tensor_parallel_size
+
     path = os.fspath(path)
     config = read_config(path)
+    check_tensor_parallel_size(config, tp_size)
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank={tp_rank} must lie in [0, tp_size={tp_size})")
     where = _tensor_files(path)
-    with torch.device("meta"):  # shapes only: no memory, no random init
-        model = Qwen2ForCausalLM(config, attn_backend)
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # tied lm_head appears once
+    expected = checkpoint_shapes(config)
     by_file = {}
     for name in expected:
         if name not in where:
             raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint in {path!r}")
         by_file.setdefault(where[name], []).append(name)
-    state = {}
+    model = build_model(config, device, dtype, attn_backend, tp_rank, tp_size)
     for file, names in by_file.items():
         with safe_open(file, framework="pt", device="cpu") as f:
-            for name in names:
-                shape = tuple(f.get_slice(name).get_shape())
+            slices = {name: f.get_slice(name) for name in names}
+            for name, sl in slices.items():
+                shape = tuple(sl.get_shape())
                 if shape != expected[name]:
                     raise ModelLoadError(f"tensor {name!r} in {os.path.basename(file)!r} has shape {shape}, "
                                          f"the config expects {expected[name]}")
-                state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
-    assert not still_meta, f"parameters left unloaded: {still_meta}"
+            load_weights(model, slices)
     return model.eval().requires_grad_(False), config  # inference only: no autograd graphs

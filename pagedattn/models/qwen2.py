@@ -1,21 +1,41 @@
-"""Qwen2 decoder (Qwen2 / Qwen2.5 checkpoints) in torch ops, attending over the paged KV cache.
+"""Qwen2 decoder (Qwen2 / Qwen2.5 checkpoints) on the paged KV cache, nano-vllm style.
 
 One forward call processes one engine step: a flat batch of T tokens (prefill chunks first, then one
 token per decoding sequence) described by AttentionMetadata. There is no batch dimension and no
 padding: every projection, norm and MLP is a row-wise op on [T, hidden]; only attention needs to know
 which tokens belong to which sequence, and the backend reads that from the metadata.
 
-Module and parameter names mirror Hugging Face's (model.layers.0.self_attn.q_proj.weight, ...), so a
-checkpoint's safetensors load without renaming.
+A decoder layer, and the kernels of a decode step with the numba backend on fp16/bf16 (~9 per layer):
+
+    x, residual = input_layernorm(x, residual)      fused residual add + RMSNorm           1 kernel
+    qkv = qkv_proj(x)                               q, k, v in one GEMM (+ bias)            1 GEMM
+    q = rotary + KV-cache write                     k, v rotated/copied into the pool       1 kernel
+    o = attention over the pool                     paged decode (or prefill) kernel        1-2
+    x = o_proj(o)                                                                           1 GEMM
+    x, residual = post_attention_layernorm(x, residual)                                     1 kernel
+    x = down_proj(silu_and_mul(gate_up_proj(x)))    gate and up in one GEMM                 3
+
+With the torch backend, on CPU or in float32 the same layers run as torch ops with the same math.
+Tensor parallelism: built for rank tp_rank of tp_size (pagedattn/layers/linear.py); the checkpoint stays
+Hugging Face's (q_proj / k_proj / v_proj and gate_proj / up_proj are merged at load time:
+`packed_modules_mapping`, pagedattn/models/loader.py).
 """
 from dataclasses import MISSING, dataclass, fields
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedattn.layers.attention import get_backend
 from pagedattn.errors import ModelLoadError
+from pagedattn.layers.activation import SiluAndMul
+from pagedattn.layers.attention import get_backend
+from pagedattn.layers.linear import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from pagedattn.layers.norm import RMSNorm
+from pagedattn.layers.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -76,116 +96,147 @@ class Qwen2Config:
         return cls(**kwargs)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):                                                   # x: (T, hidden)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def rotary_cos_sin(positions, head_dim, theta):
-    """cos, sin: [T, head_dim] float32 for integer positions [T] (computed in float32, like HF)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]                 # (T, head_dim/2)
-    emb = torch.cat((freqs, freqs), dim=-1)                                 # (T, head_dim)
-    return emb.cos(), emb.sin()
-
-
-def apply_rotary(x, cos, sin):
-    """x: [T, heads, head_dim]; rotates the two halves of each head by the position's angles."""
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)          # (T, 1, head_dim)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def checkpoint_shapes(config):
+    """{tensor name: shape} of a Hugging Face Qwen2 checkpoint with this config (unsharded, unmerged)."""
+    H, Hkv, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    E, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    shapes = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (E,), p + "post_attention_layernorm.weight": (E,),
+            p + "self_attn.q_proj.weight": (H * D, E), p + "self_attn.q_proj.bias": (H * D,),
+            p + "self_attn.k_proj.weight": (Hkv * D, E), p + "self_attn.k_proj.bias": (Hkv * D,),
+            p + "self_attn.v_proj.weight": (Hkv * D, E), p + "self_attn.v_proj.bias": (Hkv * D,),
+            p + "self_attn.o_proj.weight": (E, H * D),
+            p + "mlp.gate_proj.weight": (I, E), p + "mlp.up_proj.weight": (I, E), p + "mlp.down_proj.weight": (E, I),
+        })
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, E)
+    return shapes
 
 
 class Qwen2Attention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, rotary_emb, tp_rank=0, tp_size=1):
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, H * D, bias=True)
-        self.k_proj = nn.Linear(config.hidden_size, Hkv * D, bias=True)
-        self.v_proj = nn.Linear(config.hidden_size, Hkv * D, bias=True)
-        self.o_proj = nn.Linear(H * D, config.hidden_size, bias=False)
+        D = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, D, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=True, tp_rank=tp_rank, tp_size=tp_size)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, D
+        self.o_proj = RowParallelLinear(config.num_attention_heads * D, config.hidden_size, bias=False,
+                                        tp_rank=tp_rank, tp_size=tp_size)
+        self.rotary_emb = rotary_emb                     # shared by every layer (one cos/sin cache)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, attn_metadata, backend):
-        T = x.shape[0]                                                      # x: (T, hidden)
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)          # (T, H, D)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)       # (T, Hkv, D)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)       # (T, Hkv, D)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = backend(q, k, v, k_cache, v_cache, attn_metadata)               # (T, H, D), K/V now cached
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))   # (T, hidden)
+    def forward(self, positions, x, k_cache, v_cache, attn_metadata, backend):
+        T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim    # x: (T, hidden)
+        qkv = self.qkv_proj(x)                                              # (T, (H + 2 Hkv) D)
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)     # views into qkv
+        if self.rotary_emb.kernel_ok and backend.fused(qkv):
+            # one kernel: q rotated into a contiguous buffer, k rotated and v copied into the pool
+            q = self.rotary_emb.rotate_and_cache(positions, q, k, v, k_cache, v_cache, attn_metadata.slot_mapping,
+                                                 validate=backend.validate)          # (T, H, D)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
+            backend.write(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+        o = backend.attend(q, k_cache, v_cache, attn_metadata)              # (T, H, D)
+        return self.o_proj(o.view(T, H * D))                                # (T, hidden)
 
 
 class Qwen2MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp_rank=0, tp_size=1):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        I = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [I, I], bias=False,
+                                                       tp_rank=tp_rank, tp_size=tp_size)
+        self.act_fn = SiluAndMul(I // tp_size)
+        self.down_proj = RowParallelLinear(I, config.hidden_size, bias=False, tp_rank=tp_rank, tp_size=tp_size)
 
     def forward(self, x):                                                   # SwiGLU: (T, hidden) -> (T, hidden)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))           # via (T, 2 I/P) and (T, I/P)
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, rotary_emb, tp_rank=0, tp_size=1):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Qwen2Attention(config)
+        self.self_attn = Qwen2Attention(config, rotary_emb, tp_rank, tp_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = Qwen2MLP(config)
+        self.mlp = Qwen2MLP(config, tp_rank, tp_size)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, attn_metadata, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, attn_metadata, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, residual, k_cache, v_cache, attn_metadata, backend):
+        """x: (T, hidden), the previous layer's output; residual: the residual stream before it (None in
+        the first layer, whose input x is the embedding). Returns this layer's (output, residual stream)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, k_cache, v_cache, attn_metadata, backend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp_rank=0, tp_size=1):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Qwen2DecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.layers = nn.ModuleList([Qwen2DecoderLayer(config, self.rotary_emb, tp_rank, tp_size)
+                                     for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class Qwen2ForCausalLM(nn.Module):
-    """Qwen2 on the paged KV cache.
+    """Qwen2 on the paged KV cache (rank tp_rank of tp_size under tensor parallelism).
 
     config: Qwen2Config. attn_backend: a backend object, or "auto" / "torch" / "numba" (resolved for the
-    device of the first forward's inputs; see pagedattn.layers.attention.get_backend).
+    device of the first forward's inputs; see pagedattn.layers.attention.get_backend). The backend also
+    decides where the glue kernels run (its `fused(x)`): assigning model.attn_backend hands it to every
+    norm, rotary and activation layer. Parameters are created uninitialised: load them
+    (pagedattn.models.loader.load_model).
     """
 
-    def __init__(self, config, attn_backend="auto"):
+    # checkpoint name -> (parameter name, shard id) for the weights merged at load time
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, attn_backend="auto", tp_rank=0, tp_size=1):
         super().__init__()
-        self.config = config
-        self.model = Qwen2Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.config, self.tp_rank, self.tp_size = config, tp_rank, tp_size
+        self.model = Qwen2Model(config, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.attn_backend = attn_backend
 
+    @property
+    def attn_backend(self):
+        return self._attn_backend
+
+    @attn_backend.setter
+    def attn_backend(self, backend):
+        self._attn_backend = backend
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, SiluAndMul)):
+                m.backend = None if isinstance(backend, str) else backend
+
     def forward(self, input_ids, positions, kv_cache, attn_metadata):
         """One step.
 
-        input_ids: [T] int64 token ids; positions: [T] int64, each token's position in its sequence.
+        input_ids: [T] int32/int64 token ids; positions: [T] int32/int64, each token's position in its sequence.
         kv_cache: KVCache with one pool per layer (written at attn_metadata.slot_mapping).
         attn_metadata: AttentionMetadata of the step. Returns the final-normed hidden states [T, hidden].
         """
         if isinstance(self.attn_backend, str):
             self.attn_backend = get_backend(self.attn_backend, input_ids.device)
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)  # (T, D) each
-        x = self.model.embed_tokens(input_ids)                              # (T, hidden)
+        backend = self.attn_backend
+        x, residual = self.model.embed_tokens(input_ids), None                  # (T, hidden)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_cache.k_caches[i], kv_cache.v_caches[i], attn_metadata, self.attn_backend)
-        return self.model.norm(x)
+            x, residual = layer(positions, x, residual, kv_cache.k_caches[i], kv_cache.v_caches[i], attn_metadata,
+                                backend)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden):
         """hidden: [N, hidden] (usually the last token of each sequence) -> [N, vocab] float32."""
