@@ -16,7 +16,9 @@ itself) can read:
 
 <cache> is $PAGEDATTN_CACHE_DIR, else ~/.cache/pagedattn. The directory is built under a temporary
 name and renamed into place, so a half-written one is never used; once the marker is there, later
-calls return at once without re-hashing the 491 MB.
+calls return at once without re-hashing the 491 MB. The conversion runs under an exclusive file lock
+(<cache>/.qwen2.5-coder-0.5b-instruct.lock), so two first runs started together convert once: the
+second waits, then uses the first one's directory. Each step prints a progress line on stderr.
 
 Why float32: Q4_K/Q6_K weights dequantise to q * (d * scale) - (dmin * min) with fp16 super-block
 factors and 6-bit sub-block scales; those products need more mantissa bits than fp16 (11) or bf16 (8)
@@ -24,13 +26,20 @@ have. Measured on this GGUF: only 121 of the 291 dequantised tensors survive a r
 and 73 through bf16 (e.g. q_proj weights move by up to 4e-3 in bf16), so float32 is the narrowest
 dtype that keeps every value exactly (2.5 GB on disk). load_model can still cast at load time.
 """
+import contextlib
 import hashlib
 import importlib.metadata
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
+
+try:
+    import fcntl
+except ImportError:            # Windows: no flock (see _conversion_lock)
+    fcntl = None
 
 from pagedattn.errors import ModelLoadError
 
@@ -135,6 +144,7 @@ def convert_gguf(gguf_dir, gguf_file, out_dir):
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _say("  [3/4] dequantising the GGUF to float32 (the longest step) ...")
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
     config = model.config.to_dict()
@@ -142,6 +152,7 @@ def convert_gguf(gguf_dir, gguf_file, out_dir):
         raise ModelLoadError(f"the bundled GGUF holds model_type {config.get('model_type')!r}, expected 'qwen2'")
     tied = config.get("tie_word_embeddings", False)
     # HF refuses save_pretrained on a model loaded from GGUF, so write the dequantised tensors ourselves.
+    _say("  [4/4] writing model.safetensors (float32, 2.5 GB), config and tokenizer ...")
     state = {name: t.detach().contiguous() for name, t in model.state_dict().items()
              if not (tied and name == "lm_head.weight")}
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
@@ -155,39 +166,76 @@ def convert_gguf(gguf_dir, gguf_file, out_dir):
     return config
 
 
+def _say(message):
+    """Progress of the one-time conversion, on stderr (stdout stays the caller's)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _conversion_lock(root):
+    """Hold an exclusive flock on <root>/.<MODEL_NAME>.lock; says so when another process holds it.
+
+    The lock file stays (deleting it would let a third process lock a new file while the second still
+    waits on the old one). Without fcntl (Windows) there is no lock: the atomic rename still keeps a
+    finished directory intact, at the cost of a second conversion.
+    """
+    if fcntl is None:
+        yield
+        return
+    with open(os.path.join(root, f".{MODEL_NAME}.lock"), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"pagedattn: another process is converting the bundled model; waiting for it (lock {f.name}) ...")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def bundled_model_path(cache_dir=None):
     """The converted bundled model's directory, converting it on first use (about a minute on 2 cores).
 
     cache_dir: where to keep it (default $PAGEDATTN_CACHE_DIR, else ~/.cache/pagedattn).
     Raises ModelLoadError (with the pip command to run) when a piece is missing or corrupt.
+
+    Concurrent first runs convert once: the conversion holds a file lock in the cache directory, and a
+    process that waited for it finds the finished directory and uses it. A finished directory (its
+    marker names this GGUF's hash) is never replaced; a half-written one from an interrupted run is.
+    Progress goes to stderr.
     """
     root = os.fspath(cache_dir) if cache_dir else cache_root()
     target = os.path.join(root, MODEL_NAME)
     if is_converted(target):
         return target
-    paths = verify_parts()
     os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=root)
-    try:
+    with _conversion_lock(root):
+        if is_converted(target):                  # converted by the process we waited for
+            _say(f"pagedattn: using the bundled model converted by another process: {target}")
+            return target
+        _say(f"pagedattn: converting the bundled model once (about a minute), into {target}")
         start = time.perf_counter()
-        gguf_dir = os.path.join(tmp, "gguf")
-        os.makedirs(gguf_dir)
-        join_parts(paths, os.path.join(gguf_dir, "model.gguf"))
-        out_dir = os.path.join(tmp, "model")
-        os.makedirs(out_dir)
-        convert_gguf(gguf_dir, "model.gguf", out_dir)
-        shutil.rmtree(gguf_dir)
-        marker = {"gguf_sha256": GGUF_SHA256, "dtype": "float32", "source": [p[0] + "==" + VERSION for p in PARTS],
-                  "conversion_seconds": round(time.perf_counter() - start, 1)}
-        with open(os.path.join(out_dir, MARKER), "w") as f:
-            json.dump(marker, f, indent=2)
-        if os.path.exists(target):  # a stale or half-written directory from an older run: move it aside
-            os.rename(target, os.path.join(tmp, "stale"))
+        tmp = tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=root)
         try:
-            os.rename(out_dir, target)
-        except OSError:
-            if not is_converted(target):  # another process finished first: use theirs, else fail loudly
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            _say(f"  [1/4] hashing the six pieces ({GGUF_SIZE / 1e6:.0f} MB) ...")
+            paths = verify_parts()
+            gguf_dir = os.path.join(tmp, "gguf")
+            os.makedirs(gguf_dir)
+            _say("  [2/4] joining them into one GGUF file ...")
+            join_parts(paths, os.path.join(gguf_dir, "model.gguf"))
+            out_dir = os.path.join(tmp, "model")
+            os.makedirs(out_dir)
+            convert_gguf(gguf_dir, "model.gguf", out_dir)      # says [3/4] and [4/4]
+            shutil.rmtree(gguf_dir)
+            marker = {"gguf_sha256": GGUF_SHA256, "dtype": "float32", "source": [p[0] + "==" + VERSION for p in PARTS],
+                      "conversion_seconds": round(time.perf_counter() - start, 1)}
+            with open(os.path.join(out_dir, MARKER), "w") as f:
+                json.dump(marker, f, indent=2)
+            if os.path.exists(target):      # half-written by an interrupted run (a finished one returned above)
+                os.rename(target, os.path.join(tmp, "stale"))
+            os.rename(out_dir, target)      # fails rather than replace a directory that is not empty
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _say(f"pagedattn: bundled model ready in {time.perf_counter() - start:.0f} s; later runs load it directly")
     return target

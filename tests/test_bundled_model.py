@@ -122,6 +122,14 @@ def test_installed_parts_match_the_pinned_hash():
 # ---------------------------------------------------------------- conversion: atomic, marked, done once
 
 
+LOCK_FILE = f".{bundled.MODEL_NAME}.lock"
+
+
+def cache_listing(cache):
+    """The cache directory's entries besides the conversion lock file (which stays on purpose)."""
+    return sorted(n for n in os.listdir(cache) if n != LOCK_FILE)
+
+
 def fake_convert(gguf_dir, gguf_file, out_dir):
     with open(os.path.join(gguf_dir, gguf_file), "rb") as f:
         data = f.read()
@@ -137,7 +145,7 @@ def test_conversion_is_atomic_and_runs_once(fake_parts, tmp_path, monkeypatch):
     path = bundled.bundled_model_path()
     assert path == str(tmp_path / "cache" / bundled.MODEL_NAME)
     assert json.load(open(os.path.join(path, "config.json")))["gguf_bytes"] == sum(map(len, contents))
-    assert bundled.is_converted(path) and os.listdir(tmp_path / "cache") == [bundled.MODEL_NAME]  # no tmp left
+    assert bundled.is_converted(path) and cache_listing(tmp_path / "cache") == [bundled.MODEL_NAME]  # no tmp left
     assert not os.path.exists(os.path.join(path, "gguf"))
     # Second call: the marker suffices, the pieces are neither located nor hashed again.
     monkeypatch.setattr(bundled, "verify_parts", lambda *a: pytest.fail("re-verified a converted model"))
@@ -152,7 +160,7 @@ def test_half_written_dir_is_replaced(fake_parts, tmp_path, monkeypatch):
     monkeypatch.setattr(bundled, "convert_gguf", fake_convert)
     assert bundled.bundled_model_path(cache) == str(target)
     assert bundled.is_converted(target) and "gguf_bytes" in (target / "config.json").read_text()
-    assert os.listdir(cache) == [bundled.MODEL_NAME]
+    assert cache_listing(cache) == [bundled.MODEL_NAME]
 
 
 def test_failed_conversion_leaves_nothing(fake_parts, tmp_path, monkeypatch):
@@ -163,7 +171,99 @@ def test_failed_conversion_leaves_nothing(fake_parts, tmp_path, monkeypatch):
     monkeypatch.setattr(bundled, "convert_gguf", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         bundled.bundled_model_path(tmp_path / "cache")
-    assert os.listdir(tmp_path / "cache") == []
+    assert cache_listing(tmp_path / "cache") == []
+
+
+# A first run in its own process: fake pieces from a JSON description, a stub converter that logs its
+# pid, announces itself and then waits for the test's go-ahead (so the other process surely finds the lock
+# held), and a final line with the path it got.
+FIRST_RUN = r"""
+import importlib.metadata, json, os, pathlib, sys, time
+from pagedattn import bundled
+spec = json.load(open(sys.argv[1]))
+dists = {name: importlib.metadata.PathDistribution(pathlib.Path(info)) for name, info in spec["dists"].items()}
+bundled._distribution = lambda name: dists[name]
+bundled.PARTS = [tuple(p) for p in spec["parts"]]
+bundled.GGUF_SHA256 = spec["sha"]
+
+def stub_convert(gguf_dir, gguf_file, out_dir):
+    with open(spec["log"], "a") as f:
+        f.write(f"{os.getpid()}\n")
+    open(spec["converting"], "w").close()
+    deadline = time.time() + 60
+    while not os.path.exists(spec["release"]) and time.time() < deadline:
+        time.sleep(0.02)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump({"model_type": "qwen2", "converted_by": os.getpid()}, f)
+
+bundled.convert_gguf = stub_convert
+print("PATH", bundled.bundled_model_path(spec["cache"]), flush=True)
+"""
+
+
+def test_concurrent_first_runs_convert_once(fake_parts, tmp_path):
+    """Two processes start a first run together: one converts, the other waits on the lock and then
+    uses the finished directory, which stays intact; both print the progress / waiting lines."""
+    import subprocess
+    import sys
+    import time
+
+    site, table, _ = fake_parts
+    spec = {"dists": {name: str(next(site.glob(f"{name.replace('-', '_')}-*.dist-info"))) for name, *_ in table},
+            "parts": table, "sha": bundled.GGUF_SHA256, "cache": str(tmp_path / "cache"),
+            "log": str(tmp_path / "conversions.log"), "converting": str(tmp_path / "converting"),
+            "release": str(tmp_path / "release")}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-c", FIRST_RUN, str(tmp_path / "spec.json")]
+
+    def start():
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def wait_for(cond, what, timeout=120):
+        deadline = time.time() + timeout
+        while not cond():
+            assert time.time() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.05)
+
+    first = start()
+    try:
+        wait_for(lambda: os.path.exists(spec["converting"]) or first.poll() is not None, "the first conversion")
+        second = start()
+        try:
+            # The second process reports that it waits before the first may finish.
+            waiting = []
+            for line in second.stderr:
+                waiting.append(line)
+                if "waiting for it" in line:
+                    break
+            assert any("another process is converting the bundled model" in line for line in waiting), waiting
+            open(spec["release"], "w").close()
+            out2, err2 = second.communicate(timeout=120)
+        finally:
+            second.kill()
+        out1, err1 = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 0 and second.returncode == 0, (err1, err2)
+    target = os.path.join(spec["cache"], bundled.MODEL_NAME)
+    assert out1.split() == ["PATH", target] and out2.split() == ["PATH", target]
+    assert "converting the bundled model once (about a minute)" in err1 and "[1/4] hashing" in err1
+    assert "using the bundled model converted by another process" in err2
+    log = (tmp_path / "conversions.log").read_text().split()
+    assert log == [str(first.pid)], f"conversions by {log}, first pid {first.pid}"
+    assert json.load(open(os.path.join(target, "config.json")))["converted_by"] == first.pid
+    assert bundled.is_converted(target) and cache_listing(spec["cache"]) == [bundled.MODEL_NAME]
+
+
+def test_finished_directory_is_never_replaced(fake_parts, tmp_path, monkeypatch):
+    """A finished conversion is returned as is, even when it differs from what a conversion would write."""
+    target = tmp_path / "cache" / bundled.MODEL_NAME
+    target.mkdir(parents=True)
+    (target / "config.json").write_text('{"mine": true}')
+    (target / bundled.MARKER).write_text(json.dumps({"gguf_sha256": bundled.GGUF_SHA256}))
+    monkeypatch.setattr(bundled, "convert_gguf", lambda *a: pytest.fail("converted over a finished directory"))
+    assert bundled.bundled_model_path(tmp_path / "cache") == str(target)
+    assert json.loads((target / "config.json").read_text()) == {"mine": True}
 
 
 def test_marker_must_hold_this_gguf_hash(tmp_path):
@@ -220,11 +320,13 @@ def one_thread():
 
 def test_greedy_matches_hf_generate(bundled_model_dir, hf_and_prompts, one_thread):
     """32 greedy tokens identical to HF generate(do_sample=False) on three chat prompts decoded together
-    through the paged cache; every step's logits within 1e-3 of HF's (float32 on both sides)."""
+    through the paged cache with the CPU default backend (numba CPU kernels); every step's logits within
+    1e-3 of HF's (float32 on both sides)."""
+    from pagedattn.layers.cpu_attention import CpuNumbaBackend
     from pagedattn.models.loader import load_model
 
     tok, hf, prompts = hf_and_prompts
-    model, config = load_model(bundled_model_dir, dtype=torch.float32, attn_backend="torch")
+    model, config = load_model(bundled_model_dir, dtype=torch.float32, attn_backend=CpuNumbaBackend())
     ours, our_logits = PagedRunner(model, config, num_blocks=32, block_size=16).greedy(prompts, MAX_NEW_TOKENS)
     for p, ids in enumerate(prompts):
         with torch.no_grad():
