@@ -447,7 +447,8 @@ print(json.dumps([[sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.va
 @pytest.mark.gpu
 def test_gpu_second_process_loads_kernels_from_disk_cache(tmp_path):
     """cache=True: a second process finds every glue kernel in numba's on-disk cache (no compile)."""
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     runs = []
     for _ in range(2):
         proc = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT], cwd=ROOT, env=env, capture_output=True,
