@@ -29,12 +29,11 @@ Two levels of API:
 import warnings
 
 import torch
-from numba import config, cuda
+from numba import cuda
 
-from kernels_numba.common import check_tensor, torch_stream
+from kernels_numba.bridge import as_array, cached_view, capturing, check_tensor, enable_disk_cache, torch_stream
 from pagedattn.errors import KernelLaunchError
 
-SIMULATOR = bool(config.ENABLE_CUDASIM)
 THREADS = 128  # threads per CTA for both kernels: 4 warps striding over the words to copy
 
 _WORD_DTYPES = (torch.int64, torch.int32, torch.int16)  # widest first
@@ -73,6 +72,10 @@ def _copy_blocks_kernel(caches, block_mapping):
     dst = block_mapping[pair, 1]
     for w in range(cuda.threadIdx.x, cache.shape[1], cuda.blockDim.x):
         cache[dst, w] = cache[src, w]
+
+
+enable_disk_cache(_reshape_and_cache_kernel, ("kernels_numba.cache_ops", "reshape_and_cache"))
+enable_disk_cache(_copy_blocks_kernel, ("kernels_numba.cache_ops", "copy_blocks"))
 
 
 # ----------------------------------------------------------------------------------------
@@ -121,13 +124,6 @@ def _word_view(t):
     raise KernelLaunchError(f"rows of {t.shape[-1]} x {t.element_size()} bytes cannot be copied as words")
 
 
-def _as_array(t):
-    """Zero-copy numba view of a torch tensor: the CPU buffer in the simulator, else device."""
-    if SIMULATOR:
-        return t.numpy()
-    return cuda.as_cuda_array(t)
-
-
 def _check_cache(name, cache):
     check_tensor(name, cache)
     if cache.dim() != 4:
@@ -146,10 +142,6 @@ def _validate_flag(validate, check_bounds):
         return validate
     warnings.warn("check_bounds= is deprecated: use validate=", DeprecationWarning, stacklevel=3)
     return check_bounds
-
-
-def _capturing():
-    return not SIMULATOR and torch.cuda.is_current_stream_capturing()
 
 
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, validate=True, check_bounds=None):
@@ -189,7 +181,7 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, validate=True,
         raise KernelLaunchError(f"slot_mapping.dtype must be int32 or int64, got {slot_mapping.dtype}")
     if key.shape[0] == 0:
         return
-    if validate and not _capturing():
+    if validate and not capturing():
         hi = int(slot_mapping.max())
         if hi >= num_blocks * block_size or int(slot_mapping.min()) < -1:
             raise KernelLaunchError(
@@ -202,8 +194,9 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, validate=True,
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
     kw, vw = _word_view(key), _word_view(value)
     kcw, vcw = k_cache.view(kw.dtype), v_cache.view(vw.dtype)
+    # the pool's views are cached (the same tensors every step); the step's own tensors are not
     launch_reshape_and_cache(
-        _as_array(kw), _as_array(vw), _as_array(kcw), _as_array(vcw), _as_array(slot_mapping), torch_stream()
+        as_array(kw), as_array(vw), cached_view(kcw), cached_view(vcw), as_array(slot_mapping), torch_stream()
     )
 
 
@@ -243,7 +236,7 @@ def copy_blocks(k_caches, v_caches, block_mapping, validate=True, check_bounds=N
         return
     if mapping.dim() != 2 or mapping.shape[1] != 2:
         raise KernelLaunchError(f"block_mapping must be [num_pairs, 2] (src, dst), got {tuple(mapping.shape)}")
-    if validate and not _capturing():
+    if validate and not capturing():
         host = mapping.cpu()
         if int(host.min()) < 0 or int(host.max()) >= num_blocks:
             raise KernelLaunchError(f"block_mapping has block ids outside [0, {num_blocks})")
@@ -254,5 +247,5 @@ def copy_blocks(k_caches, v_caches, block_mapping, validate=True, check_bounds=N
             raise KernelLaunchError("block_mapping has a destination block that is also a source")
     mapping = mapping.to(device).contiguous()
     # each cache as [num_blocks, words_per_block]: a block of one layer is contiguous
-    words = tuple(_as_array(_word_view(c.view(num_blocks, -1))) for c in caches)
-    launch_copy_blocks(words, _as_array(mapping), torch_stream())
+    words = tuple(cached_view(_word_view(c.view(num_blocks, -1))) for c in caches)
+    launch_copy_blocks(words, as_array(mapping), torch_stream())

@@ -28,6 +28,7 @@ Stable API (other kernels import these):
     f32_to_f16(x) -> u16              f32_to_bf16(x) -> u16               (round to nearest even)
     f32x2_to_f16x2(lo, hi) -> u32     f32x2_to_bf16x2(lo, hi) -> u32
     fma_f16x2(a, b, c) -> u32         fma_bf16x2(a, b, c) -> u32          (a*b+c per half)
+    ex2(x) -> f32                     2**x on the SFU (ex2.approx.ftz.f32, one MUFU.EX2; ex2(-inf) = 0)
     warp_sum(x), warp_max(x)          butterfly over 32 lanes with shfl_xor_sync, every lane gets it
     mma_m16n8k16_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)
     mma_m16n8k16_bf16(...)            warp-wide D = A B + C on tensor cores (PTX mma.sync, SASS HMMA):
@@ -38,12 +39,12 @@ Stable API (other kernels import these):
                                       b0 = B[2t:2t+2, group]     b1 = B[2t+8:2t+10, group]
                                       c0, c1 = C[group, 2t], C[group, 2t+1]; c2, c3 = row group+8
 """
-import os
-
 import numpy as np
 from numba import cuda, types
 
-SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+# SIMULATOR and the host helpers live in bridge.py; importing them from here keeps working
+from kernels_numba.bridge import SIMULATOR, check_tensor, torch_stream  # noqa: F401
+
 FULL_MASK = 0xFFFFFFFF
 
 if SIMULATOR:
@@ -149,6 +150,9 @@ if SIMULATOR:
 
     def fma_bf16x2(a, b, c):
         return _fma2(a, b, c, None, f32x2_to_bf16x2)
+
+    def ex2(x):
+        return np.float32(np.exp2(np.float32(x)))
 
 else:
     from llvmlite import ir
@@ -406,6 +410,19 @@ else:
     mma_m16n8k16_f16 = _make_mma("f16")
     mma_m16n8k16_bf16 = _make_mma("bf16")
 
+    @intrinsic
+    def ex2(typingctx, x):
+        """2**x by the SFU (ex2.approx.ftz.f32: one MUFU.EX2, rel. error ~2**-22; ex2(-inf) = 0)."""
+        if not isinstance(x, types.Float):
+            return None
+        sig = types.float32(x)
+
+        def codegen(context, builder, sig, args):
+            xf = context.cast(builder, args[0], sig.args[0], types.float32)
+            return _asm(builder, _f32, [xf], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+
+        return sig, codegen
+
 
 @cuda.jit(device=True)
 def warp_sum(x):
@@ -427,45 +444,3 @@ def warp_max(x):
     x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
     x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
     return x
-
-
-# ----------------------------------------------------------------------------------------
-# Host-side helpers shared by the launchers
-
-_STREAMS = {}  # torch stream handle -> numba external stream
-
-
-def torch_stream(device=None):
-    """The numba stream that wraps torch's current CUDA stream (0 under the simulator).
-
-    Launching on it orders kernels with torch's own work and lets torch.cuda.graph capture them.
-    """
-    if SIMULATOR:
-        return 0
-    import torch
-
-    handle = torch.cuda.current_stream(device).cuda_stream
-    stream = _STREAMS.get(handle)
-    if stream is None:
-        stream = _STREAMS[handle] = cuda.external_stream(handle)
-    return stream
-
-
-def check_tensor(name, t, dim=None, dtypes=None):
-    """Raise KernelLaunchError naming `name` unless t is a torch tensor on the kernels' device
-    (CUDA, or CPU under the simulator) with `dim` dims and a dtype in `dtypes`."""
-    import torch
-
-    from pagedattn.errors import KernelLaunchError
-
-    if not isinstance(t, torch.Tensor):
-        raise KernelLaunchError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if SIMULATOR:
-        if t.device.type != "cpu":
-            raise KernelLaunchError(f"{name} must be a CPU tensor in the CUDA simulator, got {t.device}")
-    elif t.device.type != "cuda":
-        raise KernelLaunchError(f"{name} must be a CUDA tensor, got {t.device}")
-    if dim is not None and t.dim() != dim:
-        raise KernelLaunchError(f"{name} must have {dim} dims, got shape {tuple(t.shape)}")
-    if dtypes is not None and t.dtype not in dtypes:
-        raise KernelLaunchError(f"{name}.dtype must be one of {[str(d) for d in dtypes]}, got {t.dtype}")

@@ -50,11 +50,10 @@ import numpy as np
 import torch
 from numba import cuda, float32
 
-from kernels_numba import common
-from kernels_numba.common import check_tensor, torch_stream
+from kernels_numba import bridge, common
+from kernels_numba.bridge import check_tensor, torch_stream
 from pagedattn.errors import KernelLaunchError
 
-SIMULATOR = common.SIMULATOR
 THREADS = 128
 V1_BN = 32  # v1: keys per KV tile
 HEAD_DIMS = (64, 128)
@@ -284,89 +283,12 @@ def _build_v1(head_dim, kind):
 #   C, D 16x8 fp32, 4 values:                  c0, c1 = C[g, 2t:2t+2], c2, c3 = C[g+8, 2t:2t+2]
 # The C layout of two adjacent n-tiles is the A layout of one k-step: that is how the
 # probabilities P go from the S = Q K^T mma into the O += P V mma without touching memory.
+# (common.mma_m16n8k16_*: inline PTX on the GPU, a numpy product of the warp's pooled fragments
+# in the simulator; common.ex2: ex2.approx.ftz.f32.)
 
-if SIMULATOR:
-    from kernels_numba import simulator as _sim
-
-    # where each lane's A / B halves sit in the 16x16 / 16x8 operand (lane, word, half -> row, col)
-    _lane = np.arange(32)[:, None, None]
-    _g, _t = _lane // 4, _lane % 4
-    _half = np.arange(2)[None, None, :]
-    _word = np.arange(4)[None, :, None]
-    _A_ROW = np.broadcast_to(_g + 8 * (_word % 2), (32, 4, 2)).ravel()
-    _A_COL = np.broadcast_to(2 * _t + 8 * (_word // 2) + _half, (32, 4, 2)).ravel()
-    _word2 = np.arange(2)[None, :, None]
-    _B_ROW = np.broadcast_to(2 * _t + 8 * _word2 + _half, (32, 2, 2)).ravel()
-    _B_COL = np.broadcast_to(_g, (32, 2, 2)).ravel()
-
-    def _halves_to_f64(words, bf16):
-        h = np.asarray(words, dtype=np.uint32).view(np.uint16)  # little endian: lo half first
-        if bf16:
-            return (h.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-        return h.view(np.float16).astype(np.float64)
-
-    def _make_mma(bf16):
-        def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-            # the warp meets (the simulator runs its 32 lanes as threads), pools its fragments,
-            # and every lane computes its own four outputs: exact products, one fp32 rounding
-            state, lane = _sim._warp()
-            state.slots[lane] = (a0, a1, a2, a3, b0, b1)
-            state.barrier.wait()
-            frags = np.array([[int(x) for x in f] for f in state.slots], dtype=np.uint32)  # (32, 6)
-            state.barrier.wait()
-            a = np.zeros((16, 16))
-            b = np.zeros((16, 8))
-            a[_A_ROW, _A_COL] = _halves_to_f64(frags[:, :4].copy(), bf16).ravel()
-            b[_B_ROW, _B_COL] = _halves_to_f64(frags[:, 4:].copy(), bf16).ravel()
-            g, t = lane // 4, lane % 4
-            d = a[[g, g + 8]] @ b[:, 2 * t : 2 * t + 2]  # (2, 2)
-            return (np.float32(d[0, 0] + c0), np.float32(d[0, 1] + c1),
-                    np.float32(d[1, 0] + c2), np.float32(d[1, 1] + c3))
-
-        return mma
-
-    def ex2(x):
-        return np.float32(np.exp2(np.float32(x)))
-
-else:
-    from llvmlite import ir
-    from numba.core import types
-    from numba.cuda.extending import intrinsic
-
-    def _make_mma(bf16):
-        ab = "bf16" if bf16 else "f16"
-        asm = (f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 "
-               "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
-
-        @intrinsic
-        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-            sig = types.UniTuple(types.float32, 4)(types.uint32, types.uint32, types.uint32, types.uint32,
-                                                   types.uint32, types.uint32, types.float32, types.float32,
-                                                   types.float32, types.float32)
-
-            def codegen(context, builder, sig_, args):
-                f32, i32 = ir.FloatType(), ir.IntType(32)
-                fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
-                res = builder.call(ir.InlineAsm(fnty, asm, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f"), args)
-                return context.make_tuple(builder, sig_.return_type, [builder.extract_value(res, i) for i in range(4)])
-
-            return sig, codegen
-
-        return mma
-
-    @intrinsic
-    def ex2(typingctx, x):
-        """2**x by the SFU (ex2.approx.ftz.f32: one MUFU.EX2, rel. error ~2**-22; ex2(-inf) = 0)."""
-        sig = types.float32(types.float32)
-
-        def codegen(context, builder, sig_, args):
-            f32 = ir.FloatType()
-            return builder.call(ir.InlineAsm(ir.FunctionType(f32, [f32]), "ex2.approx.ftz.f32 $0, $1;", "=f,f"), args)
-
-        return sig, codegen
-
-mma_f16 = _make_mma(False)
-mma_bf16 = _make_mma(True)
+mma_f16 = common.mma_m16n8k16_f16
+mma_bf16 = common.mma_m16n8k16_bf16
+ex2 = common.ex2
 
 
 def _build_v2(head_dim, kind, fixed_block_size=0, fast_exp=False):
@@ -607,7 +529,7 @@ def get_kernel(head_dim, kind, version=DEFAULT_VERSION, block_size=16):
         key = (version, head_dim, kind)
         build = lambda: VERSIONS[version](head_dim, kind)  # noqa: E731
     if key not in _KERNELS:
-        _KERNELS[key] = build()
+        _KERNELS[key] = bridge.enable_disk_cache(build(), ("kernels_numba.paged_prefill",) + key)
     return _KERNELS[key]
 
 
@@ -647,12 +569,7 @@ def _flat_words(name, t):
     """1-D uint32 view of a contiguous fp16/bf16 tensor, 16-byte aligned (for 128-bit loads)."""
     if t.data_ptr() % 16 != 0:
         raise KernelLaunchError(f"{name} must be 16-byte aligned for 128-bit loads")
-    words = t.view(-1).view(torch.int32)
-    return words.numpy().view(np.uint32) if SIMULATOR else cuda.as_cuda_array(words).view(np.uint32)
-
-
-def _as_array(t):
-    return t.numpy() if SIMULATOR else cuda.as_cuda_array(t)
+    return bridge.as_array(t, "uint32", flat=True)
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
@@ -740,8 +657,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     stream = torch_stream()
     launch_paged_prefill(
         _flat_words("q", q_c), _flat_words("k_cache", k_cache), _flat_words("v_cache", v_cache),
-        _as_array(block_tables.contiguous()), _as_array(cu_seqlens_q.contiguous()),
-        _as_array(context_lens.contiguous()), _flat_words("out", target),
+        bridge.as_array(block_tables.contiguous()), bridge.as_array(cu_seqlens_q.contiguous()),
+        bridge.as_array(context_lens.contiguous()), _flat_words("out", target),
         num_heads, num_kv_heads, head_dim, block_size, scale, DTYPES[q.dtype], stream, version,
     )
     if target is not out:

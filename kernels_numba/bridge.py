@@ -1,0 +1,283 @@
+"""The one bridge between torch tensors and numba kernels: views, streams, scratch, device facts.
+
+Every torch entry point of kernels_numba launches through these helpers:
+
+    SIMULATOR                         True under NUMBA_ENABLE_CUDASIM=1 (CPU tensors, numpy views)
+    torch_stream(device=None)         the numba stream wrapping torch's current CUDA stream (0 in the
+                                      simulator): kernels run in order with torch's own work and can be
+                                      captured by torch.cuda.graph
+    device_guard(device)              context manager: `device` is the current CUDA device inside
+    capturing()                       True while torch captures a CUDA graph on the current stream
+    check_tensor(name, t, dim, dtypes)  KernelLaunchError naming `name` unless t is a tensor on the
+                                      kernels' device with that rank and one of those dtypes
+    as_array(t, dtype=None, flat=False)   zero-copy numba view of t (numpy under the simulator),
+                                      reinterpreted as "int16" / "int32" / "uint32" bits, flattened
+    cached_view(t, dtype=None, flat=False)  the same, cached by (address, shape, dtype, device, view):
+                                      wrapping costs tens of microseconds per tensor, and the pool, the
+                                      block tables and the engine's static buffers are the same tensors
+                                      call after call (the cache keeps them alive; clear_caches drops it)
+    scratch(device, shape, dtype=np.float32, zero=False)  a persistent buffer per (device, stream,
+                                      shape, dtype): launches on one stream run in order, so reusing it
+                                      is safe, also inside a captured graph. zero=True: zero-filled once
+                                      when first made (kernels that need it zero leave it zero)
+    num_sms(device)                   streaming multiprocessors of the device (132 on an H200)
+    allow_dynamic_smem(kernel, args, nbytes)  lets a kernel take more than 48 KiB of dynamic shared memory
+    clear_caches()                    drop the cached views and scratch buffers
+    disk_cached(factory)              decorator for a kernel factory: the kernels it builds keep their
+                                      compiled code (cubin) in numba's on-disk cache, so the next
+                                      process loads them instead of compiling (PAGEDATTN_KERNEL_CACHE=0:
+                                      off; NUMBA_CACHE_DIR: where, default kernels_numba/__pycache__)
+    enable_disk_cache(kernel, spec)   the same for one kernel; spec: plain values naming what it is
+                                      compiled from
+    disk_cache_stats()                (loaded from disk, compiled) specialisations so far, this process
+
+Tensors stay torch's: nothing here copies data or synchronises the device.
+"""
+import contextlib
+import functools
+import hashlib
+import os
+
+import numpy as np
+from numba import cuda
+
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+KERNEL_CACHE = os.environ.get("PAGEDATTN_KERNEL_CACHE", "1") != "0"
+SMEM_PER_CTA_MAX = 227 * 1024  # H100/H200: the most dynamic shared memory one CTA may have
+_MAX_CACHED = 256
+
+_STREAMS = {}  # torch stream handle -> numba external stream
+_VIEWS = {}  # (data_ptr, shape, dtype, device, view) -> (numba view, tensor kept alive)
+_SCRATCH = {}  # (device, stream, shape, dtype, zero) -> (numba view, tensor)
+_SMS = {}  # device index -> SM count
+_DYNAMIC_SMEM = set()  # (kernel, device, argument kinds) that have opted in to > 48 KiB
+_DISK_CACHED = []  # kernels whose compiled code goes to the disk cache
+
+
+def torch_stream(device=None):
+    """The numba stream that wraps torch's current CUDA stream (0 under the simulator).
+
+    Launching on it orders kernels with torch's own work and lets torch.cuda.graph capture them.
+    """
+    if SIMULATOR:
+        return 0
+    import torch
+
+    handle = torch.cuda.current_stream(device).cuda_stream
+    stream = _STREAMS.get(handle)
+    if stream is None:
+        stream = _STREAMS[handle] = cuda.external_stream(handle)
+    return stream
+
+
+@contextlib.contextmanager
+def device_guard(device):
+    """Make `device` (a torch.device) the current CUDA device for the block, if it is not already."""
+    import torch
+
+    if SIMULATOR or device.type != "cuda" or torch.cuda.current_device() == device.index:
+        yield
+    else:
+        with torch.cuda.device(device):
+            yield
+
+
+def capturing():
+    """True while a CUDA graph is being captured on torch's current stream (host checks that
+    synchronise must be skipped then); always False under the simulator."""
+    if SIMULATOR:
+        return False
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
+
+
+def check_tensor(name, t, dim=None, dtypes=None):
+    """Raise KernelLaunchError naming `name` unless t is a torch tensor on the kernels' device
+    (CUDA, or CPU under the simulator) with `dim` dims and a dtype in `dtypes`."""
+    import torch
+
+    from pagedattn.errors import KernelLaunchError
+
+    if not isinstance(t, torch.Tensor):
+        raise KernelLaunchError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if SIMULATOR:
+        if t.device.type != "cpu":
+            raise KernelLaunchError(f"{name} must be a CPU tensor in the CUDA simulator, got {t.device}")
+    elif t.device.type != "cuda":
+        raise KernelLaunchError(f"{name} must be a CUDA tensor, got {t.device}")
+    if dim is not None and t.dim() != dim:
+        raise KernelLaunchError(f"{name} must have {dim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise KernelLaunchError(f"{name}.dtype must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
+
+
+def as_array(t, dtype=None, flat=False):
+    """Zero-copy numba view of a contiguous torch tensor: a device array on CUDA (launch on torch's
+    stream: no synchronisation here), the CPU buffer as numpy under the simulator.
+
+    dtype: None (t's own), "int16", "int32" (the last dim halves for 16-bit t) or "uint32" (the
+    same bits as "int32"; under the simulator all three are unsigned); flat: a 1-D view.
+    """
+    import torch
+
+    x = t
+    if dtype is not None:
+        x = x.view(torch.int16 if dtype == "int16" else torch.int32)
+    if flat:
+        x = x.view(-1)
+    if SIMULATOR:  # unsigned: numpy refuses a uint32 above 2**31 into int32 (the GPU stores the bits)
+        arr = x.numpy()
+        return arr.view({"int16": np.uint16, "int32": np.uint32, "uint32": np.uint32}[dtype]) if dtype else arr
+    arr = cuda.as_cuda_array(x, sync=False)
+    return arr.view(np.uint32) if dtype == "uint32" else arr
+
+
+def cached_view(t, dtype=None, flat=False):
+    """as_array(t, dtype, flat), made once per (address, shape, dtype, device, view) and reused."""
+    key = (t.data_ptr(), tuple(t.shape), t.dtype, t.device, dtype, flat)
+    hit = _VIEWS.get(key)
+    if hit is None:
+        if len(_VIEWS) >= _MAX_CACHED:
+            _VIEWS.pop(next(iter(_VIEWS)))
+        hit = _VIEWS[key] = (as_array(t, dtype, flat), t)
+    return hit[0]
+
+
+def scratch(device, shape, dtype=np.float32, zero=False):
+    """A persistent numba array of `shape` on `device`, one per (device, current stream, shape,
+    dtype, zero). zero=True: zero-filled when made; a kernel using it must leave it zero."""
+    import torch
+
+    stream = 0 if SIMULATOR else torch.cuda.current_stream(device).cuda_stream
+    dtype = np.dtype(dtype)
+    key = (device, stream, tuple(shape), dtype.str, zero)
+    hit = _SCRATCH.get(key)
+    if hit is None:
+        tdtype = {"<f4": torch.float32, "<i4": torch.int32, "<u4": torch.int32}[dtype.str]
+        t = (torch.zeros if zero else torch.empty)(tuple(shape), dtype=tdtype, device=device)
+        hit = _SCRATCH[key] = (as_array(t, "uint32" if dtype.str == "<u4" else None), t)
+    return hit[0]
+
+
+def num_sms(device):
+    """SM count of a torch device (the H200's 132 under the simulator, where plans are only checked)."""
+    if SIMULATOR:
+        return 132
+    n = _SMS.get(device.index)
+    if n is None:
+        import torch
+
+        n = _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+def allow_dynamic_smem(kernel, args, nbytes):
+    """Beyond 48 KiB of dynamic shared memory a kernel must opt in (the driver's
+    MAX_DYNAMIC_SHARED_SIZE_BYTES attribute) before its first launch: compile the
+    specialisation for these arguments now and set the attribute on it. Each specialisation
+    is configured for the most any launch may ask (SMEM_PER_CTA_MAX), once; the per-call check
+    is a set lookup on what decides the specialisation (dtype and rank of each array)."""
+    if SIMULATOR or nbytes <= 48 * 1024:
+        return
+    kinds = tuple((getattr(x, "dtype", None), getattr(x, "ndim", type(x))) for x in args)
+    key = (id(kernel), cuda.get_current_device().id, kinds)
+    if key in _DYNAMIC_SMEM:
+        return
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    argtypes = tuple(kernel.typeof_pyval(x) for x in args)
+    cufunc = kernel.compile(argtypes)._codelibrary.get_cufunc()
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, SMEM_PER_CTA_MAX, cufunc.handle, cufunc.device.id)
+    _DYNAMIC_SMEM.add(key)
+
+
+def clear_caches():
+    """Drop the cached numba views (they keep their tensors alive) and the scratch buffers."""
+    _VIEWS.clear()
+    _SCRATCH.clear()
+
+
+# ----------------------------------------------------------------------------------------------
+# numba's on-disk cache for kernels built by factories
+#
+# numba-cuda caches a kernel under a key made of its signature, the GPU, its bytecode and, for a
+# closure, a pickle of the closure's cells. Our kernels are closures over constants *and* over
+# device functions and intrinsics; numba pickles an intrinsic with a random uuid, so that key
+# differs in every process and a second process would never find the first one's entry. The key
+# here replaces the cells by the factory's name and arguments (which fix every constant and
+# device function of the closure) and a digest of the kernels_numba sources (a device function
+# edited in another file must not load a stale kernel).
+
+
+@functools.lru_cache(maxsize=None)
+def source_digest():
+    """sha256 of every kernels_numba/*.py: what a cached kernel was compiled from."""
+    folder = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_cache_class():
+    from importlib.metadata import version
+
+    from numba.cuda.dispatcher import CUDACache
+
+    numba_cuda_version = version("numba-cuda")
+
+    class KernelCache(CUDACache):
+        """numba-cuda's kernel cache, keyed by (signature, GPU, numba-cuda version, spec, sources)."""
+
+        def __init__(self, py_func, spec):
+            self._spec = spec
+            super().__init__(py_func)
+
+        def _index_key(self, sig, codegen):
+            key = (sig, codegen.magic_tuple(), numba_cuda_version, self._spec, source_digest())
+            if self._launch_config_key is not None:
+                key += (("launch_config", self._launch_config_key),)
+            return key
+
+    return KernelCache
+
+
+def enable_disk_cache(kernel, spec):
+    """Keep `kernel`'s compiled code in numba's on-disk cache under `spec` (a tuple of plain values
+    that, with the sources, determines the kernel). No-op under the simulator, when
+    PAGEDATTN_KERNEL_CACHE=0, or where numba finds no cache directory. Returns kernel."""
+    if SIMULATOR or not KERNEL_CACHE:
+        return kernel
+    cache_class = _kernel_cache_class()
+    if not isinstance(kernel._cache, cache_class):  # numba-cuda 0.30: the dispatcher's cache slot
+        try:
+            kernel._cache = cache_class(kernel.py_func, spec)
+            _DISK_CACHED.append(kernel)
+        except RuntimeError:  # "no locator available": nowhere to write, compile as before
+            pass
+    return kernel
+
+
+def disk_cache_stats():
+    """(hits, misses): kernel specialisations loaded from the disk cache and compiled, in this
+    process, over every kernel enable_disk_cache has seen."""
+    hits = sum(sum(k.stats.cache_hits.values()) for k in _DISK_CACHED)
+    misses = sum(sum(k.stats.cache_misses.values()) for k in _DISK_CACHED)
+    return hits, misses
+
+
+def disk_cached(factory):
+    """Decorator for a (lru-cached) kernel factory: each kernel it returns is disk-cached under
+    (the factory's module and name, its arguments)."""
+
+    @functools.wraps(factory)
+    def build(*args, **kwargs):
+        spec = (factory.__module__, factory.__qualname__, args, tuple(sorted(kwargs.items())))
+        return enable_disk_cache(factory(*args, **kwargs), spec)
+
+    return build
