@@ -1,6 +1,23 @@
-"""numba.cuda kernels: paged decode attention (the v1 -> v5 journey), prefill, cache ops.
+"""numba.cuda kernels of pagedattn, by family.
 
-Under NUMBA_ENABLE_CUDASIM=1 (CI, no GPU) the kernels run in numba's CUDA simulator;
+    paged_attention.py             decode attention: the kernel the engine runs (v10), its launch plan,
+                                   the torch entry point paged_attention(...) and VERSIONS (v1-v10)
+    decode_journey_cuda_core.py    the decode journey on CUDA cores: v1 naive -> v4 GQA CTAs, 128-bit
+                                   loads, split-KV
+    decode_journey_tensor_core.py  the decode journey on tensor cores: v5 mma.sync -> v9 cp.async ring
+                                   launched by occupancy
+    attention_parts.py             the decode pieces written once and shared by the journey and v10:
+                                   q fragments, the mma step, the warps' merge, the cp.async ring,
+                                   split plans, the split-KV merges
+    paged_prefill.py               prefill attention over the paged pool (v1-v3) and its entry point
+    cache_ops.py                   reshape_and_cache (write K/V at their slots), copy_blocks
+    common.py                      device intrinsics: packed fp16/bf16 math, 128-bit loads, cp.async,
+                                   mma.sync, ex2, warp reductions (each with a simulator fallback)
+    bridge.py                      torch <-> numba: cached array views, torch's stream, scratch
+                                   buffers, SM count, tensor checks, dynamic shared memory opt-in
+    simulator.py                   warp shuffles for numba's CUDA simulator
+
+Under NUMBA_ENABLE_CUDASIM=1 (CI, no GPU) the kernels run in numba's CUDA simulator on CPU tensors;
 importing this package installs the warp shuffles the simulator lacks (see simulator.py).
 """
 from kernels_numba import simulator as _simulator

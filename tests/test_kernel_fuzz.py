@@ -48,7 +48,18 @@ def draw_decode_case(seed, large):
     return num_kv_heads * group, num_kv_heads, head_dim, block_size, dtype, context_lens, spare
 
 
-def check_decode(seed, version, large):
+def draw_plan(seed, max_len):
+    """A v10 launch plan forced on a case: 1-4 partitions of CTAs of 2/4/8 warps, either merge."""
+    rng = np.random.default_rng(seed + 2)
+    warps = int(rng.choice([2, 4, 8]))
+    splits = int(rng.integers(1, 5))
+    partition = max(1, -(-max_len // splits))
+    partition = -(-partition // (16 * warps)) * (16 * warps)
+    merge = str(rng.choice(["fused", "kernel"]))
+    return pa.DecodePlan(-(-max_len // partition), partition, warps, 3, merge)
+
+
+def check_decode(seed, version, large, forced_plan=False):
     case = draw_decode_case(seed, large)
     num_heads, num_kv_heads, head_dim, block_size, dtype, lens, spare = case
     rng = np.random.default_rng(seed + 1)
@@ -56,10 +67,13 @@ def check_decode(seed, version, large):
         rng, num_heads, num_kv_heads, head_dim, block_size, dtype, lens, spare_blocks=spare
     )
     out16 = np.full(q16.shape, 0x7E00, dtype=np.uint16)  # NaN bits: an unwritten output fails
-    pa.launch(version, q16, k16, v16, tables, ctx, out16, is_bf16=(dtype == "bf16"))
+    plan = draw_plan(seed, max(lens)) if forced_plan else None
+    pa.launch(version, q16, k16, v16, tables, ctx, out16, is_bf16=(dtype == "bf16"),
+              max_context_len=plan.splits * plan.partition if plan else None, plan=plan)
     out = _bits_to_f64(out16, dtype)
     err = np.abs(out - ref)
-    where = f"seed={seed} version={version} case={case[:5]} lens={lens[:8]}{'...' if len(lens) > 8 else ''}"
+    where = (f"seed={seed} version={version} case={case[:5]} lens={lens[:8]}{'...' if len(lens) > 8 else ''}"
+             f"{' ' + str(plan) if plan else ''}")
     assert np.isfinite(out).all(), f"NaN/inf in output; reproduce with PAGEDATTN_FUZZ_SEED={seed}: {where}"
     assert err.max() <= _tolerance(dtype), f"max err {err.max():.3g} mean {err.mean():.3g}: {where}"
 
@@ -94,11 +108,22 @@ def check_prefill(seed, large):
 
 
 # --- CPU (simulator): small and few, every kernel family -------------------------------------
+SIM_VERSIONS = [3, 5, 8, 10] + [pytest.param(v, marks=pytest.mark.slow) for v in (4, 6, 7, 9)]
+
+
 @pytest.mark.skipif(HAS_GPU, reason="simulator cases; the gpu cases below cover the device")
-@pytest.mark.parametrize("version", [3, 5, 7, 8, 9])
+@pytest.mark.parametrize("version", SIM_VERSIONS)
 @pytest.mark.parametrize("seed", seeds(2, 100))
 def test_decode_fuzz_simulator(seed, version):
     check_decode(seed, version, large=False)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="simulator cases; the gpu cases below cover the device")
+@pytest.mark.parametrize("seed", seeds(2, 300))
+def test_decode_fuzz_v10_forced_plans_simulator(seed):
+    """v10 with a random plan (partitions, CTA width, merge) on a random case: the split paths run
+    on ragged lengths that end anywhere in a partition."""
+    check_decode(seed, 10, large=False, forced_plan=True)
 
 
 @pytest.mark.skipif(HAS_GPU, reason="simulator cases; the gpu cases below cover the device")
@@ -109,10 +134,16 @@ def test_prefill_fuzz_simulator(seed):
 
 # --- GPU: large ------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [4, 5, 7, 8, 9])
+@pytest.mark.parametrize("version", [4, 5, 7, 8, 9, 10])
 @pytest.mark.parametrize("seed", seeds(6, 1000))
 def test_decode_fuzz_gpu(seed, version):
     check_decode(seed, version, large=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", seeds(12, 3000))
+def test_decode_fuzz_v10_forced_plans_gpu(seed):
+    check_decode(seed, 10, large=True, forced_plan=True)
 
 
 @pytest.mark.gpu

@@ -16,7 +16,10 @@ import pytest
 import torch
 from numba import cuda
 
+from kernels_numba import attention_parts as parts
 from kernels_numba import common, paged_attention as pa
+from kernels_numba import decode_journey_cuda_core as cuda_core
+from kernels_numba import decode_journey_tensor_core as tensor_core
 from pagedattn.errors import KernelLaunchError
 from reference.attention import paged_decode_attention
 
@@ -83,8 +86,16 @@ def _tolerance(dtype):
     return 2.0 ** -10 if dtype == np.float16 else 2.0 ** -7
 
 
-@pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize("case", TINY_CASES, ids=[c[0] for c in TINY_CASES])
+def _version_cases():
+    """Every version on the first case; the other cases for v3, v8 and v10 (the ends of the journey's
+    eras and the production kernel) by default, for the rest under `slow`."""
+    for case in TINY_CASES:
+        for version in VERSIONS:
+            slow = case is not TINY_CASES[0] and version not in (3, 8, pa.PRODUCTION_VERSION)
+            yield pytest.param(version, case, id=f"{case[0]}-v{version}", marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("version, case", _version_cases())
 def test_version_matches_reference(version, case):
     _, num_heads, num_kv_heads, head_dim, block_size, dtype, lens = case
     rng = np.random.default_rng(1000 * version + len(lens))
@@ -102,11 +113,11 @@ def test_version_matches_reference(version, case):
 @pytest.mark.parametrize("version", [4, 5, 6, 7, 8, 9])
 def test_split_kv_matches_reference(monkeypatch, version):
     """Force several partitions on tiny lengths so the split + merge path runs in CI."""
-    monkeypatch.setattr(pa, "MIN_PARTITION", 16)
-    monkeypatch.setattr(pa, "V6_MIN_PARTITION", 16)
-    chunk = pa._geometry(64, 8)[3]
-    assert pa.split_plan(3, 2, 48, chunk) == (3, 16)
-    assert pa.split_plan_waves(3, 2, 48, 32, 396)[0] == 2  # 32-token steps: 2 partitions
+    monkeypatch.setattr(parts, "MIN_PARTITION", 16)
+    monkeypatch.setattr(tensor_core, "V6_MIN_PARTITION", 16)
+    chunk = cuda_core.v4_geometry(64, 8)[3]
+    assert parts.split_plan(3, 2, 48, chunk) == (3, 16)
+    assert tensor_core.split_plan_waves(3, 2, 48, 32, 396)[0] == 2  # 32-token steps: 2 partitions
     rng = np.random.default_rng(7)
     q16, k16, v16, block_tables, context_lens, ref = make_problem(rng, 4, 2, 64, 8, np.float16, [1, 20, 47])
     out16 = np.full(q16.shape, 0x7E00, dtype=np.uint16)
@@ -115,14 +126,15 @@ def test_split_kv_matches_reference(monkeypatch, version):
     assert err.max() <= _tolerance(np.float16), f"max err {err.max():.3g}, mean {err.mean():.3g}"
 
 
-@pytest.mark.parametrize("version, warps", [(6, 4), (7, 4), (8, 4), (9, 2), (9, 4), (9, 8)])
+@pytest.mark.parametrize("version, warps", [(9, 2)] + [pytest.param(v, w, marks=pytest.mark.slow)
+                                                       for v, w in [(6, 4), (7, 4), (8, 4), (9, 4), (9, 8)]])
 def test_partitions_match_reference(monkeypatch, version, warps):
     """v6+ cut contexts into partitions of whole CTA steps (16 tokens per warp): force 4 of them
     over lengths that end mid-partition, mid-block, on a partition edge and inside the first
     partition (v9 with CTAs of 2, 4 and 8 warps; 8 warps' ring is 96 KiB of dynamic shared memory)."""
     part = 16 * warps
-    monkeypatch.setattr(pa, "split_plan_waves", lambda *args, **kw: (4, part))
-    monkeypatch.setattr(pa, "v9_plan", lambda *args, **kw: (4, part, warps))
+    monkeypatch.setattr(tensor_core, "split_plan_waves", lambda *args, **kw: (4, part))
+    monkeypatch.setattr(tensor_core, "v9_plan", lambda *args, **kw: (4, part, warps))
     rng = np.random.default_rng(11)
     lens = [1, part + 6, 3 * part + 8, 2 * part]
     q16, k16, v16, block_tables, context_lens, ref = make_problem(rng, 4, 2, 64, 16, np.float16, lens)
@@ -136,9 +148,9 @@ def test_v9_plan_prefers_warps_to_splits():
     """About 8 warps per SM: one CTA of 2 to 8 warps per (sequence, KV head) before any split."""
     for batch, ctx, want in [(256, 512, (1, 512, 2)), (512, 512, (1, 512, 2)), (128, 2048, (1, 2048, 4)), (64, 2048, (1, 2048, 8)),
                              (32, 8192, (4, 2048, 4)), (8, 2048, (16, 128, 4)), (1, 100, (1, 128, 4))]:
-        assert pa.v9_plan(batch, 2, ctx, 132) == want, (batch, ctx)
+        assert tensor_core.v9_plan(batch, 2, ctx, 132) == want, (batch, ctx)
     for batch, ctx in [(1, 8192), (3, 513), (7, 8191), (40, 3000), (600, 2048)]:
-        splits, part, warps = pa.v9_plan(batch, 2, ctx, 132)
+        splits, part, warps = tensor_core.v9_plan(batch, 2, ctx, 132)
         assert warps in (2, 4, 8) and part % (16 * warps) == 0 and (splits - 1) * part < ctx <= splits * part
         assert batch * 2 * splits * warps <= 8 * 132 or (splits == 1 and warps == 2)
 
@@ -146,23 +158,89 @@ def test_v9_plan_prefers_warps_to_splits():
 def test_wave_plan_fills_whole_waves():
     slots = 3 * 132
     for batch in [32, 64, 128, 256]:
-        splits, part = pa.split_plan_waves(batch, 2, 8192, 32, slots)
+        splits, part = tensor_core.split_plan_waves(batch, 2, 8192, 32, slots)
         ctas = batch * 2 * splits
         assert ctas / (-(-ctas // slots) * slots) >= 0.9
-    assert pa.split_plan_waves(1, 2, 8192, 32, slots) == (64, 128)  # short partitions, many SMs
+    assert tensor_core.split_plan_waves(1, 2, 8192, 32, slots) == (64, 128)  # short partitions, many SMs
     for args in [(1, 2, 8192), (8, 2, 2048), (64, 2, 513), (3, 1, 100)]:
-        splits, part = pa.split_plan_waves(*args, 32, slots)
+        splits, part = tensor_core.split_plan_waves(*args, 32, slots)
         assert part % 32 == 0 and (splits - 1) * part < args[2] <= splits * part
 
 
 def test_split_plan_fills_the_gpu():
     # one long sequence: many partitions; a big batch: none
-    assert pa.split_plan(1, 2, 8192, 16)[0] == 8192 // pa.MIN_PARTITION
-    assert pa.split_plan(256, 2, 512, 16)[0] == 2
-    assert pa.split_plan(256, 2, 256, 16)[0] == 1
+    assert parts.split_plan(1, 2, 8192, 16)[0] == 8192 // parts.MIN_PARTITION
+    assert parts.split_plan(256, 2, 512, 16)[0] == 2
+    assert parts.split_plan(256, 2, 256, 16)[0] == 1
     for args in [(1, 2, 8192), (8, 2, 2048), (64, 2, 513), (3, 1, 100)]:
-        splits, part = pa.split_plan(*args, 16)
+        splits, part = parts.split_plan(*args, 16)
         assert part % 16 == 0 and (splits - 1) * part < args[2] <= splits * part
+
+
+# ---------------------------------------------------------------------------------------------
+# v10 (production): its plan, its split-KV merges, head blocks and d=128 on the cp.async ring
+
+
+def test_decode_plan_splits_small_batches_only():
+    """Large batches keep v9's launch (one CTA over each whole context); 1-8 sequences are split so
+    that about 8 warps per SM run, merged in the last CTA up to 16 partitions, by a kernel beyond."""
+    for batch, ctx in [(256, 512), (512, 512), (128, 2048), (64, 2048), (64, 512)]:
+        plan = pa.decode_plan(batch, 2, 7, ctx, 132)
+        assert (plan.splits, plan.partition, plan.warps, plan.merge) == (*tensor_core.v9_plan(batch, 2, ctx, 132),
+                                                                         "none")
+    assert pa.decode_plan(8, 2, 7, 2048, 132) == pa.DecodePlan(16, 128, 4, 3, "fused")
+    assert pa.decode_plan(1, 2, 7, 8192, 132) == pa.DecodePlan(64, 128, 4, 3, "kernel")
+    assert pa.decode_plan(1, 2, 7, 32768, 132).splits == parts.MAX_SPLITS
+    for batch, kv_heads, group, ctx in [(1, 2, 7, 4000), (3, 2, 7, 5000), (7, 2, 7, 8191), (2, 1, 20, 1000),
+                                        (1, 4, 7, 100), (40, 2, 7, 3000)]:
+        plan = pa.decode_plan(batch, kv_heads, group, ctx, 132)
+        step = 16 * plan.warps
+        assert plan.partition % step == 0 and (plan.splits - 1) * plan.partition < ctx <= plan.splits * plan.partition
+        assert plan.splits <= parts.MAX_SPLITS and plan.warps in (2, 4, 8)
+        ctas = batch * kv_heads * pa.head_blocks(group)[0] * plan.splits
+        assert ctas * plan.warps <= 8 * 132 or plan.splits == 1, (batch, ctx, plan)
+        assert plan.merge == ("none" if plan.splits == 1 else "fused" if plan.splits <= 16 else "kernel")
+    assert pa.decode_plan(8, 2, 7, 2048, 132, splits=4, warps=8, merge="kernel") == pa.DecodePlan(4, 512, 8, 3,
+                                                                                                   "kernel")
+
+
+def test_head_blocks_cover_the_group_in_mma_rows():
+    assert pa.head_blocks(7) == (1, 7) and pa.head_blocks(16) == (1, 16)
+    assert pa.head_blocks(17) == (2, 9) and pa.head_blocks(20) == (2, 10) and pa.head_blocks(40) == (3, 14)
+
+
+def _as_torch(bits, dtype):
+    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16 if dtype == "bf16" else torch.float16)
+
+
+# (name, num_heads, num_kv_heads, head_dim, block_size, dtype, context_lens, plan, calls): lengths of 1 to
+# 3 partitions (a one-partition sequence writes its output without a merge), ragged, shuffled tables
+V10_SPLIT_CASES = [
+    ("fused_ragged", 4, 1, 64, 16, np.float16, [1, 20, 70], pa.DecodePlan(3, 32, 2, 3, "fused"), 2),
+    ("kernel_ragged", 4, 1, 64, 16, np.float16, [1, 20, 70], pa.DecodePlan(3, 32, 2, 3, "kernel"), 1),
+    ("fused_20_heads_bs8", 20, 1, 64, 8, np.float16, [45, 9], pa.DecodePlan(2, 32, 2, 3, "fused"), 1),
+    ("kernel_d128_bf16_bs32", 4, 1, 128, 32, "bf16", [40, 70], pa.DecodePlan(3, 32, 2, 3, "kernel"), 1),
+]
+
+
+@pytest.mark.skipif(HAS_GPU, reason="tiny plans forced on the simulator; the gpu tests below run real ones")
+@pytest.mark.parametrize("case", V10_SPLIT_CASES, ids=[c[0] for c in V10_SPLIT_CASES])
+def test_v10_split_merges_match_reference(case):
+    """Each merge on forced partitions, through the torch entry; the fused case twice: its counters
+    (a persistent buffer) must be back at zero after a launch, or the second launch never merges."""
+    _, num_heads, num_kv_heads, head_dim, block_size, dtype, lens, plan, calls = case
+    rng = np.random.default_rng(17)
+    q16, k16, v16, block_tables, context_lens, ref = make_problem(
+        rng, num_heads, num_kv_heads, head_dim, block_size, dtype, lens
+    )
+    q, k, v = (_as_torch(x, dtype) for x in (q16, k16, v16))
+    for call in range(calls):
+        out = torch.full_like(q, float("nan"))
+        pa.paged_attention(q, k, v, torch.from_numpy(block_tables), torch.from_numpy(context_lens), out=out,
+                           max_context_len=plan.splits * plan.partition, plan=plan)
+        err = np.abs(out.double().numpy() - ref)
+        assert np.isfinite(err).all(), f"call {call}: NaN in the output (a merge that did not run?)"
+        assert err.max() <= _tolerance(dtype), f"call {call}: max err {err.max():.3g}, mean {err.mean():.3g}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,17 +403,21 @@ def _sdpa_error(q, k, v, bt, lens, ref):
     return worst
 
 
-def _gpu_problem(seed, num_seqs, num_heads, num_kv_heads, head_dim, block_size, dtype):
+def _gpu_problem(seed, num_seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, lens=None):
+    """A shuffled, NaN-poisoned paged batch on the GPU: q, k, v, block tables, context lengths
+    (random in [1, 1500) with 1 and 1025 among them, unless `lens` gives them)."""
     g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(1, 1500, (num_seqs,), generator=g)
-    lens[0] = 1
-    if num_seqs > 2:
-        lens[1] = 1025
+    if lens is None:
+        lens = torch.randint(1, 1500, (num_seqs,), generator=g)
+        lens[0] = 1
+        if num_seqs > 2:
+            lens[1] = 1025
+    lens = torch.as_tensor(lens)
     nblk = [-(-int(n) // block_size) for n in lens]
     max_blocks = max(nblk) + 2
     num_blocks = sum(nblk) + 5
     perm = torch.randperm(num_blocks, generator=g)
-    bt = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+    bt = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
     owned = torch.zeros(num_blocks, block_size, dtype=torch.bool)
     pos = 0
     for s, nb in enumerate(nblk):
@@ -347,7 +429,7 @@ def _gpu_problem(seed, num_seqs, num_heads, num_kv_heads, head_dim, block_size, 
     k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     for x in (k, v):
         x.transpose(1, 2)[~owned] = float("nan")
-    q = torch.randn(num_seqs, num_heads, head_dim, generator=g)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=g)
     q, k, v = (x.to(dtype).cuda() for x in (q, k, v))
     return q, k, v, bt.cuda(), lens.int().cuda()
 
@@ -400,8 +482,65 @@ def test_gpu_long_single_sequence_uses_splits():
     v2 = torch.randn(n // 16 + 1, 2, 16, 64, generator=g).half().cuda()
     bt2 = torch.randperm(n // 16 + 1, generator=g)[: n // 16][None].int().cuda()
     lens2 = torch.tensor([n - 3], dtype=torch.int32, device="cuda")
-    assert pa.split_plan(1, 2, n, 16)[0] > 1
+    assert pa.decode_plan(1, 2, 7, n, 132).splits > 1
     out = pa.paged_attention(q, k2, v2, bt2, lens2)
     ref = paged_decode_attention(q, k2, v2, bt2, lens2)
     err = np.abs(out.double().cpu().numpy() - ref).max()
     assert math.isfinite(err) and err <= 2.0 ** -11, f"max err {err:.3g}"
+
+
+RAGGED = [8000, 300, 1200, 17, 4097, 1]
+# (name, context lengths, num_heads, num_kv_heads, head_dim, block_size, dtype, merge forced or None)
+V10_GPU_CASES = [
+    ("1x32768", [32768], 14, 2, 64, 16, torch.float16, None),
+    ("ragged_fused", RAGGED, 14, 2, 64, 16, torch.float16, "fused"),
+    ("ragged_kernel", RAGGED, 14, 2, 64, 16, torch.float16, "kernel"),
+    ("d128_g7_bf16_bs8", [3000, 1025, 77], 28, 4, 128, 8, torch.bfloat16, None),
+    ("g20_bs32", [2048, 5], 40, 2, 64, 32, torch.float16, "kernel"),
+    ("g16_d128_bs32", [513, 4000], 32, 2, 128, 32, torch.float16, "fused"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", V10_GPU_CASES, ids=[c[0] for c in V10_GPU_CASES])
+def test_gpu_v10_plans_within_twice_sdpa_error(case):
+    """v10 at real shapes, its own plan or its split plan with the merge forced each way."""
+    name, lens, num_heads, num_kv_heads, head_dim, block_size, dtype, merge = case
+    q, k, v, bt, ctx = _gpu_problem(len(name), len(lens), num_heads, num_kv_heads, head_dim, block_size, dtype, lens)
+    ref = paged_decode_attention(q, k, v, bt, ctx)
+    sdpa_err = _sdpa_error(q, k, v, bt, ctx, ref)
+    plan = None
+    if merge is not None:
+        plan = pa.decode_plan(len(lens), num_kv_heads, num_heads // num_kv_heads, max(lens), 132, merge=merge)
+        assert plan.splits > 1, plan
+    out = torch.full_like(q, float("nan"))
+    pa.paged_attention(q, k, v, bt, ctx, out=out, max_context_len=max(lens), plan=plan)
+    torch.cuda.synchronize()
+    err = np.abs(out.double().cpu().numpy() - ref)
+    floor = 0.25 * (2.0 ** -11 if dtype == torch.float16 else 2.0 ** -8)
+    assert np.isfinite(err).all() and err.max() <= 2 * sdpa_err + floor, (
+        f"{name}: max err {err.max():.3g} (mean {err.mean():.3g}) vs SDPA {sdpa_err:.3g}"
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge", ["fused", "kernel"])
+def test_gpu_v10_split_replays_in_cuda_graph(merge):
+    """A captured split launch replayed with new queries: the fused merge's counters reset inside
+    the kernel, the merge kernel's records are rewritten each replay."""
+    q, k, v, bt, lens = _gpu_problem(9, 4, 14, 2, 64, 16, torch.float16, [5000, 70, 2048, 3333])
+    plan = pa.decode_plan(4, 2, 7, 5000, 132, merge=merge)
+    assert plan.splits > 1
+    out = torch.empty_like(q)
+    pa.paged_attention(q, k, v, bt, lens, out=out, max_context_len=5000, plan=plan)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pa.paged_attention(q, k, v, bt, lens, out=out, max_context_len=5000, plan=plan)
+    for seed in range(3):
+        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q.dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = np.abs(out.double().cpu().numpy() - paged_decode_attention(q, k, v, bt, lens)).max()
+        assert err <= 2.0 ** -10, f"replay {seed}: max err {err:.3g}"

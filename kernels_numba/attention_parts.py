@@ -1,0 +1,647 @@
+"""The pieces the decode kernels share, each written once: the journey (decode_journey_*.py) and the
+production kernel (paged_attention.py) are built from them.
+
+Host side
+    LaunchArgs                  raw-bit views of a launch's tensors plus its geometry
+    converters(is_bf16)         (16 bits -> f32, pair -> 2 x f32, f32 -> 16 bits, pair fma)
+    split_plan(...)             v4/v5's split-KV plan: about TARGET_CTAS CTAs
+    launch_split_kv(...)        grid (KV heads, sequences, splits), then the merge kernel when split
+    make_merge(...)             the merge kernel of v4-v9: one CTA per (sequence, head), a thread per dim
+    ring_bytes(...)             shared memory of a cp.async ring
+
+Device side (numba device functions, inlined; each factory is cached per compile-time shape)
+    lane_roles(tid)             (warp, lane, g, t) of a thread
+    make_warp_start(...)        start_warp: this lane's mma A fragments of q (the group's heads as
+                                rows) and the online softmax's empty state
+    make_mma_step(...)          compute_chunk: S = Q K^T, online softmax, O += P V for 16 tokens
+    make_warp_merge(...)        stash a warp's (max, sum, accumulator) in shared memory; combine_pair
+                                merges the CTA's warps for two dims of one head
+    make_ring(...)              attend_partition: a CTA's warps stream a partition through their
+                                cp.async rings; their softmax states are left in shared memory
+    make_split_merge(...)       merge_splits: the partitions' records of a (sequence, head group)
+                                merged with every load in flight at once (production's split-KV)
+
+The fragment layouts are those of PTX's mma.m16n8k16 (lane = 4 * g + t; see common.py). A 16-token
+chunk of K/V, per lane: K of tokens g and 8 + g (words of D/4 dims), V of tokens 2t, 2t + 1, 8 + 2t,
+9 + 2t (D/8 dims from DPC * g), which is what compute_chunk multiplies.
+"""
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, uint32
+
+from kernels_numba.bridge import allow_dynamic_smem, disk_cached
+from kernels_numba.common import (
+    FULL_MASK,
+    bf16_to_f32,
+    bf16x2_to_f32,
+    cp_async16,
+    cp_async_commit,
+    cp_async_wait,
+    f16_to_f32,
+    f16x2_to_f32,
+    f32_bits,
+    f32_from_bits,
+    f32_to_bf16,
+    f32_to_f16,
+    f32x2_to_bf16x2,
+    f32x2_to_f16x2,
+    fma_bf16x2,
+    fma_f16x2,
+    load_u32x4,
+    mma_m16n8k16_bf16,
+    mma_m16n8k16_f16,
+    warp_max,
+    warp_sum,
+)
+
+LOG2E = 1.4426950408889634
+NEG_INF = float32(-math.inf)
+CHUNK = 16  # tokens of one mma step: one k-slice of P V, two n-tiles of Q K^T
+NUM_WARPS = 4  # warps per CTA of v4-v8
+MIN_PARTITION = 256  # v4/v5: below this a split costs more (merge, launch tail) than it gains
+TARGET_CTAS = 4 * 132  # v4/v5: enough CTAs for a few waves on the H200's 132 SMs
+MAX_SPLITS = 128  # production: partitions per context a merge takes (its weights live in shared memory)
+
+
+def converters(is_bf16):
+    """(one 16-bit -> f32, pair -> (f32, f32), f32 -> 16 bits, pair fma) for the pool dtype."""
+    if is_bf16:
+        return bf16_to_f32, bf16x2_to_f32, f32_to_bf16, fma_bf16x2
+    return f16_to_f32, f16x2_to_f32, f32_to_f16, fma_f16x2
+
+
+def pairs(x16):
+    """A 16-bit array viewed as pairs (last dim halved), numpy or numba device array."""
+    return x16.view(np.uint32 if x16.dtype == np.uint16 else np.int32)
+
+
+@dataclass
+class LaunchArgs:
+    """Everything a version's launcher needs: raw-bit views of the tensors plus geometry.
+
+    scratch(shape, dtype=np.float32, zero=False) -> an array on the launch's device (zero=True: all
+    zero, and left zero by the kernel that uses it)."""
+
+    q16: object  # [S, H, D] 16-bit
+    k16: object  # [NB, KVH, BS, D] 16-bit
+    v16: object
+    block_tables: object  # [S, M] int32
+    context_lens: object  # [S] int32
+    out16: object  # [S, H, D] 16-bit
+    scale: float
+    is_bf16: bool
+    max_context_len: int
+    scratch: object
+    q32: object = None  # [S, H, D/2] pairs
+    k32_4d: object = None  # [NB, KVH, BS, D/2] pairs
+    v32_4d: object = None
+    k32: object = None  # flat pairs
+    v32: object = None
+    out32: object = None  # [S, H, D/2] pairs
+    num_sms: int = 132  # H200
+
+    def __post_init__(self):
+        self.num_seqs, self.num_heads, self.head_dim = self.q16.shape
+        _, self.num_kv_heads, self.block_size, _ = self.k16.shape
+        self.group = self.num_heads // self.num_kv_heads
+        self.scale = float32(self.scale)
+        if self.q32 is None:
+            self.q32, self.out32 = pairs(self.q16), pairs(self.out16)
+        if self.k32_4d is None:
+            self.k32_4d, self.v32_4d = pairs(self.k16), pairs(self.v16)
+        if self.k32 is None:
+            self.k32, self.v32 = self.k32_4d.reshape(-1), self.v32_4d.reshape(-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# split-KV on the host: v4/v5's plan, the launch, the merge kernel
+
+
+def split_plan(num_seqs, num_kv_heads, max_context_len, chunk):
+    """(num_splits, partition_size) for v4/v5: about TARGET_CTAS CTAs, partitions of at least
+    MIN_PARTITION tokens, a multiple of the chunk size."""
+    base = max(1, num_seqs * num_kv_heads)
+    splits = max(1, min(-(-TARGET_CTAS // base), -(-max_context_len // MIN_PARTITION)))
+    part = -(-max_context_len // splits)
+    part = -(-part // chunk) * chunk
+    splits = -(-max_context_len // part)
+    return splits, part
+
+
+@disk_cached
+@lru_cache(maxsize=None)
+def make_merge(head_dim, is_bf16):
+    """v4-v9's merge kernel: grid (S, H), blockDim = D; part_acc [S, H, splits, D] and part_ml
+    [S, H, splits, 2] (max, sum) of each partition -> out [S, H, D] 16-bit."""
+    store = converters(is_bf16)[2]
+
+    @cuda.jit
+    def merge_splits(part_acc, part_ml, context_lens, out, partition):
+        s = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        d = cuda.threadIdx.x
+        n = (context_lens[s] + partition - 1) // partition
+        mx = NEG_INF
+        for i in range(n):
+            mx = max(mx, part_ml[s, h, i, 0])
+        num = float32(0.0)
+        den = float32(0.0)
+        for i in range(n):
+            f = math.exp2(part_ml[s, h, i, 0] - mx)
+            num += part_acc[s, h, i, d] * f
+            den += part_ml[s, h, i, 1] * f
+        out[s, h, d] = store(num / den)
+
+    return merge_splits
+
+
+def launch_split_kv(a, stream, kernel, q, splits, partition, sharedmem=0, warps=NUM_WARPS):
+    """v4-v9's launch: grid (KV heads, sequences, splits) of CTAs of `warps` warps (with `sharedmem`
+    bytes of dynamic shared memory), then, when the context is split, the merge of the partitions'
+    (max, sum, accumulator) into the output."""
+    if splits == 1:
+        part_acc = part_ml = a.scratch((1, 1, 1, 1))  # unused
+    else:
+        part_acc = a.scratch((a.num_seqs, a.num_heads, splits, a.head_dim))
+        part_ml = a.scratch((a.num_seqs, a.num_heads, splits, 2))
+    args = (q, a.k32, a.v32, a.block_tables, a.context_lens, a.out16, part_acc, part_ml, a.scale, partition)
+    allow_dynamic_smem(kernel, args, sharedmem)
+    kernel[(a.num_kv_heads, a.num_seqs, splits), warps * 32, stream, sharedmem](*args)
+    if splits > 1:
+        merge = make_merge(a.head_dim, a.is_bf16)
+        merge[(a.num_seqs, a.num_heads), a.head_dim, stream](part_acc, part_ml, a.context_lens, a.out16, partition)
+
+
+def ring_bytes(head_dim, stages, warps=NUM_WARPS):
+    """A cp.async ring: warps x stages x one 16-token chunk of K and V."""
+    return warps * stages * 2 * CHUNK * head_dim * 2
+
+
+# ----------------------------------------------------------------------------------------------
+# a warp's state: q fragments, the online softmax, the mma step
+
+
+@cuda.jit(device=True, inline="always")
+def lane_roles(tid):
+    """(warp, lane, g, t) of thread tid: its warp and lane, and the lane's mma group g = lane // 4
+    and thread-in-group t = lane % 4 (shifts and masks: no sign fix-ups of // and %)."""
+    lane = tid & 31
+    return tid >> 5, lane, lane >> 2, lane & 3
+
+
+@lru_cache(maxsize=None)
+def make_warp_start(head_dim, rows, permuted):
+    """start_warp(qa, m, lsum, acc, q, s, h0, nh, g, t): a warp's online softmax before its first
+    chunk: this lane's mma A fragments of q [S, H, D/2] pairs for S = Q K^T in qa (rows g, and g + 8
+    when rows == 2, = heads h0 + g of the group, zero past nh heads; per k-step ks: qa[4 ks + r]
+    (a0 / a1) and qa[4 ks + 2 + r] (a2 / a3)); running max -inf and sum 0 for the lane's two head rows
+    (m, lsum), accumulators 0.
+
+    The k (dim) order is the one K is read in: permuted=False (v5, v7: lane t holds dims t D/4 ..);
+    permuted=True (the cp.async ring: k-steps 2j, 2j + 1 read one 16-byte unit 4j + t of a row, so
+    word w of the lane <-> pair 16 (w // 4) + 4 t + w % 4). Any order works if q and K share it."""
+    KS = head_dim // 16
+    QW = head_dim // 8
+    ACC = (head_dim // 8) * 4
+
+    @cuda.jit(device=True, inline="always")
+    def start_warp(qa, m, lsum, acc, q, s, h0, nh, g, t):
+        for ks in range(KS):
+            col = (ks // 2) * 16 + t * 4 + (2 * ks) % 4 if permuted else t * QW + 2 * ks
+            for r in range(2):
+                h = g + 8 * r
+                w0 = uint32(0)
+                w1 = uint32(0)
+                if r < rows and h < nh:
+                    w0 = uint32(q[s, h0 + h, col])
+                    w1 = uint32(q[s, h0 + h, col + 1])
+                qa[ks * 4 + r] = w0
+                qa[ks * 4 + 2 + r] = w1
+        for r in range(2):
+            m[r] = NEG_INF
+            lsum[r] = 0.0
+        for i in range(ACC):
+            acc[i] = 0.0
+
+    return start_warp
+
+
+@lru_cache(maxsize=None)
+def make_mma_step(head_dim, rows, is_bf16):
+    """compute_chunk(kw, ko, vw, vo, qa, m, lsum, acc, sc, pw, c0, end, t, sl, full): one warp's math on
+    a 16-token chunk held in registers: S = Q K^T (2 n-tiles x D/16 k-steps), online softmax per head
+    row, O += P V (D/8 mmas). kw[ko:]: K of tokens g and 8 + g (this lane's D/4 dims); vw[vo:]: V of
+    tokens 2t, 2t + 1, 8 + 2t, 9 + 2t (D/8 dims from DPC * g); P goes to the second mma as fp16/bf16
+    pairs (pw), V is transposed in registers by interleaving the halves of two tokens' words.
+    full: every token of the chunk is inside the context (no masking). rows: mma row blocks holding
+    heads (1 when the group has <= 8 heads: rows g + 8 stay zero)."""
+    KS = head_dim // 16
+    QW = head_dim // 8
+    NTILE = head_dim // 8
+    VW = head_dim // 16
+    ROWS = rows
+    mma = mma_m16n8k16_bf16 if is_bf16 else mma_m16n8k16_f16
+    pack = f32x2_to_bf16x2 if is_bf16 else f32x2_to_f16x2
+
+    @cuda.jit(device=True, inline="always")
+    def compute_chunk(kw, ko, vw, vo, qa, m, lsum, acc, sc, pw, c0, end, t, sl, full):
+        # S = Q K^T: n-tile n holds tokens 8n .. 8n+7; column 2t, 2t+1 of this lane
+        for n in range(2):
+            d0 = float32(0.0)
+            d1 = float32(0.0)
+            d2 = float32(0.0)
+            d3 = float32(0.0)
+            for ks in range(KS):
+                d0, d1, d2, d3 = mma(qa[ks * 4], qa[ks * 4 + 1], qa[ks * 4 + 2], qa[ks * 4 + 3],
+                                     kw[ko + n * QW + 2 * ks], kw[ko + n * QW + 2 * ks + 1], d0, d1, d2, d3)
+            jt = c0 + 8 * n + 2 * t
+            sc[n * 2 + 0] = d0 * sl if full or jt < end else NEG_INF
+            sc[n * 2 + 1] = d1 * sl if full or jt + 1 < end else NEG_INF
+            if ROWS == 2:
+                sc[4 + n * 2 + 0] = d2 * sl if full or jt < end else NEG_INF
+                sc[4 + n * 2 + 1] = d3 * sl if full or jt + 1 < end else NEG_INF
+        # online softmax per head row (the 4 lanes of a group hold the 16 tokens)
+        pw[1] = 0
+        pw[3] = 0
+        for r in range(ROWS):
+            cmax = max(max(sc[r * 4], sc[r * 4 + 1]), max(sc[r * 4 + 2], sc[r * 4 + 3]))
+            cmax = max(cmax, cuda.shfl_xor_sync(FULL_MASK, cmax, 1))
+            cmax = max(cmax, cuda.shfl_xor_sync(FULL_MASK, cmax, 2))
+            m_new = max(m[r], cmax)
+            alpha = math.exp2(m[r] - m_new)
+            m[r] = m_new
+            p0 = math.exp2(sc[r * 4 + 0] - m_new)
+            p1 = math.exp2(sc[r * 4 + 1] - m_new)
+            p2 = math.exp2(sc[r * 4 + 2] - m_new)
+            p3 = math.exp2(sc[r * 4 + 3] - m_new)
+            lsum[r] = lsum[r] * alpha + (p0 + p1) + (p2 + p3)
+            pw[r] = pack(p0, p1)  # a0 / a1: tokens 2t, 2t+1
+            pw[2 + r] = pack(p2, p3)  # a2 / a3: tokens 8+2t, 9+2t
+            for jn in range(NTILE):
+                acc[jn * 4 + 2 * r] *= alpha
+                acc[jn * 4 + 2 * r + 1] *= alpha
+        # O += P V: n-tile jn covers dims DPC*g + jn (column g); B needs token pairs of one dim in a
+        # word, so interleave the halves of two tokens' words
+        for i in range(VW):
+            for hi in range(2):
+                jn = 2 * i + hi
+                if hi == 0:
+                    b0 = (vw[vo + i] & 0xFFFF) | (vw[vo + VW + i] << 16)
+                    b1 = (vw[vo + 2 * VW + i] & 0xFFFF) | (vw[vo + 3 * VW + i] << 16)
+                else:
+                    b0 = (vw[vo + i] >> 16) | (vw[vo + VW + i] & 0xFFFF0000)
+                    b1 = (vw[vo + 2 * VW + i] >> 16) | (vw[vo + 3 * VW + i] & 0xFFFF0000)
+                c2 = acc[jn * 4 + 2] if ROWS == 2 else float32(0.0)
+                c3 = acc[jn * 4 + 3] if ROWS == 2 else float32(0.0)
+                a0, a1, a2, a3 = mma(pw[0], pw[1], pw[2], pw[3], b0, b1, acc[jn * 4], acc[jn * 4 + 1], c2, c3)
+                acc[jn * 4] = a0
+                acc[jn * 4 + 1] = a1
+                if ROWS == 2:
+                    acc[jn * 4 + 2] = a2
+                    acc[jn * 4 + 3] = a3
+
+    return compute_chunk
+
+
+@lru_cache(maxsize=None)
+def make_warp_merge(head_dim, heads, rows, warps):
+    """(stash, combine_pair) for the end of a CTA whose warps each hold a partial softmax.
+
+    stash(buf, base, nh, g, t, lsum, m, acc): this warp's result for heads < nh into uint32 shared
+        buf[base:] as f32 bits: accumulator at [h * D + d], max at heads * D + h, sum at
+        heads * D + heads + h (heads * D + 2 * heads words). The caller syncs before combining.
+    combine_pair(buf, stride, h, d) -> (max, num_d, num_d+1, den): the warps' regions (warp w at
+        w * stride) merged for dims d, d + 1 of head h; the output is num / den."""
+    D, GH, ROWS, NW = head_dim, heads, rows, warps
+    DPC = D // 8
+    NTILE = D // 8
+
+    @cuda.jit(device=True, inline="always")
+    def stash(buf, base, nh, g, t, lsum, m, acc):
+        # rows g, g + 8 of this warp; acc[jn*4 + 2r + e] is dim DPC*(2t+e) + jn
+        for r in range(ROWS):
+            x = lsum[r]
+            x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
+            x += cuda.shfl_xor_sync(FULL_MASK, x, 2)
+            h = g + 8 * r
+            if h < nh:
+                for jn in range(NTILE):
+                    buf[base + h * D + DPC * (2 * t) + jn] = f32_bits(acc[jn * 4 + 2 * r])
+                    buf[base + h * D + DPC * (2 * t + 1) + jn] = f32_bits(acc[jn * 4 + 2 * r + 1])
+                if t == 0:
+                    buf[base + GH * D + h] = f32_bits(m[r])
+                    buf[base + GH * D + GH + h] = f32_bits(x)
+
+    @cuda.jit(device=True, inline="always")
+    def combine_pair(buf, stride, h, d):
+        mx = NEG_INF
+        for w in range(NW):
+            mx = max(mx, f32_from_bits(buf[w * stride + GH * D + h]))
+        num0 = float32(0.0)
+        num1 = float32(0.0)
+        den = float32(0.0)
+        for w in range(NW):
+            f = math.exp2(f32_from_bits(buf[w * stride + GH * D + h]) - mx)  # 0 for a warp with no chunk
+            num0 += f32_from_bits(buf[w * stride + h * D + d]) * f
+            num1 += f32_from_bits(buf[w * stride + h * D + d + 1]) * f
+            den += f32_from_bits(buf[w * stride + GH * D + GH + h]) * f
+        return mx, num0, num1, den
+
+    return stash, combine_pair
+
+
+# ----------------------------------------------------------------------------------------------
+# the cp.async ring
+
+
+@lru_cache(maxsize=None)
+def make_ring(head_dim, block_size, heads, is_bf16, warps, stages):
+    """attend_partition(ring, q, k_flat, v_flat, block_tables, s, kvh, num_kv_heads, h0, nh, start, end,
+    scale, tid): a CTA of `warps` warps attends query heads h0 .. h0 + nh - 1 (nh <= heads <= 16) of
+    sequence s to tokens [start, end) of KV head kvh and leaves each warp's (max, sum, accumulator)
+    stashed in the ring (make_warp_merge's layout, warp w at w * stages * 16 * head_dim words): the
+    caller combines them with combine_pair. q: [S, H, D/2] pairs; k_flat, v_flat: the pool
+    [NB, KVH, BS, D] as flat 32-bit words; ring: ring_bytes(head_dim, stages, warps) of uint32
+    shared memory. Called by every thread of the CTA (it synchronises the CTA).
+
+    Warp w takes chunks w, w + warps, ... of 16 tokens and streams them from the pool through its
+    `stages` shared-memory stages by cp.async (stages - 1 chunks in flight), each folded into its
+    online softmax by compute_chunk once it has landed.
+
+    A stage holds a chunk's 16 K rows (words 0 .. 16 P) then its 16 V rows, one row of D halves =
+    P = D/2 words = D/8 16-byte units, each row's units XOR-swizzled:
+        K unit u of row r at u ^ 4 (r & 1)
+        V unit u of row r at u ^ x(r), x(r) = 2 ((r >> 1) & 3) at d=64; at d=128 the two bits of
+            (r >> 1) & 3 go to bits 0 and 2 (bit 1 of the unit is the lane's g & 1 there)
+    Copies: lane L copies unit L % U of rows R i + L // U (U = D/8 units per row, R = 32/U rows per
+    instruction): every copy instruction reads 512 contiguous bytes of the pool (whole lines: as few
+    L2 requests as a dense kernel makes). Reads: the fragments' rows and units (K: rows g, 8 + g,
+    units 4 i + t; V: rows 2t.., units (D/64) g + i). Both sides hit 8 different bank groups per
+    phase of 8 lanes with these swizzles. Rows past `end` are not copied; their stale words read as 0.
+    """
+    D, BS, NW, ST = head_dim, block_size, warps, stages
+    ROWS = 1 if heads <= 8 else 2  # mma row blocks holding heads (g, and g + 8)
+    CH = CHUNK
+    P = D // 2  # words per row
+    U = D // 8  # 16-byte units per row
+    R = 32 // U  # rows per copy instruction: 4 (d=64) or 2 (d=128)
+    NI = CH // R  # copy instructions per 16 rows
+    KV4 = D // 32  # K units a lane reads per token row
+    VV4 = D // 64  # V units a lane reads per token
+    QW = D // 8  # K words of one token a lane holds
+    VW = D // 16  # V words of one token a lane holds
+    KWN, VWN = 2 * QW, 4 * VW  # local array sizes must be plain constants
+    SLOT = 2 * CH * P  # words of one warp's stage
+    WARP_WORDS = ST * SLOT
+    KS4, ACC = (D // 16) * 4, (D // 8) * 4
+    HALF = 8 if BS == 8 else 0  # block size 8: tokens 8..15 of a chunk are in the next block
+    start_warp = make_warp_start(D, ROWS, True)
+    compute_chunk = make_mma_step(D, ROWS, is_bf16)
+    stash = make_warp_merge(D, heads, ROWS, NW)[0]
+    wait_oldest = cp_async_wait(ST - 1)  # after step k commits chunk k + ST - 1: chunk k has landed
+    wait_all = cp_async_wait(0)
+    QSCALE_LOG2E = float32(LOG2E)
+
+    @cuda.jit(device=True, inline="always")
+    def v_swizzle(r):
+        if D == 64:
+            return 2 * ((r >> 1) & 3)
+        return ((r >> 1) & 1) | (((r >> 2) & 1) << 2)
+
+    @cuda.jit(device=True, inline="always")
+    def chunk_bases(block_tables, s, c0, end, words_per_block, head_off):
+        # words of the chunk's row 0 in the pool; rows 8.. at base_hi + r * P (another block
+        # when the block size is 8)
+        blk = block_tables[s, c0 // BS]
+        base_lo = blk * words_per_block + head_off + (c0 & (BS - 1)) * P
+        base_hi = base_lo
+        if HALF and c0 + 8 < end:
+            base_hi = block_tables[s, c0 // BS + 1] * words_per_block + head_off - 8 * P
+        return base_lo, base_hi
+
+    @cuda.jit(device=True, inline="always")
+    def issue_chunk(ring, slot, k_flat, v_flat, base_lo, base_hi, src_lane, kdst, lrow, unit, c0, end, full):
+        for i in range(NI):
+            r = R * i + lrow
+            if full or c0 + r < end:
+                src = (base_lo if i < NI // 2 else base_hi) + R * i * P + src_lane
+                cp_async16(ring, slot + kdst + R * i * P, k_flat, src)
+                cp_async16(ring, slot + CH * P + r * P + 4 * (unit ^ v_swizzle(r)), v_flat, src)
+
+    @cuda.jit(device=True, inline="always")
+    def read_chunk(kw, vw, ring, slot, krd, kx, vrd, vx, c0, end, g, t, full):
+        for n in range(2):
+            ok = full or c0 + 8 * n + g < end
+            for i in range(KV4):
+                w = load_u32x4(ring, slot + krd + 16 * (i ^ kx) + 8 * n * P)
+                for e in range(4):
+                    kw[4 * (n * KV4 + i) + e] = w[e] if ok else uint32(0)
+        for u in range(4):
+            ok = full or c0 + 2 * t + (u % 2) + 8 * (u // 2) < end
+            for i in range(VV4):
+                w = load_u32x4(ring, slot + vrd + 4 * ((VV4 * g + i) ^ vx) + ((u % 2) + 8 * (u // 2)) * P)
+                for e in range(4):
+                    vw[u * VW + 4 * i + e] = w[e] if ok else uint32(0)
+
+    @cuda.jit(device=True, inline="always")
+    def attend(ring, k_flat, v_flat, block_tables, s, start, end, words_per_block, head_off, qa, m, lsum, acc,
+               warp, lane, sl):
+        g = lane >> 2
+        t = lane & 3
+        kw = cuda.local.array(KWN, uint32)
+        vw = cuda.local.array(VWN, uint32)
+        sc = cuda.local.array(8, float32)
+        pw = cuda.local.array(4, uint32)
+        # this lane's word offsets in a stage, from the swizzles above with i, n, u folded out
+        lrow = lane // U
+        unit = lane % U
+        src_lane = lrow * P + 4 * unit
+        kdst = lrow * P + 4 * (unit ^ (4 * (lrow & 1)))  # + R i P: K rows R i + lrow have lrow's parity
+        krd = g * P + 4 * t  # + 16 (i ^ kx) + 8 n P: K unit 4 i + t of rows g, 8 + g
+        kx = g & 1
+        vrd = CH * P + 2 * t * P  # + 4 (unit ^ x) + row P: V units of rows 2t.. (one swizzle for all 4)
+        vx = v_swizzle(2 * t)
+        base = warp * WARP_WORDS
+        num_chunks = (end - start + CH - 1) // CH
+        nk = (num_chunks - warp + NW - 1) // NW  # this warp's chunks: warp, warp + NW, ...
+        step = NW * CH
+
+        # prologue: chunks 0 .. ST-2 into stages 0 .. ST-2, one commit group each
+        c0 = start + warp * CH
+        for k in range(ST - 1):
+            if k < nk:
+                b_lo, b_hi = chunk_bases(block_tables, s, c0, end, words_per_block, head_off)
+                issue_chunk(ring, base + k * SLOT, k_flat, v_flat, b_lo, b_hi, src_lane, kdst, lrow, unit, c0, end,
+                            False)
+            cp_async_commit()
+            c0 += step
+        # the pool offsets of the next chunk to issue are read a step ahead of their use
+        nxt_lo = 0
+        nxt_hi = 0
+        if ST - 1 < nk:
+            nxt_lo, nxt_hi = chunk_bases(block_tables, s, c0, end, words_per_block, head_off)
+        c_issue = c0  # first token of chunk k + ST - 1
+        c0 = start + warp * CH  # first token of chunk k
+        slot_read = base
+        slot_write = base + (ST - 1) * SLOT
+        for k in range(nk):
+            # refill the stage read at step k - 1 (its values are used) with chunk k + ST - 1
+            if k + ST - 1 < nk:
+                if c_issue + CH <= end:
+                    issue_chunk(ring, slot_write, k_flat, v_flat, nxt_lo, nxt_hi, src_lane, kdst, lrow, unit, c_issue,
+                                end, True)
+                else:
+                    issue_chunk(ring, slot_write, k_flat, v_flat, nxt_lo, nxt_hi, src_lane, kdst, lrow, unit, c_issue,
+                                end, False)
+                c_issue += step
+                if k + ST < nk:
+                    nxt_lo, nxt_hi = chunk_bases(block_tables, s, c_issue, end, words_per_block, head_off)
+            cp_async_commit()
+            slot_write = slot_read  # the stage read now is refilled at the next step
+            wait_oldest()  # this lane's copies of chunk k have landed; k+1 .. k+ST-1 stay in flight
+            cuda.syncwarp()  # ... and every lane's (a lane reads units other lanes copied)
+            # (the stage refilled at the next step is free: its values fed this step's mma.sync,
+            # which every lane of the warp must reach)
+            if c0 + CH <= end:
+                read_chunk(kw, vw, ring, slot_read, krd, kx, vrd, vx, c0, end, g, t, True)
+                compute_chunk(kw, 0, vw, 0, qa, m, lsum, acc, sc, pw, c0, end, t, sl, True)
+            else:
+                read_chunk(kw, vw, ring, slot_read, krd, kx, vrd, vx, c0, end, g, t, False)
+                compute_chunk(kw, 0, vw, 0, qa, m, lsum, acc, sc, pw, c0, end, t, sl, False)
+            c0 += step
+            slot_read += SLOT
+            if slot_read == base + WARP_WORDS:
+                slot_read = base
+
+    @cuda.jit(device=True, inline="always")
+    def attend_partition(ring, q, k_flat, v_flat, block_tables, s, kvh, num_kv_heads, h0, nh, start, end, scale,
+                         tid):
+        warp, lane, g, t = lane_roles(tid)
+        qa = cuda.local.array(KS4, uint32)
+        m = cuda.local.array(2, float32)
+        lsum = cuda.local.array(2, float32)
+        acc = cuda.local.array(ACC, float32)
+        start_warp(qa, m, lsum, acc, q, s, h0, nh, g, t)
+        attend(ring, k_flat, v_flat, block_tables, s, start, end, num_kv_heads * BS * P, kvh * BS * P, qa, m, lsum,
+               acc, warp, lane, scale * QSCALE_LOG2E)
+        wait_all()
+        cuda.syncthreads()  # the ring is idle: it now carries each warp's (max, sum, accumulator)
+        stash(ring, warp * WARP_WORDS, nh, g, t, lsum, m, acc)
+        cuda.syncthreads()
+
+    return attend_partition
+
+
+# ----------------------------------------------------------------------------------------------
+# production's split-KV records and their merge
+
+
+def record_words(head_dim, heads):
+    """Words of one partition's record: accumulators [heads * D], then max [heads] and sum [heads]
+    (f32 bits), padded to whole 16-byte units."""
+    return heads * head_dim + -(-2 * heads // 4) * 4
+
+
+@lru_cache(maxsize=None)
+def make_split_merge(head_dim, heads, per_call, threads, is_bf16):
+    """merge_splits(part, base, n, h_first, h_count, smem, out, s, h_out, tid): the output of heads
+    h_first .. h_first + h_count - 1 (h_count <= per_call) of a head group from its n partitions'
+    records (record i at part[base + i * record_words(head_dim, heads)], flat uint32 f32 bits), into
+    out [S, H, D/2] pairs at heads h_out ... Called by every thread of a CTA of `threads` threads;
+    smem: uint32 shared memory of merge_smem_words(...) words (synchronised inside).
+
+    Every load is issued before its value is needed, so a merge costs a couple of L2 round trips
+    whatever n is: (1) per head, a warp loads all n maxima and sums at once (lane i + 32 k), reduces
+    them with shuffles and writes the weights 2^(m_i - M) / L to shared memory; (2) the threads split
+    into J groups of splits x (h_count * D/4) quads, each loads 8 records' 16-byte quads before
+    adding them, and the groups' sums meet in shared memory."""
+    D, GB, HC, NT = head_dim, heads, per_call, threads
+    NWM = NT // 32
+    REC = record_words(D, GB)
+    MK = MAX_SPLITS // 32
+    Q4 = D // 4  # 16-byte quads of one head's accumulators
+    QT = min(NT, HC * Q4)  # threads across quads
+    J = NT // QT  # split groups
+    UN = 8  # records loaded together
+    R_OFF = MAX_SPLITS * HC  # the split groups' sums follow the weights
+    pack = f32x2_to_bf16x2 if is_bf16 else f32x2_to_f16x2
+
+    @cuda.jit(device=True, inline="always")
+    def merge_splits(part, base, n, h_first, h_count, smem, out, s, h_out, tid):
+        warp = tid >> 5
+        lane = tid & 31
+        for hh in range(warp, h_count, NWM):
+            h = h_first + hh
+            mw = cuda.local.array(MK, float32)
+            for k in range(MK):
+                i = lane + 32 * k
+                mw[k] = f32_from_bits(part[base + i * REC + GB * D + h]) if i < n else NEG_INF
+            mx = mw[0]
+            for k in range(1, MK):
+                mx = max(mx, mw[k])
+            mx = warp_max(mx)
+            den = float32(0.0)
+            for k in range(MK):
+                i = lane + 32 * k
+                if i < n:
+                    mw[k] = math.exp2(mw[k] - mx)
+                    den += mw[k] * f32_from_bits(part[base + i * REC + GB * D + GB + h])
+            inv = float32(1.0) / warp_sum(den)
+            for k in range(MK):
+                i = lane + 32 * k
+                if i < n:
+                    smem[i * HC + hh] = f32_bits(mw[k] * inv)
+        cuda.syncthreads()
+        jj = tid // QT
+        q0 = tid - jj * QT
+        for q in range(q0, h_count * Q4, QT):
+            if jj < J:
+                hh = q // Q4
+                off = (h_first + hh) * D + 4 * (q - hh * Q4)
+                a0 = float32(0.0)
+                a1 = float32(0.0)
+                a2 = float32(0.0)
+                a3 = float32(0.0)
+                for i0 in range(jj * UN, n, J * UN):
+                    for u in range(UN):
+                        i = i0 + u
+                        if i < n:
+                            w = f32_from_bits(smem[i * HC + hh])
+                            x = load_u32x4(part, base + i * REC + off)
+                            a0 += w * f32_from_bits(x[0])
+                            a1 += w * f32_from_bits(x[1])
+                            a2 += w * f32_from_bits(x[2])
+                            a3 += w * f32_from_bits(x[3])
+                if J == 1:
+                    out[s, h_out + hh, 2 * (q - hh * Q4)] = pack(a0, a1)
+                    out[s, h_out + hh, 2 * (q - hh * Q4) + 1] = pack(a2, a3)
+                else:
+                    smem[R_OFF + 4 * tid] = f32_bits(a0)
+                    smem[R_OFF + 4 * tid + 1] = f32_bits(a1)
+                    smem[R_OFF + 4 * tid + 2] = f32_bits(a2)
+                    smem[R_OFF + 4 * tid + 3] = f32_bits(a3)
+        if J > 1:
+            cuda.syncthreads()
+            if tid < h_count * Q4:  # J > 1: one quad per thread, tid = q of group 0
+                hh = tid // Q4
+                a0 = float32(0.0)
+                a1 = float32(0.0)
+                a2 = float32(0.0)
+                a3 = float32(0.0)
+                for j in range(J):
+                    a0 += f32_from_bits(smem[R_OFF + 4 * (j * QT + tid)])
+                    a1 += f32_from_bits(smem[R_OFF + 4 * (j * QT + tid) + 1])
+                    a2 += f32_from_bits(smem[R_OFF + 4 * (j * QT + tid) + 2])
+                    a3 += f32_from_bits(smem[R_OFF + 4 * (j * QT + tid) + 3])
+                out[s, h_out + hh, 2 * (tid - hh * Q4)] = pack(a0, a1)
+                out[s, h_out + hh, 2 * (tid - hh * Q4) + 1] = pack(a2, a3)
+
+    return merge_splits
+
+
+def merge_smem_words(per_call, threads):
+    """Shared memory (uint32 words) make_split_merge's function needs."""
+    return MAX_SPLITS * per_call + 4 * threads
