@@ -5,16 +5,20 @@
     outs = llm.generate(["def fib(n):", [151644, 872]], SamplingParams(temperature=0, max_tokens=32))
     outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].outputs[0].finish_reason
 
+    for out in llm.stream(["def fib(n):"], SamplingParams(max_tokens=64)):     # tokens as they come
+        print(out.outputs[0].delta_text, end="", flush=True)
+
 Strings are tokenized as they are (no chat template: apply `llm.get_tokenizer().apply_chat_template`
 yourself, as the demo does).
 """
 import itertools
-import os
 import weakref
 
 from tqdm.auto import tqdm
 
-from pagedattn.engine.llm_engine import EngineConfig, LLMEngine
+from pagedattn.config import EngineConfig
+from pagedattn.engine.beam_search import beam_search_output
+from pagedattn.engine.llm_engine import LLMEngine
 from pagedattn.errors import InvalidRequestError
 from pagedattn.sampling_params import BeamSearchParams, SamplingParams
 
@@ -24,7 +28,7 @@ class LLM:
 
     model: HF Qwen2 checkpoint directory, None = the bundled model. The other arguments are
     EngineConfig's (device, dtype, block_size, num_blocks, max_model_len, max_num_seqs,
-    max_num_batched_tokens, enable_prefix_caching, attn_backend, enforce_eager, ...).
+    max_num_batched_tokens, enable_prefix_caching, attn_backend, enforce_eager, async_scheduling, seed, ...).
 
     tensor_parallel_size: P > 1 shards the model over P ranks (see docs/tensor_parallel.md): this process
     is rank 0 and starts P - 1 worker processes (spawn; NCCL on cuda:0..P-1, gloo on CPU). They stop on
@@ -32,46 +36,13 @@ class LLM:
     that use it need the `if __name__ == "__main__":` guard that spawn requires.
     """
 
-    def __init__(self, model=None, device="auto", dtype="auto", block_size=16, num_blocks=None,
-                 max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=None,
-                 enable_prefix_caching=True, attn_backend="auto", enforce_eager=False, tensor_parallel_size=1,
-                 **kwargs):
+    def __init__(self, model=None, device="auto", dtype="auto", tensor_parallel_size=1, **kwargs):
         self._close = None
-        if tensor_parallel_size != 1:
-            enforce_eager = True             # the CUDA-graph decode path is single-rank
-        config = EngineConfig(model=model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
-                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens,
-                              enable_prefix_caching=enable_prefix_caching, attn_backend=attn_backend,
-                              enforce_eager=enforce_eager, **kwargs)
-        if tensor_parallel_size == 1:
-            self.engine = LLMEngine(config)
-        else:
-            self.engine = self._tensor_parallel_engine(config, tensor_parallel_size)
+        config = EngineConfig(model=model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                              **kwargs)
+        self.engine = LLMEngine(config)
+        self._close = weakref.finalize(self, self.engine.shutdown)   # also runs at interpreter exit
         self._request_ids = itertools.count()
-
-    def _tensor_parallel_engine(self, config, tp):
-        from pagedattn.distributed.parallel import check_tensor_parallel_size
-        from pagedattn.distributed.worker import TensorParallelGroup
-        from pagedattn.models.loader import read_config
-
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise InvalidRequestError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
-        if config.device not in ("cpu", "cuda", "cuda:0"):
-            raise InvalidRequestError(f"tensor_parallel_size={tp} runs rank r on cuda:r (or all on cpu): "
-                                      f"device must be 'auto', 'cpu', 'cuda' or 'cuda:0', got {config.device!r}")
-        if config.model is None:
-            from pagedattn.bundled import bundled_model_path
-            config.model = bundled_model_path()
-        path = os.fspath(config.model)
-        check_tensor_parallel_size(read_config(path), tp)    # before any process starts
-        group = TensorParallelGroup(tp, config, path)
-        self._close = weakref.finalize(self, group.shutdown)  # also runs at interpreter exit
-        try:
-            return group.attach(LLMEngine(config))
-        except BaseException:
-            self._close()
-            raise
 
     def close(self):
         """Stop the tensor-parallel workers (a no-op at tensor_parallel_size=1); idempotent."""
@@ -96,18 +67,17 @@ class LLM:
     def _as_prompt_list(prompts):
         if isinstance(prompts, str):
             return [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(f"prompts must be a str, a list of token ids, or a list of those, "
+                                      f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
             return [prompts]                 # one prompt given as token ids
         return prompts
 
-    def generate(self, prompts, sampling_params=None, use_tqdm=True):
-        """Complete every prompt; returns RequestOutputs in the prompts' order.
-
-        prompts: a str, a list of token ids, or a list of those. sampling_params: one SamplingParams
-        for all, or one per prompt (default: SamplingParams()). Every request is validated before any
-        starts; the first bad one raises InvalidRequestError naming its index and the field.
-        """
+    def _add(self, prompts, sampling_params, stream):
+        """Validate every request first (the first bad one raises InvalidRequestError naming its index and
+        the field), then queue them all. Returns their request ids in the prompts' order."""
         prompts = self._as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -122,36 +92,90 @@ class LLM:
                 token_ids.append(self.engine.validate_request(prompt, p))
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"request {i}: {e}") from e
-        engine = self.engine
         ids = []
         for prompt, p, toks in zip(prompts, params, token_ids):
             rid = f"gen-{next(self._request_ids)}"
-            engine.add_request(rid, prompt, p, prompt_token_ids=toks)
+            self.engine.add_request(rid, prompt, p, prompt_token_ids=toks, stream=stream)
             ids.append(rid)
-        results = {}
-        pending = set(ids)
-        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        return ids
+
+    def _run(self, ids, use_tqdm, desc="Generating"):
+        """Step until every request in ids finished; yields each RequestOutput the steps return."""
+        engine, pending, ids = self.engine, set(ids), set(ids)
+        bar = tqdm(total=len(ids), desc=desc, unit="req", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while pending:
                 for out in engine.step():
-                    results[out.request_id] = out
-                    if out.request_id in pending:
+                    if out.request_id not in ids:
+                        engine.defer(out)            # another caller's request: theirs at the next step
+                        continue
+                    if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         bar.update(1)
+                    yield out
                 m = engine.stats
                 if m.step_time:
                     bar.set_postfix_str(f"{m.num_generated_tokens / m.step_time:.1f} tok/s, "
                                         f"KV {100 * engine.block_manager.utilization:.0f}%", refresh=False)
-        except BaseException:
-            for rid in pending:              # leave the engine clean for the next call
-                engine.abort_request(rid)
-            raise
         finally:
+            for rid in pending:              # interrupted: leave the engine clean for the next call
+                engine.abort_request(rid)
             bar.close()
+
+    def generate(self, prompts, sampling_params=None, use_tqdm=True):
+        """Complete every prompt; returns RequestOutputs in the prompts' order.
+
+        prompts: a str, a list of token ids, or a list of those. sampling_params: one SamplingParams
+        for all, or one per prompt (default: SamplingParams()).
+        """
+        ids = self._add(prompts, sampling_params, stream=False)
+        results = {out.request_id: out for out in self._run(ids, use_tqdm) if out.finished}
         return [results[rid] for rid in ids]
+
+    def stream(self, prompts, sampling_params=None):
+        """Like generate, but yields each request's progress as it is made: RequestOutputs whose
+        completions carry delta_text / delta_token_ids (what the step added), the last one with
+        finished=True; `out.prompt_index` is the prompt's position in `prompts`."""
+        ids = self._add(prompts, sampling_params, stream=True)
+        index = {rid: i for i, rid in enumerate(ids)}
+        for out in self._run(ids, use_tqdm=False):
+            if out.request_id in index:
+                out.prompt_index = index[out.request_id]
+                yield out
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm=True):
         """Beam search over each prompt; returns one BeamSearchOutput per prompt (best beam first).
         See pagedattn.engine.beam_search."""
-        from pagedattn.engine.beam_search import beam_search
-        return beam_search(self.engine, self._as_prompt_list(prompts), params, use_tqdm=use_tqdm)
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        engine = self.engine
+        prompts = self._as_prompt_list(prompts)
+        prompt_ids = []
+        for i, p in enumerate(prompts):
+            try:
+                prompt_ids.append(engine.validate_request(p, params))
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"request {i}: {e}") from e
+        results, order = [None] * len(prompts), list(range(len(prompts)))
+        bs, width = engine.config.block_size, params.beam_width
+        while order:                                    # groups of prompts whose worst case fits the pool
+            group, used = [], 0
+            for i in order:
+                need = width * -(-(len(prompt_ids[i]) + params.max_tokens) // bs)
+                if group and used + need > engine.num_blocks:
+                    break
+                group.append(i)
+                used += need
+            order = order[len(group):]
+            rids = {}
+            for i in group:
+                rid = f"beam-{next(self._request_ids)}"
+                rids[rid] = i
+                engine.add_beam_request(rid, prompts[i], params, prompt_token_ids=prompt_ids[i])
+            states = {rid: engine.groups[rid] for rid in rids}
+            for out in self._run(list(rids), use_tqdm, desc="Beam search"):
+                if out.finished and out.request_id in rids:
+                    g = states[out.request_id]
+                    i = rids[out.request_id]
+                    results[i] = beam_search_output(prompts[i], prompt_ids[i], g.beam, engine.detokenize)
+        return results

@@ -32,6 +32,8 @@ class SamplingParams:
     stop: strings that end the completion; they are removed from the text (finish_reason "stop").
     stop_token_ids: token ids that end the completion (kept in token_ids, like EOS).
     ignore_eos: keep generating past the end-of-sequence token.
+    logprobs: report each chosen token's log-probability under the model (raw logits, before
+        temperature / top-k / top-p) in CompletionOutput.logprobs.
     """
 
     n: int = 1
@@ -43,6 +45,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    logprobs: bool = False
 
     def __post_init__(self):
         _check_int("n", self.n, 1, "an int >= 1")
@@ -70,6 +73,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0, "a list of ints >= 0")
+        for name in ("ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def greedy(self):

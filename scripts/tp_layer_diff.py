@@ -27,7 +27,6 @@ kernel's bug from the sharding's.
     python scripts/tp_layer_diff.py --device cpu --dtype float32    # 2 CPU ranks over gloo
 """
 import datetime
-import inspect
 import math
 import os
 import random
@@ -83,19 +82,10 @@ def make_inputs(prompt_lens, decode_steps, vocab_size, block_size, seed):
 
 # ---- models ---------------------------------------------------------------------------------------
 def load(path, device, dtype, backend, rank=0, world_size=1):
-    """Rank `rank` of `world_size`'s Qwen2ForCausalLM (the full model at world_size 1) and its config.
-    Uses load_model(..., tp_rank=, tp_size=) where the loader shards directly, else shards a loaded
-    model with shard_qwen2."""
+    """Rank `rank` of `world_size`'s Qwen2ForCausalLM (the full model at world_size 1) and its config."""
     from pagedattn.models.loader import load_model
 
-    if world_size == 1:
-        return load_model(path, device, dtype, backend)
-    if "tp_rank" in inspect.signature(load_model).parameters:
-        return load_model(path, device, dtype, backend, tp_rank=rank, tp_size=world_size)
-    from pagedattn.distributed.parallel import shard_qwen2
-
-    model, config = load_model(path, device, dtype, backend)
-    return shard_qwen2(model, rank, world_size), config
+    return load_model(path, device, dtype, backend, tp_rank=rank, tp_size=world_size)
 
 
 def _tensor_of(output):

@@ -66,18 +66,13 @@ def test_loads_and_merges_all_parameters(tiny_checkpoint):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_tensor_parallel_shard_holds_its_slices(tiny_checkpoint, rank):
-    """load_model(tp_rank, tp_size) reads exactly rank r's slices; cutting a whole loaded model with
-    shard_qwen2 (the older path) gives the same tensors."""
-    from pagedattn.distributed.parallel import shard_qwen2
-
+    """load_model(tp_rank, tp_size) reads exactly rank r's slices of the checkpoint's tensors."""
     shard, config = load_model(tiny_checkpoint, tp_rank=rank, tp_size=2)
     stored = load_file(os.path.join(tiny_checkpoint, "model.safetensors"))
     params, want = dict(shard.named_parameters()), merged_from_checkpoint(stored, config, rank, 2)
     assert set(params) == set(want)
     for name, p in params.items():
         assert torch.equal(p.detach(), want[name]), name
-    cut = dict(shard_qwen2(load_model(tiny_checkpoint)[0], rank, 2).named_parameters())
-    assert cut.keys() == params.keys() and all(torch.equal(cut[n], params[n]) for n in params)
     attn = shard.model.layers[0].self_attn
     assert (attn.num_heads, attn.num_kv_heads) == (3, 1) and shard.lm_head.weight.shape == (64, 96)
 

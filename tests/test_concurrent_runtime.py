@@ -20,16 +20,24 @@ MAX_TOKENS = 12
 
 def record_logits(llm):
     """{(request_id, tokens known when sampled): logits row} for every sampled row."""
-    rows = {}
-    engine = llm.engine
-    process = engine._process
+    rows, last = {}, []
+    engine, model = llm.engine, llm.engine.runner.model
+    compute, launch = model.compute_logits, engine._launch
 
-    def wrapped(logits, seqs, t):
-        for i, s in enumerate(seqs):
-            rows[(s.request_id, s.num_tokens)] = logits[i].clone()
-        return process(logits, seqs, t)
+    def compute_logits(hidden):
+        last.append(compute(hidden))
+        return last[-1]
 
-    engine._process = wrapped
+    def launched():
+        last.clear()
+        out = launch()
+        if out is not None and last:
+            plan, _ = out
+            for i, r in enumerate(plan.sample_rows):
+                rows[(r.seq.request_id, r.seq.num_tokens)] = last[0][i].clone()
+        return out
+
+    model.compute_logits, engine._launch = compute_logits, launched
     return rows
 
 

@@ -221,6 +221,18 @@ def test_bad_request_rejected_while_others_run(tiny_checkpoint, hf_greedy):
     assert_clean(llm)
 
 
+def test_wrong_argument_types_name_the_argument(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, device="cpu", num_blocks=64)
+    cases = [((None,), "prompts"), ((3,), "prompts"), (([None],), "prompt must be"),
+             (([[1, 2]], "greedy"), "sampling_params"), (([[1, 2]], [greedy(), greedy()]), "sampling_params")]
+    for args, field in cases:
+        with pytest.raises(InvalidRequestError, match=field):
+            llm.generate(*args, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="params"):
+        llm.beam_search([[1, 2]], greedy(), use_tqdm=False)
+    assert_clean(llm)
+
+
 @pytest.mark.parametrize("max_tokens", [6, 16])
 def test_beam_search_matches_hf(tiny_checkpoint, max_tokens):
     from pagedattn import BeamSearchParams

@@ -1,8 +1,9 @@
 """Tensor parallelism over torch.distributed (NCCL on CUDA, gloo on CPU); see docs/tensor_parallel.md.
 
-parallel.py: the process group and the Megatron-style sharded layers (`shard_qwen2`).
-worker.py: the worker processes and the rank-0 model runner that broadcasts each step to them.
+parallel.py: the process group and the checks; the sharded layers themselves are pagedattn/layers/linear.py,
+    loaded rank by rank by pagedattn.models.loader.load_model(..., tp_rank, tp_size).
+worker.py: the worker processes that run rank 1..P-1's ModelRunner, and the step's wire format.
 """
-from pagedattn.distributed.parallel import check_tensor_parallel_size, shard_qwen2
+from pagedattn.distributed.parallel import check_tensor_parallel_size
 
-__all__ = ["check_tensor_parallel_size", "shard_qwen2"]
+__all__ = ["check_tensor_parallel_size"]

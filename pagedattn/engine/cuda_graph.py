@@ -1,29 +1,27 @@
-"""CUDA-graph decode: one captured forward (+ logits) per padded batch size.
+"""CUDA-graph decode: one captured step (input ids -> forward -> logits -> sampling) per padded batch size.
 
-A pure-decode step (every scheduled sequence computes one token) runs the same kernels every time,
-only on different data, so its ~24 x 10 launches (numba kernels included: they launch on torch's
-current stream through `cuda.external_stream`, which a capture records) are captured once per batch
-size of a ladder 1, 2, 4, 8, 16, 32, 64, ... up to max_num_seqs, and replayed. The graphs read
-persistent device buffers that each step overwrites in place:
+A pure-decode step (every scheduled sequence computes one token and samples the next) runs the same
+kernels every time, only on different data, so it is captured once per batch size of a ladder 1, 2, 4,
+8, 16, 32, 64, ... up to max_num_seqs, and replayed. Numba kernels are captured too: they launch on
+torch's current stream through `cuda.external_stream`.
 
-    input_ids     [Bmax] int32       positions    [Bmax] int32     slot_mapping [Bmax] int32
-    context_lens  [Bmax] int32       block_tables [Bmax, W] int32  (W = ceil(max_model_len / block_size))
+Each ladder size B reads a persistent device buffer holding a StepInputs of a fixed header (B tokens,
+B sequences, B sampling rows, W = ceil(max_model_len / block_size) table columns), overwritten in place
+by one host-to-device copy per step. A batch of n sequences runs the graph of the smallest B >= n.
+Rows n..B-1 are padding: slot -1 (the cache write skips it), context_len 1 and block table row
+[0, 0, ...] (attention reads one slot of block 0, a valid block, and the result is discarded: every op
+outside attention is row-wise, so a padding row cannot reach a real one), greedy sampling. The
+split-KV plan of the decode kernel is fixed at capture from W * block_size (max_context_len None),
+the largest context a graph can see, so the same graph serves every context length.
 
-A batch of n sequences runs the graph of the smallest ladder size B >= n. Rows n..B-1 are padding:
-slot -1 (the write kernel skips them: nothing is written), context_len 1 and block table row
-[0, 0, ...] (attention reads one slot of block 0, a valid block, and the result is discarded:
-every op outside attention is row-wise, so a padding row cannot reach a real one). The split-KV
-plan of the decode kernel is fixed at capture from W * block_size, the largest context a graph can
-see, so the same graph serves every context length.
-
-All five buffers live in one int32 device tensor, filled from one pinned host tensor with one
-non-blocking copy per step (`DecodeBuffers`). `fill_decode_rows` is the host-side packing, a plain
-numpy function so it is tested without a GPU.
+The captured step begins by reading the ids of in-flight tokens from the shared sampled-token buffer
+(input_src >= 0) and ends by writing its own sampled tokens into that buffer, so consecutive steps chain
+on the device (asynchronous scheduling) without the host in between.
 """
 import numpy as np
 import torch
 
-from pagedattn.layers.attention import AttentionMetadata
+from pagedattn.engine.step_inputs import StepInputs, layout
 
 
 def graph_batch_sizes(max_num_seqs):
@@ -46,136 +44,95 @@ def padded_batch_size(n, sizes):
     return None
 
 
-class DecodeLayout:
-    """Offsets of the five fields in the packed int32 buffer for batches up to `max_batch` rows."""
-
-    def __init__(self, max_batch, max_blocks):
-        self.max_batch, self.max_blocks = max_batch, max_blocks
-        B = max_batch
-        self.ids = slice(0, B)
-        self.pos = slice(B, 2 * B)
-        self.slots = slice(2 * B, 3 * B)
-        self.ctx = slice(3 * B, 4 * B)
-        self.tables = slice(4 * B, 4 * B + B * max_blocks)
-        self.size = 4 * B + B * max_blocks
+def decode_header(batch, width):
+    return dict(num_tokens=batch, num_seqs=batch, width=width, num_prefills=0, num_prefill_tokens=0,
+                num_samples=batch, num_beams=0, beam_k=0, num_copies=0, max_context_len=0)
 
 
-def fill_decode_rows(buf, layout, tokens, positions, tables, block_size, batch):
-    """Pack n decode rows, padded to `batch` rows, into `buf` (int32 numpy, layout.size).
-
-    tokens, positions: n ints (each sequence's last token and its position); tables: n block-id
-    lists (each long enough for position + 1 tokens, at most layout.max_blocks). Padding rows
-    n..batch-1 get token 0, position 0, slot -1, context_len 1, block table [0, 0, ...].
-    Rows past `batch` are left as they are (the graph of size `batch` does not read them).
-    Returns n.
-    """
-    n = len(tokens)
-    if n > batch or batch > layout.max_batch:
-        raise ValueError(f"{n} rows do not fit a padded batch of {batch} (buffers hold {layout.max_batch})")
-    L = layout
-    ids, pos, slots, ctx = buf[L.ids], buf[L.pos], buf[L.slots], buf[L.ctx]
-    bt = buf[L.tables].reshape(L.max_batch, L.max_blocks)
-    p = np.asarray(positions, dtype=np.int64)
-    ids[:n] = tokens
-    pos[:n] = p
-    ctx[:n] = p + 1
-    bt[:batch] = 0
-    for i, t in enumerate(tables):           # the one per-sequence loop: copying the block lists
-        bt[i, :len(t)] = t
-    if n:
-        rows = np.arange(n)
-        slots[:n] = bt[rows, p // block_size] * block_size + p % block_size
-    ids[n:batch] = 0
-    pos[n:batch] = 0
-    slots[n:batch] = -1
-    ctx[n:batch] = 1
-    return n
+def pad_decode_step(step, batch, width):
+    """The pure-decode StepInputs `step` (n rows) as a graph's input: `batch` rows (n real + padding) and
+    `width` block-table columns. Returns the int32 array in layout(decode_header(batch, width))."""
+    n = step.num_seqs
+    if n > batch or step.width > width:
+        raise ValueError(f"a step of {n} rows x {step.width} blocks does not fit a graph of {batch} x {width}")
+    padded = StepInputs(decode_header(batch, width), np.zeros(layout(decode_header(batch, width))["_size"][1],
+                                                              dtype=np.int32))
+    src, dst = step.fields(), padded.fields()
+    for name in ("input_ids", "input_src", "positions", "slot_mapping", "context_lens", "sample_rows",
+                 "temperature", "top_k", "top_p", "comp_index", "position", "seed"):
+        dst[name][:n] = src[name]
+    dst["block_tables"][:n, :step.width] = src["block_tables"]
+    dst["input_src"][n:] = -1
+    dst["slot_mapping"][n:] = -1
+    dst["context_lens"][n:] = 1
+    dst["sample_rows"][n:] = np.arange(n, batch)
+    dst["top_p"][n:] = 1.0
+    return padded.data
 
 
-class DecodeBuffers:
-    """The pinned host staging buffer and the persistent device buffer (same layout), plus views."""
+class CudaGraphRunner:
+    """Captures `runner.run_step` for each ladder size; `run` replays the right one.
 
-    def __init__(self, max_batch, max_blocks, device):
-        self.layout = L = DecodeLayout(max_batch, max_blocks)
-        pin = torch.device(device).type == "cuda"
-        self.host = torch.zeros(L.size, dtype=torch.int32, pin_memory=pin)
-        self.host_np = self.host.numpy()
-        self.dev = torch.zeros(L.size, dtype=torch.int32, device=device)
-        self.copied = torch.cuda.Event() if pin else None
-        self.input_ids = self.dev[L.ids]
-        self.positions = self.dev[L.pos]
-        self.slot_mapping = self.dev[L.slots]
-        self.context_lens = self.dev[L.ctx]
-        self.block_tables = self.dev[L.tables].view(max_batch, max_blocks)
-        self.cu_seqlens_q = torch.zeros(1, dtype=torch.int32, device=device)
-
-    def fill(self, tokens, positions, tables, block_size, batch):
-        """Pack on the host, then one non-blocking copy of the rows the graph reads."""
-        if self.copied is not None:
-            self.copied.synchronize()         # the previous step's copy has left the pinned buffer
-        fill_decode_rows(self.host_np, self.layout, tokens, positions, tables, block_size, batch)
-        self.dev.copy_(self.host, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
-
-    def metadata(self, batch):
-        """AttentionMetadata over the first `batch` rows (views: no device allocation)."""
-        return AttentionMetadata(
-            num_prefills=0, num_prefill_tokens=0, num_decode_tokens=batch,
-            slot_mapping=self.slot_mapping[:batch], context_lens=self.context_lens[:batch],
-            block_tables=self.block_tables[:batch], cu_seqlens_q=self.cu_seqlens_q)
-
-
-class CudaGraphDecoder:
-    """Captures model forward + logits for each ladder size; `run` replays the right one.
-
-    model: Qwen2ForCausalLM on CUDA; kv_cache: KVCache; max_num_seqs, max_model_len, block_size
-    fix the buffers. Capture happens in `capture()` (a few seconds); graphs share one memory pool.
+    runner: the ModelRunner (its model, KV cache, shared sampled-token buffers); max_num_seqs and the
+    block-table width fix the buffers. `capture()` takes a few seconds; the graphs share one memory pool.
     """
 
-    def __init__(self, model, kv_cache, max_num_seqs, max_model_len, block_size, device):
-        self.model, self.kv_cache = model, kv_cache
-        self.block_size = block_size
+    def __init__(self, runner, max_num_seqs, width):
+        self.runner = runner
         self.sizes = graph_batch_sizes(max_num_seqs)
-        self.max_blocks = -(-max_model_len // block_size)
-        self.buffers = DecodeBuffers(self.sizes[-1], self.max_blocks, device)
-        self.graphs, self.logits = {}, {}
+        self.width = width
+        size = layout(decode_header(self.sizes[-1], width))["_size"][1]
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        self.dev = torch.zeros(size, dtype=torch.int32, device=runner.device)
+        self.copied = torch.cuda.Event()
+        self.graphs = {}
+        self.logits = {}                          # batch -> the graph's logits [batch, V] (read after a replay)
         self.pool = None
 
-    def can_run(self, n):
-        return padded_batch_size(n, self.sizes) is not None
+    def can_run(self, step):
+        return step.pure_decode and padded_batch_size(step.num_seqs, self.sizes) is not None \
+            and step.width <= self.width
 
-    def _forward(self, batch):
-        b = self.buffers
-        hidden = self.model.forward(b.input_ids[:batch], b.positions[:batch], self.kv_cache, b.metadata(batch))
-        return self.model.compute_logits(hidden)
+    def _fill_padding(self, batch):
+        empty = StepInputs(decode_header(0, self.width),
+                           np.zeros(layout(decode_header(0, self.width))["_size"][1], dtype=np.int32))
+        data = torch.from_numpy(pad_decode_step(empty, batch, self.width))
+        self.dev[:data.shape[0]].copy_(data)
+
+    def _step(self, batch):
+        return StepInputs(decode_header(batch, self.width), None)
 
     @torch.inference_mode()
     def capture(self):
-        """Capture every ladder size, largest first (the pool then fits the smaller ones)."""
-        b = self.buffers
-        b.fill([], [], [], self.block_size, b.layout.max_batch)      # all rows padding: writes nowhere
-        torch.cuda.synchronize()
+        """Warm up (compiles every kernel variant), then capture every ladder size, largest first
+        (the pool then fits the smaller ones). All rows are padding during capture: nothing is written."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):                                 # warm-up: compiles every kernel variant
+        with torch.cuda.stream(side):
             for batch in self.sizes:
-                self._forward(batch)
+                self._fill_padding(batch)
+                self.runner.run_step(self._step(batch), self.dev)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         for batch in reversed(self.sizes):
+            self._fill_padding(batch)
+            torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                self.logits[batch] = self._forward(batch)
+                _, self.logits[batch] = self.runner.run_step(self._step(batch), self.dev)
             if self.pool is None:
                 self.pool = g.pool()
             self.graphs[batch] = g
         torch.cuda.synchronize()
 
-    def run(self, tokens, positions, tables):
-        """Fill the buffers for these n decode rows and replay; returns logits [n, vocab] (a view)."""
-        n = len(tokens)
-        batch = padded_batch_size(n, self.sizes)
-        self.buffers.fill(tokens, positions, tables, self.block_size, batch)
+    def run(self, step):
+        """Replay the graph for this pure-decode step; its sampled tokens land in the runner's buffers.
+        Returns the graph's logits [padded batch, V] (valid until the next replay)."""
+        batch = padded_batch_size(step.num_seqs, self.sizes)
+        data = pad_decode_step(step, batch, self.width)
+        self.copied.synchronize()                 # the previous step's copy has left the pinned buffer
+        self.host[:data.shape[0]].numpy()[:] = data
+        self.dev[:data.shape[0]].copy_(self.host[:data.shape[0]], non_blocking=True)
+        self.copied.record()
         self.graphs[batch].replay()
-        return self.logits[batch][:n]
+        return self.logits[batch]

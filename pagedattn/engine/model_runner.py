@@ -1,249 +1,214 @@
-"""Pack one scheduled step into tensors, run the model on the paged KV cache, return logits.
+"""One rank's model: its shard of the weights, its KV pool, its CUDA graphs; runs one step at a time.
 
-For a step with sequences s (prefill chunks first, then decodes), each computing its tokens
-[start_s, end_s):
+    runner = ModelRunner(config, rank=0, world_size=1)        # loads the (shard of the) checkpoint
+    runner.allocate_kv_cache(num_blocks)                      # after the engine settles the pool size
+    result = runner.execute(step_inputs)                      # launches the step (asynchronously on CUDA)
+    tokens, logprobs, beams = result.wait()                   # host numpy arrays
 
-    input_ids     [T] int32   token_ids[start_s:end_s], concatenated
-    positions     [T] int32   start_s .. end_s - 1, concatenated
-    slot_mapping  [T] int32   block_table_s[pos // block_size] * block_size + pos % block_size
-    context_lens  [S] int32   end_s (tokens in the cache after this step's write)
-    block_tables  [S, W] int32, padded with 0
-    cu_seqlens_q  [P + 1] int32, the prefill chunks' boundaries
-    logits rows   [N] int32   the last row of each sequence that samples this step
+Every rank runs the same ModelRunner on the same StepInputs (pagedattn.engine.step_inputs); with tensor
+parallelism (world_size P > 1) rank r loads query/KV heads [r*H/P, (r+1)*H/P) of every layer, holds only
+its KV heads of every block in its pool (so one block id means the same tokens on every rank), and the
+model's collectives join the ranks inside the forward. Rank 0's results are the engine's.
 
-The step is lean: the host loop over sequences only slices token lists and collects block tables;
-every per-token quantity is a numpy op; all of the above is packed into one int32 host buffer
-(pinned on CUDA) and moved with one non-blocking copy into a persistent device buffer that grows
-only when a step needs more room, so a step allocates no device tensors for its inputs. The one
-host-device synchronisation of a step is the engine reading the sampled tokens. The kernels'
-own per-call checks (one sync each, per layer) are off; `prepare` checks the packed metadata once
-per step on the host instead (slots and block ids inside the pool), which costs no sync.
-
-Pure-decode steps on CUDA replay a captured CUDA graph (pagedattn.engine.cuda_graph) unless
-`enforce_eager`; prefill and mixed steps, and batches above the graph ladder, run eagerly.
-Logits are computed only for the rows that sample (the graphs compute every padded row).
+A step: copy-on-write block copies -> one host-to-device copy of the packed inputs -> the ids of
+in-flight tokens read from the previous step's sampled tokens -> forward -> logits of the sampling rows ->
+sampling on the device (pagedattn.layers.sampler) into the shared sampled-token buffer -> an asynchronous
+copy of the sampled tokens to pinned host memory. Pure-decode steps on CUDA replay a captured graph of
+all of it (pagedattn.engine.cuda_graph) unless enforce_eager or the attention backend cannot be captured.
 """
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from pagedattn.layers.attention import AttentionMetadata, NumbaBackend, get_backend
+from pagedattn.config import kv_pool_blocks
 from pagedattn.errors import KernelLaunchError
+from pagedattn.kv_cache import KVCache
+from pagedattn.layers.attention import AttentionMetadata, get_backend
+from pagedattn.layers import sampler
 
 
-@dataclass
-class PreparedStep:
-    input_ids: torch.Tensor        # [T] int32
-    positions: torch.Tensor        # [T] int32
-    attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor   # [N] int32, rows of the hidden states to turn into logits
-    sampling_seqs: list            # the N sequences those rows belong to
+class StepResult:
+    """A launched step's outputs on their way to the host. wait() -> (tokens [N] int32, logprobs [N]
+    float32, beams (logprobs [Nb, K] float32, ids [Nb, K] int64) or None), numpy."""
+
+    def __init__(self, tokens, logprobs, beams, event=None):
+        self._tokens, self._logprobs, self._beams, self._event = tokens, logprobs, beams, event
+
+    def wait(self):
+        if self._event is not None:
+            self._event.synchronize()
+        beams = None if self._beams is None else (self._beams[0].numpy(), self._beams[1].numpy())
+        return self._tokens.numpy(), self._logprobs.numpy(), beams
 
 
-class LeanNumbaBackend(NumbaBackend):
-    """NumbaBackend without the kernels' per-call host checks (each would sync once per layer).
-
-    The runner validates the step's metadata on the host before the forward. max_context_len (the
-    decode kernel's split-KV plan bound) is set by the runner per eager step; None (the graphs)
-    means the block-table width times block_size.
-    """
-
-    def __init__(self, base=None):
-        if base is None:
-            super().__init__()
-        else:
-            self.__dict__.update(base.__dict__)
-        self.max_context_len = None
-
-    def write(self, k, v, k_cache, v_cache, slot_mapping):
-        if self.cache_ops is None:
-            return super().write(k, v, k_cache, v_cache, slot_mapping)
-        self.cache_ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, check_bounds=False)
-
-    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out):
-        if self.paged_attention is None or not self._kernel_ok(q, k_cache):
-            return super().decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)
-        res = self.paged_attention.paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=scale,
-                                                   out=out, validate=False, max_context_len=self.max_context_len)
-        if res is not None and res.data_ptr() != out.data_ptr():
-            out.copy_(res)
-
-
-class StagingBuffer:
-    """An int32 pinned host buffer and a device buffer, grown on demand, moved by one copy (CUDA).
-
-    The device views `pack` returns are overwritten by the next step: use them within the step.
-    On CPU each step gets fresh tensors (no copy needed; callers may keep them).
-    """
+class _Staging:
+    """A pinned host int32 buffer and a device buffer, grown on demand, for one copy per step (CUDA)."""
 
     def __init__(self, device, size=1 << 16):
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
+        self.device = device
         self.copied = None
         self._alloc(size)
 
     def _alloc(self, size):
         if self.copied is not None:
             self.copied.synchronize()
-        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=self.cuda)
-        self.host_np = self.host.numpy()
-        self.dev = torch.zeros(size, dtype=torch.int32, device=self.device) if self.cuda else self.host
-        self.copied = torch.cuda.Event() if self.cuda else None
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        self.dev = torch.zeros(size, dtype=torch.int32, device=self.device)
+        self.copied = torch.cuda.Event()
 
-    def pack(self, parts):
-        """parts: 1-D int arrays. Returns their device views (one copy on CUDA; the host views on CPU)."""
-        total = sum(len(p) for p in parts)
-        if not self.cuda:                           # CPU: a fresh tensor per step (callers may keep it)
-            flat = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int32) for p in parts]))
-            return list(torch.split(flat, [len(p) for p in parts]))
-        if total > self.host.shape[0]:
-            self._alloc(max(total, 2 * self.host.shape[0]))
-        elif self.copied is not None:
-            self.copied.synchronize()               # the previous copy has read the pinned buffer
-        offsets, o = [], 0
-        for p in parts:
-            self.host_np[o:o + len(p)] = p
-            offsets.append(o)
-            o += len(p)
-        if self.cuda:
-            self.dev[:total].copy_(self.host[:total], non_blocking=True)
-            self.copied.record()
-        return [self.dev[s:s + len(p)] for s, p in zip(offsets, parts)]
+    def upload(self, data):
+        """data: int32 numpy array -> a device view holding it (valid until the next upload)."""
+        n = data.shape[0]
+        if n > self.host.shape[0]:
+            self._alloc(max(n, 2 * self.host.shape[0]))
+        else:
+            self.copied.synchronize()                 # the previous copy has left the pinned buffer
+        self.host[:n].numpy()[:] = data
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        self.copied.record()
+        return self.dev[:n]
+
+
+def load_shard(config, rank, world_size, device):
+    """(model, model_config) of rank `rank`: the checkpoint's shard for world_size ranks."""
+    from pagedattn.models.loader import load_model
+
+    return load_model(config.model, device, config.dtype, config.attn_backend, tp_rank=rank, tp_size=world_size)
 
 
 class ModelRunner:
-    """model: Qwen2ForCausalLM; kv_cache: KVCache; block_manager: for block tables.
+    """config: an EngineConfig whose `model` is a directory; rank / world_size: tensor-parallel position;
+    device: this rank's device (default: config.device, or cuda:rank for tensor parallelism on CUDA)."""
 
-    max_num_seqs / max_model_len size the CUDA-graph buffers; enforce_eager (or a CPU device)
-    switches the graphs off. Graphs are captured lazily, before the first pure-decode step
-    (or explicitly with `capture_graphs()`).
-    """
-
-    def __init__(self, model, kv_cache, block_manager, device, max_num_seqs=256, max_model_len=4096,
-                 enforce_eager=False):
-        self.model = model
-        self.kv_cache = kv_cache
-        self.block_manager = block_manager
-        self.block_size = kv_cache.block_size
+    def __init__(self, config, rank=0, world_size=1, device=None):
+        if device is None:
+            device = f"cuda:{rank}" if config.device_type == "cuda" and world_size > 1 else config.device
+        self.config, self.rank, self.world_size = config, rank, world_size
         self.device = torch.device(device)
-        self.num_slots = kv_cache.k_caches[0].shape[0] * self.block_size
-        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
-        self.use_graphs = self.device.type == "cuda" and not enforce_eager
-        self.staging = StagingBuffer(self.device)
-        self.graph_decoder = None
-        self._resolve_backend()
-
-    def _resolve_backend(self):
+        self.cuda = self.device.type == "cuda"
+        self.model, self.model_config = load_shard(config, rank, world_size, self.device)
         backend = self.model.attn_backend
         if isinstance(backend, str):
             backend = get_backend(backend, self.device)
-        if type(backend) is NumbaBackend:
-            backend = LeanNumbaBackend(backend)
+        if hasattr(backend, "validate"):
+            backend.validate = False                  # the step's metadata is checked on the host (_check)
         self.model.attn_backend = backend
-        self.lean_backend = backend if isinstance(backend, LeanNumbaBackend) else None
+        mc = self.model_config
+        self.num_kv_heads = mc.num_key_value_heads // world_size
+        self.block_size = config.block_size
+        self.max_model_len = min(config.max_model_len, mc.max_position_embeddings)
+        self.kv_cache = None
+        self.graphs = None
+        self.use_graphs = self.cuda and not config.enforce_eager and backend.can_capture(
+            config.dtype, mc.head_dim, config.block_size)
+        rows = config.max_num_seqs
+        self.sampled_tokens = torch.zeros(rows, dtype=torch.int32, device=self.device)
+        self.sampled_logprobs = torch.zeros(rows, dtype=torch.float32, device=self.device)
+        if self.cuda:
+            self.staging = _Staging(self.device)
+            self._host_out = [(torch.zeros(rows, dtype=torch.int32, pin_memory=True),
+                               torch.zeros(rows, dtype=torch.float32, pin_memory=True)) for _ in range(2)]
+            self._flip = 0
+
+    # ---- the KV pool ------------------------------------------------------------------------------
+    @property
+    def bytes_per_block(self):
+        mc = self.model_config
+        return KVCache.bytes_per_block_of(mc.num_hidden_layers, self.num_kv_heads, self.block_size, mc.head_dim,
+                                          self.config.dtype)
+
+    def available_blocks(self):
+        """KV blocks this rank can hold (pagedattn.config.kv_pool_blocks, with this rank's share of heads)."""
+        return kv_pool_blocks(self.config, self.model_config, self.bytes_per_block, self.max_model_len,
+                              self.device)
+
+    def allocate_kv_cache(self, num_blocks):
+        mc = self.model_config
+        self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, self.num_kv_heads, self.block_size, mc.head_dim,
+                                dtype=self.config.dtype, device=str(self.device))
+        self.num_slots = num_blocks * self.block_size
 
     def capture_graphs(self):
-        if self.graph_decoder is None and self.use_graphs:
-            from pagedattn.engine.cuda_graph import CudaGraphDecoder
-            if self.lean_backend is not None:
-                self.lean_backend.max_context_len = None
-            dec = CudaGraphDecoder(self.model, self.kv_cache, self.max_num_seqs, self.max_model_len,
-                                   self.block_size, self.device)
-            dec.capture()
-            self.graph_decoder = dec
-        return self.graph_decoder
+        """Capture the decode graphs now (otherwise before the first pure-decode step)."""
+        if self.graphs is None and self.use_graphs:
+            from pagedattn.engine.cuda_graph import CudaGraphRunner
+            width = -(-self.max_model_len // self.block_size)
+            graphs = CudaGraphRunner(self, self.config.max_num_seqs, width)
+            graphs.capture()
+            self.graphs = graphs
+        return self.graphs
 
-    def copy_blocks(self, block_copies):
-        """Copy-on-write: copy src -> dst in every layer before the step writes into dst."""
-        if not block_copies:
+    # ---- a step -----------------------------------------------------------------------------------
+    def copy_blocks(self, copies):
+        """Copy-on-write: copies [C, 2] (src, dst) in every layer before the step writes into dst."""
+        if len(copies) == 0:
             return
-        if self.device.type == "cuda":
-            from kernels_numba.cache_ops import copy_blocks
-            mapping = torch.tensor(block_copies, dtype=torch.int64, device=self.device)
-            copy_blocks(self.kv_cache.k_caches, self.kv_cache.v_caches, mapping)
-        else:
-            self.kv_cache.copy_blocks(block_copies)
+        self.model.attn_backend.copy_blocks(self.kv_cache.k_caches, self.kv_cache.v_caches,
+                                            np.asarray(copies, dtype=np.int64))
 
-    def _check(self, slots, tables_np):
-        """The host-side replacement for the kernels' per-layer checks (no sync: host data)."""
+    def _check(self, f):
+        """The host-side checks that replace the kernels' per-call ones (host data: no sync)."""
+        slots = f["slot_mapping"]
         if len(slots) and (int(slots.max()) >= self.num_slots or int(slots.min()) < 0):
             raise KernelLaunchError(f"slot_mapping has slots outside [0, {self.num_slots})")
-        if tables_np.size and int(tables_np.max()) >= self.num_slots // self.block_size:
-            raise KernelLaunchError("block table entry outside the pool")
+        tables = f["block_tables"]
+        if tables.size and (int(tables.max()) >= self.kv_cache.num_blocks or int(tables.min()) < 0):
+            raise KernelLaunchError(f"block table entry outside the pool of {self.kv_cache.num_blocks} blocks")
 
-    def prepare(self, sched_out):
-        """Tensors for one SchedulerOutput (see the module docstring)."""
-        bs = self.block_size
-        input_ids, starts, q_lens, tables, sampling_seqs, last_rows = [], [], [], [], [], []
-        offset = 0
-        for seq, n in sched_out.scheduled:
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start:start + n])
-            starts.append(start)
-            q_lens.append(n)
-            tables.append(self.block_manager.block_table(seq.seq_id))
-            offset += n
-            if start + n == seq.num_tokens:          # caught up: this token's logits give the next one
-                sampling_seqs.append(seq)
-                last_rows.append(offset - 1)
-        num_seqs, num_tokens, P = len(q_lens), offset, sched_out.num_prefills
-        width = max(len(t) for t in tables)
-        table_np = np.zeros((num_seqs, width), dtype=np.int64)
-        for i, t in enumerate(tables):
-            table_np[i, :len(t)] = t
-        q_np = np.asarray(q_lens, dtype=np.int64)                                  # (S,)
-        starts_np = np.asarray(starts, dtype=np.int64)                             # (S,)
-        cu = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q_np, out=cu[1:])                                                # (S+1,)
-        seq_of_token = np.repeat(np.arange(num_seqs), q_np)                        # (T,)
-        positions = np.arange(num_tokens) - cu[seq_of_token] + starts_np[seq_of_token]
-        slots = table_np[seq_of_token, positions // bs] * bs + positions % bs     # (T,)
-        self._check(slots, table_np)
-        ids_d, pos_d, slots_d, ctx_d, cu_d, rows_d, tables_d = self.staging.pack(
-            [np.asarray(input_ids), positions, slots, starts_np + q_np, cu[:P + 1],
-             np.asarray(last_rows, dtype=np.int64), table_np.reshape(-1)])
-        if self.lean_backend is not None:
-            self.lean_backend.max_context_len = int((starts_np + q_np).max())
+    def run_step(self, step, dev, max_context_len=None, gather=True):
+        """The capturable core: forward + logits + sampling of `step` whose packed inputs are the int32
+        tensor `dev` on this rank's device. gather: read in-flight ids from the sampled-token buffer.
+        Sampled tokens go to sampled_tokens[:N]. Returns (hidden states [T, hidden], logits of the
+        sampling rows [N, V] float32 or None)."""
+        f = step.fields(dev)
+        ids, src = f["input_ids"], f["input_src"]
+        if gather:
+            ids = torch.where(src >= 0, self.sampled_tokens[src.clamp(min=0)], ids)     # (T,) int32
         meta = AttentionMetadata(
-            num_prefills=P,
-            num_prefill_tokens=int(cu[P]),
-            num_decode_tokens=num_seqs - P,
-            slot_mapping=slots_d,
-            context_lens=ctx_d,
-            block_tables=tables_d.view(num_seqs, width),
-            cu_seqlens_q=cu_d,
-        )
-        return PreparedStep(input_ids=ids_d, positions=pos_d, attn_metadata=meta, logits_indices=rows_d,
-                            sampling_seqs=sampling_seqs)
-
-    def _graph_decode(self, sched_out):
-        """Pure-decode step through a CUDA graph, or None when the step does not qualify."""
-        if not self.use_graphs or sched_out.num_prefills or not sched_out.scheduled:
-            return None
-        if len(sched_out.scheduled) > self.max_num_seqs:
-            return None
-        seqs = []
-        for seq, n in sched_out.scheduled:
-            if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
-                return None
-            seqs.append(seq)
-        dec = self.capture_graphs()
-        tokens = [s.token_ids[-1] for s in seqs]
-        positions = [s.num_tokens - 1 for s in seqs]
-        tables = [self.block_manager.block_table(s.seq_id) for s in seqs]
-        return dec.run(tokens, positions, tables), seqs
+            num_prefills=step.num_prefills, num_prefill_tokens=step.num_prefill_tokens,
+            num_decode_tokens=step.num_seqs - step.num_prefills, slot_mapping=f["slot_mapping"],
+            context_lens=f["context_lens"], block_tables=f["block_tables"], cu_seqlens_q=f["cu_seqlens_q"],
+            max_context_len=max_context_len)
+        hidden = self.model.forward(ids, f["positions"], self.kv_cache, meta)          # (T, hidden)
+        N, logits = step.num_samples, None
+        if N:
+            logits = self.model.compute_logits(hidden[f["sample_rows"]])              # (N, V) float32
+            st = sampler.SamplingTensors(temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"],
+                                 seed=f["seed"], index=f["comp_index"], position=f["position"])
+            sampler.sample(logits, st, out_tokens=self.sampled_tokens[:N], out_logprobs=self.sampled_logprobs[:N])
+        return hidden, logits
 
     @torch.inference_mode()
-    def execute(self, sched_out):
-        """Run one step. Returns (logits [N, vocab] float32, the N sequences that sample)."""
-        self.copy_blocks(sched_out.block_copies)
-        graphed = self._graph_decode(sched_out)
-        if graphed is not None:
-            return graphed
-        step = self.prepare(sched_out)
-        hidden = self.model.forward(step.input_ids, step.positions, self.kv_cache, step.attn_metadata)
-        if not step.sampling_seqs:
-            return None, []
-        logits = self.model.compute_logits(hidden[step.logits_indices])
-        return logits, step.sampling_seqs
+    def execute(self, step, want_results=True):
+        """Launch one step. Returns a StepResult (None when want_results is False: workers)."""
+        assert step.num_samples <= self.sampled_tokens.shape[0], "more sampling rows than max_num_seqs"
+        host = step.fields()
+        self._check(host)
+        self.copy_blocks(host["block_copies"])
+        beams = None
+        if self.use_graphs and self.capture_graphs().can_run(step):
+            self.graphs.run(step)
+        else:
+            dev = self.staging.upload(step.data) if self.cuda else torch.from_numpy(step.data)
+            hidden, _ = self.run_step(step, dev, max_context_len=step.max_context_len,
+                                   gather=bool((host["input_src"] >= 0).any()))
+            if step.num_beams:
+                rows = step.fields(dev)["beam_rows"]
+                logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)   # (Nb, V)
+                beams = logprobs.topk(step.beam_k, dim=-1)
+        if not want_results:
+            return None
+        N = step.num_samples
+        if not self.cuda:
+            return StepResult(self.sampled_tokens[:N].clone(), self.sampled_logprobs[:N].clone(),
+                              None if beams is None else (beams.values.clone(), beams.indices.clone()))
+        tok_h, lp_h = self._host_out[self._flip]
+        self._flip ^= 1
+        tok_h[:N].copy_(self.sampled_tokens[:N], non_blocking=True)
+        lp_h[:N].copy_(self.sampled_logprobs[:N], non_blocking=True)
+        beams_h = None
+        if beams is not None:
+            beams_h = (beams.values.to("cpu", non_blocking=True), beams.indices.to("cpu", non_blocking=True))
+        event = torch.cuda.Event()
+        event.record()
+        return StepResult(tok_h[:N], lp_h[:N], beams_h, event)
+

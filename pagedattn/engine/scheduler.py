@@ -15,6 +15,10 @@ computes a chunk of the gap for some of them. Policy, per step:
    blocks of every known token at once; with prefix caching, leading full blocks already in the
    cache are reused and count as computed.
 
+A sequence whose token is still in flight (asynchronous scheduling: the step that samples it has not
+returned) is scheduled like any other: the runner reads its id on the device. One whose in-flight token
+is its last (max_tokens or max_model_len reached) is not scheduled again.
+
 The step's batch lists prefill chunks (more than one new token) first, then decodes (one new token),
 which is the order AttentionMetadata wants. The scheduler never calls the model: the engine runs the
 step, then calls `update` to advance the counters and `finish` to retire sequences.
@@ -113,7 +117,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(chosen) < self.config.max_num_seqs:
             seq = self.running[i]
             n = min(seq.num_new_tokens, budget)
-            if n == 0:          # nothing to compute (a beam waiting for its driver)
+            if n == 0 or seq.last_token_inflight:   # a beam waiting for its driver; a sampled last token
                 i += 1
                 continue
             while not self._reserve(seq, n, out.block_copies):
@@ -135,8 +139,8 @@ class Scheduler:
             seats = sum(1 + s.num_pending_forks for s in self.running)
             while self.waiting and budget > 0 and len(chosen) < self.config.max_num_seqs:
                 seq = self.waiting[0]
-                if seats + 1 + seq.num_pending_forks > self.config.max_num_seqs:
-                    break
+                if seq.num_inflight or seats + 1 + seq.num_pending_forks > self.config.max_num_seqs:
+                    break       # (a preempted sequence waits for its last sampled token to reach the host)
                 seats += 1 + seq.num_pending_forks
                 if not self._can_admit(seq):
                     break

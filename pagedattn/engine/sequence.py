@@ -2,7 +2,7 @@
 
 A sequence is tracked by two counters only:
 
-    num_tokens           tokens known (prompt + generated so far)
+    num_tokens           tokens known (prompt + generated so far, including one still on the device)
     num_computed_tokens  tokens whose K/V is in the cache
 
 and the scheduler's job each step is to move some sequences' `num_computed_tokens` toward
@@ -10,10 +10,13 @@ and the scheduler's job each step is to move some sequences' `num_computed_token
 prefix cache and a sequence resumed after preemption (computed reset to 0, or to its cache hit) are
 all the same case: compute tokens [num_computed_tokens, num_tokens). When computed catches up with
 known, the step's logits for the last token give the next token.
+
+With asynchronous scheduling the next step is scheduled before the host has seen the token the running
+step samples: that token is *in flight* (`num_inflight` = 1). It counts in num_tokens, its id is read on
+the device from the row `inflight_row` of the step's sampled tokens, and it joins `token_ids` when the
+step's results reach the host.
 """
 import enum
-
-import torch
 
 
 class SequenceStatus(enum.Enum):
@@ -25,28 +28,35 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One token stream with its own blocks (a block table in the BlockManager under `seq_id`).
 
-    token_ids: prompt followed by generated ids; num_prompt_tokens: how many of them are the prompt.
+    token_ids: prompt followed by the generated ids the host has; num_prompt_tokens: how many are the prompt.
     params: SamplingParams (or None for beam search, whose driver picks tokens itself).
-    index: which of the request's n completions (or beams) this is.
-    generator: the torch.Generator this sequence samples with (None = torch's default).
+    index: which of the request's n completions (or beams) this is; with the request's `key` it keys the
+        random numbers of every token this completion samples (pagedattn.layers.sampler).
     """
 
     def __init__(self, seq_id, request_id, token_ids, num_prompt_tokens, params=None, index=0,
-                 arrival_time=0.0, generator=None):
+                 arrival_time=0.0, key=0):
         self.seq_id = seq_id
         self.request_id = request_id
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = num_prompt_tokens
         self.num_computed_tokens = 0
+        self.num_inflight = 0            # sampled on the device, not yet in token_ids (0 or 1)
+        self.inflight_row = -1           # its row in the sampled tokens of the step that made it
+        self.last_token_inflight = False  # the in-flight token is the last one (length): schedule no more
         self.params = params
         self.index = index
+        self.key = key
         self.arrival_time = arrival_time
-        self.generator = generator
         self.status = SequenceStatus.WAITING
         self.finish_reason = None        # "stop" | "length" | "abort"
-        self.text = None                 # detokenized output, set when finished (cut at a stop string)
-        self.cumulative_logprob = 0.0    # beam search
-        self.logprobs = None             # beam search: [vocab] log-probabilities of the next token
+        self.detokenizer = None          # IncrementalDetokenizer when streamed or with stop strings
+        self.text = None                 # final text, set when finished
+        self.num_sent_tokens = 0         # token ids already reported (streaming)
+        self.num_sent_chars = 0          # characters of text already reported (streaming)
+        self.token_logprobs = None       # [float] when params.logprobs
+        self.cumulative_logprob = 0.0
+        self.beam_candidates = None      # beam search: (logprobs [K], token ids [K]) of the next token
         self.num_preemptions = 0
         self.num_pending_forks = 0       # siblings this sequence will fork into (n > 1, beams) once prefilled
         self.num_cached_tokens = 0       # prompt tokens served by the prefix cache at the last admission
@@ -56,7 +66,7 @@ class Sequence:
 
     @property
     def num_tokens(self):
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_inflight
 
     @property
     def num_new_tokens(self):
@@ -88,16 +98,18 @@ class Sequence:
                 self.token_latencies.append(now - self.last_token_time)
             self.last_token_time = now
 
-    def fork(self, seq_id, index, generator=None):
-        """A child with the same tokens and computed state (its blocks are shared by the caller)."""
+    def fork(self, seq_id, index):
+        """A child with the same known tokens (its blocks are shared by the caller)."""
         child = Sequence(seq_id, self.request_id, self.token_ids, self.num_prompt_tokens, self.params,
-                         index, self.arrival_time, generator)
-        child.num_computed_tokens = self.num_computed_tokens
+                         index, self.arrival_time, self.key)
+        child.num_computed_tokens = min(self.num_computed_tokens, len(self.token_ids))
         child.status = self.status
         child.cumulative_logprob = self.cumulative_logprob
         child.num_cached_tokens = self.num_cached_tokens
         child.first_token_time, child.last_token_time = self.first_token_time, self.last_token_time
         child.token_latencies = list(self.token_latencies)
+        if self.token_logprobs is not None:
+            child.token_logprobs = list(self.token_logprobs)
         return child
 
     def __repr__(self):
@@ -105,34 +117,30 @@ class Sequence:
                 f"computed={self.num_computed_tokens}/{self.num_tokens}, prompt={self.num_prompt_tokens})")
 
 
-def make_generator(seed, index):
-    """Per-sequence CPU generator: completion `index` of a request seeded `seed` always draws the
-    same numbers, whatever else shares the batch or when it runs."""
-    if seed is None:
-        return None
-    g = torch.Generator(device="cpu")
-    g.manual_seed(seed * 1_000_003 + index)
-    return g
-
-
 class SequenceGroup:
-    """One request: a prompt and the n sequences (completions) grown from it.
+    """One request: a prompt and the n sequences (completions, or beams) grown from it.
 
-    Starts with one sequence; with params.n > 1 the engine forks the others from it right after
-    the prompt's prefill, so the prompt is computed once and its blocks are shared.
+    Starts with one sequence; with params.n > 1 the step that finishes the prompt samples n tokens from
+    its last position and the engine forks the others from it, so the prompt is computed once and its
+    blocks are shared.
     """
 
-    def __init__(self, request_id, prompt, prompt_token_ids, params, arrival_time):
+    def __init__(self, request_id, prompt, prompt_token_ids, params, arrival_time, key=0, stream=False):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.arrival_time = arrival_time
+        self.key = key
+        self.stream = stream
         self.seqs = []
         self.forked = params is None or params.n == 1
+        self.beam = None                 # beam search state (pagedattn.engine.beam_search.BeamState)
 
     @property
     def is_finished(self):
+        if self.beam is not None:
+            return self.beam.done
         return self.forked and all(s.is_finished for s in self.seqs)
 
     @property

@@ -1,0 +1,176 @@
+"""EngineConfig: everything `LLM(...)` accepts, validated on construction, and how big the KV pool gets.
+
+    config = EngineConfig(model="path/to/qwen2_dir", device="cuda", dtype="float16")
+    num_blocks = kv_pool_blocks(config, model_config, bytes_per_block)
+
+Every bad value raises InvalidRequestError naming the field and its allowed range.
+"""
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagedattn.errors import InvalidRequestError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _check_int(name, value, low=1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidRequestError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def _check_fraction(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise InvalidRequestError(f"{name} must be a number in (0, 1], got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """model: HF Qwen2 directory; None = the bundled Qwen2.5-Coder-0.5B-Instruct.
+    device: "auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:1", ...
+    dtype: "auto" (float16 on CUDA, float32 on CPU) or float32 / float16 / bfloat16 (str or torch.dtype).
+    block_size: tokens per KV block. num_blocks: KV pool size; None = sized from memory (kv_pool_blocks).
+    max_model_len: prompt + generated tokens per sequence (capped at the model's max_position_embeddings).
+    max_num_seqs / max_num_batched_tokens: per-step caps (default token budget: 2048 on CPU, 8192 on CUDA).
+    enable_prefix_caching: reuse the KV of identical leading prompt blocks across requests.
+    attn_backend: "auto" / "torch" / "numba" / "cpu" (the numba CPU kernels).
+    enforce_eager: no CUDA graphs (pure-decode steps on CUDA replay captured graphs otherwise).
+    async_scheduling: schedule and prepare step N+1 while the device runs step N (the sampled tokens
+        stay on the device); the tokens are exactly those of the serial engine. None = on for CUDA
+        (where it hides the host's work), off for CPU (where host and model share the cores).
+    gpu_memory_utilization: fraction of free GPU memory the KV pool may take (after a reserve).
+    cpu_kv_cache_fraction / cpu_kv_cache_max_gib: on CPU the pool takes at most this fraction of the
+        available host memory and at most this many GiB (default 10% and 1 GiB: ~43k tokens of the
+        bundled model in float32); set num_blocks to choose the size yourself.
+    tensor_parallel_size: ranks the model is sharded over (NCCL on cuda:0..P-1, gloo on CPU).
+    seed: the engine-level seed unseeded requests take their random keys from.
+    """
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: object = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_model_len: int = 4096
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    attn_backend: str = "auto"
+    enforce_eager: bool = False
+    async_scheduling: bool | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_fraction: float = 0.1
+    cpu_kv_cache_max_gib: float = 1.0
+    tensor_parallel_size: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.device, (str, torch.device)):
+            raise InvalidRequestError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        self.device = str(self.device)
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            kind = torch.device(self.device).type
+        except RuntimeError:
+            raise InvalidRequestError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}") from None
+        if kind not in ("cpu", "cuda"):
+            raise InvalidRequestError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise InvalidRequestError(f"device={self.device!r} but no CUDA GPU is available (use 'cpu' or 'auto')")
+        if isinstance(self.dtype, str):
+            if self.dtype == "auto":
+                self.dtype = torch.float16 if kind == "cuda" else torch.float32
+            elif self.dtype in DTYPES:
+                self.dtype = DTYPES[self.dtype]
+            else:
+                raise InvalidRequestError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise InvalidRequestError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if kind == "cuda" else 2048
+        for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                     "tensor_parallel_size"):
+            _check_int(name, getattr(self, name))
+        if self.num_blocks is not None:
+            _check_int("num_blocks", self.num_blocks)
+        _check_int("seed", self.seed, 0)
+        for name in ("gpu_memory_utilization", "cpu_kv_cache_fraction"):
+            _check_fraction(name, getattr(self, name))
+        if isinstance(self.cpu_kv_cache_max_gib, bool) or not isinstance(self.cpu_kv_cache_max_gib, (int, float)) \
+                or self.cpu_kv_cache_max_gib <= 0:
+            raise InvalidRequestError(f"cpu_kv_cache_max_gib must be a number > 0, got {self.cpu_kv_cache_max_gib!r}")
+        if self.attn_backend not in ("auto", "torch", "numba", "cpu") and not callable(self.attn_backend):
+            raise InvalidRequestError(f"attn_backend must be 'auto', 'torch', 'numba' or 'cpu', got {self.attn_backend!r}")
+        if self.async_scheduling is None:
+            self.async_scheduling = kind == "cuda"
+        for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.tensor_parallel_size > 1 and kind == "cuda" and self.device not in ("cuda", "cuda:0"):
+            raise InvalidRequestError(f"tensor_parallel_size={self.tensor_parallel_size} runs rank r on cuda:r: "
+                                      f"device must be 'auto', 'cuda' or 'cuda:0', got {self.device!r}")
+
+    @property
+    def device_type(self):
+        return torch.device(self.device).type
+
+    def with_model_path(self, path):
+        """A copy whose `model` is a resolved directory (the bundled one converted on first use)."""
+        from dataclasses import replace
+
+        if path is None:
+            from pagedattn.bundled import bundled_model_path
+            path = bundled_model_path()
+        return replace(self, model=os.fspath(path))
+
+
+def activation_reserve_bytes(config, model_config):
+    """Memory a step needs beside the weights and the KV pool: activations of a full token budget,
+    the logits of max_num_seqs rows (and their float32 copy), and a fixed 512 MiB for the CUDA
+    context's and the graphs' workspaces."""
+    mc = model_config
+    itemsize = torch.empty((), dtype=config.dtype).element_size()
+    return (config.max_num_batched_tokens * (mc.hidden_size * 8 + mc.intermediate_size * 3) * itemsize
+            + config.max_num_seqs * mc.vocab_size * 4 * 2 + (512 << 20))
+
+
+def kv_pool_blocks(config, model_config, bytes_per_block, max_model_len, device=None):
+    """How many KV blocks fit when num_blocks is None (otherwise num_blocks itself).
+
+    CUDA: (free device memory x gpu_memory_utilization - activation_reserve_bytes) / bytes_per_block,
+    measured on `device` after the weights are loaded. CPU: enough blocks for max_num_seqs full-length
+    sequences, capped at cpu_kv_cache_fraction of the available host memory and at
+    cpu_kv_cache_max_gib. Raises InvalidRequestError when not even one max_model_len sequence fits.
+    """
+    bs = config.block_size
+    need = -(-max_model_len // bs)
+    if config.num_blocks is not None:
+        num_blocks = config.num_blocks
+    elif config.device_type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device or config.device)
+        budget = free * config.gpu_memory_utilization - activation_reserve_bytes(config, model_config)
+        num_blocks = int(budget // bytes_per_block)
+    else:
+        wanted = -(-config.max_num_seqs * max_model_len // bs) * bytes_per_block
+        budget = min(wanted, config.cpu_kv_cache_fraction * available_host_memory(),
+                     config.cpu_kv_cache_max_gib * (1 << 30))
+        num_blocks = int(budget // bytes_per_block)
+    if num_blocks < need and config.num_blocks is None:
+        raise InvalidRequestError(f"not enough memory for one max_model_len={max_model_len} sequence: "
+                                  f"{num_blocks} KV blocks fit, {need} needed (lower max_model_len or set num_blocks)")
+    return num_blocks
+
+
+def available_host_memory():
+    """MemAvailable from /proc/meminfo in bytes (total physical memory where that is missing)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

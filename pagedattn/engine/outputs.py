@@ -1,0 +1,35 @@
+"""What the engine hands back: one RequestOutput per request, one CompletionOutput per completion.
+
+A finished request's outputs are final. A request added with `stream=True` also gets a RequestOutput
+after every step that added to it (`finished=False`), where `delta_text` / `delta_token_ids` are what the
+step added: concatenating a completion's deltas gives exactly its final `text` / `token_ids`.
+"""
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int                     # which of the request's n completions
+    text: str                      # detokenized so far (special tokens skipped, stop string removed)
+    token_ids: list                # generated ids so far (an EOS / stop token id that ended it included)
+    finish_reason: str | None      # None while running, then "stop" | "length" | "abort"
+    cumulative_logprob: float | None = None
+    logprobs: list | None = None   # the chosen tokens' log-probabilities (SamplingParams(logprobs=True))
+    delta_text: str = ""           # what the last step added to text
+    delta_token_ids: list = field(default_factory=list)
+
+    @property
+    def finished(self):
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: object
+    prompt: object                 # the string given, or None for token ids
+    prompt_token_ids: list
+    outputs: list                  # [CompletionOutput], ordered by index
+    finished: bool = True
+    metrics: object = None         # RequestMetrics (set when finished)
+    num_cached_tokens: int = 0     # prompt tokens served by the prefix cache
+    prompt_index: int | None = None  # LLM.stream: the prompt's position in the list given

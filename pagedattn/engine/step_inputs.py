@@ -1,0 +1,184 @@
+"""One scheduled step as flat int32 arrays: what every rank's ModelRunner needs, and nothing else.
+
+For a step whose sequences s (prefill chunks first, then decodes) compute tokens [start_s, end_s):
+
+    input_ids     [T] int32   token_ids[start_s:end_s], concatenated (0 where the id is still in flight)
+    input_src     [T] int32   -1, or the row of the previous step's sampled tokens that holds this id
+    positions     [T] int32   start_s .. end_s - 1, concatenated
+    slot_mapping  [T] int32   slots_for(block_table_s, positions)
+    context_lens  [S] int32   end_s (tokens in the cache after this step's write)
+    block_tables  [S, W] int32, padded with 0
+    cu_seqlens_q  [P + 1] int32, the prefill chunks' boundaries
+  sampling rows (one per completion that samples a token this step; n rows at the end of an n > 1 prompt):
+    sample_rows   [N] int32   the row of the step's hidden states whose logits they sample
+    seed          [N] int64   the request's 64-bit random key (two int32 words, low word first)
+    temperature   [N] float32 (bit pattern in the int32 array)   top_k [N] int32 (0 = off)
+    top_p         [N] float32                                      comp_index [N] int32, position [N] int32
+  beam rows (beam search: the runner returns the top beam_k log-probabilities of these rows):
+    beam_rows     [Nb] int32
+  block_copies    [C, 2] int32 (src, dst) copy-on-write copies, done in every layer before the step
+
+`StepInputs` holds them in one array behind a small header, so a step travels to the device in one
+copy and to tensor-parallel workers in one broadcast; `fields()` gives every rank the same views.
+"""
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+HEADER = ("num_tokens", "num_seqs", "width", "num_prefills", "num_prefill_tokens", "num_samples",
+          "num_beams", "beam_k", "num_copies", "max_context_len")
+HEADER_LEN = len(HEADER)
+
+
+def slots_for(block_tables, rows, positions, block_size):
+    """Pool slots of tokens: slot = block_tables[row, pos // block_size] * block_size + pos % block_size.
+
+    block_tables: [S, W] int (numpy); rows, positions: [T] int arrays (the token's sequence row, its
+    position in that sequence). Returns [T] int64. The one place the slot formula is written.
+    """
+    positions = np.asarray(positions, dtype=np.int64)
+    return block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+
+def layout(h):
+    """{field: (offset, length)} in int32 words for header values h (a dict); seed starts 8-byte aligned."""
+    T, S, W, P = h["num_tokens"], h["num_seqs"], h["width"], h["num_prefills"]
+    N, Nb, C = h["num_samples"], h["num_beams"], h["num_copies"]
+    sizes = [("input_ids", T), ("input_src", T), ("positions", T), ("slot_mapping", T), ("context_lens", S),
+             ("block_tables", S * W), ("cu_seqlens_q", P + 1), ("sample_rows", N), ("temperature", N),
+             ("top_k", N), ("top_p", N), ("comp_index", N), ("position", N), ("beam_rows", Nb),
+             ("block_copies", 2 * C)]
+    out, o = {}, 0
+    for name, n in sizes:
+        out[name] = (o, n)
+        o += n
+    o += o % 2                                      # the int64 seeds need an even word offset
+    out["seed"] = (o, 2 * N)
+    out["_size"] = (0, o + 2 * N)
+    return out
+
+
+@dataclass
+class SampleRow:
+    """A completion sampling one token this step."""
+    seq: object                 # the Sequence whose logits row is sampled
+    index: int                  # its completion index (a new child's index when fork is True)
+    fork: bool = False          # n > 1: a new completion forked from seq with this token
+
+
+class StepInputs:
+    """The packed step: `header` (dict of ints) and `data` (int32 numpy array, layout(header))."""
+
+    def __init__(self, header, data):
+        self.header, self.data = header, data
+
+    @classmethod
+    def from_header_array(cls, header_arr, data):
+        return cls(dict(zip(HEADER, (int(x) for x in header_arr))), data)
+
+    def header_array(self):
+        return np.array([self.header[k] for k in HEADER], dtype=np.int64)
+
+    def __getattr__(self, name):
+        if name in HEADER:
+            return self.header[name]
+        raise AttributeError(name)
+
+    @property
+    def pure_decode(self):
+        """Every sequence computes one token and samples it (the CUDA-graph shape)."""
+        return (self.num_prefills == 0 and self.num_tokens == self.num_seqs == self.num_samples
+                and self.num_beams == 0)
+
+    def fields(self, arr=None):
+        """{name: view} of `arr` (default: data; a torch tensor works too): int32 views, and float32 /
+        int64 views for temperature, top_p and seed."""
+        arr = self.data if arr is None else arr
+        out = {}
+        for name, (o, n) in layout(self.header).items():
+            if name.startswith("_"):
+                continue
+            v = arr[o:o + n]
+            if name in ("temperature", "top_p"):
+                v = v.view(np.float32) if isinstance(v, np.ndarray) else v.view(_torch().float32)
+            elif name == "seed":
+                v = v.view(np.int64) if isinstance(v, np.ndarray) else v.view(_torch().int64)
+            out[name] = v
+        out["block_tables"] = out["block_tables"].reshape(self.num_seqs, self.width)
+        out["block_copies"] = out["block_copies"].reshape(self.num_copies, 2)
+        return out
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _key_words(key):
+    return key & 0xFFFFFFFFFFFFFFFF
+
+
+def build_step_inputs(sched_out, block_manager, sample_rows, beam_rows, beam_k):
+    """Pack a SchedulerOutput into StepInputs.
+
+    sample_rows: [SampleRow] in the order their tokens come back; beam_rows: [Sequence] (beam search);
+    beam_k: candidates per beam row. The sampling row of a sequence is its last token of the step.
+    """
+    bs = block_manager.block_size
+    tables, q_lens, starts, ids, srcs = [], [], [], [], []
+    last_row = {}
+    offset = 0
+    for seq, n in sched_out.scheduled:
+        start = seq.num_computed_tokens
+        known = seq.token_ids[start:start + n]                      # (the in-flight token is not there)
+        ids.extend(known)
+        srcs.extend([-1] * len(known))
+        if len(known) < n:                                          # decode of an in-flight token
+            ids.append(0)
+            srcs.append(seq.inflight_row)
+        starts.append(start)
+        q_lens.append(n)
+        tables.append(block_manager.block_table(seq.seq_id))
+        offset += n
+        last_row[seq.seq_id] = offset - 1
+    S, T, P = len(q_lens), offset, sched_out.num_prefills
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=S)                # (S,) blocks per sequence
+    W = int(lens.max())
+    table_np = np.zeros((S, W), dtype=np.int32)
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+    starts_of = np.repeat(np.cumsum(lens) - lens, lens)                          # (sum lens,) row start
+    table_np[np.repeat(np.arange(S), lens), np.arange(flat.shape[0]) - starts_of] = flat
+    q_np = np.asarray(q_lens, dtype=np.int64)                                  # (S,)
+    starts_np = np.asarray(starts, dtype=np.int64)                             # (S,)
+    cu = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(q_np, out=cu[1:])                                                # (S+1,)
+    seq_of_token = np.repeat(np.arange(S), q_np)                               # (T,)
+    positions = np.arange(T) - cu[seq_of_token] + starts_np[seq_of_token]      # (T,)
+    ctx = starts_np + q_np
+    header = dict(num_tokens=T, num_seqs=S, width=W, num_prefills=P, num_prefill_tokens=int(cu[P]),
+                  num_samples=len(sample_rows), num_beams=len(beam_rows), beam_k=beam_k,
+                  num_copies=len(sched_out.block_copies), max_context_len=int(ctx.max()))
+    lay = layout(header)
+    step = StepInputs(header, np.zeros(lay["_size"][1], dtype=np.int32))
+    f = step.fields()
+    f["input_ids"][:] = ids
+    f["input_src"][:] = srcs
+    f["positions"][:] = positions
+    f["slot_mapping"][:] = slots_for(table_np, seq_of_token, positions, bs)
+    f["context_lens"][:] = ctx
+    f["block_tables"][:] = table_np
+    f["cu_seqlens_q"][:] = cu[:P + 1]
+    for i, r in enumerate(sample_rows):
+        p = r.seq.params
+        f["sample_rows"][i] = last_row[r.seq.seq_id]
+        f["temperature"][i] = p.temperature
+        f["top_k"][i] = max(p.top_k, 0)
+        f["top_p"][i] = p.top_p
+        f["comp_index"][i] = r.index
+        f["position"][i] = 0 if r.fork else r.seq.num_output_tokens
+        f["seed"][i] = np.int64(np.uint64(_key_words(r.seq.key)).view(np.int64))
+    f["beam_rows"][:] = [last_row[s.seq_id] for s in beam_rows]
+    if sched_out.block_copies:
+        f["block_copies"][:] = np.asarray(sched_out.block_copies, dtype=np.int32)
+    return step
