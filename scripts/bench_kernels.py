@@ -1,158 +1,147 @@
 """Decode attention on the GPU: every kernel version against torch SDPA (dense) and FlexAttention (paged).
 
-One call builds, checks and times everything (DEVICE.md's method):
-  * copy bandwidth of the card (device-to-device copy, bytes read + written);
-  * for B in {1, 8, 32, 64, 128, 256} x ctx in {512, 2048, 8192}, Qwen2-0.5B layer shapes
-    (14 query heads, 2 KV heads, head_dim 64, fp16, block 16, shuffled block tables):
-    every version of kernels_numba.paged_attention, SDPA on a dense contiguous cache
-    (enable_gqa=True) and FlexAttention with torch's paged-attention helper;
-  * the design's concurrency table (1, 2, 4, 8 sequences at ctx 512: tokens/s, speedup).
-Every configuration is validated (fp32 torch reference) before it is timed. Timing: CUDA-graph
-replay of >= 20 calls that rotate over >= 4 KV buffer sets (more for small sets, so that the
-60 MB L2 does not serve them), median of >= 10 replays. Reported: us per call, GB/s of KV read
-(2 * B * ctx * kv_heads * d * 2 bytes), % of the measured copy bandwidth, ratio to SDPA.
+One call builds, checks and times everything (DEVICE.md's method), Qwen2-0.5B layer shapes (14 query
+heads, 2 KV heads, head_dim 64, fp16, block 16, shuffled block tables):
+  * the grid B in {1, 8, 32, 64, 128, 256} x ctx in {512, 2048, 8192}, long and ragged points
+    (B=1 x 4000, B=3 x 5000, B=1 x 32768, batches of mixed lengths) and the design's concurrency
+    rows (1, 2, 4, 8 sequences at ctx 512);
+  * at each point, first every version of kernels_numba.paged_attention, SDPA on a dense cache
+    (enable_gqa; ragged: padded to the longest, with a key mask) and FlexAttention over torch's
+    paged-attention helper are checked against an fp32 reference; then each is timed by CUDA-graph
+    replay (scripts/benchlib.graph_time_us) rotating over enough KV sets that the 60 MB L2 cannot
+    serve them;
+  * reported: us per call, GB/s of KV read (2 * sum(ctx) * kv_heads * d * 2 bytes), % of the copy
+    bandwidth measured in the same run, the ratio to SDPA and to flex, and v10's prediction (written
+    before its first GPU run, docs/kernels.md) beside its time.
 
-    python scripts/bench_kernels.py --out docs/            # kernels_bench.md / .json / .png
-    python scripts/bench_kernels.py --quick                # a few points, for a smoke test
+    python3 scripts/bench_kernels.py --out docs/              # kernels_bench.md / .json / .png
+    python3 scripts/bench_kernels.py --quick --versions 9 10  # a few points
+    python3 scripts/bench_kernels.py --check                  # validate only (runs on CPU too)
 """
 import argparse
-import json
 import math
-import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 14, 2, 64, 16
 BATCHES = [1, 8, 32, 64, 128, 256]
 CONTEXTS = [512, 2048, 8192]
-L2_BYTES = 60 * 2**20
+# long single sequences and ragged batches: (label, context lengths)
+EXTRA_POINTS = [
+    ("1 x 4000", [4000]),
+    ("3 x 5000", [5000] * 3),
+    ("1 x 32768", [32768]),
+    ("ragged 3", [8000, 300, 1200]),
+    ("ragged 8", "uniform 100-8000"),
+    ("ragged 64", "uniform 100-4000"),
+]
+CONCURRENCY = [1, 2, 4, 8]  # sequences at ctx 512
 SLOW_VERSION_MAX_TOKENS = 256 * 1024  # v1/v2 beyond this take seconds per point: skipped
+TOLERANCE = 4e-3  # |ours - fp32 reference|: fp16 output rounding at |o| ~ 1 plus P rounded to fp16
+# v10's predicted us (docs/kernels.md, written before its first GPU run): v9's time where the plan
+# is v9's (no split); at split points the main kernel plus a merge of a few L2 round trips
+PREDICTED_US = {
+    "1 x 512": 6.5, "8 x 512": 7.5, "32 x 512": 8.5, "1 x 2048": 7.0, "8 x 2048": 9.0, "32 x 2048": 16.0,
+    "1 x 8192": 8.0, "8 x 8192": 17.0, "32 x 8192": 40.0, "1 x 4000": 7.5, "3 x 5000": 9.5, "1 x 32768": 12.0,
+    "64 x 512": 10.2, "128 x 512": 14.2, "256 x 512": 22.7, "64 x 2048": 22.9, "128 x 2048": 37.7,
+    "256 x 2048": 68.1, "64 x 8192": 72.3, "128 x 8192": 130.6, "256 x 8192": 247.6,
+}
 
 
-def _time_graph(fn_of_set, num_sets, calls=20, replays=10):
-    """us per call: a CUDA graph of max(calls, num_sets) calls rotating over the sets."""
-    n = max(calls, num_sets)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(min(n, 3)):  # warm up (compiles, allocator pools) outside the capture
-            fn_of_set(i % num_sets)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(n):
-            fn_of_set(i % num_sets)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / n)
-    del graph
-    return statistics.median(times)
-
-
-def copy_bandwidth_gbs(nbytes=2 * 2**30):
-    x = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        y.copy_(x)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000.0)
-    del x, y
-    return 2 * nbytes / statistics.median(times) / 1e9
+def context_lens(spec, seed=0):
+    """A point's context lengths: a list, or "uniform LO-HI" (8 or 64 sequences, seeded)."""
+    if isinstance(spec, str):
+        lo, hi = (int(x) for x in spec.split()[1].split("-"))
+        count = 8 if hi > 4000 else 64
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(lo, hi + 1, (count,), generator=g).tolist()
+    return list(spec)
 
 
 class Problem:
-    """num_sets independent KV sets of one (B, ctx) point, in three layouts of the same values:
-    the paged pool (ours), a dense cache (SDPA) and flex's paged cache [1, KVH, pages*16, D]."""
+    """num_sets independent KV sets of one batch (context lengths `lens`), in three layouts of the same
+    values: the paged pool (ours), a dense cache padded to the longest context (SDPA) and flex's paged
+    cache [1, KVH, pages * 16, D]. device="cpu" runs ours in the CUDA simulator (tiny shapes)."""
 
-    def __init__(self, batch, ctx, num_sets, want_flex, seed=0, device="cuda"):
+    def __init__(self, lens, num_sets, want_flex=False, seed=0, device="cuda"):
         g = torch.Generator(device=device).manual_seed(seed)
-        self.batch, self.ctx, self.num_sets = batch, ctx, num_sets
-        blocks_per_seq = ctx // BLOCK_SIZE
-        self.num_blocks = batch * blocks_per_seq + 1
-        self.q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, generator=g).half()
-        self.lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        self.lens_list, self.num_sets, self.device = list(lens), num_sets, device
+        self.batch, self.ctx = len(lens), max(lens)
+        blocks = [-(-n // BLOCK_SIZE) for n in lens]
+        width = max(blocks)
+        self.num_blocks = sum(blocks) + 1
+        self.q = torch.randn(self.batch, NUM_HEADS, HEAD_DIM, device=device, generator=g).half()  # (B, H, D)
+        self.lens = torch.tensor(lens, dtype=torch.int32, device=device)  # (B,)
+        ragged = len(set(lens)) > 1
+        # keys past a sequence's length are masked out of the padded dense cache: (B, 1, 1, ctx)
+        self.mask = (torch.arange(self.ctx, device=device)[None, :] < self.lens[:, None])[:, None, None] if ragged \
+            else None
         self.sets = []
         for _ in range(num_sets):
             shape = (self.num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
             k = torch.randn(shape, device=device, generator=g).half()
             v = torch.randn(shape, device=device, generator=g).half()
             perm = torch.randperm(self.num_blocks, device=device, generator=g)
-            bt = perm[: batch * blocks_per_seq].view(batch, blocks_per_seq).int().contiguous()
-            # dense [B, KVH, ctx, D]: gather every sequence's blocks in order
-            kd = k[bt.long()].permute(0, 2, 1, 3, 4).reshape(batch, NUM_KV_HEADS, ctx, HEAD_DIM).contiguous()
-            vd = v[bt.long()].permute(0, 2, 1, 3, 4).reshape(batch, NUM_KV_HEADS, ctx, HEAD_DIM).contiguous()
-            entry = dict(k=k, v=v, bt=bt, kd=kd, vd=vd)
+            bt = torch.zeros(self.batch, width, dtype=torch.int32, device=device)  # (B, width); padding: 0
+            used = 0
+            for s, nb in enumerate(blocks):
+                bt[s, :nb] = perm[used:used + nb]
+                used += nb
+            # dense [B, KVH, width * 16, D]: every sequence's blocks in order, cut at the longest
+            kd = k[bt.long()].permute(0, 2, 1, 3, 4).reshape(self.batch, NUM_KV_HEADS, -1, HEAD_DIM)[:, :, :self.ctx]
+            vd = v[bt.long()].permute(0, 2, 1, 3, 4).reshape(self.batch, NUM_KV_HEADS, -1, HEAD_DIM)[:, :, :self.ctx]
+            entry = dict(k=k, v=v, bt=bt, kd=kd.contiguous(), vd=vd.contiguous())
             if want_flex:
                 # flex's physical cache: page p of head h at tokens p*16 .. p*16+15 of row h
                 entry["kf"] = k.permute(1, 0, 2, 3).reshape(1, NUM_KV_HEADS, -1, HEAD_DIM).contiguous()
                 entry["vf"] = v.permute(1, 0, 2, 3).reshape(1, NUM_KV_HEADS, -1, HEAD_DIM).contiguous()
             self.sets.append(entry)
-        self.kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * 2
+        self.kv_bytes = 2 * sum(lens) * NUM_KV_HEADS * HEAD_DIM * 2
 
-    @staticmethod
-    def num_sets_for(batch, ctx):
-        """Enough KV sets that their rotation does not fit in L2 (4 to 64)."""
-        set_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * 2
-        return min(64, max(4, math.ceil(3 * L2_BYTES / set_bytes)))
-
-    def ours(self, version, out):
-        """A callable(i): our kernel `version` on set i into `out` (no validation: timed)."""
+    def ours(self, version, out, plan=None):
+        """A callable(i): our kernel `version` on set i into `out`, no validation (what is timed).
+        plan: a DecodePlan forced on v10 (scripts/tune_splits.py)."""
         from kernels_numba import paged_attention as pa
 
         def run(i):
             s = self.sets[i]
             return pa.paged_attention(self.q, s["k"], s["v"], s["bt"], self.lens, version=version, out=out,
-                                      validate=False, max_context_len=self.ctx)
+                                      validate=False, max_context_len=self.ctx, plan=plan)
+
         return run
 
     def sdpa(self, i):
-        """torch SDPA on set i's dense cache."""
+        """torch SDPA on set i's dense cache: (B, H, D)."""
         s = self.sets[i]
         return torch.nn.functional.scaled_dot_product_attention(
-            self.q[:, :, None], s["kd"], s["vd"], enable_gqa=True)[:, :, 0]
+            self.q[:, :, None], s["kd"], s["vd"], attn_mask=self.mask, enable_gqa=True)[:, :, 0]
 
     def reference(self, i):
+        """fp32 attention on set i: (B, H, D)."""
         s = self.sets[i]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            self.q.float()[:, :, None], s["kd"].float(), s["vd"].float(), enable_gqa=True
-        )
-        return o[:, :, 0]
+        return torch.nn.functional.scaled_dot_product_attention(
+            self.q.float()[:, :, None], s["kd"].float(), s["vd"].float(), attn_mask=self.mask, enable_gqa=True
+        )[:, :, 0]
 
 
-def _check(out, ref, what):
+def check_close(out, ref, what):
+    """max |out - ref|, or AssertionError naming `what` when it is not finite or above TOLERANCE."""
     err = (out.float() - ref).abs().max().item()
-    if not math.isfinite(err) or err > 4e-3:
+    if not math.isfinite(err) or err > TOLERANCE:
         raise AssertionError(f"{what}: max err {err:.3g} vs fp32 reference")
     return err
 
 
 def make_flex(problem):
-    """A callable(i) running FlexAttention paged on set i, or raise if unavailable."""
+    """A callable(i) running FlexAttention paged on set i (raises where flex is unavailable)."""
     from torch.nn.attention.experimental._paged_attention import PagedAttention
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    flex = make_flex.compiled
-    if flex is None:
-        flex = make_flex.compiled = torch.compile(flex_attention)
+    if make_flex.compiled is None:
+        make_flex.compiled = torch.compile(flex_attention)
     batch, ctx = problem.batch, problem.ctx
+    lens = problem.lens.long()
     masks = []
     for s in problem.sets:
         paged = PagedAttention(problem.num_blocks, BLOCK_SIZE, batch, device="cuda")
@@ -160,22 +149,21 @@ def make_flex(problem):
         paged.page_table[:, : blocks.shape[1]] = blocks
         rows = torch.arange(batch, device="cuda")[:, None].expand_as(blocks)
         paged.physical_to_logical[rows, blocks] = torch.arange(blocks.shape[1], device="cuda")[None].expand_as(blocks)
-        paged.capacity[:] = ctx
-        lens = problem.lens.long()
+        paged.capacity[:] = blocks.shape[1] * BLOCK_SIZE
 
-        def causal_free(b, h, q_idx, kv_idx, lens=lens):
+        def within(b, h, q_idx, kv_idx, lens=lens):
             return kv_idx < lens[b]
 
-        logical = create_block_mask(causal_free, batch, None, 1, ctx, device="cuda", BLOCK_SIZE=BLOCK_SIZE)
+        logical = create_block_mask(within, batch, None, 1, ctx, device="cuda", BLOCK_SIZE=BLOCK_SIZE)
         masks.append((paged.convert_logical_block_mask(logical, kv_len=lens), paged.get_score_mod(None, lens)))
-    q4 = problem.q[:, :, None]  # [B, H, 1, D]
+    q4 = problem.q[:, :, None]  # (B, H, 1, D)
 
     def run(i):
         mask, score_mod = masks[i]
         s = problem.sets[i]
         # 16-token pages need 16-wide tiles (vLLM's flex backend does the same)
-        return flex(q4, s["kf"], s["vf"], score_mod=score_mod, block_mask=mask, enable_gqa=True,
-                    kernel_options={"BLOCK_M": 16, "BLOCK_N": 16})[:, :, 0]
+        return make_flex.compiled(q4, s["kf"], s["vf"], score_mod=score_mod, block_mask=mask, enable_gqa=True,
+                                  kernel_options={"BLOCK_M": 16, "BLOCK_N": 16})[:, :, 0]
 
     return run
 
@@ -183,204 +171,185 @@ def make_flex(problem):
 make_flex.compiled = None
 
 
-def bench_point(batch, ctx, versions, copy_gbs, want_flex, notes):
+def points(quick=False):
+    """(label, context lengths) of every point of the run."""
+    batches, contexts = ([1, 64, 256], [512, 8192]) if quick else (BATCHES, CONTEXTS)
+    grid = [(f"{b} x {c}", [c] * b) for c in contexts for b in batches]
+    extra = EXTRA_POINTS[:3] if quick else EXTRA_POINTS
+    return grid + [(label, context_lens(spec)) for label, spec in extra]
+
+
+def run_point(label, lens, versions, copy_gbs, want_flex, notes, time_it=True, device="cuda"):
+    """One row: every kernel checked against the fp32 reference, then (time_it) timed."""
     from kernels_numba import paged_attention as pa
+    from scripts import benchlib
 
-    num_sets = Problem.num_sets_for(batch, ctx)
-    prob = Problem(batch, ctx, num_sets, want_flex)
-    ref0 = prob.reference(0)
-    row = dict(batch=batch, ctx=ctx, kv_mb=prob.kv_bytes / 1e6, num_sets=num_sets, us={}, err={})
+    num_sets = benchlib.num_sets_for(2 * sum(lens) * NUM_KV_HEADS * HEAD_DIM * 2) if time_it else 2
+    prob = Problem(lens, num_sets, want_flex and time_it, device=device)
+    ref = prob.reference(0)
     out = torch.empty_like(prob.q)
-
+    row = dict(point=label, batch=prob.batch, ctx=prob.ctx, kv_mb=prob.kv_bytes / 1e6, num_sets=num_sets, us={},
+               err={})
+    calls = {}
     for version in versions:
-        if version <= 2 and batch * ctx > SLOW_VERSION_MAX_TOKENS:
+        if version <= 2 and sum(lens) > SLOW_VERSION_MAX_TOKENS:
             continue
-        fn = prob.ours(version, out)
-        pa.paged_attention(prob.q, prob.sets[0]["k"], prob.sets[0]["v"], prob.sets[0]["bt"], prob.lens,
-                           version=version, out=out)  # validated call (block tables too)
-        row["err"][f"v{version}"] = _check(out, ref0, f"v{version} B={batch} ctx={ctx}")
-        row["us"][f"v{version}"] = _time_graph(fn, num_sets)
-
-    row["err"]["sdpa"] = _check(prob.sdpa(0), ref0, "sdpa")
-    row["us"]["sdpa"] = _time_graph(prob.sdpa, num_sets)
-    if want_flex:
+        s = prob.sets[0]
+        pa.paged_attention(prob.q, s["k"], s["v"], s["bt"], prob.lens, version=version, out=out,
+                           max_context_len=prob.ctx)  # validated call (block tables too)
+        row["err"][f"v{version}"] = check_close(out, ref, f"v{version} at {label}")
+        calls[f"v{version}"] = prob.ours(version, out)
+    row["err"]["sdpa"] = check_close(prob.sdpa(0), ref, f"sdpa at {label}")
+    calls["sdpa"] = prob.sdpa
+    if want_flex and time_it:
         try:
             flex = make_flex(prob)
-            row["err"]["flex"] = _check(flex(0), ref0, "flex")
-            row["us"]["flex"] = _time_graph(flex, num_sets)
-        except Exception as e:  # report, keep going
-            notes.append(f"FlexAttention paged failed at B={batch} ctx={ctx}: {type(e).__name__}: {str(e)[:200]}")
-    row["gbs"] = {k: prob.kv_bytes / (us * 1e-6) / 1e9 for k, us in row["us"].items()}
-    row["pct_copy"] = {k: 100.0 * g / copy_gbs for k, g in row["gbs"].items()}
-    row["vs_sdpa"] = {k: row["us"]["sdpa"] / us for k, us in row["us"].items()}
-    del prob
-    pa.clear_caches()  # the wrapper cache would keep this point's pools alive
-    torch.cuda.empty_cache()
+            row["err"]["flex"] = check_close(flex(0), ref, f"flex at {label}")
+            calls["flex"] = flex
+        except Exception as e:  # noqa: BLE001 - report it, time the rest
+            notes.append(f"FlexAttention paged failed at {label}: {type(e).__name__}: {str(e)[:200]}")
+    if time_it:
+        for key, fn in calls.items():
+            row["us"][key] = benchlib.graph_time_us(lambda i, fn=fn: fn(i % num_sets), calls=max(20, num_sets))
+        row["gbs"] = {k: prob.kv_bytes / (us * 1e-6) / 1e9 for k, us in row["us"].items()}
+        row["pct_copy"] = {k: 100.0 * g / copy_gbs for k, g in row["gbs"].items()}
+        row["vs_sdpa"] = {k: row["us"]["sdpa"] / us for k, us in row["us"].items()}
+        row["predicted_us"] = PREDICTED_US.get(label)
     return row
 
 
-def host_overhead_us(version, validate, calls=200):
-    """Wall time per paged_attention call from Python, synchronising once at the end."""
-    from kernels_numba import paged_attention as pa
+def table(rows, versions):
+    """The markdown table: us per kernel, the best version's bandwidth and ratios, v10's prediction."""
+    from scripts import benchlib
 
-    prob = Problem(8, 512, 1, False)
-    s = prob.sets[0]
-    out = torch.empty_like(prob.q)
-    for _ in range(5):
-        pa.paged_attention(prob.q, s["k"], s["v"], s["bt"], prob.lens, version=version, out=out, validate=validate)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        pa.paged_attention(prob.q, s["k"], s["v"], s["bt"], prob.lens, version=version, out=out, validate=validate)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
-
-
-def markdown(rows, versions, copy_gbs):
-    cols = [f"v{v}" for v in versions] + ["sdpa", "flex"]
     best = f"v{max(versions)}"
-    lines = [f"Copy bandwidth: {copy_gbs:.0f} GB/s (read + write).", "",
-             "| B | ctx | KV MB | " + " | ".join(f"{c} us" for c in cols)
-             + f" | {best} GB/s | {best} % copy | {best}/SDPA | {best}/flex |",
-             "|" + "---|" * (3 + len(cols) + 4)]
+    out = []
     for r in rows:
-        us = [f"{r['us'][c]:.1f}" if c in r["us"] else "-" for c in cols]
-        flex_ratio = f"{r['us']['flex'] / r['us'][best]:.2f}x" if "flex" in r["us"] else "-"
-        lines.append(f"| {r['batch']} | {r['ctx']} | {r['kv_mb']:.1f} | " + " | ".join(us)
-                     + f" | {r['gbs'][best]:.0f} | {r['pct_copy'][best]:.0f}% | {r['vs_sdpa'][best]:.2f}x | {flex_ratio} |")
-    return "\n".join(lines)
+        line = {"point": r["point"], "KV MB": r["kv_mb"]}
+        for key in [f"v{v}" for v in versions] + ["sdpa", "flex"]:
+            line[f"{key} us"] = r["us"].get(key)
+        line[f"{best} predicted us"] = r.get("predicted_us")
+        line[f"{best} GB/s"] = r.get("gbs", {}).get(best)
+        line[f"{best} % copy"] = r.get("pct_copy", {}).get(best)
+        line[f"{best}/SDPA"] = r.get("vs_sdpa", {}).get(best)
+        flex = r["us"].get("flex")
+        line[f"{best}/flex"] = flex / r["us"][best] if flex and best in r["us"] else None
+        out.append(line)
+    return benchlib.markdown_table(out, floatfmt="{:.3g}")
 
 
-def concurrency_table(versions, copy_gbs, notes):
-    rows = [bench_point(b, 512, versions, copy_gbs, False, notes) for b in (1, 2, 4, 8)]
-    out = ["| sequences | " + " | ".join(f"v{v} tok/s" for v in versions) + " | SDPA tok/s | best speedup vs 1 seq |",
-           "|" + "---|" * (len(versions) + 3)]
+def concurrency_rows(grid_rows, versions):
+    """tokens/s per version at 1, 2, 4, 8 sequences of ctx 512 (one new token per sequence)."""
+    rows = []
+    base = None
     best = f"v{max(versions)}"
-    base = rows[0]["us"][best]
-    for r in rows:
-        toks = [f"{r['batch'] / (r['us'][f'v{v}'] * 1e-6):,.0f}" for v in versions]
-        sd = f"{r['batch'] / (r['us']['sdpa'] * 1e-6):,.0f}"
-        out.append(f"| {r['batch']} | " + " | ".join(toks) + f" | {sd} | {r['batch'] * base / r['us'][best]:.2f}x |")
-    return "\n".join(out), rows
+    for r in grid_rows:
+        line = {"sequences": r["batch"]}
+        for key in [f"v{v}" for v in versions] + ["sdpa"]:
+            if key in r["us"]:
+                line[f"{key} tok/s"] = r["batch"] / (r["us"][key] * 1e-6)
+        base = base or r["us"][best]
+        line["best speedup vs 1 seq"] = r["batch"] * base / r["us"][best]
+        rows.append(line)
+    return rows
 
 
 def plot(rows, versions, path):
+    """GB/s of KV read against batch size, one panel per context length of the grid."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(CONTEXTS), figsize=(5 * len(CONTEXTS), 4), sharey=True)
-    for ax, ctx in zip(axes, CONTEXTS):
-        pts = [r for r in rows if r["ctx"] == ctx]
+    contexts = sorted({r["ctx"] for r in rows if r["point"] == f"{r['batch']} x {r['ctx']}" and r["ctx"] in CONTEXTS})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), sharey=True, squeeze=False)
+    for ax, ctx in zip(axes[0], contexts):
+        pts = [r for r in rows if r["point"] == f"{r['batch']} x {ctx}"]
         for key in [f"v{v}" for v in versions] + ["sdpa", "flex"]:
-            xs = [r["batch"] for r in pts if key in r["gbs"]]
-            ys = [r["gbs"][key] for r in pts if key in r["gbs"]]
+            xs = [r["batch"] for r in pts if key in r.get("gbs", {})]
+            ys = [r["gbs"][key] for r in pts if key in r.get("gbs", {})]
             if xs:
                 ax.plot(xs, ys, marker="o", label=key, linestyle="--" if key in ("sdpa", "flex") else "-")
         ax.set_xscale("log", base=2)
         ax.set_title(f"ctx {ctx}")
         ax.set_xlabel("batch (sequences)")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("GB/s of KV read")
-    axes[-1].legend()
-    fig.suptitle("Paged decode attention, H200, Qwen2-0.5B layer (14/2 heads, d=64, fp16, block 16)")
+    axes[0][0].set_ylabel("GB/s of KV read")
+    axes[0][-1].legend()
+    fig.suptitle("Paged decode attention, Qwen2-0.5B layer (14/2 heads, d=64, fp16, block 16)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
-def sass_summary():
-    """Per compiled kernel (bench geometry): registers and SASS counts of the promised instructions."""
-    import re
-
+def host_overhead_us(version, validate):
+    """Wall time per paged_attention call from Python (no graph), B=8 x 512."""
     from kernels_numba import paged_attention as pa
+    from scripts import benchlib
 
-    group = NUM_HEADS // NUM_KV_HEADS
-    kernels = [pa._make_v1(HEAD_DIM, BLOCK_SIZE, False), pa._make_v2(HEAD_DIM, BLOCK_SIZE, False),
-               pa._make_v3(HEAD_DIM, BLOCK_SIZE, False), pa._make_merge(HEAD_DIM, False),
-               pa._make_v4(HEAD_DIM, BLOCK_SIZE, group, False), pa._make_v5(HEAD_DIM, BLOCK_SIZE, group, False),
-               pa._make_v7(HEAD_DIM, BLOCK_SIZE, group, False), pa._make_v8(HEAD_DIM, BLOCK_SIZE, group, False),
-               pa._make_v9(HEAD_DIM, BLOCK_SIZE, group, False)]
-    summary = {}
-    for kernel in kernels:
-        try:
-            regs = kernel.get_regs_per_thread()
-            sass_of = kernel.inspect_sass()
-        except Exception as e:  # noqa: BLE001 - report and go on
-            summary[kernel.__name__] = f"{type(e).__name__}: {e}"
-            continue
-        for sig, sass in sass_of.items():
-            ops = re.findall(r"\b(HFMA2[\w.]*|HMMA[\w.]*|LDGSTS[\w.]*|LDG[\w.]*|SHFL[\w.]*|FFMA[\w.]*|LDL[\w.]*|STL[\w.]*"
-                             r"|MUFU\.EX2)\b", sass)
-            count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
-            summary[f"{kernel.__name__} {sig}"] = dict(
-                regs=regs.get(sig) if isinstance(regs, dict) else regs, HFMA2=count("HFMA2"), LDG=count("LDG"),
-                LDG_128=sum(1 for o in ops if o.startswith("LDG.") and ".128" in o), LDGSTS=count("LDGSTS"),
-                SHFL=count("SHFL"), HMMA=count("HMMA"),
-                FFMA=count("FFMA"), LDL=count("LDL"), STL=count("STL"), MUFU_EX2=count("MUFU.EX2"))
-    return summary
+    prob = Problem([512] * 8, 1)
+    s = prob.sets[0]
+    out = torch.empty_like(prob.q)
+    return benchlib.host_time_us(lambda: pa.paged_attention(prob.q, s["k"], s["v"], s["bt"], prob.lens,
+                                                            version=version, out=out, validate=validate))
 
 
-def main(out_dir=None, quick=False, versions=None, flex=True, prefill=True):
-    """Decode grid + concurrency table; with prefill=True also the paged prefill kernel vs SDPA
-    on a dense causal prefix (scripts/bench_prefill.py, same method, same run)."""
-    from kernels_numba import paged_attention as pa
+def main(out_dir=None, quick=False, versions=None, flex=True, check=False, device="cuda", only=None, todo=None):
+    """The whole run; returns the grid rows. check: validate every version at every point without
+    timing (device="cpu": in the CUDA simulator). only: labels of the points to run (default all);
+    todo: (label, context lengths) points instead of the run's own."""
+    from kernels_numba import bridge, paged_attention as pa
+    from scripts import benchlib
 
-    versions = versions or sorted(pa.VERSIONS)
-    dev = torch.cuda.get_device_name()
-    copy_gbs = copy_bandwidth_gbs()
-    print(f"{dev}: copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
-    notes = []
-    batches, contexts = ([1, 64, 256], [512, 8192]) if quick else (BATCHES, CONTEXTS)
-    rows = []
-    for ctx in contexts:
-        for batch in batches:
-            t0 = time.time()
-            rows.append(bench_point(batch, ctx, versions, copy_gbs, flex, notes))
-            r = rows[-1]
-            print(f"B={batch:4d} ctx={ctx:5d} " + " ".join(f"{k}={v:.1f}us" for k, v in r["us"].items())
-                  + f"  ({time.time() - t0:.1f}s)", flush=True)
-            if out_dir:  # what is measured so far survives an interrupted run
-                Path(out_dir).mkdir(parents=True, exist_ok=True)
-                (Path(out_dir) / "kernels_bench.partial.json").write_text(json.dumps(rows, indent=1))
-    table = markdown(rows, versions, copy_gbs)
-    conc, conc_rows = concurrency_table(versions, copy_gbs, notes)
-    overhead = {f"v{max(versions)}_validate": host_overhead_us(max(versions), True),
-                f"v{max(versions)}_no_validate": host_overhead_us(max(versions), False)}
-    import numba
-
-    meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=dev, torch=torch.__version__,
-                numba=numba.__version__, cuda=torch.version.cuda, copy_gbs=copy_gbs, notes=notes,
-                host_overhead_us=overhead, slow_version_max_tokens=SLOW_VERSION_MAX_TOKENS)
-    report = (f"{meta['date']}, {dev}, torch {meta['torch']}, numba {meta['numba']}, CUDA {meta['cuda']}\n\n"
-              + table + "\n\nConcurrency (ctx 512):\n\n" + conc
-              + "\n\nHost overhead per call (us, no graph): " + json.dumps({k: round(v, 1) for k, v in overhead.items()})
-              + ("\n\nNotes:\n" + "\n".join(f"- {n}" for n in notes) if notes else ""))
+    versions = sorted(versions or pa.VERSIONS)
+    time_it = not check
+    copy_gbs = benchlib.copy_bandwidth_gbs() if time_it else None
+    print(benchlib.env_line() + (f" | copy bandwidth {copy_gbs:.0f} GB/s" if time_it else " | check only"),
+          flush=True)
+    notes, rows = [], []
+    whole_run = only is None and todo is None
+    todo = todo or [(label, lens) for label, lens in points(quick) if only is None or label in only]
+    for label, lens in todo:
+        t0 = time.time()
+        rows.append(run_point(label, lens, versions, copy_gbs, flex, notes, time_it, device))
+        print(f"{label:>12}: " + " ".join(f"{k}={v:.1f}us" for k, v in rows[-1]["us"].items())
+              + f" max err {max(rows[-1]['err'].values()):.2g} ({time.time() - t0:.1f}s)", flush=True)
+        bridge.clear_caches()  # the cached views would keep this point's pools alive
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    report = table(rows, versions)
+    meta = dict(copy_gbs=copy_gbs, notes=notes, versions=versions, tolerance=TOLERANCE,
+                slow_version_max_tokens=SLOW_VERSION_MAX_TOKENS)
+    if time_it and whole_run:
+        conc = [run_point(f"{b} x 512", [512] * b, versions, copy_gbs, False, notes, True, device) for b in CONCURRENCY]
+        meta["concurrency"] = conc
+        meta["host_overhead_us"] = {f"v{max(versions)} validate={v}": host_overhead_us(max(versions), v)
+                                    for v in (True, False)}
+        report += "\n\nConcurrency (ctx 512):\n\n" + benchlib.markdown_table(concurrency_rows(conc, versions))
+        report += "\n\nHost overhead per call (us, no graph): " + str(
+            {k: round(v, 1) for k, v in meta["host_overhead_us"].items()})
+    if notes:
+        report += "\n\nNotes:\n" + "\n".join(f"- {n}" for n in notes)
     print(report, flush=True)
     if out_dir:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "kernels_bench.md").write_text(report + "\n")
-        (out / "kernels_bench.json").write_text(json.dumps(dict(meta=meta, grid=rows, concurrency=conc_rows), indent=1))
-        plot(rows, versions, out / "kernels_bench.png")
-        try:
-            (out / "sass_summary.json").write_text(json.dumps(sass_summary(), indent=1, default=str))
-        except Exception as e:  # the disassembler is optional
-            print(f"SASS summary unavailable: {type(e).__name__}: {e}")
-    if prefill:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import bench_prefill
-
-        bench_prefill.main(out=out_dir)
+        benchlib.save(out_dir, "kernels_bench", rows, meta, report)
+        if time_it:
+            plot(rows, versions, f"{out_dir}/kernels_bench.png")
     return rows
 
 
 if __name__ == "__main__":
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="directory for kernels_bench.md/.json/.png and sass_summary.json")
+    ap.add_argument("--out", default=None, help="directory for kernels_bench.md/.json/.png")
     ap.add_argument("--quick", action="store_true", help="a few points only")
     ap.add_argument("--versions", type=int, nargs="*", default=None)
+    ap.add_argument("--points", nargs="*", default=None, help='labels to run, e.g. "1 x 8192" "ragged 8"')
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
-    ap.add_argument("--no-prefill", action="store_true", help="skip the paged prefill rows")
+    ap.add_argument("--check", action="store_true", help="validate every version at every point, no timing")
     a = ap.parse_args()
-    main(a.out, a.quick, a.versions, not a.no_flex, not a.no_prefill)
+    main(a.out, a.quick, a.versions, not a.no_flex, a.check, "cuda" if torch.cuda.is_available() else "cpu", a.points)
