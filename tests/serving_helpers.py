@@ -6,11 +6,15 @@ several tokens, which the incremental detokenizer has to reassemble. The chat te
 (Qwen's) without the default system prompt. The model is tests/helpers.py's tiny Qwen2 with the
 vocabulary resized to the tokenizer's.
 
-    from serving_helpers import write_tiny_chat_checkpoint
+    from serving_helpers import write_tiny_chat_checkpoint, ServerThread
     path = write_tiny_chat_checkpoint(tmp_dir)       # config.json, model.safetensors, tokenizer files
+    with ServerThread(app) as srv:                   # uvicorn on 127.0.0.1:<free port>, in a thread
+        httpx.get(srv.url + "/health")
 """
 import json
 import os
+import threading
+import time
 
 from helpers import write_tiny_checkpoint
 
@@ -50,14 +54,51 @@ def train_tokenizer(vocab_size=VOCAB_SIZE):
     return hf
 
 
-def write_tiny_chat_checkpoint(path, seed=0):
+def write_tiny_chat_checkpoint(path, seed=0, **overrides):
     """Tokenizer files + a tiny random Qwen2 sized to its vocabulary into `path`; returns str(path).
 
+    overrides: helpers.TINY_CONFIG entries to change (e.g. head_dim 64 shapes for the GPU kernels).
     EOS: <|endoftext|> in config.json, <|im_end|> added by generation_config.json (as Qwen2.5 does)."""
     tok = train_tokenizer()
     endoftext, im_end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
-    write_tiny_checkpoint(path, seed=seed, vocab_size=len(tok), bos_token_id=endoftext, eos_token_id=endoftext)
+    write_tiny_checkpoint(path, seed=seed, vocab_size=len(tok), bos_token_id=endoftext, eos_token_id=endoftext,
+                          **overrides)
     tok.save_pretrained(path)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": endoftext, "eos_token_id": [im_end, endoftext]}, f)
     return str(path)
+
+
+class ServerThread:
+    """uvicorn serving `app` on 127.0.0.1:<a free port the OS picks> in a daemon thread; `url` once entered."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def scrape(url):
+    """{(sample name, frozenset of its labels): value} from the server's /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}

@@ -1,0 +1,77 @@
+"""python -m pagedattn serve: the OpenAI-compatible server (uvicorn) on one engine.
+
+    python -m pagedattn serve                                  # the bundled model, 127.0.0.1:8000
+    python -m pagedattn serve --model path/to/qwen2_dir --device cuda --port 8001 --api-key secret
+
+then, with the official client:
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret")
+    r = client.chat.completions.create(model="qwen2.5-coder-0.5b-instruct",
+                                       messages=[{"role": "user", "content": "Write a haiku about caches."}])
+    print(r.choices[0].message.content)
+"""
+import argparse
+import os
+import sys
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m pagedattn serve", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="HF Qwen2 directory (default: the bundled model)")
+    ap.add_argument("--served-model-name", default=None,
+                    help="the name clients pass as `model` (default: the model directory's name)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    ap.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    ap.add_argument("--api-key", default=os.environ.get("PAGEDATTN_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDATTN_API_KEY, else none)")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: sized from memory)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA-graph decode")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="send a stream's tokens once at least this many are waiting (first and last at once)")
+    ap.add_argument("--switch-interval-ms", type=float, default=1.0,
+                    help="the interpreter's thread switch interval (Python's default: 5 ms): how long the engine "
+                         "thread may wait for the GIL while the HTTP thread is busy")
+    ap.add_argument("--log-level", default="info", help="uvicorn's: critical | error | warning | info | debug")
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    import uvicorn
+
+    from pagedattn import LLM
+    from pagedattn.serving.api_server import build_app
+    from pagedattn.serving.async_llm import AsyncLLM
+
+    a = parse_args(argv)
+    if a.switch_interval_ms <= 0:
+        raise SystemExit(f"--switch-interval-ms must be > 0, got {a.switch_interval_ms}")
+    # Two threads share the GIL here: the engine thread (Python between GPU launches) and uvicorn's event
+    # loop (JSON and socket writes for every stream). A thread that wants the GIL waits up to the switch
+    # interval for the other to drop it; a shorter interval bounds what a busy HTTP thread costs a step.
+    sys.setswitchinterval(a.switch_interval_ms / 1000)
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, block_size=a.block_size, num_blocks=a.num_blocks,
+              max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+              max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=not a.no_prefix_caching,
+              enforce_eager=a.enforce_eager)
+    engine = llm.engine
+    name = a.served_model_name or os.path.basename(os.path.normpath(engine.model_path))
+    async_llm = AsyncLLM(llm, stream_interval=a.stream_interval)
+    app = build_app(async_llm, name, api_key=a.api_key)
+    print(f"serving {name!r} ({engine.model_path} on {engine.config.device}, "
+          f"{str(engine.config.dtype).replace('torch.', '')}, KV pool {engine.num_blocks} blocks x "
+          f"{engine.config.block_size} tokens, max_model_len {engine.max_model_len}) at "
+          f"http://{a.host}:{a.port}/v1{' (API key required)' if a.api_key else ''}", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+    finally:
+        async_llm.shutdown()
+        llm.close()
+    return 0
