@@ -7,7 +7,8 @@ lengths uniform in [--min-len, --max-len] and output lengths drawn the same way,
 
 1. Offline: LLM(...) in this process, a warm-up, then LLM.generate on all requests at once:
    output tokens / wall seconds. The LLM is then freed.
-2. Online: the server as a subprocess with the same engine settings (its log goes to <out>/server.log),
+2. Online: the server as a subprocess with the same engine settings (prefix caching off in both, as every
+   rate replays the same prompts; its log goes to <out>/server.log),
    a warm-up, then for each rate in --rates (requests/s; "inf" = all at once): requests sent at Poisson
    arrival times (seeded), each a streamed /v1/completions call with
    stream_options.continuous_usage_stats, so every chunk says how many tokens it brings. Measured on the
@@ -255,7 +256,9 @@ def main(out, model="bundled", rates=(4.0, 16.0, 32.0, math.inf), num_requests=2
     prompts, out_lens = workload(num_requests, min_len, max_len, vocab, seed)
     if num_blocks is None:              # enough for every sequence at full length: no preemption in either run
         num_blocks = max_num_seqs * -(-max_model_len // 16)
-    llm_kwargs = dict(device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs, num_blocks=num_blocks)
+    # prefix caching off in both: every rate replays the same prompts, which a warm cache would skip
+    llm_kwargs = dict(device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
+                      enable_prefix_caching=False)
     print(benchlib.env_line())
     print(f"model {model_dir}: {num_requests} requests, prompts {min_len}-{max_len} tokens, outputs "
           f"{min_len}-{max_len} tokens ({sum(out_lens)} in all), engine {llm_kwargs}", flush=True)
@@ -265,7 +268,7 @@ def main(out, model="bundled", rates=(4.0, 16.0, 32.0, math.inf), num_requests=2
 
     os.makedirs(out, exist_ok=True)
     engine_args = ["--device", device, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-                   "--num-blocks", str(num_blocks)]
+                   "--num-blocks", str(num_blocks), "--no-prefix-caching"]
     proc, url = start_server(model_dir, engine_args, os.path.join(out, "server.log"), server_timeout_s,
                              server_args)
     rows, failures = [], {}

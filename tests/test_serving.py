@@ -26,6 +26,7 @@ from serving_helpers import ServerThread, scrape, write_tiny_chat_checkpoint
 from pagedattn import LLM, SamplingParams
 from pagedattn.serving.api_server import build_app
 from pagedattn.serving.async_llm import AsyncLLM
+from pagedattn.serving.metrics import Histogram
 
 MODEL = "tiny-chat"
 API_KEY = "test-key"
@@ -84,6 +85,15 @@ def assert_no_leak(server):
     assert metric(samples, "pagedattn_kv_cache_free_blocks") == ENGINE["num_blocks"]
     assert metric(samples, "pagedattn_kv_cache_usage") == 0.0
     assert metric(samples, "pagedattn_num_requests_running") == 0 == metric(samples, "pagedattn_num_requests_in_flight")
+
+
+def test_histogram_buckets_are_cumulative_with_le_bounds():
+    h = Histogram(bounds=(0.1, 1.0))
+    for v, n in [(0.05, 1), (0.1, 2), (0.5, 1), (3.0, 4)]:
+        h.observe(v, n)
+    buckets, total = h.snapshot()
+    assert buckets == [("0.1", 3), ("1.0", 4), ("+Inf", 8)] and h.count == 8
+    assert total == pytest.approx(0.05 + 0.2 + 0.5 + 12.0)
 
 
 # ---------------------------------------------------------------- the openai client: text and usage

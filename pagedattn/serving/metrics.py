@@ -1,69 +1,89 @@
-"""The server's Prometheus metrics (prometheus-client), in their own registry per server.
+"""The server's Prometheus metrics, in their own prometheus-client registry per server.
 
-Two kinds:
+Two kinds, both exposed at scrape time by one custom collector:
   * recorded as requests run, by AsyncLLM's engine thread through the four methods below: TTFT,
     inter-token latency and end-to-end latency histograms, prompt / generation token counters,
-    finished requests by reason;
-  * read from the engine when scraped (EngineCollector): running / waiting sequences, KV usage and free
-    blocks, prefix-cache hit rate and its token counters, preemptions, from AsyncLLM's latest snapshot
-    of engine.metrics() (taken by the engine thread, so a scrape never touches the engine itself).
+    finished requests by reason. These are plain Python numbers with a single writer (the engine
+    thread), not prometheus-client's locked metric objects: an observation costs a bisect and an
+    addition, which matters at one inter-token observation per token per stream;
+  * read from the engine: running / waiting sequences, KV usage and free blocks, prefix-cache hit rate
+    and its token counters, preemptions, from AsyncLLM's latest snapshot of engine.metrics() (taken by
+    the engine thread, so a scrape never touches the engine itself).
 
 Every name starts with `pagedattn_`; latencies are seconds (measured from the moment AsyncLLM accepted
 the request, so they include queueing), KV usage is a fraction in [0, 1].
 """
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+import bisect
+import itertools
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # From 1 ms (a decode step on the GPU) to minutes (a long request on CPU).
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                   1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class Histogram:
+    """Bucket counts and a sum, written by one thread; `snapshot()` from any thread."""
+
+    def __init__(self, bounds=LATENCY_BUCKETS):
+        self.bounds = list(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)      # the last one: above every bound (+Inf only)
+        self.sum = 0.0
+
+    def observe(self, value, count=1):
+        self.counts[bisect.bisect_left(self.bounds, value)] += count     # first bound >= value: le semantics
+        self.sum += value * count
+
+    def snapshot(self):
+        """([(le, cumulative count)] ending with "+Inf", sum)."""
+        cumulative = list(itertools.accumulate(list(self.counts)))
+        return [(repr(b), c) for b, c in zip(self.bounds, cumulative)] + [("+Inf", cumulative[-1])], self.sum
+
+    @property
+    def count(self):
+        return sum(self.counts)
 
 
 class ServingMetrics:
     """model_name: the `model_name` label on every series. snapshot: a callable returning the engine's
     metrics() dict (AsyncLLM.engine_metrics) plus "num_requests_in_flight", or None until `attach`."""
 
+    HISTOGRAMS = [  # (metric, attribute, help)
+        ("pagedattn_time_to_first_token_seconds", "ttft", "Time to first token (from acceptance)."),
+        ("pagedattn_inter_token_latency_seconds", "itl", "Gap between consecutive tokens of one completion."),
+        ("pagedattn_e2e_request_latency_seconds", "e2e", "Request latency, acceptance to finish."),
+    ]
+
     def __init__(self, model_name, snapshot=None):
-        self.registry = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
-        self.ttft = Histogram("pagedattn_time_to_first_token_seconds", "Time to first token (from acceptance).",
-                              labels, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
-        self.itl = Histogram("pagedattn_inter_token_latency_seconds",
-                             "Gap between consecutive tokens of one completion.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
-        self.e2e = Histogram("pagedattn_e2e_request_latency_seconds", "Request latency, acceptance to finish.",
-                             labels, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
-        self.prompt_tokens = Counter("pagedattn_prompt_tokens", "Prompt tokens of requests that started "
-                                     "generating.", labels, registry=self.registry).labels(model_name)
-        self.generation_tokens = Counter("pagedattn_generation_tokens", "Generated tokens.", labels,
-                                         registry=self.registry).labels(model_name)
-        self.requests = Counter("pagedattn_request_finished", "Finished requests by finish reason "
-                                "(stop, length, abort: the client left, error: a failed step, mixed: n > 1 "
-                                "completions that ended differently).", labels + ["finished_reason"],
-                                registry=self.registry)
         self.snapshot = snapshot
-        self.registry.register(EngineCollector(self))
+        self.ttft, self.itl, self.e2e = Histogram(), Histogram(), Histogram()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished_requests = {}     # finish reason -> count
+        self.registry = CollectorRegistry()
+        self.registry.register(_Collector(self))
 
     def attach(self, snapshot):
         self.snapshot = snapshot
 
-    # ---- recording (AsyncLLM's engine thread) -------------------------------------------------------
+    # ---- recording (AsyncLLM's engine thread only) ----------------------------------------------------
     def first_token(self, ttft, num_prompt_tokens):
         self.ttft.observe(ttft)
-        self.prompt_tokens.inc(num_prompt_tokens)
+        self.prompt_tokens += num_prompt_tokens
 
     def inter_token(self, gap, count=1):
-        for _ in range(count):
-            self.itl.observe(gap)
+        self.itl.observe(gap, count)
 
     def generated(self, num_tokens):
-        self.generation_tokens.inc(num_tokens)
+        self.generation_tokens += num_tokens
 
     def finished(self, reason, e2e):
-        self.requests.labels(self.model_name, reason).inc()
+        self.finished_requests[reason] = self.finished_requests.get(reason, 0) + 1
         self.e2e.observe(e2e)
 
     def render(self):
@@ -71,10 +91,10 @@ class ServingMetrics:
         return generate_latest(self.registry)
 
 
-class EngineCollector:
-    """Engine state as gauges and counters, read at scrape time from the latest snapshot."""
+class _Collector:
+    """Everything ServingMetrics exposes, built at scrape time."""
 
-    GAUGES = [  # (metric, snapshot key, help)
+    ENGINE_GAUGES = [  # (metric, snapshot key, help)
         ("pagedattn_num_requests_in_flight", "num_requests_in_flight",
          "Requests accepted and not finished (queued, running or waiting)."),
         ("pagedattn_num_requests_running", "num_running",
@@ -86,9 +106,9 @@ class EngineCollector:
         ("pagedattn_prefix_cache_hit_rate", "prefix_cache_hit_rate",
          "Prompt tokens served by the prefix cache / prompt tokens looked up, since start."),
     ]
-    COUNTERS = [
-        ("pagedattn_prefix_cache_queries", "prefix_cache_queried_tokens", "Prompt tokens looked up in the "
-         "prefix cache."),
+    ENGINE_COUNTERS = [
+        ("pagedattn_prefix_cache_queries", "prefix_cache_queried_tokens",
+         "Prompt tokens looked up in the prefix cache."),
         ("pagedattn_prefix_cache_hits", "prefix_cache_hit_tokens", "Prompt tokens the prefix cache served."),
         ("pagedattn_num_preemptions", "num_preemptions", "Sequences preempted for lack of KV blocks."),
     ]
@@ -97,15 +117,33 @@ class EngineCollector:
         self.owner = owner
 
     def collect(self):
-        snap = self.owner.snapshot() if self.owner.snapshot is not None else {}
-        name = self.owner.model_name
-        for metric, key, doc in self.GAUGES:
+        m = self.owner
+        label = [m.model_name]
+        for metric, attr, doc in m.HISTOGRAMS:
+            buckets, total = getattr(m, attr).snapshot()
+            h = HistogramMetricFamily(metric, doc, labels=["model_name"])
+            h.add_metric(label, buckets, total)
+            yield h
+        for metric, value, doc in [
+                ("pagedattn_prompt_tokens", m.prompt_tokens, "Prompt tokens of requests that started generating."),
+                ("pagedattn_generation_tokens", m.generation_tokens, "Generated tokens.")]:
+            c = CounterMetricFamily(metric, doc, labels=["model_name"])
+            c.add_metric(label, value)
+            yield c
+        c = CounterMetricFamily("pagedattn_request_finished", "Finished requests by finish reason (stop, length, "
+                                "abort: the client left, error: a failed step, mixed: n > 1 completions that ended "
+                                "differently).", labels=["model_name", "finished_reason"])
+        for reason, value in sorted(dict(m.finished_requests).items()):
+            c.add_metric(label + [reason], value)
+        yield c
+        snap = m.snapshot() if m.snapshot is not None else {}
+        for metric, key, doc in self.ENGINE_GAUGES:
             if snap.get(key) is not None:
                 g = GaugeMetricFamily(metric, doc, labels=["model_name"])
-                g.add_metric([name], float(snap[key]))
+                g.add_metric(label, float(snap[key]))
                 yield g
-        for metric, key, doc in self.COUNTERS:
+        for metric, key, doc in self.ENGINE_COUNTERS:
             if snap.get(key) is not None:
                 c = CounterMetricFamily(metric, doc, labels=["model_name"])
-                c.add_metric([name], float(snap[key]))
+                c.add_metric(label, float(snap[key]))
                 yield c

@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from pagedattn.errors import InvalidRequestError
 from pagedattn.sampling_params import SamplingParams
@@ -266,8 +266,13 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """What a chat stream chunk adds; fields left None are left out (OpenAI sends the role once)."""
     role: str | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatCompletionStreamChoice(BaseModel):
