@@ -12,23 +12,30 @@ The versions (predicted times: H200, Qwen2-0.5B layer 14/2 heads, d=64, fp16, on
     v4  one CTA of 4 warps per (sequence, 64 rows, KV head); K/V tiles of 64 keys staged by
         cp.async through a 2-stage shared-memory ring (swizzled: no bank conflicts), fragments
         by ldmatrix (.trans for V), S = Q K^T and O += P V on mma.sync m16n8k16, exp2 online
-        softmax, only diagonal tiles masked                                    predicted ~50 us
-    v5  + 128 rows per CTA at d=64 (each warp two m-tiles of 16 rows): every K/V fragment
-        read from shared memory feeds two mma instead of one                  predicted ~40 us
+        softmax, only diagonal tiles masked; Q fragments held in registers    predicted ~50 us
+    v5  + 128 rows per CTA at d=64 (each warp two m-tiles of 16 rows): every K/V fragment read
+        from shared memory feeds two mma instead of one; Q stays in shared memory and is
+        re-read by ldmatrix at every tile (its 32 registers would not fit)    predicted ~40 us
     v6  + split-KV when the grid is short (fewer CTAs than SMs, e.g. a short chunk behind a
         long prefix): the KV range of each tile is cut into parts, each part's CTA writes a
-        normalised fp32 partial and its log-sum-exp, a small kernel merges them
-                                                             (1x2048: as v5; 1x(4096+256) ~2x v5)
+        normalised fp32 partial and its log2-sum-exp, a small kernel merges them
+                                           1x2048: as v5; 1x(4096 cached + 256 new): ~15 us
 
-Why ~50 us for v4 at 1x2048 (prediction, written before any GPU run): the work is 7.5 GFLOP of
-causal attention (4 * 14 * 64 * 2048 * 2049 / 2). v3 spent its time on synchronous tile loads
-(global -> registers -> shared, then a barrier, two per tile), 32-bit shared fragment reads
-(128 LDS per warp per tile) and transposing stores of V. v4 issues the next tile's copies before
-computing on the current one (one barrier per tile), reads fragments with 32 ldmatrix.x4 per
-warp per tile, and skips the mask on all but the diagonal tiles. At ~150 TFLOP/s (~28% of
-mma.sync's dense peak on 132 SMs, what FA2-class kernels reach at d=64 with 4 warps per CTA)
-that is 50 us; the shared-memory reads (64 KB per CTA per tile at 64 rows, 128 B/clk/SM) are as
-long as its mma work, which is why v5 doubles the rows per CTA.
+Why (written before any GPU run). 1x2048 is 7.5 GFLOP of causal attention (4 * 14 * 64 *
+2048 * 2049 / 2). v3 loads each tile synchronously (global -> registers -> shared, two barriers
+per tile), reads fragments with 32-bit shared loads (128 LDS per warp and tile) and transposes V
+with scalar stores. v4 has one barrier per tile with the next tile's copies in flight during the
+current one's math, 36 ldmatrix.x4 per warp and tile and masks on diagonal tiles only. Per CTA
+and tile it moves 74 KB through ldmatrix plus 16 KB of copies, ~700 clk of the SM's 128 B/clk
+shared-memory port, against ~400 clk of mma (64 m16n8k16 per warp at ~6 clk): bound by shared
+memory; ~7300 CTA-tiles over 132 SMs at ~60% of that bound is ~50 us. v5's 128-row CTA feeds each
+K/V fragment to two m-tiles: per 64 rows ~400 clk of shared traffic for ~400 clk of mma, ~40 us
+(its longest CTA, the 32 tiles of the last queries, keeps it above ~25 us). 1x(4096+256) has
+only 16 q tiles x 2 KV heads: 32 CTAs of 68 tiles each on 132 SMs; v6 cuts each into 8 parts
+(256 CTAs, one wave at 2 per SM) plus a merge of 8 x 0.9 MB of fp32 partials.
+
+Occupancy: 2 CTAs of 128 threads per SM (launch bounds: <= 255 registers; v4 uses ~212, v5
+255, no spills), 32 KB (v4) or 48 KB (v5: + the Q tile) of dynamic shared memory per CTA at d=64.
 
 Design (every version)
 ----------------------
@@ -43,9 +50,10 @@ Grid. (tiles, num_kv_heads, splits): x is an upper bound of sum_s ceil(q_len_s /
 a sequence's last (longest causal range) tile first, as v3 does. z = 1 except in v6's plan.
 
 Pipeline per CTA (ST = 2 stages of [K tile | V tile], 64 keys each, dynamic shared memory):
-    Q tile -> stage ST-1 by cp.async (zeros for rows past the chunk), commit
+    Q tile -> stage ST-1 (v4) by cp.async (zeros for rows past the chunk), commit
     tiles 0 .. ST-2 -> stages 0 .. ST-2, one commit group each
-    wait for Q, barrier, Q fragments -> registers by ldmatrix.x4 (held for the whole loop)
+    v4: wait for Q, barrier, Q fragments -> registers by ldmatrix.x4 (held for the whole loop);
+        v5, v6: Q goes to its own region past the ring and its fragments are re-read per tile
     for each KV tile j: wait for tile j (cp.async.wait_group ST-2), barrier (every thread's
         copies of j have landed and every warp is done with tile j - 1), issue tile j + ST - 1
         into the stage tile j - 1 used, then S = Q K^T, mask (diagonal tiles only), online
@@ -85,8 +93,8 @@ lane's share of the row sum l are per row; p = 2^(s * scale * log2(e) - m * scal
 (one FFMA + one MUFU.EX2); a row's max over its 4 lanes takes two shfl_xor. A row whose part of
 the KV range is fully masked (possible only in a split) keeps m = -inf and contributes nothing.
 
-Supported: fp16 and bf16, head_dim 64 and 128, block_size 8/16/32, G <= 64 rows' worth of
-queries (any G <= BM). Under NUMBA_ENABLE_CUDASIM=1 the kernels run in the simulator: cp.async
+Supported: fp16 and bf16, head_dim 64 and 128, block_size 8/16/32, any GQA group G <= BM
+(MHA included). Under NUMBA_ENABLE_CUDASIM=1 the kernels run in the simulator: cp.async
 copies at issue, and ldmatrix, mma and the shuffles go through warp-collective fallbacks that
 follow the fragment layouts above element by element.
 
@@ -769,11 +777,11 @@ def _words(name, t):
     if t.data_ptr() % 16 != 0:
         raise KernelLaunchError(f"{name} must be 16-byte aligned")
     w = t.view(-1).view(torch.int32)
-    return w.numpy().view(np.uint32) if SIMULATOR else cuda.as_cuda_array(w).view(np.uint32)
+    return w.numpy().view(np.uint32) if SIMULATOR else cuda.as_cuda_array(w, sync=False).view(np.uint32)
 
 
 def _array(t):
-    return t.numpy() if SIMULATOR else cuda.as_cuda_array(t)
+    return t.numpy() if SIMULATOR else cuda.as_cuda_array(t, sync=False)  # no host sync: capturable
 
 
 def _check_values(block_tables, cu_seqlens_q, context_lens, total_q, num_blocks, block_size):
