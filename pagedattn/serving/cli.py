@@ -53,6 +53,8 @@ def main(argv=None):
     a = parse_args(argv)
     if a.switch_interval_ms <= 0:
         raise SystemExit(f"--switch-interval-ms must be > 0, got {a.switch_interval_ms}")
+    if a.stream_interval < 1:
+        raise SystemExit(f"--stream-interval must be >= 1, got {a.stream_interval}")
     # Two threads share the GIL here: the engine thread (Python between GPU launches) and uvicorn's event
     # loop (JSON and socket writes for every stream). A thread that wants the GIL waits up to the switch
     # interval for the other to drop it; a shorter interval bounds what a busy HTTP thread costs a step.
