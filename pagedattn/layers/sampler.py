@@ -1,57 +1,94 @@
-"""Turn one step's logits into next tokens, one row per sampling sequence.
+"""Turn one step's logits into next tokens on the logits' own device: one row per sampled sequence.
 
-Greedy rows (temperature 0) take the argmax, exactly. The other rows are divided by their
-temperature, cut to their top_k and top_p, and sampled with the exponential race
+The rule (exact; the CUDA kernel, the CPU version and reference/sampling.py give the same tokens):
+  * temperature 0: greedy, the argmax of the logits (ties -> the lowest index; NaN counts as -inf).
+  * otherwise x = logits / temperature; the allowed set S is the top_k tokens ranked by (x desc,
+    index asc), cut to the top_p nucleus: a token stays while the probability mass of the allowed
+    tokens ranked before it is < top_p (so the top token always stays); then
+        token = argmax over S of x_i + g_i,   g_i = -log(-log(u_i)) Gumbel noise,
+    which draws from softmax(x) restricted to S. The masses are integer weights
+    floor(exp(x_i - max x) 2**40), summed exactly, so the nucleus cut does not depend on the order
+    of the additions (a GPU and a loop add in different orders).
+  * logprobs: log_softmax(logits)[token] of the unscaled logits (vLLM's "raw logprobs").
 
-    token = argmax_i p_i / E_i,   E_i ~ Exponential(1)
+Random numbers without generator state: u_i comes from Philox4x32-10, a counter-based generator,
+keyed by the request's 64-bit seed (low, high words) with counter (position, completion index,
+i // 4, 0), word i % 4, where position = tokens this completion generated before. A seeded request
+therefore draws the same numbers whatever else is in the batch, with or without CUDA graphs,
+after preemption and recompute, on the GPU and on the CPU.
 
-which draws from p exactly. The E_i come from the row's own torch.Generator when the request has
-a seed, so a seeded request draws the same numbers whatever else is in the batch.
+On CUDA, sample() launches two numba kernels on torch's current stream (kernels_numba/sampling.py):
+pass 1 raw max / logsumexp / argmax (greedy rows end here); pass 2 the Gumbel argmax j over all
+tokens (rows without top_k/top_p end here); pass 3 the mass ranked before j: if j is inside S it
+is S's argmax (probability 1 - mass outside S); otherwise an exact radix selection finds S's
+boundary and a last pass takes the argmax over S with the same noise. Nothing is sorted, nothing
+vocab-sized touches the host, nothing synchronises: sample() can be captured in a CUDA graph.
 """
+from dataclasses import dataclass
+
 import torch
 
+from kernels_numba.sampling import sample_cpu, sample_cuda
 
-def apply_top_k_top_p(logits, top_k, top_p):
-    """Mask (to -inf) everything outside each row's top_k and top_p nucleus.
+_FIELDS = ("temperature", "top_k", "top_p", "seed", "index", "position")
 
-    logits: [N, V] float32 (already divided by the temperature).
-    top_k: [N] int64, V where disabled; top_p: [N] float32, 1.0 where disabled.
-    Returns [N, V] float32.
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters, one row per sampled sequence, on the logits' device.
+
+    temperature [N] float32 (0 = greedy); top_k [N] int32 (<= 0 or >= V = off); top_p [N] float32
+    (1 = off); seed [N] int64 (the 64-bit key, two's complement); index [N] int32 (completion index
+    within its request); position [N] int32 (tokens the completion generated before this one).
     """
-    sorted_logits, order = logits.sort(dim=-1, descending=True)                 # (N, V)
-    rank = torch.arange(logits.shape[-1], device=logits.device)                  # (V,)
-    sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    # Keep token i while the mass strictly before it is < top_p (the top token always stays).
-    mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+    index: torch.Tensor
+    position: torch.Tensor
+
+    @classmethod
+    def from_params(cls, params_list, seeds, indices, positions, device="cpu"):
+        """Build on the host from N SamplingParams and N-long lists of keys (ints; the engine gives an
+        unseeded request one from its own seed), completion indices and positions, then move to
+        `device` (one copy per field; not for use inside a captured graph)."""
+        n = len(params_list)
+        if not len(seeds) == len(indices) == len(positions) == n:
+            raise ValueError(f"need one seed, index and position per row ({n}), got "
+                             f"{len(seeds)}, {len(indices)}, {len(positions)}")
+        keys = [(int(s) & 0xFFFFFFFFFFFFFFFF) for s in seeds]
+        host = cls(
+            temperature=torch.tensor([p.temperature for p in params_list], dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in params_list], dtype=torch.int32),
+            top_p=torch.tensor([p.top_p for p in params_list], dtype=torch.float32),
+            seed=torch.tensor([k - (1 << 64) if k >= 1 << 63 else k for k in keys], dtype=torch.int64),
+            index=torch.tensor(list(indices), dtype=torch.int32),
+            position=torch.tensor(list(positions), dtype=torch.int32),
+        )
+        return host.to(device)
+
+    def to(self, device):
+        return SamplingTensors(*(getattr(self, f).to(device) for f in _FIELDS))
+
+    def __len__(self):
+        return self.temperature.shape[0]
 
 
-def sample(logits, params, generators):
-    """Next token of each row.
+def sample(logits, st, out_tokens=None, out_logprobs=None):
+    """Next token and its raw log-probability for each row.
 
-    logits: [N, V] float32; params: N SamplingParams; generators: N torch.Generator or None
-    (CPU generators; the noise is drawn on the CPU and moved, so results match across devices).
-    Returns [N] int64 on logits.device.
+    logits: [N, V] float32/float16/bfloat16, contiguous; st: SamplingTensors of N rows on the same
+    device. out_tokens: optional [N] int32, out_logprobs: optional [N] float32, written in place
+    (pass them when capturing a CUDA graph). Returns (tokens [N] int32, logprobs [N] float32) on
+    logits.device: CUDA runs the kernels on torch's current stream, CPU the numba CPU version.
     """
-    n, vocab = logits.shape
-    tokens = logits.argmax(dim=-1)                                               # greedy rows: done
-    rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    if not rows:
-        return tokens
-    idx = torch.tensor(rows, device=logits.device)
-    x = logits[idx] / torch.tensor([params[i].temperature for i in rows],
-                                   dtype=torch.float32, device=logits.device)[:, None]
-    top_k = [params[i].top_k if params[i].top_k > 0 else vocab for i in rows]
-    top_p = [params[i].top_p for i in rows]
-    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        x = apply_top_k_top_p(x, torch.tensor(top_k, device=x.device),
-                              torch.tensor(top_p, dtype=torch.float32, device=x.device))
-    probs = x.softmax(dim=-1)                                                    # (R, V)
-    noise = torch.empty(len(rows), vocab, dtype=torch.float32)
-    for j, i in enumerate(rows):
-        noise[j].exponential_(generator=generators[i])
-    chosen = (probs / noise.to(probs.device)).argmax(dim=-1)
-    tokens[idx] = chosen
-    return tokens
+    n = logits.shape[0]
+    if out_tokens is None:
+        out_tokens = torch.empty(n, dtype=torch.int32, device=logits.device)
+    if out_logprobs is None:
+        out_logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)
+    fn = sample_cuda if logits.is_cuda else sample_cpu
+    return fn(logits, st.temperature, st.top_k, st.top_p, st.seed, st.index, st.position, out_tokens,
+              out_logprobs)
