@@ -45,9 +45,13 @@ read from the pool once for all G heads (G = 7: 9 queries x 7 heads = 63 of 64 r
 owns rows 16 (w * MT + mt) .. + 15 for its m-tiles mt < MT. Rows past the chunk are computed
 (as the chunk's last position: finite) and never stored.
 
-Grid. (tiles, num_kv_heads, splits): x is an upper bound of sum_s ceil(q_len_s / BQ), BQ = BM // G
-(no host sync to size it); a CTA finds its (sequence, tile) by scanning cu_seqlens_q and takes
-a sequence's last (longest causal range) tile first, as v3 does. z = 1 except in v6's plan.
+Grid. (tiles x num_kv_heads, 1, splits): tiles is an upper bound of sum_s ceil(q_len_s / BQ),
+BQ = BM // G (no host sync to size it); z = 1 except in v6's plan. CTA x takes KV head
+x % num_kv_heads and the (x // num_kv_heads)-th (sequence, q tile) in rank-major order: first
+every sequence's last tile (its last queries see the most keys), then every sequence's tile
+before it, and so on (find_tile: a binary search over ranks, O(num_seqs log tiles)). Blocks are
+dispatched in x order, so the heaviest CTAs start first and the light ones fill the SMs at the
+end (longest-processing-time-first), across heads and sequences; v3 orders within a sequence.
 
 Pipeline per CTA (ST = 2 stages of [K tile | V tile], 64 keys each, dynamic shared memory):
     Q tile -> stage ST-1 (v4) by cp.async (zeros for rows past the chunk), commit
@@ -321,6 +325,46 @@ def smem_bytes(version, head_dim, stages=None):
 _KERNELS = {}
 
 
+@cuda.jit(device=True, inline="always")
+def find_tile(t, cu_seqlens_q, num_seqs, bq):
+    """(sequence, q tile) of the t-th CTA in rank-major order, or (-1, 0) past the last tile.
+
+    Rank r is every sequence's tile ntiles - 1 - r (rank 0: its last bq queries, which see the
+    most keys), so CTAs start heaviest first across sequences (longest-processing-time-first:
+    the short tiles fill the SMs at the end). C(r) = sum_s min(ntiles_s, r) tiles come before
+    rank r; a binary search finds t's rank, then the (t - C(r))-th sequence that has one.
+    cu_seqlens_q: [num_seqs + 1] int32; bq: queries per tile.
+    """
+    hi = 0
+    for i in range(num_seqs):
+        hi = max(hi, (cu_seqlens_q[i + 1] - cu_seqlens_q[i] + bq - 1) // bq)
+    lo = 0  # C(lo) <= t < C(hi) once t is in range
+    before = 0  # C(lo)
+    total = 0
+    for i in range(num_seqs):
+        total += (cu_seqlens_q[i + 1] - cu_seqlens_q[i] + bq - 1) // bq
+    if t >= total:
+        return -1, 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        c = 0
+        for i in range(num_seqs):
+            c += min((cu_seqlens_q[i + 1] - cu_seqlens_q[i] + bq - 1) // bq, mid)
+        if c <= t:
+            lo = mid
+            before = c
+        else:
+            hi = mid
+    k = t - before
+    for i in range(num_seqs):
+        ntiles = (cu_seqlens_q[i + 1] - cu_seqlens_q[i] + bq - 1) // bq
+        if ntiles > lo:
+            if k == 0:
+                return i, ntiles - 1 - lo
+            k -= 1
+    return -1, 0
+
+
 def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem):
     """The kernel for one (head_dim, "f16" | "bf16", block_size) and Config."""
     D, BS, MT, ST, Q_SMEM = head_dim, block_size, m_tiles, stages, q_in_smem
@@ -386,24 +430,15 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem):
         lane = tid & 31
         fg = lane >> 2  # fragment row group
         ft = lane & 3  # fragment column pair
-        head = cuda.blockIdx.y  # KV head
         split = cuda.blockIdx.z
         num_splits = cuda.gridDim.z
         group = num_heads // num_kv_heads
         bq = BM // group  # queries per tile
         rows_used = bq * group
 
-        # ---- which (sequence, q tile): scan the chunk lengths, a sequence's last tile first
-        t = cuda.blockIdx.x
-        s = -1
-        tile = 0
-        for i in range(context_lens.shape[0]):
-            ntiles = (cu_seqlens_q[i + 1] - cu_seqlens_q[i] + bq - 1) // bq
-            if t < ntiles:
-                s = i
-                tile = ntiles - 1 - t
-                break
-            t -= ntiles
+        # ---- which (sequence, q tile, KV head): heaviest first (see find_tile), heads interleaved
+        head = cuda.blockIdx.x % num_kv_heads
+        s, tile = find_tile(cuda.blockIdx.x // num_kv_heads, cu_seqlens_q, context_lens.shape[0], bq)
         if s < 0:
             return  # past the last tile: the grid is an upper bound
         q_start = cu_seqlens_q[s]
@@ -755,7 +790,7 @@ def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     if total_q == 0 or num_seqs == 0:
         return
     group = num_heads // num_kv_heads
-    grid = (num_tiles_bound(total_q, num_seqs, group, version, head_dim), num_kv_heads, splits)
+    grid = (num_tiles_bound(total_q, num_seqs, group, version, head_dim) * num_kv_heads, 1, splits)
     kernel = get_kernel(version, head_dim, kind, block_size, stages)
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse,
             num_heads, num_kv_heads, np.float32(scale))

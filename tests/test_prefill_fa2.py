@@ -247,6 +247,23 @@ def test_rejects_bad_arguments():
         fa.paged_prefill(q, k, v, bt, cu, ctx, version=4, splits=2)
 
 
+def test_find_tile_starts_the_heaviest_tiles_first():
+    cu = np.array([0, 5, 45, 62], dtype=np.int32)  # q_lens 5, 40, 17 -> 1, 5, 2 tiles of 9 queries
+    got = np.zeros((10, 2), dtype=np.int64)
+
+    @cuda.jit
+    def kernel(cu, got):
+        for t in range(got.shape[0]):
+            s, tile = fa.find_tile(t, cu, cu.shape[0] - 1, 9)
+            got[t, 0] = s
+            got[t, 1] = tile
+
+    kernel[1, 1](cu, got)
+    # rank 0: every sequence's last tile, then rank 1, ...; (-1, 0) past the 8 tiles
+    want = [(0, 0), (1, 4), (2, 1), (1, 3), (2, 0), (1, 2), (1, 1), (1, 0), (-1, 0), (-1, 0)]
+    assert [tuple(x) for x in got] == want
+
+
 def test_split_plan():
     # a grid that covers the SMs is never split (Qwen2-0.5B, 1 x 2048 new tokens: 230 CTAs)
     ctas = fa.num_tiles_bound(2048, 1, 7, 6, 64) * 2
