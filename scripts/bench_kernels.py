@@ -16,7 +16,7 @@ heads, 2 KV heads, head_dim 64, fp16, block 16, shuffled block tables):
 
     python3 scripts/bench_kernels.py --out docs/              # kernels_bench.md / .json / .png
     python3 scripts/bench_kernels.py --quick --versions 9 10  # a few points
-    python3 scripts/bench_kernels.py --check                  # validate only (runs on CPU too)
+    python3 scripts/bench_kernels.py --check                  # validate every version at every point, no timing
 """
 import argparse
 import math
