@@ -10,7 +10,7 @@ runs bottom-right causal (is_causal without a prefix, torch's causal_lower_right
 enable_gqa, torch's default dispatch (flash attention on the H200). Each row also shows the
 prediction written before the GPU run (docs/prefill.md) and the default version's eager cost.
 
-    python3 scripts/bench_prefill.py [--out DIR] [--stages 3] [--reps 10]
+    python3 scripts/bench_prefill.py [--out DIR] [--variant v6:splits=2 --variant v5:stages=3] [--reps 10]
 
 Prints a table; with --out writes bench_prefill.json and bench_prefill.md there.
 """
@@ -102,13 +102,28 @@ def reference(x):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def kernel_call(label, stages=None):
-    """fn(x, out) launching kernel `label` on input set x (no host sync: capturable)."""
+def parse_variant(text):
+    """"v6:splits=2,stages=3" -> ("v6", {"splits": 2, "stages": 3}): a v4+ kernel with launch
+    overrides (paged_prefill_fa2.paged_prefill's splits= and stages=)."""
+    label, _, rest = text.partition(":")
+    if KERNELS.get(label, ("",))[0] != "paged_prefill_fa2":
+        raise ValueError(f"variants are of v4+ kernels, got {label!r}")
+    extra = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in ("splits", "stages"):
+            raise ValueError(f"a variant overrides splits= or stages=, got {item!r}")
+        extra[key] = int(value)
+    return label, extra
+
+
+def kernel_call(label, **extra):
+    """fn(x, out) launching kernel `label` on input set x (no host sync: capturable); extra:
+    launch overrides of a v4+ kernel (splits=, stages=)."""
     import importlib
 
     module_name, version = KERNELS[label]
     module = importlib.import_module(f"kernels_numba.{module_name}")
-    extra = {} if stages is None else {"stages": stages}
 
     def call(x, out):
         module.paged_prefill(x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["cu"], x["context_lens"],
@@ -135,7 +150,7 @@ def validate(label_calls, x, sdpa, num_seqs, new):
     return errors
 
 
-def bench_shape(label, num_seqs, cached, new, labels, stages, reps, calls):
+def bench_shape(label, num_seqs, cached, new, labels, variants, reps, calls):
     from scripts import benchlib
 
     set_bytes = 2 * num_seqs * (cached + new) * NUM_KV_HEADS * HEAD_DIM * 2  # K and V
@@ -143,8 +158,9 @@ def bench_shape(label, num_seqs, cached, new, labels, stages, reps, calls):
     sets = [make_inputs(num_seqs, cached, new, seed=i) for i in range(rotate)]
     sdpa, how = sdpa_call(cached, new)
     label_calls = {k: kernel_call(k) for k in labels}
-    if stages is not None:
-        label_calls.update({f"{k} st{stages}": kernel_call(k, stages) for k in labels if k != "v3"})
+    for text in variants:
+        base, extra = parse_variant(text)
+        label_calls[text] = kernel_call(base, **extra)
     errors = validate(label_calls, sets[0], sdpa, num_seqs, new)
 
     flops = causal_flops(num_seqs, cached, new)
@@ -190,9 +206,10 @@ def table(rows, labels):
     return "\n".join(lines)
 
 
-def main(out=None, labels=None, stages=None, reps=10, calls=20, shapes=None):
+def main(out=None, labels=None, variants=(), reps=10, calls=20, shapes=None):
     """Validate then time every kernel at every shape; returns the rows. out: folder for
-    bench_prefill.{json,md}. stages: also time v4+ with a ring of that many stages."""
+    bench_prefill.{json,md}. variants: also time v4+ kernels with launch overrides
+    ("v6:splits=2", "v5:stages=3": see parse_variant)."""
     from scripts import benchlib
 
     if not torch.cuda.is_available():
@@ -204,7 +221,7 @@ def main(out=None, labels=None, stages=None, reps=10, calls=20, shapes=None):
           f"CUDA-graph replay, median of {reps}")
     rows = []
     for shape in shapes or SHAPES:
-        rows.append(bench_shape(*shape, labels, stages, reps, calls))
+        rows.append(bench_shape(*shape, labels, list(variants), reps, calls))
         r = rows[-1]
         timed = [k for k in r if k.startswith("us ")]
         print(f"{r['shape']:>14}: " + "  ".join(f"{k[3:]} {r[k]:7.1f} µs" for k in timed), flush=True)
@@ -212,7 +229,8 @@ def main(out=None, labels=None, stages=None, reps=10, calls=20, shapes=None):
     text = table(rows, all_labels)
     print(text)
     if out is not None:
-        for path in benchlib.save(out, "bench_prefill", rows, dict(shapes=shapes or SHAPES, stages=stages), text):
+        for path in benchlib.save(out, "bench_prefill", rows, dict(shapes=shapes or SHAPES, variants=list(variants)),
+                                  text):
             print("wrote", path)
     return rows
 
@@ -225,8 +243,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="folder for bench_prefill.json / .md")
     parser.add_argument("--kernels", nargs="*", default=None, help=f"subset of {list(KERNELS)}")
-    parser.add_argument("--stages", type=int, default=None, help="also time v4+ with this many ring stages")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="also time a v4+ kernel with overrides, e.g. v6:splits=2 or v5:stages=3 (repeatable)")
     parser.add_argument("--reps", type=int, default=10, help="graph replays; the median is reported")
     parser.add_argument("--calls", type=int, default=20, help="launches captured per graph (at least the set count)")
     args = parser.parse_args()
-    main(out=args.out, labels=args.kernels, stages=args.stages, reps=args.reps, calls=args.calls)
+    main(out=args.out, labels=args.kernels, variants=args.variant, reps=args.reps, calls=args.calls)

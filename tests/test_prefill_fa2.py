@@ -508,6 +508,17 @@ def test_bench_counts_causal_flops():
         assert bp.causal_flops(num_seqs, cached, new) == 4 * bp.NUM_HEADS * bp.HEAD_DIM * keys * num_seqs
 
 
+def test_bench_parses_variants():
+    from scripts import bench_prefill as bp
+
+    assert bp.parse_variant("v6:splits=2,stages=3") == ("v6", {"splits": 2, "stages": 3})
+    assert bp.parse_variant("v5") == ("v5", {})
+    with pytest.raises(ValueError, match="v4\\+"):
+        bp.parse_variant("v3:stages=3")
+    with pytest.raises(ValueError, match="overrides"):
+        bp.parse_variant("v6:warps=8")
+
+
 @pytest.mark.slow
 def test_bench_validates_every_kernel_before_timing():
     from scripts import bench_prefill as bp
@@ -515,7 +526,9 @@ def test_bench_validates_every_kernel_before_timing():
     x = bp.make_inputs(1, 20, 3, seed=0, device=DEVICE)  # a prefix ending mid-block, NaN past it
     sdpa, how = bp.sdpa_call(20, 3)
     assert how == "causal_lower_right"
-    errors = bp.validate({k: bp.kernel_call(k) for k in bp.KERNELS}, x, sdpa, 1, 3)
-    assert set(errors) == set(bp.KERNELS) | {"sdpa"}
+    calls = {k: bp.kernel_call(k) for k in bp.KERNELS}
+    calls["v6:splits=2"] = bp.kernel_call("v6", splits=2)
+    errors = bp.validate(calls, x, sdpa, 1, 3)
+    assert set(errors) == set(calls) | {"sdpa"}
     with pytest.raises(AssertionError, match="max err"):  # a wrong kernel stops the run
         bp.validate({"zeros": lambda x, out: out.zero_()}, x, sdpa, 1, 3)
