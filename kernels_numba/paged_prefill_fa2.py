@@ -103,7 +103,7 @@ copies at issue, and ldmatrix, mma and the shuffles go through warp-collective f
 follow the fragment layouts above element by element.
 
 Intrinsics defined here (candidates for kernels_numba/common.py): ldmatrix_x4,
-ldmatrix_x4_trans, store_u32x4, ex2.
+ldmatrix_x4_trans, store_u32x4, and a simulator mma vectorised over the warp.
 """
 import math
 
@@ -111,11 +111,11 @@ import numpy as np
 import torch
 from numba import cuda, float32, uint32
 
-from kernels_numba import common
-from kernels_numba.common import check_tensor, cp_async16, cp_async_commit, cp_async_wait, load_u32x4, torch_stream
+from kernels_numba import bridge, common
+from kernels_numba.common import cp_async16, cp_async_commit, cp_async_wait, ex2, load_u32x4
 from pagedattn.errors import KernelLaunchError
 
-SIMULATOR = common.SIMULATOR
+SIMULATOR = bridge.SIMULATOR
 THREADS = 128  # 4 warps
 LAUNCH_BOUNDS = (THREADS, 2)  # (threads, CTAs per SM the registers must allow)
 BN = 64  # keys per KV tile
@@ -125,12 +125,10 @@ DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 NEG_INF = float32(-np.inf)
 LOG2E = 1.4426950408889634
 NAN_WORD = 0x7FC07FC0  # two halves that are NaN as fp16 and as bf16 (the simulator's poison)
-SMEM_OPT_IN = 48 * 1024  # dynamic shared memory beyond this needs the kernel's opt-in
-SMEM_PER_CTA_MAX = 227 * 1024  # H100/H200: the most one CTA may have
 SMEM_ALIGN = None if SIMULATOR else 16  # cp.async and ldmatrix address 16-byte units (the simulator takes no alignment)
 
 # ----------------------------------------------------------------------------------------
-# Intrinsics: ldmatrix (.x4, .trans), a 16-byte store, ex2.approx
+# Intrinsics: ldmatrix (.x4, .trans), a 16-byte store
 
 if SIMULATOR:
     from kernels_numba import simulator as _sim
@@ -202,10 +200,6 @@ if SIMULATOR:
     def store_u32x4(arr, i, a, b, c, d):
         arr[i], arr[i + 1], arr[i + 2], arr[i + 3] = a, b, c, d
 
-    def ex2(x):
-        with np.errstate(over="ignore"):
-            return np.float32(np.exp2(np.float32(x)))
-
 else:
     from llvmlite import ir
     from numba.core import types
@@ -265,17 +259,6 @@ else:
                 vec = builder.insert_element(vec, w, ir.Constant(_i32, k))
             builder.store(vec, builder.bitcast(ptr, ir.VectorType(_i32, 4).as_pointer()), align=16)
             return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def ex2(typingctx, x):
-        """2**x on the SFU (ex2.approx.ftz.f32: one MUFU.EX2, rel. error ~2**-22; ex2(-inf) = 0)."""
-        sig = types.float32(types.float32)
-
-        def codegen(context, builder, sig_, args):
-            f32 = ir.FloatType()
-            return builder.call(ir.InlineAsm(ir.FunctionType(f32, [f32]), "ex2.approx.ftz.f32 $0, $1;", "=f,f"), args)
 
         return sig, codegen
 
@@ -706,14 +689,15 @@ def get_kernel(version, head_dim, kind, block_size, stages=None):
     cfg = version_config(version, head_dim, stages)
     key = (head_dim, kind, block_size) + cfg.key()
     if key not in _KERNELS:
-        _KERNELS[key] = _build(head_dim, kind, block_size, *cfg.key())
+        _KERNELS[key] = bridge.enable_disk_cache(_build(head_dim, kind, block_size, *cfg.key()),
+                                                 ("kernels_numba.paged_prefill_fa2",) + key)
     return _KERNELS[key]
 
 
 def get_merge(kind):
     key = ("merge", kind)
     if key not in _KERNELS:
-        _KERNELS[key] = _build_merge(kind)
+        _KERNELS[key] = bridge.enable_disk_cache(_build_merge(kind), ("kernels_numba.paged_prefill_fa2",) + key)
     return _KERNELS[key]
 
 
@@ -745,35 +729,6 @@ VERSIONS = (4, 5, 6)
 SPLITS_KV = (6,)
 DEFAULT_VERSION = 6
 
-_SMS = {}
-_DYNAMIC_SMEM = set()
-
-
-def _num_sms(device):
-    if SIMULATOR:
-        return 132
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
-
-
-def _allow_dynamic_smem(kernel, args, nbytes):
-    """Above 48 KiB of dynamic shared memory (d=128: 64 KiB) a kernel must opt in before its first
-    launch: compile the specialisation for these arguments and set the driver attribute once."""
-    if SIMULATOR or nbytes <= SMEM_OPT_IN:
-        return
-    kinds = tuple((getattr(x, "dtype", None), getattr(x, "ndim", type(x))) for x in args)
-    key = (id(kernel), cuda.get_current_device().id, kinds)
-    if key in _DYNAMIC_SMEM:
-        return
-    from numba.cuda.cudadrv.driver import binding, driver
-
-    cufunc = kernel.compile(tuple(kernel.typeof_pyval(x) for x in args))._codelibrary.get_cufunc()
-    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    driver.cuKernelSetAttribute(attr, SMEM_PER_CTA_MAX, cufunc.handle, cufunc.device.id)
-    _DYNAMIC_SMEM.add(key)
-
-
 def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse,
            num_heads, num_kv_heads, head_dim, block_size, scale, kind, splits=1, stream=0, stages=None):
     """Launch on raw arrays, no checks.
@@ -795,7 +750,7 @@ def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse,
             num_heads, num_kv_heads, np.float32(scale))
     nbytes = smem_bytes(version, head_dim, stages)
-    _allow_dynamic_smem(kernel, args, nbytes)
+    bridge.allow_dynamic_smem(kernel, args, nbytes)
     kernel[grid, THREADS, stream, nbytes](*args)
     if splits > 1:
         words = total_q * num_heads * head_dim // 2
@@ -807,16 +762,12 @@ def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
 # torch entry point
 
 
-def _words(name, t):
-    """1-D uint32 view of a contiguous fp16/bf16 tensor, 16-byte aligned (for 16-byte copies)."""
+def _words(name, t, cached=False):
+    """1-D uint32 view of a contiguous fp16/bf16 tensor, 16-byte aligned (for 16-byte copies);
+    cached: reuse the view made for this tensor before (the pool is the same every call)."""
     if t.data_ptr() % 16 != 0:
         raise KernelLaunchError(f"{name} must be 16-byte aligned")
-    w = t.view(-1).view(torch.int32)
-    return w.numpy().view(np.uint32) if SIMULATOR else cuda.as_cuda_array(w, sync=False).view(np.uint32)
-
-
-def _array(t):
-    return t.numpy() if SIMULATOR else cuda.as_cuda_array(t, sync=False)  # no host sync: capturable
+    return (bridge.cached_view if cached else bridge.as_array)(t, "uint32", flat=True)
 
 
 def _check_values(block_tables, cu_seqlens_q, context_lens, total_q, num_blocks, block_size):
@@ -856,12 +807,12 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     validate=False (or while capturing) there is no host sync.
     """
     half = tuple(DTYPES)
-    check_tensor("q", q, 3, half)
-    check_tensor("k_cache", k_cache, 4, half)
-    check_tensor("v_cache", v_cache, 4, half)
-    check_tensor("block_tables", block_tables, 2, (torch.int32,))
-    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
-    check_tensor("context_lens", context_lens, 1, (torch.int32,))
+    bridge.check_tensor("q", q, 3, half)
+    bridge.check_tensor("k_cache", k_cache, 4, half)
+    bridge.check_tensor("v_cache", v_cache, 4, half)
+    bridge.check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    bridge.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
+    bridge.check_tensor("context_lens", context_lens, 1, (torch.int32,))
     total_q, num_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, cache_head_dim = k_cache.shape
     version = DEFAULT_VERSION if version is None else version
@@ -892,11 +843,10 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     else:
-        check_tensor("out", out, 3, (q.dtype,))
+        bridge.check_tensor("out", out, 3, (q.dtype,))
         if out.shape != q.shape:
             raise KernelLaunchError(f"out must be {tuple(q.shape)}, got {tuple(out.shape)}")
-    capturing = not SIMULATOR and torch.cuda.is_current_stream_capturing()
-    if validate and not capturing:
+    if validate and not bridge.capturing():
         _check_values(block_tables, cu_seqlens_q, context_lens, total_q, num_blocks, block_size)
     if total_q == 0 or num_seqs == 0:
         return out
@@ -907,7 +857,7 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
         splits = 1
         if version in SPLITS_KV:
             ctas = num_tiles_bound(total_q, num_seqs, group, version, head_dim) * num_kv_heads
-            splits = split_plan(ctas, max_context_len, _num_sms(q.device))
+            splits = split_plan(ctas, max_context_len, bridge.num_sms(q.device))
     elif version not in SPLITS_KV and splits != 1:
         raise KernelLaunchError(f"splits={splits}: only v{SPLITS_KV} split the KV range")
     rows = total_q * num_heads
@@ -917,10 +867,11 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     if q_c.data_ptr() % 16:
         q_c = q_c.clone()
     target = out if out.is_contiguous() and out.data_ptr() % 16 == 0 else torch.empty_like(q_c)
-    launch(version, _words("q", q_c), _words("k_cache", k_cache), _words("v_cache", v_cache),
-           _array(block_tables.contiguous()), _array(cu_seqlens_q.contiguous()), _array(context_lens.contiguous()),
-           _words("out", target), _array(part_o), _array(part_lse), num_heads, num_kv_heads, head_dim, block_size,
-           scale, DTYPES[q.dtype], splits, torch_stream(), stages)
+    launch(version, _words("q", q_c), _words("k_cache", k_cache, cached=True), _words("v_cache", v_cache, cached=True),
+           bridge.as_array(block_tables.contiguous()), bridge.as_array(cu_seqlens_q.contiguous()),
+           bridge.as_array(context_lens.contiguous()), _words("out", target), bridge.as_array(part_o),
+           bridge.as_array(part_lse), num_heads, num_kv_heads, head_dim, block_size,
+           scale, DTYPES[q.dtype], splits, bridge.torch_stream(q.device), stages)
     if target is not out:
         out.copy_(target)
     return out
