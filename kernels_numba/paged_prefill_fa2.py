@@ -125,7 +125,7 @@ DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 NEG_INF = float32(-np.inf)
 LOG2E = 1.4426950408889634
 NAN_WORD = 0x7FC07FC0  # two halves that are NaN as fp16 and as bf16 (the simulator's poison)
-SMEM_ALIGN = None if SIMULATOR else 16  # cp.async and ldmatrix address 16-byte units (the simulator takes no alignment)
+SMEM_ALIGN = None if SIMULATOR else 16  # cp.async and ldmatrix move 16-byte units (the simulator has no alignment)
 
 # ----------------------------------------------------------------------------------------
 # Intrinsics: ldmatrix (.x4, .trans), a 16-byte store
@@ -407,7 +407,8 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem):
         # cu_seqlens_q [num_seqs + 1], context_lens [num_seqs] int32; part_o float32
         # [splits, total_q * num_heads, D] and part_lse float32 [splits, total_q * num_heads]
         # (used when gridDim.z > 1); scale float32.
-        ring = cuda.shared.array(0, uint32, alignment=SMEM_ALIGN)  # ST stages of [K tile | V tile]; Q, then O, staged in it
+        # ST stages of [K tile | V tile] (+ the Q tile in v5, v6); Q (v4) and O are staged in it
+        ring = cuda.shared.array(0, uint32, alignment=SMEM_ALIGN)
         tid = cuda.threadIdx.x
         warp = tid >> 5
         lane = tid & 31
