@@ -16,7 +16,7 @@ The rule (reference/sampling.py writes it out in numpy; the three implementation
 
 CUDA: one CTA per row, no sort, no global atomics; the row is read in groups of 4 tokens (one 16-byte
 load of float32 or one 8-byte load of fp16/bf16 when V % 4 == 0, and one Philox call for all 4).
-hot kernel (64 registers, two CTAs of 512 threads per SM):
+hot kernel (two CTAs of 448 threads per SM, 72 registers):
     pass 1  raw max, logsumexp (online) and argmax.                       greedy rows end here.
     pass 2  m = max x; the Gumbel argmax j over all tokens and Z = sum of weights. A token whose
             x + 17 (above the largest noise) is below m - 3 (below the smallest noise of the top
@@ -83,7 +83,7 @@ U32_SIGN, U32_ONES = np.uint32(0x80000000), np.uint32(0xFFFFFFFF)
 EXP_SHIFT, EXP_MASK, MANT_MASK, ONE_BITS = np.uint32(23), np.uint32(0xFF), np.uint32(0x007FFFFF), np.uint32(0x3F800000)
 U_SHIFT = np.uint32(9)
 
-THREADS = 512          # per CTA of the hot kernel (one CTA per row; 64 registers: 2 CTAs per SM)
+THREADS = 448           # per CTA of the hot kernel, one CTA per row: two CTAs per SM at <= 72 registers
 FALLBACK_THREADS = 384  # per CTA of the fallback kernel (at 512 its 128 registers spill)
 NBINS_LOG2 = 11        # 2048 radix bins: 24 KiB of shared memory
 
@@ -364,7 +364,7 @@ def _rows_cpu(logits, temperature, top_k, top_p, seed, comp_index, position, out
 # ----------------------------------------------------------------------------------------
 # CUDA kernels
 #
-# The hot kernel (passes 1-3; 64 registers: two CTAs of THREADS per SM) finishes every row it
+# The hot kernel (passes 1-3; 72 registers: two CTAs of THREADS per SM) finishes every row it
 # can and leaves, for the others, its results in a state record. The fallback kernel (the radix
 # selections; ~160 registers at FALLBACK_THREADS, 24 KiB of shared memory), launched right after on
 # the same stream with the same grid, returns at once for the rows that are done. (One kernel with
@@ -415,6 +415,38 @@ def _make_loaders(kind, vec):
                     load1(words, row, i + 2, vocab) if i + 2 < vocab else NEG_INF,
                     load1(words, row, i + 3, vocab) if i + 3 < vocab else NEG_INF)
     return load4, load1
+
+
+# A pre-filter for the noise: the exact Gumbel noise costs two written-out logs per token; the hardware
+# log2 (MUFU, lg2.approx) gives it within ~1e-6 (checked for every u, on the GPU too), so a token whose
+# fast score is FAST_MARGIN below the thread's best so far cannot win, and only the others pay for the
+# exact noise. On flat rows that is ~log(tokens per thread) exact draws per thread instead of all.
+FAST_MARGIN = F32(1e-3)
+LN2 = F32(0.6931471805599453)
+# -log(1 - v) = v (1 + v/2 + ... + v^7/8)
+LOG1M_C8, LOG1M_C7, LOG1M_C6, LOG1M_C5, LOG1M_C4, LOG1M_C3, LOG1M_C2 = (F32(1.0 / k) for k in range(8, 1, -1))
+
+if SIMULATOR:
+    def _fast_log2(x):
+        return np.float32(np.log2(np.float32(x)))
+else:
+    from numba.cuda.libdevice import fast_log2f as _fast_log2   # PTX lg2.approx.f32
+
+
+@cuda.jit(device=True)
+def fast_gumbel(r):
+    """-log(-log(u)) from the hardware log2, u as in gumbel(r); below u = 0.75 -log(u) = -ln2 log2(u)
+    (|log2 u| > 0.4: the approximation's absolute error is small beside it), above it a series in
+    v = 1 - u (exact), whose terms past v^8 / 8 are < 1e-6 of the sum."""
+    u = (np.float32(np.uint32(r) >> U_SHIFT) + HALF) * TWO_M23
+    if u <= F32(0.75):
+        e = -LN2 * _fast_log2(u)
+    else:
+        v = ONE - u
+        p = ((((((LOG1M_C8 * v + LOG1M_C7) * v + LOG1M_C6) * v + LOG1M_C5) * v + LOG1M_C4) * v + LOG1M_C3) * v
+             + LOG1M_C2)
+        e = v * (p * v + ONE)
+    return -LN2 * _fast_log2(e)
 
 
 def _make_block_ops(threads):
@@ -534,8 +566,9 @@ def make_hot_kernel(kind, vec, threads=THREADS):
     NW = threads // 32
 
     @cuda.jit(device=True)
-    def hot_row(words, row, vocab, temperature, top_k, top_p, seed, comp_index, position, shf, shg, shi):
-        """Returns (token or -1 when the row is left to the fallback kernel, lse, rmax, the state)."""
+    def hot_row(words, row, vocab, temperature, top_k, top_p, seed, comp_index, position, state_f, shf, shg, shi):
+        """Returns (token or -1 when the row is left to the fallback kernel, the state). Writes
+        (rmax, lse) to state_f[row] at once: fewer live registers in passes 2 and 3."""
         tid = cuda.threadIdx.x
         groups = (vocab + 3) // 4
         zero = np.int64(0)
@@ -552,11 +585,13 @@ def make_hot_kernel(kind, vec, threads=THREADS):
                 elif v > NEG_INF:
                     rsum += math.exp(v - rmax)
         rmax, rsum, ridx = block_lse(rmax, rsum, ridx, shf, shg, shi)
-        lse = rmax + math.log(rsum) if rsum > 0 else NEG_INF
+        if tid == 0:
+            state_f[row, 0] = rmax
+            state_f[row, 1] = rmax + math.log(rsum) if rsum > 0 else NEG_INF
         if ridx >= vocab:                                # a row of -inf: token 0
             ridx = zero
         if not (temperature > 0) or rmax == NEG_INF:
-            return ridx, lse, rmax, (zero, zero, zero, zero, zero, zero, zero, zero)
+            return ridx, (zero, zero, zero, zero, zero, zero, zero, zero)
 
         # pass 2: the Gumbel argmax j over all tokens; the total weight Z
         inv_t = inverse_temperature(temperature)
@@ -566,23 +601,24 @@ def make_hot_kernel(kind, vec, threads=THREADS):
         kk = np.int64(top_k) if 0 < top_k < vocab else np.int64(vocab)
         use_p = top_p < 1
         filtered = kk < vocab or use_p
-        best, j, total = NEG_INF, np.int64(vocab), zero
+        best, j, total = NEG_INF, np.int32(vocab), zero     # j: int32 (V < 2**21), one register
         for g in range(tid, groups, threads):
             ls = load4(words, row, g, vocab)
-            xs = (scaled(ls[0], inv_t), scaled(ls[1], inv_t), scaled(ls[2], inv_t), scaled(ls[3], inv_t))
-            if add(max(max(xs[0], xs[1]), max(xs[2], xs[3])), G_MAX) >= lb:   # one of them can win
+            # x is monotone in l: the group's largest x decides whether any of the 4 can win
+            if add(scaled(max(max(ls[0], ls[1]), max(ls[2], ls[3])), inv_t), G_MAX) >= lb:
                 r = philox(position, comp_index, g, 0, k0, k1)
                 for e in range(4):
-                    if add(xs[e], G_MAX) >= lb:
-                        s = add(xs[e], gumbel(r[e]))
+                    x = scaled(ls[e], inv_t)
+                    if add(x, G_MAX) >= lb and x + fast_gumbel(r[e]) + FAST_MARGIN >= best:
+                        s = add(x, gumbel(r[e]))
                         if s > best:
-                            best, j = s, np.int64(4 * g + e)
+                            best, j = s, np.int32(4 * g + e)
             if filtered:
                 for e in range(4):
-                    total += weight(xs[e], m)
-        best, j = block_argmax(best, j, shf, shi)
+                    total += weight(scaled(ls[e], inv_t), m)
+        best, j = block_argmax(best, np.int64(j), shf, shi)
         if not filtered:
-            return j, lse, rmax, (zero, zero, zero, zero, zero, zero, zero, zero)
+            return j, (zero, zero, zero, zero, zero, zero, zero, zero)
         total = block_sum(total, shi)
 
         # pass 3: count and mass ranked before j; for top_k with top_p, the counts above m - LADDER[q]
@@ -611,10 +647,10 @@ def make_hot_kernel(kind, vec, threads=THREADS):
             c0, c1, c2, c3 = block_sum(c0, shi), block_sum(c1, shi), block_sum(c2, shi), block_sum(c3, shi)
             token = np.int64(-1)                         # needs Z_k: the fallback kernel decides
         elif use_p:
-            token = j if np.float64(mass) < np.float64(np.float32(top_p)) * np.float64(total) else np.int64(-1)
+            token = j if np.float64(mass) < np.float64(top_p) * np.float64(total) else np.int64(-1)
         else:
             token = j if cnt < kk else np.int64(-1)
-        return token, lse, rmax, (j, cnt, mass, total, c0, c1, c2, c3)
+        return token, (j, cnt, mass, total, c0, c1, c2, c3)
 
     def hot(words, vocab, temperature, top_k, top_p, seed, comp_index, position, out_tokens, out_logprobs,
             state_i, state_f):
@@ -622,19 +658,18 @@ def make_hot_kernel(kind, vec, threads=THREADS):
         shf = cuda.shared.array(NW, np.float32)
         shg = cuda.shared.array(NW, np.float32)
         shi = cuda.shared.array(NW, np.int64)
-        token, lse, rmax, st = hot_row(words, row, np.int64(vocab), temperature[row], top_k[row], top_p[row],
-                                       seed[row], comp_index[row], position[row], shf, shg, shi)
+        token, st = hot_row(words, row, np.int64(vocab), temperature[row], top_k[row], top_p[row], seed[row],
+                            comp_index[row], position[row], state_f, shf, shg, shi)
         if cuda.threadIdx.x == 0:
             for k in range(8):
                 state_i[row, k] = st[k]
             state_i[row, 8] = token < 0
-            state_f[row, 0] = rmax
-            state_f[row, 1] = lse
             if token >= 0:
                 out_tokens[row] = token
-                out_logprobs[row] = load1(words, row, token, np.int64(vocab)) - lse
+                out_logprobs[row] = load1(words, row, token, np.int64(vocab)) - state_f[row, 1]
 
-    # two CTAs per SM (64 registers); the element-wise loads of the unaligned path need more
+    # two CTAs per SM (72 registers at 448 threads; at 512, 64 registers spill); the element-wise loads
+    # of the unaligned path need more
     return cuda.jit(hot) if SIMULATOR else cuda.jit(launch_bounds=(threads, 2 if vec else 1))(hot)
 
 
@@ -806,9 +841,10 @@ def make_fallback_kernel(kind, vec, threads=FALLBACK_THREADS, nbins_log2=NBINS_L
                     if not drawn:
                         r = philox(position, comp_index, g, 0, k0, k1)
                         drawn = True
-                    s = add(x, gumbel(r[e]))
-                    if s > best:
-                        best, tok = s, np.int64(i)
+                    if x + fast_gumbel(r[e]) + FAST_MARGIN >= best:
+                        s = add(x, gumbel(r[e]))
+                        if s > best:
+                            best, tok = s, np.int64(i)
         best, tok = block_argmax(best, tok, shf, sh1)
         return tok
 

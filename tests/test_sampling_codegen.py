@@ -5,7 +5,7 @@ pattern of tests/test_kernel_codegen.py), with the argument types sample_cuda pa
 what kernels_numba/sampling.py promises:
 
 * no local memory in the PTX, and ptxas reports 0 bytes of spills and of stack;
-* the hot kernel on aligned rows fits 64 registers (its launch bounds: two CTAs of 512 threads per
+* the hot kernel on aligned rows fits 72 registers (its launch bounds: two CTAs of 448 threads per
   SM) and reads the row in 16-byte (float32: ld.global.v4) or 8-byte (fp16/bf16) words;
 * the written-out exp/log use mul.rn / add.rn / div.rn: PTX operations with an explicit rounding
   mode, which ptxas never fuses into an FMA (the CPU rounds every operation separately too);
@@ -130,5 +130,5 @@ def test_ptxas_no_spills(compiled, cfg):
     regs = int(re.search(r"Used (\d+) registers", report).group(1))
     name, _, vec = cfg
     if name == "hot" and vec:
-        assert regs <= 64, report
+        assert regs <= 72, report
     assert int(re.search(r"(\d+) bytes smem", report).group(1)) <= 48 * 1024, report
