@@ -8,7 +8,7 @@ lengths uniform in [--min-len, --max-len] and output lengths drawn the same way,
 1. Offline: LLM(...) in this process, a warm-up, then LLM.generate on all requests at once:
    output tokens / wall seconds. The LLM is then freed.
 2. Online: the server as a subprocess with the same engine settings (prefix caching off in both, as every
-   rate replays the same prompts; its log goes to <out>/server.log),
+   rate replays the same prompts; its log goes to <out>/server_stream_interval_<K>.log),
    a warm-up, then for each rate in --rates (requests/s; "inf" = all at once): requests sent at Poisson
    arrival times (seeded), each a streamed /v1/completions call with
    stream_options.continuous_usage_stats, so every chunk says how many tokens it brings. Measured on the
@@ -16,6 +16,9 @@ lengths uniform in [--min-len, --max-len] and output lengths drawn the same way,
    evenly over the tokens it brings), end-to-end latency (send -> [DONE]), and throughput
    (output tokens / (last [DONE] - first send)). After every rate the server's /metrics must show every
    KV block free again.
+3. The saturating rate again on a server started with --stream-interval K for each K of
+   --extra-stream-intervals (default 8): a chunk per K tokens, so the HTTP thread's share of the GIL
+   shrinks; the difference to the K = 1 row is what per-token chunks cost.
 
 The "inf" row is the saturated server: its throughput over the offline one is the `served / offline`
 column (goal >= 0.9). Table (markdown) + JSON + PNG under --out.
@@ -245,13 +248,43 @@ def resolve_model(model, smoke):
         return model, json.load(f)["vocab_size"]
 
 
+def serve_rates(model_dir, engine_args, out, log_name, server_timeout_s, server_args, prompts, out_lens, rates, warmup,
+                seed):
+    """Start a server, warm it up, run every rate; returns (rows, {rate: errors}). The server is stopped."""
+    proc, url = start_server(model_dir, engine_args, os.path.join(out, log_name), server_timeout_s, server_args)
+    rows, failures = [], {}
+    try:
+        asyncio.run(run_rate(url, "bench", prompts[:warmup], out_lens[:warmup], math.inf, seed))
+        for rate in rates:
+            results = asyncio.run(run_rate(url, "bench", prompts, out_lens, rate, seed))
+            row, errors = summarize(results, out_lens, rate)
+            free, total = wait_until_free(url)
+            row["kv_blocks_free_after"] = f"{free:.0f}/{total:.0f}"
+            if free != total:
+                errors.append(f"{total - free:.0f} KV blocks still held after the run")
+            rows.append(row)
+            if errors:
+                failures[row["rate"]] = errors[:5]
+            nan = float("nan")
+            print(f"{log_name}: rate {row['rate']}: {row['output_tok_s']:.1f} output tok/s, TTFT p50 "
+                  f"{row.get('ttft_p50_ms', nan):.1f} ms, ITL p50 {row.get('itl_p50_ms', nan):.2f} ms, "
+                  f"failed {row['failed']}", flush=True)
+    finally:
+        stop_server(proc)
+    return rows, failures
+
+
 def main(out, model="bundled", rates=(4.0, 16.0, 32.0, math.inf), num_requests=256, min_len=100, max_len=1024,
          device="auto", max_model_len=2048, max_num_seqs=256, num_blocks=None, warmup=8, server_timeout_s=600,
-         server_args=(), smoke=False, seed=0):
-    """Run the benchmark; returns the table rows (also written under `out`)."""
+         server_args=(), extra_stream_intervals=(8,), smoke=False, seed=0):
+    """Run the benchmark; returns the table rows (also written under `out`).
+
+    The server runs every rate with --stream-interval 1 (a chunk per token, what OpenAI clients expect),
+    then once more per entry of extra_stream_intervals, at the saturating rate (inf) only: how much of the
+    gap to offline is the HTTP thread's per-chunk work."""
     if smoke:
         rates, num_requests, min_len, max_len, device = (8.0, math.inf), 12, 4, 24, "cpu"
-        max_model_len, max_num_seqs, num_blocks, warmup = 64, 8, num_blocks or 64, 2
+        max_model_len, max_num_seqs, num_blocks, warmup, extra_stream_intervals = 64, 8, num_blocks or 64, 2, (4,)
     model_dir, vocab = resolve_model(model, smoke)
     prompts, out_lens = workload(num_requests, min_len, max_len, vocab, seed)
     if num_blocks is None:              # enough for every sequence at full length: no preemption in either run
@@ -269,40 +302,29 @@ def main(out, model="bundled", rates=(4.0, 16.0, 32.0, math.inf), num_requests=2
     os.makedirs(out, exist_ok=True)
     engine_args = ["--device", device, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
                    "--num-blocks", str(num_blocks), "--no-prefix-caching"]
-    proc, url = start_server(model_dir, engine_args, os.path.join(out, "server.log"), server_timeout_s,
-                             server_args)
     rows, failures = [], {}
-    try:
-        asyncio.run(run_rate(url, "bench", prompts[:warmup], out_lens[:warmup], math.inf, seed))
-        for rate in rates:
-            results = asyncio.run(run_rate(url, "bench", prompts, out_lens, rate, seed))
-            row, errors = summarize(results, out_lens, rate)
-            free, total = wait_until_free(url)
-            row["kv_blocks_free_after"] = f"{free:.0f}/{total:.0f}"
-            if free != total:
-                errors.append(f"{total - free:.0f} KV blocks still held after the run")
-            rows.append(row)
-            if errors:
-                failures[row["rate"]] = errors[:5]
-            nan = float("nan")
-            print(f"rate {row['rate']}: {row['output_tok_s']:.1f} output tok/s, TTFT p50 "
-                  f"{row.get('ttft_p50_ms', nan):.1f} ms, ITL p50 {row.get('itl_p50_ms', nan):.2f} ms, "
-                  f"failed {row['failed']}", flush=True)
-    finally:
-        stop_server(proc)
+    for interval in (1, *extra_stream_intervals):
+        config_rates = rates if interval == 1 else (math.inf,)
+        got, errs = serve_rates(model_dir, engine_args, out, f"server_stream_interval_{interval}.log",
+                                server_timeout_s, [*server_args, "--stream-interval", str(interval)], prompts,
+                                out_lens, config_rates, warmup, seed)
+        for row in got:
+            row["stream_interval"] = interval
+        rows += got
+        failures.update({f"{rate} (stream interval {interval})": e for rate, e in errs.items()})
     for row in rows:
         row["served_over_offline"] = row["output_tok_s"] / offline["output_tok_s"]
     rows.append(offline)
 
-    columns = ["rate", "requests", "failed", "seconds", "req_s", "output_tok_s", "served_over_offline",
-               "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms",
-               "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms", "kv_blocks_free_after"]
+    columns = ["rate", "stream_interval", "requests", "failed", "seconds", "req_s", "output_tok_s",
+               "served_over_offline", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms",
+               "itl_p99_ms", "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms", "kv_blocks_free_after"]
     table = benchlib.markdown_table(rows, columns)
     meta = dict(model=model_dir, num_requests=num_requests, min_len=min_len, max_len=max_len, seed=seed,
                 engine=llm_kwargs, server_args=list(server_args), total_output_tokens=sum(out_lens),
                 failures=failures, smoke=smoke)
     benchlib.save(out, "bench_serving", rows, meta, table)
-    served = [r for r in rows if r["rate"] != "offline"]
+    served = [r for r in rows if r["rate"] != "offline" and r["stream_interval"] == 1]
     xs = [r["rate"] if r["rate"] != "inf" else 2 * max([x for x in rates if not math.isinf(x)], default=1)
           for r in served]
     benchlib.save_plot(os.path.join(out, "bench_serving.png"), xs,
@@ -340,8 +362,12 @@ if __name__ == "__main__":
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--num-blocks", type=int, default=None)
-    ap.add_argument("--server-args", default="", help="extra `serve` options, e.g. '--stream-interval 4'")
+    ap.add_argument("--server-args", default="", help="extra `serve` options, e.g. '--switch-interval-ms 0.5'")
+    ap.add_argument("--extra-stream-intervals", default="8",
+                    help="after the rates at --stream-interval 1, the saturating rate again at each of these "
+                         "(comma-separated; '' for none)")
     ap.add_argument("--smoke", action="store_true", help="a tiny random model on CPU, 12 requests, two rates")
     a = ap.parse_args()
     main(a.out, a.model, a.rates, a.num_requests, a.min_len, a.max_len, a.device, a.max_model_len, a.max_num_seqs,
-         a.num_blocks, server_args=a.server_args.split(), smoke=a.smoke)
+         a.num_blocks, server_args=a.server_args.split(),
+         extra_stream_intervals=tuple(int(k) for k in a.extra_stream_intervals.split(",") if k), smoke=a.smoke)

@@ -243,7 +243,7 @@ def test_shutdown_fails_streams_and_refuses_new_requests(make_llm):
     assert not llm.is_alive and not llm.engine.has_unfinished_requests()
 
 
-def test_merge_outputs_joins_deltas_keeps_the_newest_cumulative_fields():
+def test_merge_outputs_joins_deltas_into_the_newer_output():
     a = RequestOutput("r", None, [1], [CompletionOutput(0, "ab", [5, 6], None, delta_text="b", delta_token_ids=[6]),
                                        CompletionOutput(1, "x", [9], None, delta_text="x", delta_token_ids=[9])],
                       finished=False)
@@ -254,4 +254,4 @@ def test_merge_outputs_joins_deltas_keeps_the_newest_cumulative_fields():
     c0, c1 = m.outputs
     assert (c0.text, c0.delta_text, c0.delta_token_ids, c0.finish_reason) == ("abc", "bc", [6, 7], "stop")
     assert (c1.delta_text, c1.delta_token_ids) == ("x", [9])
-    assert a.outputs[0].delta_text == "b" and b.outputs[0].delta_text == "c"     # inputs untouched
+    assert m is b and a.outputs[0].delta_text == "b"           # the newer output is updated, the older kept

@@ -19,7 +19,8 @@ def test_arrival_times_are_poisson_and_seeded():
 def test_smoke_run(tmp_path):
     rows = bench_serving.main(str(tmp_path), smoke=True)
     served = [r for r in rows if r["rate"] != "offline"]
-    assert [r["rate"] for r in rows] == [8.0, "inf", "offline"]
+    assert [(r["rate"], r.get("stream_interval")) for r in rows] == [(8.0, 1), ("inf", 1), ("inf", 4),
+                                                                     ("offline", None)]
     for r in served:
         assert r["failed"] == 0 and r["requests"] == 12
         assert r["kv_blocks_free_after"] == "64/64"
@@ -28,5 +29,6 @@ def test_smoke_run(tmp_path):
     data = json.loads((tmp_path / "bench_serving.json").read_text())
     assert data["meta"]["total_output_tokens"] == sum(bench_serving.workload(12, 4, 24, 512)[1])
     assert data["meta"]["failures"] == {}
-    for name in ("bench_serving.md", "bench_serving.png", "bench_serving_latency.png", "server.log"):
+    for name in ("bench_serving.md", "bench_serving.png", "bench_serving_latency.png",
+                 "server_stream_interval_1.log", "server_stream_interval_4.log"):
         assert (tmp_path / name).stat().st_size > 0

@@ -28,7 +28,6 @@ engine cannot even abort them is it declared dead (`AsyncLLM.error`), and then e
 """
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import queue
@@ -55,19 +54,18 @@ class EngineDeadError(PagedAttnError, RuntimeError):
 
 
 def merge_outputs(old, new):
-    """One RequestOutput equivalent to `old` followed by `new` (same request): `new`'s cumulative
-    fields, deltas joined per completion index. Neither argument is modified."""
+    """`new` updated in place to stand for `old` followed by `new` (same request): `new`'s cumulative
+    fields, deltas joined per completion index; returns it. (The engine builds fresh output objects every
+    step and hands each over once, so the newer one is ours to update.)"""
     old_by_index = {c.index: c for c in old.outputs}
-    outputs = []
     for c in new.outputs:
         o = old_by_index.pop(c.index, None)
         if o is not None:
-            c = dataclasses.replace(c, delta_text=o.delta_text + c.delta_text,
-                                    delta_token_ids=o.delta_token_ids + c.delta_token_ids)
-        outputs.append(c)
-    outputs.extend(old_by_index.values())              # a completion the newer output left out
-    outputs.sort(key=lambda c: c.index)
-    return dataclasses.replace(new, outputs=outputs)
+            c.delta_text = o.delta_text + c.delta_text
+            c.delta_token_ids = o.delta_token_ids + c.delta_token_ids
+    if old_by_index:                    # a completion the newer output left out
+        new.outputs = sorted(new.outputs + list(old_by_index.values()), key=lambda c: c.index)
+    return new
 
 
 def _bind_device(engine):
@@ -123,11 +121,12 @@ class RequestStream:
             if error is not None:
                 self._error = error
                 return not self._ready.is_set()
+            for c in out.outputs:       # (before the merge joins the waiting deltas into out's)
+                self._pending_tokens += len(c.delta_token_ids)
             if self._pending is None:
                 self._pending = out
             else:
                 self._pending = merge_outputs(self._pending, out)
-            self._pending_tokens += sum(len(c.delta_token_ids) for c in out.outputs)
             due = out.finished or not self._sent_any or self._pending_tokens >= self.owner.stream_interval
             return due and not self._ready.is_set()
 
