@@ -153,19 +153,20 @@ def test_mma_fallback_matches_a_matmul(dtype):
 
 # (version, forced splits, (num_heads, num_kv_heads, head_dim, block_size, dtype, q_lens, cached_lens))
 FAST_CASES = [
-    # GQA 7, ragged chunks of 1, 15, 17 (two q tiles of 9 queries) behind prefixes of 0, 20, 9:
-    # chunks start mid-block
-    (4, None, (7, 1, 64, 16, torch.float16, [1, 15, 17], [0, 20, 9])),
+    # GQA 7, ragged chunks of 1 and 17 (two q tiles of 9 queries) behind prefixes of 0 and 20:
+    # a chunk starting mid-block
+    (4, None, (7, 1, 64, 16, torch.float16, [1, 17], [0, 20])),
     # MHA, bf16, block 8: 87 keys in two KV tiles, the chunk starts mid-block
     (5, None, (1, 1, 64, 8, torch.bfloat16, [17], [70])),
     # a 97-query chunk split in 2: rows 0-63 see nothing in the second part (an all -inf part)
     (6, 2, (1, 1, 64, 16, torch.float16, [97], [0])),
     # head_dim 128, GQA 3, block 32
-    (6, None, (3, 1, 128, 32, torch.bfloat16, [12, 2], [21, 45])),
+    (6, None, (3, 1, 128, 32, torch.bfloat16, [12], [21])),
 ]
 
 SLOW_SHAPES = [
     (14, 2, 64, 16, torch.float16, [1, 15, 17, 97], [0, 16, 100, 3]),
+    (3, 1, 128, 32, torch.bfloat16, [12, 2], [21, 45]),
     (14, 2, 64, 8, torch.bfloat16, [33, 1], [7, 130]),
     (7, 1, 64, 32, torch.float16, [40], [90]),
     (4, 4, 128, 16, torch.float16, [97], [5]),
