@@ -190,7 +190,7 @@ def build_app(llm, model_name, api_key=None):
             raise InvalidRequestError(f"messages: the chat template failed: {e}") from e
 
     def start(prompts, params, rid):
-        """One AsyncLLM request per prompt, all validated before any runs."""
+        """One AsyncLLM request per prompt; if one is refused, those already queued are aborted."""
         streams = []
         try:
             for i, prompt in enumerate(prompts):
