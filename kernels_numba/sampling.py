@@ -1016,7 +1016,7 @@ def sample_cpu(logits, temperature, top_k, top_p, seed, index, position, out_tok
     _check(logits.contiguous(), params, out_tokens, out_logprobs, on_cpu=True)
     if logits.shape[0] == 0:
         return out_tokens, out_logprobs
-    x = logits.float().contiguous().numpy()              # fp16/bf16 widen exactly
+    x = logits.detach().float().contiguous().numpy()     # fp16/bf16 widen exactly
     tokens = np.empty(logits.shape[0], dtype=np.int64)
     logprobs = np.empty(logits.shape[0], dtype=np.float64)
     _rows_cpu(x, *(t.numpy() for t in params), tokens, logprobs)
