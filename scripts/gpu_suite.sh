@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Everything the GPU checks and measures, in phases that each fit one 10-minute call on an H200 machine.
+#
+#   bash scripts/gpu_suite.sh tests  [pytest -k expr]   the `gpu` tests of one GPU (kernels, model vs HF, graphs, engine)
+#   bash scripts/gpu_suite.sh bench                      throughput (greedy / sampled, workload, batch 1), the decode
+#                                                        step's kernels and GPU/host time, decode and prefill kernels
+#   bash scripts/gpu_suite.sh tp                         two GPUs: the tensor-parallel tests and TP=1 vs TP=2 (0.5B)
+#   bash scripts/gpu_suite.sh tp7b                       two GPUs: TP=1 vs TP=2 on a random Qwen2-7B checkpoint
+#   bash scripts/gpu_suite.sh serve                      the HTTP server under Poisson load beside LLM.generate
+#
+# Logs and results go to $OUT (default ./gpu_out) and are packed into $OUT/<phase>.tar.gz.
+set -uo pipefail
+phase=${1:?phase: tests | bench | tp | tp7b | serve}
+shift
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT/$phase"
+dir="$OUT/$phase"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
+export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+run() {   # run NAME SECONDS CMD...: one step, its log in $dir/NAME.log, its exit code in the summary
+    local name=$1 secs=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$secs" "$@" > "$dir/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$dir/summary.txt"
+    tail -n 4 "$dir/$name.log" | sed 's/^/    /'
+}
+{ nvidia-smi -L; python3 -c "import torch, numba, numpy; print(torch.__version__, numba.__version__, numpy.__version__)"; } \
+    > "$dir/env.txt" 2>&1
+case "$phase" in
+tests)
+    # four groups at once (two per GPU when there are two): numba compiles on the CPU cores meanwhile
+    k=${1:-}
+    gpus=$(nvidia-smi -L | wc -l)
+    group() {   # group NAME GPU SECONDS FILES...
+        local name=$1 gpu=$(( $2 % gpus )) secs=$3
+        shift 3
+        run "$name" "$secs" env CUDA_VISIBLE_DEVICES=$gpu python3 -m pytest -q -m gpu -p no:cacheprovider \
+            ${k:+-k "$k"} "$@"
+    }
+    group decode 0 480 tests/test_paged_attention_cuda.py tests/test_kernel_fuzz.py tests/test_cache_ops_cuda.py &
+    group prefill 1 480 tests/test_prefill_fa2.py tests/test_paged_prefill_cuda.py tests/test_attention_backend.py \
+        tests/test_paged_attention_runtime.py &
+    group layers 0 480 tests/test_fused_kernels.py tests/test_sampler.py tests/test_model_gpu.py &
+    group engine 1 480 tests/test_cuda_graph.py tests/test_engine.py tests/test_async_engine.py tests/test_serving_gpu.py &
+    wait
+    ;;
+bench)
+    run throughput 300 python3 scripts/bench_throughput.py --out "$dir" --time-limit 40
+    run profile 150 python3 scripts/profile_step.py --out "$dir" --sampled
+    run kernels 150 python3 scripts/bench_kernels.py --out "$dir"
+    run prefill 120 python3 scripts/bench_prefill.py --out "$dir"
+    run sampling 90 python3 scripts/bench_sampling.py --out "$dir"
+    ;;
+tp)
+    run tp_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py
+    run tp_bench 280 python3 scripts/bench_throughput.py --mode tp --config 0.5b --num-requests 128 --time-limit 40 --out "$dir"
+    ;;
+tp7b)
+    run tp7b 580 python3 scripts/bench_throughput.py --mode tp --config 7b --num-requests 64 --time-limit 60 \
+        --runs tp1_graphs,tp2_graphs --out "$dir"
+    ;;
+serve)
+    run serve 560 python3 scripts/bench_serving.py --model "${MODEL:-random}" --out "$dir"
+    ;;
+*)
+    echo "unknown phase $phase"; exit 2 ;;
+esac
+tar -czf "$OUT/$phase.tar.gz" -C "$OUT" "$phase"
+cat "$dir/summary.txt"
