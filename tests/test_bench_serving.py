@@ -4,6 +4,8 @@ shared CPU mean nothing; what must hold is that every request completed whole an
 import json
 import math
 
+import pytest
+
 from scripts import bench_serving
 
 
@@ -16,6 +18,7 @@ def test_arrival_times_are_poisson_and_seeded():
     assert bench_serving.arrival_times(3, math.inf) == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.slow                   # three processes start (the offline LLM, two servers): ~20-30 s of CPU
 def test_smoke_run(tmp_path):
     rows = bench_serving.main(str(tmp_path), smoke=True)
     served = [r for r in rows if r["rate"] != "offline"]
