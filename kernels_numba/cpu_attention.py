@@ -44,8 +44,10 @@ slots a write will touch) before any work and return an error code; the wrappers
 KernelLaunchError naming the field.
 """
 import math
+from dataclasses import dataclass
 
 import numpy as np
+import torch
 from numba import njit
 from numba.core import types
 from numba.extending import overload
@@ -355,59 +357,28 @@ def _write_kv(key, value, k_cache, v_cache, slot_mapping):
 
 
 # ----------------------------------------------------------------------------------------
-# wrappers: torch CPU tensors or numpy arrays in, checked, no copies of the pool
+# host side: a plan per step's metadata (shared by every layer), numpy views of torch tensors
 
 
-def _array(x, name):
-    """numpy view of a CPU torch tensor or numpy array (no copy)."""
-    if hasattr(x, "detach"):
-        if x.device.type != "cpu":
-            raise KernelLaunchError(f"{name} is on {x.device}: the CPU kernels need CPU tensors")
-        dtype = str(x.dtype)
-        if dtype == "torch.bfloat16":
-            return x.detach().view(_torch().int16).numpy().view(np.uint16)
-        if dtype == "torch.float16":
-            return x.detach().view(_torch().int16).numpy()
-        return x.detach().numpy()
-    return np.asarray(x)
+@dataclass(frozen=True)
+class Plan:
+    """The checked metadata of one attention call and its work list; every layer of a step reuses it.
 
+    block_tables [S, max_blocks], cu_seqlens_q [S + 1], context_lens [S]: int32 C arrays. tile_seq,
+    tile_q0, order: the work items (see `_plan`); rows_x_keys: their total size; num_tokens: cu[-1].
+    """
 
-def _torch():
-    import torch
-    return torch
-
-
-def _ints(x, name):
-    a = np.ascontiguousarray(_array(x, name), dtype=np.int32)
-    return a
-
-
-def _pool(k_cache, v_cache):
-    kc, vc = _array(k_cache, "k_cache"), _array(v_cache, "v_cache")
-    if kc.ndim != 4 or kc.shape != vc.shape or kc.dtype != vc.dtype:
-        raise KernelLaunchError(f"k_cache {kc.shape} {kc.dtype} and v_cache {vc.shape} {vc.dtype} must both be "
-                                "[num_blocks, num_kv_heads, block_size, head_dim] of one dtype")
-    if kc.dtype not in (np.float32, np.uint16, np.int16):
-        raise KernelLaunchError(f"pool dtype {kc.dtype} is not float32 / bfloat16 / float16")
-    if not (kc.flags.c_contiguous and vc.flags.c_contiguous):
-        raise KernelLaunchError("k_cache and v_cache must be contiguous")
-    return kc, vc
-
-
-def _queries(q, out, num_kv_heads, head_dim):
-    """(q as float32 C array, the float32 array the kernel writes: out itself when it can be)."""
-    qa = np.ascontiguousarray(_array(q, "q"), dtype=np.float32)
-    if qa.ndim != 3 or qa.shape[2] != head_dim or qa.shape[1] % num_kv_heads:
-        raise KernelLaunchError(f"q has shape {qa.shape}: expected [tokens, H, {head_dim}] with H a multiple of "
-                                f"num_kv_heads={num_kv_heads}")
-    if out is None:
-        return qa, np.empty_like(qa)
-    if tuple(out.shape) != qa.shape:
-        raise KernelLaunchError(f"out has shape {tuple(out.shape)}, q has {qa.shape}")
-    oa = _array(out, "out")
-    if oa.dtype == np.float32 and oa.flags.c_contiguous:
-        return qa, oa
-    return qa, np.empty_like(qa)                 # written in float32, then copied into out
+    block_tables: np.ndarray
+    cu_seqlens_q: np.ndarray
+    context_lens: np.ndarray
+    tile_seq: np.ndarray
+    tile_q0: np.ndarray
+    order: np.ndarray
+    rows_x_keys: int
+    num_tokens: int
+    num_blocks: int
+    num_kv_heads: int
+    block_size: int
 
 
 _ERRORS = {
@@ -418,74 +389,135 @@ _ERRORS = {
 }
 
 
-def _finish(err, out, work):
+def as_numpy(x, name="tensor"):
+    """numpy view (no copy) of a CPU torch tensor or numpy array; bfloat16 as uint16 and float16 as
+    int16 (numba's CPU target has neither float type; the kernels widen them)."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise KernelLaunchError(f"{name} is on {x.device}: the CPU kernels need CPU tensors")
+        x = x.detach()
+        if x.dtype == torch.bfloat16:
+            return x.view(torch.int16).numpy().view(np.uint16)
+        if x.dtype == torch.float16:
+            return x.view(torch.int16).numpy()
+        return x.numpy()
+    return np.asarray(x)
+
+
+def _int32(x, name):
+    return np.ascontiguousarray(as_numpy(x, name), dtype=np.int32)
+
+
+def make_plan(block_tables, cu_seqlens_q, context_lens, num_blocks, num_kv_heads, block_size, query_tile=QUERY_TILE):
+    """Check the metadata (every block id a call reads is in the pool, 1 <= q_len <= context_len) and
+    order the work. block_tables: [S, max_blocks] int; cu_seqlens_q: [S + 1] int (sequence s owns query
+    rows cu[s]:cu[s+1]; a decode owns one); context_lens: [S] int. Raises KernelLaunchError."""
+    tables, cu, ctx = (_int32(block_tables, "block_tables"), _int32(cu_seqlens_q, "cu_seqlens_q"),
+                       _int32(context_lens, "context_lens"))
+    if tables.ndim != 2 or tables.shape[0] != ctx.shape[0] or cu.shape != (ctx.shape[0] + 1,) or cu[0] != 0:
+        raise KernelLaunchError(f"block_tables {tables.shape}, cu_seqlens_q {cu.shape} (from {cu[:1]}), "
+                                f"context_lens {ctx.shape}: expected [S, max_blocks], [S + 1] from 0, [S]")
+    err, tile_seq, tile_q0, order, work = _plan(tables, cu, ctx, num_blocks, block_size, num_kv_heads, query_tile)
     if err:
         raise KernelLaunchError(_ERRORS[err])
+    return Plan(tables, cu, ctx, tile_seq, tile_q0, order, int(work), int(cu[-1]), num_blocks, num_kv_heads,
+                block_size)
+
+
+def _pool(k_cache, v_cache):
+    kc, vc = as_numpy(k_cache, "k_cache"), as_numpy(v_cache, "v_cache")
+    if kc.ndim != 4 or kc.shape != vc.shape or kc.dtype != vc.dtype:
+        raise KernelLaunchError(f"k_cache {kc.shape} {kc.dtype} and v_cache {vc.shape} {vc.dtype} must both be "
+                                "[num_blocks, num_kv_heads, block_size, head_dim] of one dtype")
+    if kc.dtype not in (np.float32, np.uint16, np.int16):
+        raise KernelLaunchError(f"pool dtype {kc.dtype} is not float32 / bfloat16 / float16")
+    if not (kc.flags.c_contiguous and vc.flags.c_contiguous):
+        raise KernelLaunchError("k_cache and v_cache must be contiguous")
+    return kc, vc
+
+
+def attention(q, k_cache, v_cache, plan, scale=None, out=None, num_threads=1):
+    """Paged attention of every query in `plan` (prefill chunks and decodes alike) over the pool.
+
+    q: [plan.num_tokens, H, D] float32 (other float dtypes are converted); k_cache, v_cache: [num_blocks,
+    Hkv, block_size, D] float32 / bfloat16 / float16 (torch or numpy); plan: make_plan(...) for this pool.
+    scale: default 1/sqrt(D). out: optional [num_tokens, H, D] destination (torch or numpy, any float
+    dtype). num_threads: threads to split the work over (below PARALLEL_MIN_WORK rows x keys: one).
+    Returns out, or a new float32 numpy array.
+    """
+    kc, vc = _pool(k_cache, v_cache)
+    if (kc.shape[0], kc.shape[1], kc.shape[2]) != (plan.num_blocks, plan.num_kv_heads, plan.block_size):
+        raise KernelLaunchError(f"pool {kc.shape} is not the one the plan was made for "
+                                f"({plan.num_blocks} blocks, {plan.num_kv_heads} KV heads, block size {plan.block_size})")
+    qa = np.ascontiguousarray(as_numpy(q, "q"), dtype=np.float32)
+    if qa.ndim != 3 or qa.shape[0] != plan.num_tokens or qa.shape[2] != kc.shape[3] or qa.shape[1] % kc.shape[1]:
+        raise KernelLaunchError(f"q has shape {qa.shape}: expected [{plan.num_tokens}, H, {kc.shape[3]}] with H a "
+                                f"multiple of num_kv_heads={kc.shape[1]}")
+    work = None
+    if out is not None:
+        if tuple(out.shape) != qa.shape:
+            raise KernelLaunchError(f"out has shape {tuple(out.shape)}, q has {qa.shape}")
+        oa = as_numpy(out, "out")
+        if oa.dtype == np.float32 and oa.flags.c_contiguous:
+            work = oa                             # written in place
+    direct = work is not None
+    if not direct:
+        work = np.empty_like(qa)
+    scale = np.float32(1.0 / math.sqrt(kc.shape[3]) if scale is None else scale)
+    args = (qa, kc, vc, plan.block_tables, plan.cu_seqlens_q, plan.context_lens, scale, QUERY_TILE,
+            plan.tile_seq, plan.tile_q0, plan.order, work)
+    threads = min(num_threads, len(plan.order))
+    if threads > 1 and plan.rows_x_keys >= PARALLEL_MIN_WORK:
+        _THREADS.run(threads, args)
+    else:
+        _run(0, 1, *args)
     if out is None:
         return work
-    if hasattr(out, "copy_"):
-        if out.data_ptr() != work.ctypes.data:
-            out.copy_(_torch().from_numpy(work))
-    elif out is not work:
-        out[...] = work
+    if not direct:                                # a 16-bit or strided destination
+        if isinstance(out, torch.Tensor):
+            out.copy_(torch.from_numpy(work))
+        else:
+            out[...] = work
     return out
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
-                            num_threads=1, query_tile=QUERY_TILE):
-    """Causal prefill over the paged pool (new K/V already written).
+                            num_threads=1):
+    """Causal prefill over the paged pool (the chunks' new K/V already written).
 
-    q: [total_q, H, D] float32 (other float dtypes are converted); k_cache, v_cache: [num_blocks, Hkv,
-    block_size, D] float32 / bfloat16 / float16; block_tables: [P, max_blocks] int; cu_seqlens_q:
-    [P + 1] int; context_lens: [P] int (tokens in the pool after the write). scale: default 1/sqrt(D).
-    out: optional [total_q, H, D] destination (torch or numpy). num_threads: threads to split the work
-    over (calls with less than PARALLEL_MIN_WORK rows x keys run on one). Returns out (or a new float32 array).
+    q: [total_q, H, D]; k_cache, v_cache: [num_blocks, Hkv, block_size, D]; block_tables: [P, max_blocks]
+    int; cu_seqlens_q: [P + 1] int; context_lens: [P] int (tokens in the pool after the write: the
+    chunk's q_len are the last of them). Other arguments and the result as in `attention`.
     """
-    kc, vc = _pool(k_cache, v_cache)
-    qa, work = _queries(q, out, kc.shape[1], kc.shape[3])
-    tables, cu, ctx = _ints(block_tables, "block_tables"), _ints(cu_seqlens_q, "cu_seqlens_q"), \
-        _ints(context_lens, "context_lens")
-    if tables.ndim != 2 or tables.shape[0] != ctx.shape[0] or cu.shape[0] != ctx.shape[0] + 1:
-        raise KernelLaunchError(f"block_tables {tables.shape}, cu_seqlens_q {cu.shape}, context_lens {ctx.shape}: "
-                                "expected [P, max_blocks], [P + 1], [P]")
-    if cu[0] != 0 or cu[-1] != qa.shape[0]:
-        raise KernelLaunchError(f"cu_seqlens_q must run from 0 to total_q={qa.shape[0]}, got {cu[0]}..{cu[-1]}")
-    scale = np.float32(1.0 / math.sqrt(kc.shape[3]) if scale is None else scale)
-    err, tile_seq, tile_q0, order, rows_x_keys = _plan(tables, cu, ctx, kc.shape[0], kc.shape[2], kc.shape[1],
-                                                       query_tile)
-    if not err:
-        args = (qa, kc, vc, tables, cu, ctx, scale, query_tile, tile_seq, tile_q0, order, work)
-        threads = min(num_threads or 1, len(order))
-        if threads > 1 and rows_x_keys >= PARALLEL_MIN_WORK:
-            _THREADS.run(threads, args)
-        else:
-            _run(0, 1, *args)
-    return _finish(err, out, work)
+    kc = as_numpy(k_cache, "k_cache")
+    plan = make_plan(block_tables, cu_seqlens_q, context_lens, kc.shape[0], kc.shape[1], kc.shape[2])
+    return attention(q, k_cache, v_cache, plan, scale, out, num_threads)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, num_threads=1):
     """One query per sequence over its paged K/V (the new token's K/V already written).
 
-    q: [S, H, D]; context_lens: [S] int; block_tables: [S, max_blocks] int; the rest as in
-    paged_prefill_attention. Returns out (or a new float32 array).
+    q: [S, H, D]; block_tables: [S, max_blocks] int; context_lens: [S] int. The rest as in `attention`.
     """
-    S = _array(q, "q").shape[0]
-    cu = np.arange(S + 1, dtype=np.int32)                                           # one query each
-    return paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, context_lens, scale, out, num_threads,
-                                   query_tile=1)
+    kc = as_numpy(k_cache, "k_cache")
+    S = len(context_lens)
+    plan = make_plan(block_tables, np.arange(S + 1, dtype=np.int32), context_lens, kc.shape[0], kc.shape[1],
+                     kc.shape[2])
+    return attention(q, k_cache, v_cache, plan, scale, out, num_threads)
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping):
     """Store the step's K/V rows at their slots (float32 pools; slot -1 = skip).
 
-    key, value: [T, Hkv, D]; k_cache, v_cache: [num_blocks, Hkv, block_size, D] float32; slot_mapping: [T] int.
+    key, value: [T, Hkv, D] (may be strided views); k_cache, v_cache: [num_blocks, Hkv, block_size, D]
+    float32; slot_mapping: [T] int.
     """
     kc, vc = _pool(k_cache, v_cache)
     if kc.dtype != np.float32:
         raise KernelLaunchError("write_kv handles float32 pools; write 16-bit pools with pagedattn.kv_cache.write_kv")
-    ka = np.ascontiguousarray(_array(key, "key"), dtype=np.float32)
-    va = np.ascontiguousarray(_array(value, "value"), dtype=np.float32)
-    slots = np.ascontiguousarray(_array(slot_mapping, "slot_mapping"), dtype=np.int64)
+    ka = np.ascontiguousarray(as_numpy(key, "key"), dtype=np.float32)
+    va = np.ascontiguousarray(as_numpy(value, "value"), dtype=np.float32)
+    slots = np.ascontiguousarray(as_numpy(slot_mapping, "slot_mapping"), dtype=np.int64)
     if ka.shape != va.shape or ka.shape[1:] != kc.shape[1:2] + kc.shape[3:] or ka.shape[0] != slots.shape[0]:
         raise KernelLaunchError(f"key {ka.shape} / value {va.shape} / slot_mapping {slots.shape} do not match a pool "
                                 f"of {kc.shape}")

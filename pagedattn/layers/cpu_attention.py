@@ -1,54 +1,88 @@
 """CpuNumbaBackend: attention on the CPU through numba-compiled kernels that read the paged pool in place.
 
 TorchPagedBackend (pagedattn.layers.attention) gathers every sequence's K/V into a dense float32
-tensor in every layer and step, then builds a mask and calls SDPA; on a 2-core CPU that is ~10% of a
-decode step of the bundled model (docs/cpu.md). This backend keeps the interface and replaces the
-three pieces with kernels_numba.cpu_attention:
+tensor in every layer and step, then builds a mask and calls SDPA (docs/cpu.md measures what that
+costs). This backend keeps the interface and runs kernels_numba.cpu_attention instead:
 
     write    the step's K/V into the pool at slot_mapping (float32 pools; 16-bit pools: torch)
-    prefill  causal chunks over the cached prefix, straight through the block tables
-    decode   one query per sequence, the same kernel with a one-query tile
+    attend   prefill chunks and decodes of the step in ONE kernel call per layer, straight through
+             the block tables; the checked metadata and the work list (a `Plan`) are made at the
+             first layer of a step and reused by the other layers
 
 Tensors on another device go to the torch pieces. The kernels are compiled on first use and cached
-on disk (numba cache=True): the first process pays ~10-20 s per pool dtype, later ones well under a
-second. Large calls are split over torch.get_num_threads() threads.
+on disk (numba cache=True): the first process pays ~10 s of CPU per pool dtype, later ones about a
+second. Calls big enough are split over torch.get_num_threads() threads.
 """
+import numpy as np
 import torch
 
 from kernels_numba import cpu_attention as kernels
+from pagedattn.errors import KernelLaunchError
 from pagedattn.layers.attention import TorchPagedBackend
 
 _POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class CpuNumbaBackend(TorchPagedBackend):
-    """Paged attention on CPU tensors with numba kernels; same call as every backend:
+    """Paged attention on CPU tensors with numba kernels; the call every backend has:
 
-        out = backend(q, k, v, k_cache, v_cache, attn_metadata)   # q [T, H, D], k/v [T, Hkv, D]
+        backend.write(k, v, k_cache, v_cache, slot_mapping)
+        out = backend.attend(q, k_cache, v_cache, attn_metadata)   # q [T, H, D] -> out [T, H, D]
     """
 
     name = "cpu-numba"
 
+    def __init__(self):
+        self._plan_for = None        # (metadata object, tensor versions, pool geometry) of the cached plan
+        self._plan = None
+
     @staticmethod
-    def _on_cpu(*tensors):
-        return all(t.device.type == "cpu" for t in tensors)
+    def _runs_here(q, k_cache):
+        return q.device.type == "cpu" and k_cache.device.type == "cpu" and k_cache.dtype in _POOL_DTYPES
+
+    def plan(self, meta, k_cache):
+        """kernels.Plan of a step's AttentionMetadata for this pool; made once per step (the metadata
+        object and its tensors' in-place versions are the key), then reused by every layer."""
+        tensors = (meta.block_tables, meta.context_lens, meta.cu_seqlens_q)
+        key = (tuple(t._version for t in tensors), tuple(k_cache.shape[:3]))
+        if self._plan_for is not None and self._plan_for[0] is meta and self._plan_for[1] == key:
+            return self._plan
+        P, Np, num_decodes = meta.num_prefills, meta.num_prefill_tokens, meta.num_decode_tokens
+        # One query range per sequence: the prefill chunks' boundaries, then one row per decode.
+        cu_prefill = kernels.as_numpy(meta.cu_seqlens_q)[:P + 1] if P else np.zeros(1, np.int32)
+        cu = np.concatenate([cu_prefill.astype(np.int32), Np + np.arange(1, num_decodes + 1, dtype=np.int32)])
+        self._plan = kernels.make_plan(meta.block_tables, cu, meta.context_lens, *k_cache.shape[:3])
+        self._plan_for = (meta, key)
+        return self._plan
 
     def write(self, k, v, k_cache, v_cache, slot_mapping):
-        if k_cache.dtype != torch.float32 or not self._on_cpu(k, k_cache, slot_mapping):
+        if k_cache.dtype != torch.float32 or not self._runs_here(k, k_cache):
             return super().write(k, v, k_cache, v_cache, slot_mapping)
         kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
+    def attend(self, q, k_cache, v_cache, attn_metadata, out=None, scale=None):
+        """Attention of the step's queries (prefill chunks first, then decodes) over the pool, which
+        already holds the step's K/V. q: [T, H, D]; out: optional [T, H, D]. Returns out."""
+        if not self._runs_here(q, k_cache):
+            return super().attend(q, k_cache, v_cache, attn_metadata, out=out, scale=scale)
+        if q.shape[0] != attn_metadata.num_tokens:
+            raise KernelLaunchError(f"q has {q.shape[0]} tokens but the metadata describes {attn_metadata.num_tokens}")
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype)
+        return kernels.attention(q, k_cache, v_cache, self.plan(attn_metadata, k_cache), scale, out,
+                                 torch.get_num_threads())
+
     def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out):
         """q, out: [Np, H, D]; sequence s owns rows cu_seqlens_q[s]:cu_seqlens_q[s+1]."""
-        if k_cache.dtype not in _POOL_DTYPES or not self._on_cpu(q, k_cache, block_tables):
+        if not self._runs_here(q, k_cache):
             return super().prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out)
         kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out,
-                                        num_threads=torch.get_num_threads())
+                                        torch.get_num_threads())
 
     def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len=None):
         """q, out: [num_decodes, H, D]; each query sees its sequence's context_len tokens.
-        max_context_len: unused here (the kernel reads each sequence's own length)."""
-        if k_cache.dtype not in _POOL_DTYPES or not self._on_cpu(q, k_cache, block_tables):
+        max_context_len: unused (the kernel reads each sequence's own length)."""
+        if not self._runs_here(q, k_cache):
             return super().decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len)
         kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
-                                       num_threads=torch.get_num_threads())
+                                       torch.get_num_threads())
