@@ -44,15 +44,22 @@ def randn(*shape, seed=0, scale=1.0, dtype=torch.float16, device=DEVICE):
     return (scale * torch.randn(*shape, generator=g)).to(dtype).to(device)
 
 
-def assert_within_one_ulp(got, want, dtype, what):
+def assert_within_one_ulp(got, want, dtype, what, ulps=1, slack=0.0):
+    """Elementwise |got - want| <= ulps units in the last place of want (+ the smallest subnormal, + slack:
+    an absolute allowance per element). Failures list the worst elements (index, got, want)."""
     got = got.double().cpu().numpy() if isinstance(got, torch.Tensor) else np.asarray(got, np.float64)
     want = np.asarray(want, dtype=np.float64)
     assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
     nan = np.isnan(want)                                           # slots nothing may write stay NaN
     err = np.where(nan, 0.0, np.abs(got - want))
-    ok = (np.isnan(got) == nan) & (nan | (err <= ULP[dtype] * np.abs(np.where(nan, 0.0, want)) + TINY[dtype]))
-    assert ok.all(), (f"{what}: {int((~ok).sum())} of {ok.size} outside one unit in the last place; "
-                      f"max err {err.max():.3e}, mean err {err.mean():.3e}")
+    bound = ulps * ULP[dtype] * np.abs(np.where(nan, 0.0, want)) + TINY[dtype] + slack
+    ok = (np.isnan(got) == nan) & (nan | (err <= bound))
+    if not ok.all():
+        bad = np.argwhere(~ok)
+        worst = sorted(bad.tolist(), key=lambda i: -float(err[tuple(i)] / bound[tuple(i)]))[:5]
+        detail = "; ".join(f"{tuple(i)}: got {got[tuple(i)]:.6g} want {want[tuple(i)]:.6g}" for i in worst)
+        raise AssertionError(f"{what}: {len(bad)} of {ok.size} outside {ulps} unit(s) in the last place; "
+                             f"max err {err.max():.3e}, mean err {err.mean():.3e}; worst: {detail}")
 
 
 def same_bits(a, b):
@@ -373,9 +380,13 @@ def test_gpu_kernels_at_real_shapes(dtype, T):
     want, want_r = ref.rms_norm(x, w, 1e-6, NAME[dtype], residual=r)
     out, r = rmsnorm.fused_add_rms_norm(x, r, w, 1e-6)
     assert np.array_equal(r.float().cpu().numpy(), want_r)
-    assert_within_one_ulp(out, want, dtype, "fused_add_rms_norm")
+    # HF rounds twice (the normalised row to the dtype, then its product with the weight; silu, then its
+    # product with up): the GPU's float32 sum of squares (a tree, not numpy's order) and its exp can move the
+    # first rounding across a boundary, which the second rounding carries: two units, not one.
+    assert_within_one_ulp(out, want, dtype, "fused_add_rms_norm", ulps=2)
     g = randn(T, 2 * c["inter"], seed=4, scale=4.0, dtype=dtype)
-    assert_within_one_ulp(activation.silu_and_mul(g), ref.silu_and_mul(g, NAME[dtype]), dtype, "silu_and_mul")
+    assert_within_one_ulp(activation.silu_and_mul(g), ref.silu_and_mul(g, NAME[dtype]), dtype, "silu_and_mul",
+                          ulps=2)
     H, Hkv, D = c["heads"], c["kv_heads"], c["head_dim"]
     qkv = randn(T, (H + 2 * Hkv) * D, seed=5, dtype=dtype)
     q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)

@@ -11,17 +11,19 @@ scheduling, while uvicorn's event loop streams.
 """
 import asyncio
 
-import httpx
-import openai
 import pytest
-from helpers import bundled_model_dir  # noqa: F401  (session fixture)
-from serving_helpers import ServerThread, scrape, write_tiny_chat_checkpoint
-
-from pagedattn import LLM, SamplingParams
-from pagedattn.serving.api_server import build_app
-from pagedattn.serving.async_llm import AsyncLLM
 
 pytestmark = pytest.mark.gpu
+openai = pytest.importorskip("openai")          # (a GPU machine without the serving extras skips, not errors)
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from helpers import bundled_model_dir  # noqa: E402,F401  (session fixture)
+from serving_helpers import ServerThread, scrape, write_tiny_chat_checkpoint  # noqa: E402
+
+from pagedattn import LLM, SamplingParams  # noqa: E402
+from pagedattn.serving.api_server import build_app  # noqa: E402
+from pagedattn.serving.async_llm import AsyncLLM  # noqa: E402
 
 ENGINE = dict(device="cuda", max_model_len=256, num_blocks=512, max_num_seqs=64)
 GPU_SHAPES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)  # head_dim 64
