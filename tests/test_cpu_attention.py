@@ -214,18 +214,19 @@ def test_backend_mixed_step_matches_torch_backend(pool_dtype):
 
 
 def test_backend_plan_is_made_once_per_step():
-    """Every layer of a step reuses the first layer's plan; new metadata, or metadata changed in place,
-    gets a new one."""
+    """Every layer of a step reuses the first layer's plan; metadata changed in place, even inside
+    torch.inference_mode (no version counters there), gets a new one."""
     rng = np.random.default_rng(7)
     k_cache, v_cache, tables, _ = make_pool(rng, [20, 33], 2, 16, 8)
     meta = AttentionMetadata.build([4, 1], [20, 33], [list(t[:3]) for t in tables.tolist()[:1]] +
                                    [list(tables[1, :5].tolist())], 8, num_prefills=1)
     backend = CpuNumbaBackend()
     q = torch.randn(5, 4, 16)
-    first = backend.attend(q, k_cache, v_cache, meta)
-    plan = backend._plan
-    again = backend.attend(q, k_cache, v_cache, meta)
-    assert backend._plan is plan and torch.equal(first, again)
-    meta.context_lens[1] = 32                        # in place: the plan must follow
-    backend.attend(q, k_cache, v_cache, meta)
-    assert backend._plan is not plan and backend._plan.context_lens[1] == 32
+    with torch.inference_mode():
+        first = backend.attend(q, k_cache, v_cache, meta)
+        plan = backend._plan
+        again = backend.attend(q, k_cache, v_cache, meta)
+        assert backend._plan is plan and torch.equal(first, again)
+        meta.context_lens[1] = 32                    # in place: the plan must follow
+        backend.attend(q, k_cache, v_cache, meta)
+        assert backend._plan is not plan and backend._plan.context_lens[1] == 32

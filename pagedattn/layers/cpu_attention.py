@@ -7,7 +7,7 @@ costs). This backend keeps the interface and runs kernels_numba.cpu_attention in
     write    the step's K/V into the pool at slot_mapping (float32 pools; 16-bit pools: torch)
     attend   prefill chunks and decodes of the step in ONE kernel call per layer, straight through
              the block tables; the checked metadata and the work list (a `Plan`) are made at the
-             first layer of a step and reused by the other layers
+             first layer of a step and reused by the other layers (same metadata contents)
 
 Tensors on another device go to the torch pieces. The kernels are compiled on first use and cached
 on disk (numba cache=True): the first process pays ~10 s of CPU per pool dtype, later ones about a
@@ -33,7 +33,7 @@ class CpuNumbaBackend(TorchPagedBackend):
     name = "cpu-numba"
 
     def __init__(self):
-        self._plan_for = None        # (metadata object, tensor versions, pool geometry) of the cached plan
+        self._plan_for = None        # the metadata contents and pool geometry of the cached plan
         self._plan = None
 
     @staticmethod
@@ -41,18 +41,17 @@ class CpuNumbaBackend(TorchPagedBackend):
         return q.device.type == "cpu" and k_cache.device.type == "cpu" and k_cache.dtype in _POOL_DTYPES
 
     def plan(self, meta, k_cache):
-        """kernels.Plan of a step's AttentionMetadata for this pool; made once per step (the metadata
-        object and its tensors' in-place versions are the key), then reused by every layer."""
-        tensors = (meta.block_tables, meta.context_lens, meta.cu_seqlens_q)
-        key = (tuple(t._version for t in tensors), tuple(k_cache.shape[:3]))
-        if self._plan_for is not None and self._plan_for[0] is meta and self._plan_for[1] == key:
-            return self._plan
+        """kernels.Plan of a step's AttentionMetadata for this pool: made at the first layer, reused by
+        the others (the key is the metadata's contents, a few hundred bytes to compare)."""
         P, Np, num_decodes = meta.num_prefills, meta.num_prefill_tokens, meta.num_decode_tokens
         # One query range per sequence: the prefill chunks' boundaries, then one row per decode.
         cu_prefill = kernels.as_numpy(meta.cu_seqlens_q)[:P + 1] if P else np.zeros(1, np.int32)
         cu = np.concatenate([cu_prefill.astype(np.int32), Np + np.arange(1, num_decodes + 1, dtype=np.int32)])
-        self._plan = kernels.make_plan(meta.block_tables, cu, meta.context_lens, *k_cache.shape[:3])
-        self._plan_for = (meta, key)
+        tables, ctx = kernels.as_numpy(meta.block_tables), kernels.as_numpy(meta.context_lens)
+        key = (tables.shape, tables.tobytes(), ctx.tobytes(), cu.tobytes(), tuple(k_cache.shape[:3]))
+        if key != self._plan_for:
+            self._plan = kernels.make_plan(tables, cu, ctx, *k_cache.shape[:3])
+            self._plan_for = key
         return self._plan
 
     def write(self, k, v, k_cache, v_cache, slot_mapping):
