@@ -7,6 +7,9 @@
 #   bash scripts/gpu_suite.sh tp                         two GPUs: the tensor-parallel tests and TP=1 vs TP=2 (0.5B)
 #   bash scripts/gpu_suite.sh tp7b                       two GPUs: TP=1 vs TP=2 on a random Qwen2-7B checkpoint
 #   bash scripts/gpu_suite.sh serve                      the HTTP server under Poisson load beside LLM.generate
+#   bash scripts/gpu_suite.sh both                       two GPUs, two queues at once: the runtime tests then the
+#                                                        engine benches on one, the kernel benches and layer tests
+#                                                        on the other
 #
 # Logs and results go to $OUT (default ./gpu_out) and are packed into $OUT/<phase>.tar.gz.
 set -uo pipefail
@@ -61,6 +64,23 @@ tp)
 tp7b)
     run tp7b 580 python3 scripts/bench_throughput.py --mode tp --config 7b --num-requests 64 --time-limit 60 \
         --runs tp1_graphs,tp2_graphs --out "$dir"
+    ;;
+both)
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        run runtime 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graph.py tests/test_engine.py \
+            tests/test_async_engine.py tests/test_serving_gpu.py tests/test_model_gpu.py
+        run throughput 300 python3 scripts/bench_throughput.py --out "$dir" --time-limit 30
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        run profile 120 python3 scripts/profile_step.py --out "$dir" --sampled
+        run sampling 60 python3 scripts/bench_sampling.py --out "$dir"
+        run kernels 150 python3 scripts/bench_kernels.py --out "$dir" --no-flex
+        run prefill 120 python3 scripts/bench_prefill.py --out "$dir"
+        run layers 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_kernels.py
+    ) &
+    wait
     ;;
 serve)
     run serve 560 python3 scripts/bench_serving.py --model "${MODEL:-random}" --out "$dir"
