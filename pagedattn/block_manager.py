@@ -111,6 +111,14 @@ class BlockManager:
         """Blocks ensure_capacity(seq_id, num_tokens) would allocate (an unknown sequence has 0)."""
         return max(0, self.num_blocks_for(num_tokens) - len(self.sequence_blocks.get(seq_id, ())))
 
+    def num_blocks_of(self, seq_id: Hashable) -> int:
+        """Blocks the sequence holds (0 for an unknown one)."""
+        return len(self.sequence_blocks.get(seq_id, ()))
+
+    def num_committed_blocks(self, seq_id: Hashable) -> int:
+        """Leading blocks of the sequence already registered under their hash (commit_full_blocks)."""
+        return len(self.seq_hashes.get(seq_id, ()))
+
     def block_table(self, seq_id: Hashable) -> list[int]:
         """A copy of the sequence's block table: physical block ids in logical order."""
         return list(self._table(seq_id))

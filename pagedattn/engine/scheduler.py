@@ -160,9 +160,13 @@ class Scheduler:
         """After the model ran the step: the scheduled tokens are now in the cache."""
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
-        if self.block_manager.enable_prefix_caching:
+        bm = self.block_manager
+        if bm.enable_prefix_caching:
             for seq, _ in out.scheduled:
-                self.block_manager.commit_full_blocks(seq.seq_id, seq.token_ids[:seq.num_computed_tokens])
+                # blocks whose tokens are all computed and known (an in-flight token is not yet known)
+                full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+                if full > bm.num_committed_blocks(seq.seq_id):
+                    bm.commit_full_blocks(seq.seq_id, seq.token_ids[:full * self.block_size])
 
     # ---- blocks ---------------------------------------------------------------------------------
     def _blocks_for(self, num_tokens):
@@ -184,10 +188,10 @@ class Scheduler:
         Returns False (changing nothing) when the pool is too small."""
         bm = self.block_manager
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-        table = bm.block_table(seq.seq_id)
-        new_blocks = max(0, self._blocks_for(end) - len(table))
+        num_blocks = bm.num_blocks_of(seq.seq_id)
+        new_blocks = max(0, self._blocks_for(end) - num_blocks)
         first = start // self.block_size
-        cow = start % self.block_size != 0 and first < len(table) and bm.is_shared(seq.seq_id, first)
+        cow = start % self.block_size != 0 and first < num_blocks and bm.is_shared(seq.seq_id, first)
         if not bm.can_allocate(new_blocks + int(cow)):
             return False
         if cow:

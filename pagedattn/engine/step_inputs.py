@@ -115,10 +115,6 @@ def _torch():
     return torch
 
 
-def _key_words(key):
-    return key & 0xFFFFFFFFFFFFFFFF
-
-
 def build_step_inputs(sched_out, block_manager, sample_rows, beam_rows, beam_k):
     """Pack a SchedulerOutput into StepInputs.
 
@@ -139,7 +135,7 @@ def build_step_inputs(sched_out, block_manager, sample_rows, beam_rows, beam_k):
             srcs.append(seq.inflight_row)
         starts.append(start)
         q_lens.append(n)
-        tables.append(block_manager.block_table(seq.seq_id))
+        tables.append(block_manager.sequence_blocks[seq.seq_id])                 # read only
         offset += n
         last_row[seq.seq_id] = offset - 1
     S, T, P = len(q_lens), offset, sched_out.num_prefills
@@ -169,15 +165,15 @@ def build_step_inputs(sched_out, block_manager, sample_rows, beam_rows, beam_k):
     f["context_lens"][:] = ctx
     f["block_tables"][:] = table_np
     f["cu_seqlens_q"][:] = cu[:P + 1]
-    for i, r in enumerate(sample_rows):
-        p = r.seq.params
-        f["sample_rows"][i] = last_row[r.seq.seq_id]
-        f["temperature"][i] = p.temperature
-        f["top_k"][i] = max(p.top_k, 0)
-        f["top_p"][i] = p.top_p
-        f["comp_index"][i] = r.index
-        f["position"][i] = 0 if r.fork else r.seq.num_output_tokens
-        f["seed"][i] = np.int64(np.uint64(_key_words(r.seq.key)).view(np.int64))
+    if sample_rows:                                  # one list per field, then one assignment each
+        params = [r.seq.params for r in sample_rows]
+        f["sample_rows"][:] = [last_row[r.seq.seq_id] for r in sample_rows]
+        f["temperature"][:] = [p.temperature for p in params]
+        f["top_k"][:] = [p.top_k if p.top_k > 0 else 0 for p in params]
+        f["top_p"][:] = [p.top_p for p in params]
+        f["comp_index"][:] = [r.index for r in sample_rows]
+        f["position"][:] = [0 if r.fork else r.seq.num_output_tokens for r in sample_rows]
+        f["seed"].view(np.uint64)[:] = [r.seq.key & 0xFFFFFFFFFFFFFFFF for r in sample_rows]
     f["beam_rows"][:] = [last_row[s.seq_id] for s in beam_rows]
     if sched_out.block_copies:
         f["block_copies"][:] = np.asarray(sched_out.block_copies, dtype=np.int32)
