@@ -404,11 +404,15 @@ def test_gpu_kernels_at_real_shapes(dtype, T):
     cos, sin = cache[positions.long()].chunk(2, dim=-1)                      # (T, D/2) each
     rot = lambda t: torch.cat([t[..., :D // 2].float() * cos[:, None] - t[..., D // 2:].float() * sin[:, None],  # noqa: E731
                                t[..., D // 2:].float() * cos[:, None] + t[..., :D // 2].float() * sin[:, None]], -1)
-    assert_within_one_ulp(q_out, rot(q).to(dtype).float().cpu().numpy(), dtype, "q")
+    # where x1 cos - x2 sin nearly cancels, the float32 rounding of the two products (the kernel's fma order
+    # against torch's) is all that is left: allow it on top of one unit of the result
+    mag = lambda t: torch.cat([(t[..., :D // 2].float() * cos[:, None]).abs() + (t[..., D // 2:].float() * sin[:, None]).abs()] * 2, -1)  # noqa: E731,E501
+    fp32 = lambda t: (2.0 ** -23 * mag(t)).cpu().numpy()                      # noqa: E731
+    assert_within_one_ulp(q_out, rot(q).to(dtype).float().cpu().numpy(), dtype, "q", slack=fp32(q))
     keep = slots >= 0
     s = slots[keep]
     assert_within_one_ulp(k_cache[s // block_size, :, s % block_size], rot(k)[keep].to(dtype).float().cpu().numpy(),
-                          dtype, "k in the pool")
+                          dtype, "k in the pool", slack=fp32(k)[keep.cpu().numpy()])
     assert same_bits(v_cache[s // block_size, :, s % block_size], v[keep])
 
 
