@@ -96,10 +96,15 @@ class ModelRunner:
         self.num_kv_heads = mc.num_key_value_heads // world_size
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len, mc.max_position_embeddings)
+        self.graph_width = -(-self.max_model_len // self.block_size)      # block-table columns of a graph
         self.kv_cache = None
         self.graphs = None
-        self.use_graphs = self.cuda and not config.enforce_eager and backend.can_capture(
-            config.dtype, mc.head_dim, config.block_size)
+        capturable = self.cuda and backend.can_capture(config.dtype, mc.head_dim, config.block_size)
+        self.use_graphs = capturable and not config.enforce_eager
+        # Where graphs can run, every step plans the decode kernel for the graphs' longest context: the same
+        # split and float32 sums whether a step replays a graph or runs eagerly (enforce_eager included), so
+        # a request's tokens do not depend on the path its steps took.
+        self.plan_len = self.graph_width * self.block_size if capturable else None
         rows = config.max_num_seqs
         self.sampled_tokens = torch.zeros(rows, dtype=torch.int32, device=self.device)
         self.sampled_logprobs = torch.zeros(rows, dtype=torch.float32, device=self.device)
@@ -131,8 +136,7 @@ class ModelRunner:
         """Capture the decode graphs now (otherwise before the first pure-decode step)."""
         if self.graphs is None and self.use_graphs:
             from pagedattn.engine.cuda_graph import CudaGraphRunner
-            width = -(-self.max_model_len // self.block_size)
-            graphs = CudaGraphRunner(self, self.config.max_num_seqs, width)
+            graphs = CudaGraphRunner(self, self.config.max_num_seqs, self.graph_width)
             graphs.capture()
             self.graphs = graphs
         return self.graphs
@@ -189,8 +193,8 @@ class ModelRunner:
             self.graphs.run(step)
         else:
             dev = self.staging.upload(step.data) if self.cuda else torch.from_numpy(step.data)
-            hidden, _ = self.run_step(step, dev, max_context_len=step.max_context_len,
-                                   gather=bool((host["input_src"] >= 0).any()))
+            hidden, _ = self.run_step(step, dev, max_context_len=self.plan_len or step.max_context_len,
+                                      gather=bool((host["input_src"] >= 0).any()))
             if step.num_beams:
                 rows = step.fields(dev)["beam_rows"]
                 logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)   # (Nb, V)
