@@ -16,6 +16,7 @@ from functools import lru_cache
 
 from numba import cuda, float32
 
+from kernels_numba import bridge
 from kernels_numba.common import check_tensor, load_u32x4, torch_stream
 from kernels_numba.rmsnorm import check_rows, pack2, row_words, store_u32x4, unpack2, words
 from pagedattn.errors import KernelLaunchError
@@ -32,11 +33,12 @@ def _silu_mul_pair(g, u, bf16):
     return pack2(s0 * u0, s1 * u1, bf16)
 
 
+@bridge.disk_cached
 @lru_cache(maxsize=None)
 def _make_kernel(is_bf16):
     BF16 = is_bf16
 
-    @cuda.jit(cache=True)
+    @cuda.jit
     def silu_and_mul_kernel(x, x_stride, out, o_stride, chunks):
         # x: rows of 2 I halves as words (gate: words [0, I/2), up: [I/2, I)); out: rows of I halves.
         # chunks = I / 8.

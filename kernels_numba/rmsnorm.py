@@ -38,6 +38,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, types
 
+from kernels_numba import bridge
 from kernels_numba.common import (
     SIMULATOR,
     bf16x2_to_f32,
@@ -208,11 +209,12 @@ def _norm_pair(z, w, inv, bf16):
     return pack2(n0 * g0, n1 * g1, bf16)
 
 
+@bridge.disk_cached
 @lru_cache(maxsize=None)
 def _make_kernel(is_bf16, add_residual):
     BF16, ADD = is_bf16, add_residual
 
-    @cuda.jit(cache=True)
+    @cuda.jit
     def rms_norm_kernel(x, x_stride, residual, r_stride, weight, out, o_stride, chunks, hidden, eps):
         # x, residual, out: rows of hidden halves as words (row t at t * stride); weight: hidden / 2 words.
         # chunks = hidden / 8: one 16-byte piece per chunk. residual is x itself when not ADD.

@@ -23,6 +23,7 @@ from functools import lru_cache
 
 from numba import cuda
 
+from kernels_numba import bridge
 from kernels_numba.common import check_tensor, f32_from_bits, load_u32x4, torch_stream
 from kernels_numba.rmsnorm import capturing, ints, pack2, store_u32x4, threads_for, unpack2, words
 from pagedattn.errors import KernelLaunchError
@@ -56,6 +57,7 @@ def _load_rotated(x, w, half_w, cos_sin, cw, half, bf16):
     return x0, x1, x2, x3, y0, y1, y2, y3
 
 
+@bridge.disk_cached
 @lru_cache(maxsize=None)
 def _make_kernel(head_dim, is_bf16):
     D, BF16 = head_dim, is_bf16
@@ -65,7 +67,7 @@ def _make_kernel(head_dim, is_bf16):
     PIECES = D // 16         # 8-element pieces in half a head: one unit each
     V_PIECES = D // 8        # 8-element pieces in a whole head (the v copy)
 
-    @cuda.jit(cache=True)
+    @cuda.jit
     def rotary_cache_kernel(positions, q, q_stride, k, k_stride, v, v_stride, q_out, qo_stride, cos_sin,
                             k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, block_size):
         # q, k, v, q_out: rows of heads x D halves as words (row t at t * stride, head h at h * D / 2);
