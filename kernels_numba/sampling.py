@@ -77,6 +77,7 @@ NEG_LN2_HI, NEG_LN2_LO = -LN2_HI, -LN2_LO
 LOG2E = F32(1.4426950408889634)
 EXP_C7, EXP_C6, EXP_C5, EXP_C4, EXP_C3, EXP_C2 = (F32(1.0 / f) for f in (5040, 720, 120, 24, 6, 2))
 G_MAX, G_MIN = F32(17.0), F32(-3.0)
+G_TOP = F32(16.635532)   # the largest noise: gumbel of u = 1 - 2**-24 (the split kernels' skip bound)
 LADDER = (F32(2.0), F32(4.0), F32(8.0), F32(16.0))   # top-k selection starts at the first m - d holding k
 
 U32_SIGN, U32_ONES = np.uint32(0x80000000), np.uint32(0xFFFFFFFF)
@@ -84,6 +85,9 @@ EXP_SHIFT, EXP_MASK, MANT_MASK, ONE_BITS = np.uint32(23), np.uint32(0xFF), np.ui
 U_SHIFT = np.uint32(9)
 
 THREADS = 448           # per CTA of the hot kernel, one CTA per row: two CTAs per SM at <= 72 registers
+SPLIT_ROWS = True       # rows over several CTAs (make_split_kernels); False restores one CTA per row
+TARGET_CTAS = 264       # the split aims at two CTAs per SM of an H200 (132 SMs) ...
+MAX_CHUNKS = 64         # ... with at most this many CTAs per row
 FALLBACK_THREADS = 384  # per CTA of the fallback kernel (at 512 its 128 registers spill)
 NBINS_LOG2 = 11        # 2048 radix bins: 24 KiB of shared memory
 
@@ -551,8 +555,53 @@ def _make_block_ops(threads):
         cuda.syncthreads()
         return ic - c, iw - w
 
+    # Merges of the per-CTA partials of one row (part_*[base .. base + chunks - 1]) by each warp on its
+    # own: lane l takes the partials l, l + 32, ..., then a butterfly. Every merge below is commutative
+    # (the argmax keeps the lowest index among equal maxima, merge_lse orders its two inputs first), so
+    # at each butterfly step lanes l and l ^ off combine the same two values into the same result: every
+    # lane of every warp ends with bit-identical values, and no shared memory or barrier is needed.
+
+    @cuda.jit(device=True)
+    def parts_lse(part_f, part_i, base, chunks, vocab):
+        """(raw max, sum of exp(l - max), lowest argmax) of pass 1's partials."""
+        m, s, i = NEG_INF, np.float32(0), vocab
+        for p in range(cuda.threadIdx.x % 32, chunks, 32):
+            m, s, i = merge_lse(m, s, i, part_f[base + p, 0], part_f[base + p, 1], part_i[base + p, 0])
+        for off in (16, 8, 4, 2, 1):
+            m2 = cuda.shfl_xor_sync(FULL, m, off)
+            s2 = cuda.shfl_xor_sync(FULL, s, off)
+            i2 = cuda.shfl_xor_sync(FULL, i, off)
+            m, s, i = merge_lse(m, s, i, m2, s2, i2)
+        return m, s, i
+
+    @cuda.jit(device=True)
+    def parts_argmax(part_f, part_i, base, chunks, vocab):
+        """(best score, lowest index among the best) of pass 2's partials."""
+        s, i = NEG_INF, vocab
+        for p in range(cuda.threadIdx.x % 32, chunks, 32):
+            s2, i2 = part_f[base + p, 2], part_i[base + p, 1]
+            if s2 > s or (s2 == s and i2 < i):
+                s, i = s2, i2
+        for off in (16, 8, 4, 2, 1):
+            s2 = cuda.shfl_xor_sync(FULL, s, off)
+            i2 = cuda.shfl_xor_sync(FULL, i, off)
+            if s2 > s or (s2 == s and i2 < i):
+                s, i = s2, i2
+        return s, i
+
+    @cuda.jit(device=True)
+    def parts_sum(part_i, base, chunks, field):
+        """Sum of the int64 field `field` of the partials (exact in any order)."""
+        v = np.int64(0)
+        for p in range(cuda.threadIdx.x % 32, chunks, 32):
+            v += part_i[base + p, field]
+        for off in (16, 8, 4, 2, 1):
+            v += cuda.shfl_xor_sync(FULL, v, off)
+        return v
+
     return SimpleNamespace(sum=block_sum, max=block_max, argmax=block_argmax, lse=block_lse,
-                           exclusive_scan=block_exclusive_scan)
+                           exclusive_scan=block_exclusive_scan, parts_lse=parts_lse, parts_argmax=parts_argmax,
+                           parts_sum=parts_sum)
 
 
 @lru_cache(maxsize=None)
@@ -673,14 +722,235 @@ def make_hot_kernel(kind, vec, threads=THREADS):
     return cuda.jit(hot) if SIMULATOR else cuda.jit(launch_bounds=(threads, 2 if vec else 1))(hot)
 
 
+# ----------------------------------------------------------------------------------------
+# The split path: each row over `chunks` CTAs, one kernel per pass
+#
+# CTA b works on row b // chunks, chunk c = b % chunks: the groups [c * gpc, (c + 1) * gpc) with
+# gpc = ceil(groups / chunks), so chunk boundaries fall on groups of 4 tokens (one Philox call). Each
+# kernel reduces its chunk to a partial record (part_f / part_i[b]); the next kernel starts by merging
+# the row's partials (ops.parts_*: every CTA of the row gets bit-identical values) and the first CTA of
+# the row stores what later kernels need in the row's state. Kernel boundaries order the writes and the
+# reads: no global atomics, no fences, no counters to reset, so graph replays need nothing extra.
+#
+#   split pass 1   raw max / sum of exp / argmax of the chunk
+#   split pass 2   merge pass 1 -> state (rmax, lse; greedy token); greedy rows stop. The Gumbel argmax
+#                  of the chunk with the skip bound below, and the chunk's total weight (top_k/top_p)
+#   split pass 3   merge pass 2 -> state (j, Z); rows without top_k/top_p stop. Count and mass ranked
+#                  before j; for top_k with top_p also the count and mass at or above m - LADDER[q]
+#   split fallback merge pass 3, decide (below), write the token; rows left undecided continue with the
+#                  single-CTA fallback (fallback_row), as in the one-CTA path
+#
+# The skip bound (pass 2). Let a be the raw argmax (x_a = m) and s_a = fl(x_a + g_a) its score; the
+# winner's score S (the largest score) is >= s_a, and >= every score a thread has seen (its `best`),
+# so B = max(s_a, best) <= S. Every noise g_i <= G_TOP (the noise of the largest uniform; the noise is
+# monotone in u, tests/test_sampler.py checks both on every uniform), and float rounding is monotone,
+# so s_i = fl(x_i + g_i) <= fl(x_i + G_TOP). A token with fl(x_i + G_TOP) < B therefore has s_i < S:
+# it can neither win nor tie the winner (a tie would need s_i == S), so it needs no noise. The test is
+# applied to a group's largest x first (x is monotone in l), so a group of 4 below it draws no Philox
+# at all. A token at the bound (fl(x_i + G_TOP) == B) is drawn.
+#
+# Z_k without a selection (split fallback, top_k with top_p): j is in S iff count < K' and
+# float64(mass) < float64(top_p) * float64(Z_k). Lower bounds of Z_k: the mass of the first count + 1
+# ranks (those before j, and j), and the mass M_q of the tokens with x >= m - LADDER[q] when there are
+# at most K' of them (they are a prefix of the ranking). Both roundings are monotone, so mass <
+# top_p * (lower bound) proves j in S; otherwise the fallback computes Z_k exactly, as before.
+
+
+def split_chunks(n, vocab, threads=THREADS):
+    """CTAs per row for n rows of vocab logits: enough for TARGET_CTAS in all, at most MAX_CHUNKS, and
+    at least one group of 4 per thread. A fixed function of (n, vocab): a captured graph stays valid."""
+    groups = (vocab + 3) // 4
+    return max(1, min(MAX_CHUNKS, -(-TARGET_CTAS // n), groups // threads))
+
+
+PART_I64 = ("ridx", "j", "total", "count", "mass", "count0", "count1", "count2", "count3", "mass0", "mass1",
+            "mass2", "mass3")
+PART_F32 = ("rmax", "rsum", "best")
+
+
 @lru_cache(maxsize=None)
-def make_fallback_kernel(kind, vec, threads=FALLBACK_THREADS, nbins_log2=NBINS_LOG2):
+def make_split_kernels(kind, vec, threads=THREADS):
+    """(pass 1, pass 2, pass 3) kernels of the split path for logits of `kind` read as in _make_loaders.
+    Grid: rows * chunks CTAs of `threads`. All take the arguments of launch_split's kernels."""
+    load4, load1 = _make_loaders(kind, vec)
+    ops = _make_block_ops(threads)
+    block_sum, block_argmax, block_lse = ops.sum, ops.argmax, ops.lse
+    parts_lse, parts_argmax, parts_sum = ops.parts_lse, ops.parts_argmax, ops.parts_sum
+    philox, gumbel, weight, scaled, add = GPU.philox, GPU.gumbel, GPU.weight, GPU.scaled, GPU.add
+    inverse_temperature = GPU.inverse_temperature
+    NW = threads // 32
+
+    @cuda.jit(device=True)
+    def chunk_range(vocab, chunks, c):
+        """The groups [g0, g1) of chunk c."""
+        groups = (vocab + 3) // 4
+        gpc = (groups + chunks - 1) // chunks
+        g0 = c * gpc
+        return g0, min(groups, g0 + gpc)
+
+    def pass1(words, vocab, chunks, temperature, top_k, top_p, seed, comp_index, position, out_tokens,
+              out_logprobs, state_i, state_f, part_i, part_f):
+        b = cuda.blockIdx.x
+        row = b // chunks
+        tid = cuda.threadIdx.x
+        shf = cuda.shared.array(NW, np.float32)
+        shg = cuda.shared.array(NW, np.float32)
+        shi = cuda.shared.array(NW, np.int64)
+        g0, g1 = chunk_range(vocab, chunks, b - row * chunks)
+        rmax, rsum, ridx = NEG_INF, np.float32(0), np.int64(vocab)
+        for g in range(g0 + tid, g1, threads):
+            ls = load4(words, row, g, vocab)
+            for e in range(4):
+                v = ls[e]
+                if v > rmax:
+                    rsum = rsum * math.exp(rmax - v) + np.float32(1)
+                    rmax, ridx = v, np.int64(4 * g + e)
+                elif v > NEG_INF:
+                    rsum += math.exp(v - rmax)
+        rmax, rsum, ridx = block_lse(rmax, rsum, ridx, shf, shg, shi)
+        if tid == 0:
+            part_f[b, 0] = rmax
+            part_f[b, 1] = rsum
+            part_i[b, 0] = ridx
+
+    def pass2(words, vocab, chunks, temperature, top_k, top_p, seed, comp_index, position, out_tokens,
+              out_logprobs, state_i, state_f, part_i, part_f):
+        b = cuda.blockIdx.x
+        row = b // chunks
+        c = b - row * chunks
+        tid = cuda.threadIdx.x
+        shf = cuda.shared.array(NW, np.float32)
+        shi = cuda.shared.array(NW, np.int64)
+        rmax, rsum, ridx = parts_lse(part_f, part_i, row * chunks, chunks, np.int64(vocab))
+        if ridx >= vocab:                                # a row of -inf: token 0
+            ridx = np.int64(0)
+        if c == 0 and tid == 0:
+            state_f[row, 0] = rmax
+            state_f[row, 1] = rmax + math.log(rsum) if rsum > 0 else NEG_INF
+            state_i[row, 0] = ridx                       # the greedy token (pass 3 puts j here)
+        t = temperature[row]
+        if not (t > 0) or rmax == NEG_INF:
+            return
+        inv_t = inverse_temperature(t)
+        m = scaled(rmax, inv_t)                          # = max x = x_a
+        k0, k1 = np.uint32(seed[row] & 0xFFFFFFFF), np.uint32((seed[row] >> 32) & 0xFFFFFFFF)
+        pos, ci = position[row], comp_index[row]
+        filtered = (0 < top_k[row] < vocab) or top_p[row] < 1
+        ra = philox(pos, ci, ridx >> 2, 0, k0, k1)       # the raw argmax's noise: s_a bounds the winner
+        wa, ea = ra[0], ridx & 3
+        if ea == 1:
+            wa = ra[1]
+        elif ea == 2:
+            wa = ra[2]
+        elif ea == 3:
+            wa = ra[3]
+        s_a = add(m, gumbel(wa))
+        g0, g1 = chunk_range(vocab, chunks, c)
+        best, j, total = NEG_INF, np.int32(vocab), np.int64(0)
+        for g in range(g0 + tid, g1, threads):
+            ls = load4(words, row, g, vocab)
+            bound = max(s_a, best)
+            if add(scaled(max(max(ls[0], ls[1]), max(ls[2], ls[3])), inv_t), G_TOP) >= bound:
+                r = philox(pos, ci, g, 0, k0, k1)
+                for e in range(4):
+                    x = scaled(ls[e], inv_t)
+                    if add(x, G_TOP) >= max(s_a, best) and x + fast_gumbel(r[e]) + FAST_MARGIN >= best:
+                        s = add(x, gumbel(r[e]))
+                        if s > best:
+                            best, j = s, np.int32(4 * g + e)
+            if filtered:
+                for e in range(4):
+                    total += weight(scaled(ls[e], inv_t), m)
+        best, jj = block_argmax(best, np.int64(j), shf, shi)
+        if filtered:
+            total = block_sum(total, shi)
+        if tid == 0:
+            part_f[b, 2] = best
+            part_i[b, 1] = jj
+            part_i[b, 2] = total
+
+    def pass3(words, vocab, chunks, temperature, top_k, top_p, seed, comp_index, position, out_tokens,
+              out_logprobs, state_i, state_f, part_i, part_f):
+        b = cuda.blockIdx.x
+        row = b // chunks
+        c = b - row * chunks
+        tid = cuda.threadIdx.x
+        shi = cuda.shared.array(NW, np.int64)
+        t = temperature[row]
+        rmax = state_f[row, 0]
+        if not (t > 0) or rmax == NEG_INF:
+            return
+        _, j = parts_argmax(part_f, part_i, row * chunks, chunks, np.int64(vocab))
+        kk = np.int64(top_k[row]) if 0 < top_k[row] < vocab else np.int64(vocab)
+        use_p = top_p[row] < 1
+        if c == 0 and tid == 0:
+            state_i[row, 0] = j
+        if not (kk < vocab or use_p):
+            return
+        total = parts_sum(part_i, row * chunks, chunks, 2)   # every thread: shuffles need whole warps
+        if c == 0 and tid == 0:
+            state_i[row, 3] = total
+        inv_t = inverse_temperature(t)
+        m = scaled(rmax, inv_t)
+        xj = scaled(load1(words, row, j, vocab), inv_t)
+        ladder = kk < vocab and use_p
+        taus = (add(m, -LADDER[0]), add(m, -LADDER[1]), add(m, -LADDER[2]), add(m, -LADDER[3]))
+        cnt, mass = np.int32(0), np.int64(0)             # counts < 2**21 fit int32
+        c0, c1, c2, c3 = np.int32(0), np.int32(0), np.int32(0), np.int32(0)
+        w0, w1, w2, w3 = np.int64(0), np.int64(0), np.int64(0), np.int64(0)
+        g0, g1 = chunk_range(vocab, chunks, c)
+        for g in range(g0 + tid, g1, threads):
+            ls = load4(words, row, g, vocab)
+            for e in range(4):
+                i = 4 * g + e
+                x = scaled(ls[e], inv_t)
+                before = x > xj or (x == xj and i < j)
+                if before or (ladder and x >= taus[3]):
+                    w = weight(x, m)
+                    if before:
+                        cnt += np.int32(1)
+                        mass += w
+                    if ladder:
+                        if x >= taus[0]:
+                            c0 += np.int32(1)
+                            w0 += w
+                        if x >= taus[1]:
+                            c1 += np.int32(1)
+                            w1 += w
+                        if x >= taus[2]:
+                            c2 += np.int32(1)
+                            w2 += w
+                        c3 += np.int32(1)
+                        w3 += w
+        cnt64 = block_sum(np.int64(cnt), shi)
+        mass = block_sum(mass, shi)
+        if tid == 0:
+            part_i[b, 3] = cnt64
+            part_i[b, 4] = mass
+        if ladder:
+            c0, c1 = block_sum(np.int64(c0), shi), block_sum(np.int64(c1), shi)
+            c2, c3 = block_sum(np.int64(c2), shi), block_sum(np.int64(c3), shi)
+            w0, w1, w2, w3 = block_sum(w0, shi), block_sum(w1, shi), block_sum(w2, shi), block_sum(w3, shi)
+            if tid == 0:
+                part_i[b, 5], part_i[b, 6], part_i[b, 7], part_i[b, 8] = c0, c1, c2, c3
+                part_i[b, 9], part_i[b, 10], part_i[b, 11], part_i[b, 12] = w0, w1, w2, w3
+
+    if SIMULATOR:
+        return cuda.jit(pass1), cuda.jit(pass2), cuda.jit(pass3)
+    jit = cuda.jit(launch_bounds=(threads, 2 if vec else 1))
+    return jit(pass1), jit(pass2), jit(pass3)
+
+
+@lru_cache(maxsize=None)
+def make_fallback_kernel(kind, vec, threads=FALLBACK_THREADS, nbins_log2=NBINS_LOG2, split=False):
     """The exact fallback for the rows the hot kernel left pending; `threads` per CTA (a multiple of
-    32), 2**nbins_log2 radix bins."""
+    32), 2**nbins_log2 radix bins. split: the split path's last kernel, which first merges pass 3's
+    partials, decides every row and writes its token, and continues only with the undecided rows."""
     assert threads % 32 == 0
     load4, load1 = _make_loaders(kind, vec)
     ops = _make_block_ops(threads)
     block_max, block_argmax, block_exclusive_scan = ops.max, ops.argmax, ops.exclusive_scan
+    parts_sum = ops.parts_sum
     philox, gumbel, weight, scaled, key, add = GPU.philox, GPU.gumbel, GPU.weight, GPU.scaled, GPU.key, GPU.add
     inverse_temperature = GPU.inverse_temperature
     NB, NW = 1 << nbins_log2, threads // 32
@@ -866,7 +1136,62 @@ def make_fallback_kernel(kind, vec, threads=FALLBACK_THREADS, nbins_log2=NBINS_L
             out_tokens[row] = token
             out_logprobs[row] = load1(words, row, token, np.int64(vocab)) - state_f[row, 1]
 
-    return cuda.jit(fallback) if SIMULATOR else cuda.jit(launch_bounds=(threads, 1))(fallback)
+    def split_fallback(words, vocab, chunks, temperature, top_k, top_p, seed, comp_index, position, out_tokens,
+                       out_logprobs, state_i, state_f, part_i, part_f):
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        hist_c = cuda.shared.array(NB, np.int32)
+        hist_w = cuda.shared.array(NB, np.int64)
+        shf = cuda.shared.array(NW, np.float32)
+        sh1 = cuda.shared.array(NW if NW > 4 else 4, np.int64)
+        sh2 = cuda.shared.array(NW if NW > 4 else 4, np.int64)
+        vocab = np.int64(vocab)
+        t, tk, tp = temperature[row], top_k[row], top_p[row]
+        rmax = state_f[row, 0]
+        token = state_i[row, 0]                               # greedy: the argmax; sampled: j
+        kk = np.int64(tk) if 0 < tk < vocab else vocab
+        use_p = tp < 1
+        base = row * chunks
+        total = state_i[row, 3]
+        cnt, mass = np.int64(0), np.int64(0)
+        c0, c1, c2, c3 = np.int64(0), np.int64(0), np.int64(0), np.int64(0)
+        # every thread merges (the conditions are the row's, so whole warps shuffle); exact sums: all agree
+        if t > 0 and rmax > NEG_INF and (kk < vocab or use_p):
+            cnt, mass = parts_sum(part_i, base, chunks, 3), parts_sum(part_i, base, chunks, 4)
+            if kk < vocab and use_p:                          # Z_k from below: see the split path's notes
+                c0, c1 = parts_sum(part_i, base, chunks, 5), parts_sum(part_i, base, chunks, 6)
+                c2, c3 = parts_sum(part_i, base, chunks, 7), parts_sum(part_i, base, chunks, 8)
+                if cnt < kk:
+                    inv_t = inverse_temperature(t)
+                    m = scaled(rmax, inv_t)
+                    zlo = mass + weight(scaled(load1(words, row, token, vocab), inv_t), m)
+                    if c0 <= kk:                              # M_q: a prefix of at most K' ranks
+                        zlo = max(zlo, parts_sum(part_i, base, chunks, 9))
+                    if c1 <= kk:
+                        zlo = max(zlo, parts_sum(part_i, base, chunks, 10))
+                    if c2 <= kk:
+                        zlo = max(zlo, parts_sum(part_i, base, chunks, 11))
+                    if c3 <= kk:
+                        zlo = max(zlo, parts_sum(part_i, base, chunks, 12))
+                    if not np.float64(mass) < np.float64(np.float32(tp)) * np.float64(zlo):
+                        token = np.int64(-1)
+                else:
+                    token = np.int64(-1)
+            elif use_p:
+                if not np.float64(mass) < np.float64(tp) * np.float64(total):
+                    token = np.int64(-1)
+            elif cnt >= kk:
+                token = np.int64(-1)
+        if token < 0:
+            st = (state_i[row, 0], cnt, mass, total, c0, c1, c2, c3)
+            token = fallback_row(words, row, vocab, t, tk, tp, seed[row], comp_index[row], position[row], rmax, st,
+                                 hist_c, hist_w, shf, sh1, sh2)
+        if tid == 0:
+            out_tokens[row] = token
+            out_logprobs[row] = load1(words, row, token, vocab) - state_f[row, 1]
+
+    kernel = split_fallback if split else fallback
+    return cuda.jit(kernel) if SIMULATOR else cuda.jit(launch_bounds=(threads, 1))(kernel)
 
 
 # ----------------------------------------------------------------------------------------
@@ -895,6 +1220,22 @@ def launch(words, vocab, kind, vec, temperature, top_k, top_p, seed, comp_index,
     make_fallback_kernel(kind, bool(vec), fallback_threads, nbins_log2)[n, fallback_threads, stream](*args)
 
 
+def launch_split(words, vocab, kind, vec, chunks, temperature, top_k, top_p, seed, comp_index, position,
+                 out_tokens, out_logprobs, state_i, state_f, part_i, part_f, stream=0, threads=THREADS,
+                 fallback_threads=FALLBACK_THREADS, nbins_log2=NBINS_LOG2):
+    """Launch the split path, no checks: passes 1-3 on rows * chunks CTAs, then the split fallback on
+    one CTA per row. Arguments as in launch, plus chunks (CTAs per row, >= 1), part_i
+    [rows * chunks, len(PART_I64)] int64 and part_f [rows * chunks, len(PART_F32)] float32 (scratch)."""
+    n = out_tokens.shape[0]
+    if n == 0:
+        return
+    args = (words, vocab, chunks, temperature, top_k, top_p, seed, comp_index, position, out_tokens, out_logprobs,
+            state_i, state_f, part_i, part_f)
+    for kernel in make_split_kernels(kind, bool(vec), threads):
+        kernel[n * chunks, threads, stream](*args)
+    make_fallback_kernel(kind, bool(vec), fallback_threads, nbins_log2, True)[n, fallback_threads, stream](*args)
+
+
 _KINDS = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16"}
 _VIEWS = {}                         # (address, shape, dtype, device, view) -> (numba view, tensor)
 _MAX_VIEWS = 256
@@ -920,17 +1261,21 @@ def _view(t):
     return hit[0]
 
 
-def _state(device, n):
-    """The scratch the hot kernel leaves to the fallback kernel, one per (device, rows): calls on one
-    stream run in order, so reusing it is safe, also inside a captured graph."""
+def _state(device, n, chunks=0):
+    """The scratch one kernel leaves to the next, one per (device, rows, chunks): (state_i, state_f)
+    and, for the split path (chunks >= 1), the partials (part_i, part_f). Calls on one stream run in
+    order, so reusing it is safe, also inside a captured graph. Zeroed once: the split fallback sums
+    partials a row does not use (never their values), which then stay finite."""
     import torch
 
-    hit = _STATE.get((device, n))
+    hit = _STATE.get((device, n, chunks))
     if hit is None:
-        ti = torch.empty((n, len(STATE_I64)), dtype=torch.int64, device=device)
-        tf = torch.empty((n, len(STATE_F32)), dtype=torch.float32, device=device)
-        hit = _STATE[(device, n)] = (_wrap(ti), _wrap(tf), ti, tf)
-    return hit[0], hit[1]
+        shapes = [((n, len(STATE_I64)), torch.int64), ((n, len(STATE_F32)), torch.float32)]
+        if chunks:
+            shapes += [((n * chunks, len(PART_I64)), torch.int64), ((n * chunks, len(PART_F32)), torch.float32)]
+        tensors = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+        hit = _STATE[(device, n, chunks)] = (tuple(_wrap(t) for t in tensors), tensors)
+    return hit[0]
 
 
 def clear_caches():
@@ -976,9 +1321,12 @@ def _check(logits, params, out_tokens, out_logprobs, on_cpu):
 
 
 def sample_cuda(logits, temperature, top_k, top_p, seed, index, position, out_tokens, out_logprobs,
-                threads=THREADS, fallback_threads=FALLBACK_THREADS, nbins_log2=NBINS_LOG2):
+                threads=THREADS, fallback_threads=FALLBACK_THREADS, nbins_log2=NBINS_LOG2, chunks=None):
     """Sample one token per row on the GPU, on torch's current stream: no host sync, no allocation,
     launch configuration fixed by (N, V, dtype), so a CUDA graph can capture it.
+
+    chunks: CTAs per row of the split path; None: split_chunks(N, V, threads) when SPLIT_ROWS, else 0;
+    0: the one-CTA path (hot and fallback kernels).
 
     logits [N, V] float32/float16/bfloat16; temperature [N] float32 (<= 0: greedy); top_k [N] int32
     (<= 0 or >= V: off); top_p [N] float32 (>= 1: off); seed [N] int64 (the 64-bit key); index [N]
@@ -997,15 +1345,23 @@ def sample_cuda(logits, temperature, top_k, top_p, seed, index, position, out_to
     align = 16 if kind == "f32" else 8
     vec = vocab % 4 == 0 and logits.data_ptr() % align == 0
     words = _wrap(logits, torch.int32 if kind == "f32" else (torch.int64 if vec else torch.int16))
-    args = [_view(t) for t in params] + [_view(out_tokens), _view(out_logprobs)] + list(_state(logits.device, n))
+    if chunks is None:
+        chunks = split_chunks(n, vocab, threads) if SPLIT_ROWS else 0
+    args = [_view(t) for t in params] + [_view(out_tokens), _view(out_logprobs)] + list(_state(logits.device, n, chunks))
     config = dict(threads=threads, fallback_threads=fallback_threads, nbins_log2=nbins_log2)
+    if chunks:
+        def go(**kw):
+            launch_split(words, vocab, kind, vec, chunks, *args, **kw, **config)
+    else:
+        def go(**kw):
+            launch(words, vocab, kind, vec, *args, **kw, **config)
     if SIMULATOR:
-        launch(words, vocab, kind, vec, *args, **config)
+        go()
     elif torch.cuda.current_device() != logits.device.index:
         with torch.cuda.device(logits.device):
-            launch(words, vocab, kind, vec, *args, stream=torch_stream(logits.device), **config)
+            go(stream=torch_stream(logits.device))
     else:
-        launch(words, vocab, kind, vec, *args, stream=torch_stream(logits.device), **config)
+        go(stream=torch_stream(logits.device))
     return out_tokens, out_logprobs
 
 

@@ -48,6 +48,9 @@ EXP_C = tuple(F32(1.0 / f) for f in (5040, 720, 120, 24, 6, 2, 1, 1))
 # the Gumbel noise of a 23-bit uniform lies in [-2.82, 16.64]; the kernels skip tokens with
 # x + G_MAX below (max x) + G_MIN, which can never win
 G_MAX, G_MIN = F32(17.0), F32(-3.0)
+# the largest noise, that of u = 1 - 2**-24 (word 0xFFFFFFFF): no token scores more than x_i + G_TOP, so
+# the split kernels skip the tokens with fl(x_i + G_TOP) below a score already reached
+G_TOP = F32(16.635532)
 
 
 def philox4x32_10(c0, c1, c2, c3, k0, k1):

@@ -36,7 +36,8 @@ KAT = [
 ]
 
 # the kernels under the simulator: one warp per CTA and 64 radix bins, so a key range takes up to
-# 6 levels (the GPU's 512/384 threads and 2048 bins take up to 3)
+# 6 levels (the GPU's 512/384 threads and 2048 bins take up to 3); chunks: CTAs per row of the split
+# path (0: the one-CTA path), several even on tiny rows so that partials are merged
 SIM = dict(threads=32, fallback_threads=32, nbins_log2=6)
 
 
@@ -108,7 +109,7 @@ def check_against_reference(tokens, logprobs, want_tokens, want_logprobs, what):
 def test_constants_match_the_reference():
     for name in ("PHILOX_M0", "PHILOX_M1", "PHILOX_W0", "PHILOX_W1", "FLT_MAX", "INV_T_MIN", "TWO_M23",
                  "WEIGHT_ONE", "WEIGHT_CUT", "MAX_VOCAB", "SQRT2", "LN2_HI", "LN2_LO", "LOG2E", "G_MAX",
-                 "G_MIN"):
+                 "G_MIN", "G_TOP"):
         assert getattr(ks, name) == getattr(ref, name), name
     assert (ks.LOG_C11, ks.LOG_C9, ks.LOG_C7, ks.LOG_C5, ks.LOG_C3) == ref.LOG_C
     assert (ks.EXP_C7, ks.EXP_C6, ks.EXP_C5, ks.EXP_C4, ks.EXP_C3, ks.EXP_C2, ks.ONE, ks.ONE) == ref.EXP_C
@@ -161,6 +162,8 @@ def test_gumbel_bitwise_equal_and_accurate(uniforms_words):
     assert np.abs(want - exact).max() < 2e-6
     # the kernels skip tokens by these bounds: every draw must lie inside them
     assert ref.G_MIN < want.min() and want.max() < ref.G_MAX
+    # the split kernels' bound is the largest noise itself, that of the largest word
+    assert want.max() == ref.G_TOP == ref.gumbel(np.uint32(0xFFFFFFFF))
     order = np.argsort(uniforms_words >> np.uint32(9))
     assert np.all(np.diff(want[order]) >= 0), "the noise must be monotone in u"
 
@@ -230,16 +233,23 @@ def test_cpu_version_half_logits(dtype):
     check_against_reference(tokens.numpy(), logprobs.numpy().astype(np.float64), want_t, want_lp, str(dtype))
 
 
-# vocab, dtype, rows: V % 4 == 0 reads 16-byte (f32) or 8-byte (fp16/bf16) words, otherwise one
-# element per load; the simulator runs ~1 s per fallback row, so the default run takes two cases
-SIM_CASES = [(96, torch.float32, 6), (98, torch.bfloat16, 6),
-             pytest.param(97, torch.float32, 12, marks=pytest.mark.slow),
-             pytest.param(200, torch.float16, 12, marks=pytest.mark.slow),
-             pytest.param(128, torch.bfloat16, 12, marks=pytest.mark.slow)]
+# vocab, dtype, rows, chunks: V % 4 == 0 reads 16-byte (f32) or 8-byte (fp16/bf16) words, otherwise
+# one element per load; chunks 0 is the one-CTA path. The simulator runs ~1 s per fallback row and
+# ~0.1 s per CTA, so the default run takes one case of the split path (the engine's); the one-CTA path
+# (SPLIT_ROWS = False) runs in the slow set
+SIM_CASES = [(96, torch.float32, 6, 3),
+             pytest.param(98, torch.bfloat16, 4, 0, marks=pytest.mark.slow),
+             pytest.param(97, torch.float32, 9, 7, marks=pytest.mark.slow),
+             pytest.param(98, torch.bfloat16, 6, 5, marks=pytest.mark.slow),
+             pytest.param(200, torch.float16, 12, 1, marks=pytest.mark.slow),
+             pytest.param(128, torch.bfloat16, 12, 4, marks=pytest.mark.slow),
+             pytest.param(97, torch.float32, 12, 0, marks=pytest.mark.slow),
+             pytest.param(200, torch.float16, 12, 0, marks=pytest.mark.slow),
+             pytest.param(128, torch.bfloat16, 12, 0, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("vocab,dtype,n", SIM_CASES)
-def test_kernels_in_simulator_equal_reference(vocab, dtype, n):
+@pytest.mark.parametrize("vocab,dtype,n,chunks", SIM_CASES)
+def test_kernels_in_simulator_equal_reference(vocab, dtype, n, chunks):
     rows = make_rows(300, vocab, seed=vocab + 1)
     misses = unrestricted_argmax_misses(rows)
     # two thirds fallback rows (top_k, top_p, both; ties, -inf), the rest end in passes 1-3
@@ -250,26 +260,45 @@ def test_kernels_in_simulator_equal_reference(vocab, dtype, n):
     want_t, want_lp = run_reference(rows)
     tokens, logprobs = torch.empty(n, dtype=torch.int32), torch.empty(n)
     ks.sample_cuda(logits, st.temperature, st.top_k, st.top_p, st.seed, st.index, st.position, tokens,
-                   logprobs, **SIM)
+                   logprobs, **SIM, chunks=chunks)
     check_against_reference(tokens.numpy(), logprobs.numpy().astype(np.float64), want_t, want_lp, "kernels")
 
 
+def tie_at_the_bound_row(vocab, position, i, a):
+    """T = 1 logits where token i < a ties the raw argmax a's score exactly, and sits exactly at the
+    split kernels' skip bound: fl(l_i + G_TOP) == s_a == fl(l_i + g_i) (l near 2**24, where floats are
+    2 apart; seed 12345, index 0 and `position` give token i a noise above 15). The rule picks i (the
+    lower index of a tie); a kernel that skipped tokens at the bound (> instead of >=) would pick a."""
+    g = ref.gumbel(ref.noise_words(12345, 0, position, np.arange(vocab)))
+    l = np.zeros(vocab, np.float32)
+    l[a] = np.float32(2**24 + 64)
+    s_a = l[a] + g[a]
+    l[i] = s_a - np.float32(16)
+    assert l[i] < l[a] and l[i] + ref.G_TOP == s_a and l[i] + g[i] == s_a, "not a tie at the bound"
+    return l
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered")    # -inf - -inf in the all -inf row
-def test_kernel_boundary_cases_in_simulator():
+@pytest.mark.parametrize("chunks", [3, pytest.param(0, marks=pytest.mark.slow)])
+def test_kernel_boundary_cases_in_simulator(chunks):
     """A top-k boundary inside a group of ties (the index selection), top_k with top_p splitting the
-    group, top_p taking the whole group, a row of -inf, an all-equal row."""
+    group, top_p taking the whole group, a row of -inf, an all-equal row; greedy ties in three chunks
+    (the lowest index is not in the first); a Gumbel tie at the skip bound, in two chunks (rows 6, 7)."""
     vocab = 64
     tie_row = np.zeros(vocab, dtype=np.float32)
     tie_row[[3, 9, 17, 40, 41, 63]] = 2.0                        # six tied leaders, one group
+    greedy_row = np.zeros(vocab, dtype=np.float32)
+    greedy_row[[47, 23, 48]] = 3.0                                # chunks of 24 tokens: 0-23, 24-47, 48-63
     rows = dict(
         logits=np.stack([tie_row, tie_row, tie_row, np.full(vocab, -np.inf, np.float32),
-                         np.zeros(vocab, np.float32)]),
-        temperature=np.array([1.0, 1.0, 1.0, 1.0, 1.0], np.float32),
-        top_k=np.array([4, 5, 0, 3, 2], np.int32),
-        top_p=np.array([1.0, 0.3, 0.4, 0.5, 1.0], np.float32),
-        seed=np.arange(5, dtype=np.int64) * 1_000_003,
-        index=np.zeros(5, np.int32),
-        position=np.arange(5, dtype=np.int32),
+                         np.zeros(vocab, np.float32), greedy_row, tie_at_the_bound_row(vocab, 2031, 7, 50),
+                         tie_at_the_bound_row(vocab, 8117, 37, 50)]),
+        temperature=np.array([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0], np.float32),
+        top_k=np.array([4, 5, 0, 3, 2, 0, 0, 0], np.int32),
+        top_p=np.array([1.0, 0.3, 0.4, 0.5, 1.0, 1.0, 1.0, 1.0], np.float32),
+        seed=np.array([0, 1, 2, 3, 4, 5, 12345, 12345], dtype=np.int64) * np.array([1_000_003] * 6 + [1, 1]),
+        index=np.zeros(8, np.int32),
+        position=np.array([0, 1, 2, 3, 4, 5, 2031, 8117], dtype=np.int32),
     )
     # draw positions until every row hits the fallback (the unrestricted argmax lies outside S)
     for r in range(3):
@@ -277,12 +306,43 @@ def test_kernel_boundary_cases_in_simulator():
             rows["position"][r] += 5
     want_t, want_lp = run_reference(rows)
     logits, st = tensors(rows)
-    tokens, logprobs = torch.empty(5, dtype=torch.int32), torch.empty(5)
+    tokens, logprobs = torch.empty(8, dtype=torch.int32), torch.empty(8)
     ks.sample_cuda(logits, st.temperature, st.top_k, st.top_p, st.seed, st.index, st.position, tokens,
-                   logprobs, **SIM)
+                   logprobs, **SIM, chunks=chunks)
     assert tokens.tolist() == want_t.tolist()
     assert tokens[3] == 0 and torch.isnan(logprobs[3])             # all -inf: token 0, logprob NaN
     assert tokens[4] in (0, 1)                                      # all equal, top_k 2: the lowest two
+    assert tokens[5:].tolist() == [23, 7, 37]
+
+
+def test_skip_bound_never_drops_the_winner():
+    """The split kernels draw no noise for a token with fl(x_i + G_TOP) < s_a, the raw argmax a's
+    score: such a token scores strictly below the winner (no tie either). On model-like rows (a few
+    leaders ~20 above a randn floor) it skips > 99% of the tokens; on flat rows it skips nothing."""
+    g = np.random.default_rng(4)
+    vocab, ids = 4096, np.arange(4096)
+    skipped = []
+    for r in range(60):
+        model_like = r % 2 == 0
+        l = (g.standard_normal(vocab) * (2.0 if model_like else 1.0)).astype(np.float32)
+        if model_like:
+            l[g.choice(vocab, 10, replace=False)] = 20 + g.standard_normal(10).astype(np.float32)
+        if r % 3 == 0:
+            l = np.round(l)                                         # ties, also among the leaders
+        x = ref.scaled_logits(l, ref.inverse_temperature(np.float32(0.8)))
+        score = x + ref.gumbel(ref.noise_words(r, 0, 7, ids))
+        a = int(np.argmax(x))
+        skip = x + ref.G_TOP < score[a]
+        assert not skip[score == score.max()].any()
+        assert (score[skip] < score.max()).all()
+        skipped.append(skip.mean())
+    assert min(skipped[0::2]) > 0.99 and max(skipped[1::2]) < 0.01, skipped
+
+
+def test_split_chunks():
+    # N = 1: 64 CTAs per row; N = 8: 33 (264 in all); N >= 264: one; tiny rows: one group per thread
+    assert [ks.split_chunks(n, 151936) for n in (1, 4, 8, 16, 256, 264, 1024)] == [64, 64, 33, 17, 2, 1, 1]
+    assert ks.split_chunks(1, 96, threads=32) == 1 and ks.split_chunks(1, 4096, threads=32) == 32
 
 
 # ----------------------------------------------------------------------------------------

@@ -5,13 +5,16 @@ pattern of tests/test_kernel_codegen.py), with the argument types sample_cuda pa
 what kernels_numba/sampling.py promises:
 
 * no local memory in the PTX, and ptxas reports 0 bytes of spills and of stack;
-* the hot kernel on aligned rows fits 72 registers (its launch bounds: two CTAs of 448 threads per
-  SM) and reads the row in 16-byte (float32: ld.global.v4) or 8-byte (fp16/bf16) words;
+* the hot kernel and the split path's pass kernels on aligned rows fit 72 registers (their launch
+  bounds: two CTAs of 448 threads per SM) and read the row in 16-byte (float32: ld.global.v4) or
+  8-byte (fp16/bf16) words;
 * the written-out exp/log use mul.rn / add.rn / div.rn: PTX operations with an explicit rounding
   mode, which ptxas never fuses into an FMA (the CPU rounds every operation separately too);
-* no atomics on global memory; the fallback's histograms use shared-memory atomics, within 48 KiB.
+* no atomics on global memory (the split path merges partials in the next kernel); the fallbacks'
+  histograms use shared-memory atomics, within 48 KiB.
 
-The default run compiles the float32 kernels on aligned rows (the engine's case); the rest are slow.
+The default run compiles the split path's float32 kernels on aligned rows (the engine's case); the
+one-CTA path and the other dtypes are slow.
 """
 import json
 import os
@@ -39,10 +42,16 @@ for name, kind, vec in json.loads(sys.argv[1]):
     sig = (words, types.int64, types.float32[::1], types.int32[::1], types.float32[::1], types.int64[::1],
            types.int32[::1], types.int32[::1], types.int32[::1], types.float32[::1], types.int64[:, ::1],
            types.float32[:, ::1])
+    if name.startswith("split"):            # + chunks after vocab, + the partials
+        sig = sig[:2] + (types.int64,) + sig[2:] + (types.int64[:, ::1], types.float32[:, ::1])
     if name == "hot":
         kernel, bounds = s.make_hot_kernel(kind, vec), (s.THREADS, 2 if vec else 1)
-    else:
+    elif name == "fallback":
         kernel, bounds = s.make_fallback_kernel(kind, vec), (s.FALLBACK_THREADS, 1)
+    elif name == "splitfb":
+        kernel, bounds = s.make_fallback_kernel(kind, vec, split=True), (s.FALLBACK_THREADS, 1)
+    else:
+        kernel, bounds = s.make_split_kernels(kind, vec)[int(name[-1]) - 1], (s.THREADS, 2 if vec else 1)
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), launch_bounds=bounds)
     tag = f"{name}_{kind}_{int(vec)}"
     open(f"{sys.argv[2]}/{tag}.ptx", "w").write(ptx)
@@ -60,10 +69,17 @@ for name, kind, vec in json.loads(sys.argv[1]):
 print(json.dumps(out))
 """
 
-# (kernel, logits kind, 16-/8-byte words)
+# (kernel, logits kind, 16-/8-byte words); split1-3, splitfb: the split path's kernels (the default)
 CONFIGS = [
-    ("hot", "f32", True),
-    ("fallback", "f32", True),
+    ("split1", "f32", True),
+    ("split2", "f32", True),
+    ("split3", "f32", True),
+    ("splitfb", "f32", True),
+    pytest.param(("split2", "f16", True), marks=pytest.mark.slow),
+    pytest.param(("split3", "bf16", False), marks=pytest.mark.slow),
+    pytest.param(("splitfb", "f16", True), marks=pytest.mark.slow),
+    pytest.param(("hot", "f32", True), marks=pytest.mark.slow),
+    pytest.param(("fallback", "f32", True), marks=pytest.mark.slow),
     pytest.param(("hot", "f16", True), marks=pytest.mark.slow),
     pytest.param(("hot", "bf16", False), marks=pytest.mark.slow),
     pytest.param(("hot", "f32", False), marks=pytest.mark.slow),
@@ -104,10 +120,13 @@ def test_ptx(compiled, cfg):
     name, kind, vec = cfg
     assert not stats["local"], f"{_tag(cfg)}: local memory in the PTX"
     assert stats["atom_global"] == 0, stats
-    assert stats["mul_rn"] > 0 and stats["add_rn"] > 0 and stats["div_rn"] > 0, stats
+    if name != "split1":                        # pass 1 is the raw logsumexp: no written-out math
+        assert stats["mul_rn"] > 0 and stats["add_rn"] > 0 and stats["div_rn"] > 0, stats
     if name == "hot" and vec:                   # passes 1, 2, 3 each read the row in wide words
         assert stats["ld_v4" if kind == "f32" else "ld_u64"] >= 3, stats
-    if name == "fallback":
+    if name in ("split1", "split2", "split3") and vec and kind == "f32":
+        assert stats["ld_v4"] >= 1, stats
+    if name in ("fallback", "splitfb"):
         assert stats["atom_shared"] > 0, stats
 
 
@@ -129,6 +148,6 @@ def test_ptxas_no_spills(compiled, cfg):
     assert "0 bytes stack frame" in report, report
     regs = int(re.search(r"Used (\d+) registers", report).group(1))
     name, _, vec = cfg
-    if name == "hot" and vec:
+    if name in ("hot", "split1", "split2", "split3") and vec:     # launch bounds: two CTAs of 448 per SM
         assert regs <= 72, report
     assert int(re.search(r"(\d+) bytes smem", report).group(1)) <= 48 * 1024, report
