@@ -51,7 +51,8 @@ import torch
 from numba import cuda, float32
 
 from kernels_numba import bridge, common
-from kernels_numba.bridge import check_tensor, torch_stream
+from kernels_numba.bridge import torch_stream
+from kernels_numba.paged_prefill_fa2 import check_args, check_values
 from pagedattn.errors import KernelLaunchError
 
 THREADS = 128
@@ -60,6 +61,18 @@ HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (8, 16, 32)
 DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 NEG_INF = np.float32(-np.inf)
+
+
+@cuda.jit(device=True, inline=True)
+def find_tile(cu_seqlens_q, num_seqs, bq, t):
+    """CTA t of the 1-D grid -> (sequence, q tile): each sequence's ceil(q_len / bq) tiles in turn, its last
+    (heaviest: the longest causal range) first; (-1, 0) past the last tile (the grid is an upper bound)."""
+    for i in range(num_seqs):
+        ntiles = (cu_seqlens_q[i + 1] - cu_seqlens_q[i] + bq - 1) // bq
+        if t < ntiles:
+            return i, ntiles - 1 - t
+        t -= ntiles
+    return -1, 0
 
 
 def tile_rows(head_dim, version):
@@ -148,16 +161,7 @@ def _build_v1(head_dim, kind):
         bq = BM // group  # queries per tile
 
         # ---- which (sequence, q tile) is this CTA: scan the chunk lengths
-        t = cuda.blockIdx.x
-        s = -1
-        tile = 0
-        for i in range(context_lens.shape[0]):
-            ntiles = (cu_seqlens_q[i + 1] - cu_seqlens_q[i] + bq - 1) // bq
-            if t < ntiles:
-                s = i
-                tile = ntiles - 1 - t  # last (heaviest) tile first
-                break
-            t -= ntiles
+        s, tile = find_tile(cu_seqlens_q, context_lens.shape[0], bq, cuda.blockIdx.x)
         if s < 0:
             return  # past the last tile: the grid is an upper bound
         q_start = cu_seqlens_q[s]
@@ -341,16 +345,7 @@ def _build_v2(head_dim, kind, fixed_block_size=0, fast_exp=False):
         group = num_heads // num_kv_heads
         bq = BM // group
 
-        t = cuda.blockIdx.x
-        s = -1
-        tile = 0
-        for i in range(context_lens.shape[0]):
-            ntiles = (cu_seqlens_q[i + 1] - cu_seqlens_q[i] + bq - 1) // bq
-            if t < ntiles:
-                s = i
-                tile = ntiles - 1 - t  # last (heaviest) tile first
-                break
-            t -= ntiles
+        s, tile = find_tile(cu_seqlens_q, context_lens.shape[0], bq, cuda.blockIdx.x)
         if s < 0:
             return
         q_start = cu_seqlens_q[s]
@@ -588,65 +583,21 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     check_bounds: deprecated name of `validate`
     Returns out [total_q, num_heads, head_dim] in q's dtype. Runs on torch's current stream.
     """
-    half = tuple(DTYPES)
-    check_tensor("q", q, 3, half)
-    check_tensor("k_cache", k_cache, 4, half)
-    check_tensor("v_cache", v_cache, 4, half)
-    check_tensor("block_tables", block_tables, 2, (torch.int32,))
-    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
-    check_tensor("context_lens", context_lens, 1, (torch.int32,))
+    out, group = check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, HEAD_DIMS, BLOCK_SIZES)
     total_q, num_heads, head_dim = q.shape
-    num_blocks, num_kv_heads, block_size, cache_head_dim = k_cache.shape
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise KernelLaunchError(f"k_cache/v_cache dtype must equal q.dtype={q.dtype}, got {k_cache.dtype}/{v_cache.dtype}")
-    if v_cache.shape != k_cache.shape:
-        raise KernelLaunchError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise KernelLaunchError("k_cache and v_cache must be contiguous")
-    if cache_head_dim != head_dim:
-        raise KernelLaunchError(f"q head_dim={head_dim} must equal the cache's head_dim={cache_head_dim}")
-    if head_dim not in HEAD_DIMS:
-        raise KernelLaunchError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
-    if block_size not in BLOCK_SIZES:
-        raise KernelLaunchError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
-    if num_heads % num_kv_heads != 0:
-        raise KernelLaunchError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    group = num_heads // num_kv_heads
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    num_seqs = context_lens.shape[0]
     version = DEFAULT_VERSION if version is None else version
     if version not in VERSIONS:
         raise KernelLaunchError(f"version must be one of {sorted(VERSIONS)}, got {version!r}")
     if group > tile_rows(head_dim, version):
         raise KernelLaunchError(
             f"GQA group num_heads/num_kv_heads={group} must be <= {tile_rows(head_dim, version)} for v{version}")
-    num_seqs = context_lens.shape[0]
-    if cu_seqlens_q.shape[0] != num_seqs + 1:
-        raise KernelLaunchError(f"cu_seqlens_q must be [num_seqs + 1 = {num_seqs + 1}], got {tuple(cu_seqlens_q.shape)}")
-    if block_tables.shape[0] != num_seqs:
-        raise KernelLaunchError(f"block_tables must have num_seqs={num_seqs} rows, got {block_tables.shape[0]}")
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    else:
-        check_tensor("out", out, 3, (q.dtype,))
-        if out.shape != q.shape:
-            raise KernelLaunchError(f"out must be {tuple(q.shape)}, got {tuple(out.shape)}")
     if check_bounds is not None:
         warnings.warn("check_bounds= is deprecated: use validate=", DeprecationWarning, stacklevel=2)
         validate = check_bounds
     if validate:
-        cu, ctx = cu_seqlens_q.cpu().long(), context_lens.cpu().long()
-        q_lens = cu[1:] - cu[:-1]
-        if int(cu[0]) != 0 or int(cu[-1]) != total_q or bool((q_lens < 1).any()):
-            raise KernelLaunchError(f"cu_seqlens_q must rise from 0 to total_q={total_q} by >= 1 per sequence")
-        if bool((ctx < q_lens).any()):
-            raise KernelLaunchError("context_lens must be >= each sequence's q_len")
-        need = (ctx + block_size - 1) // block_size
-        if num_seqs and int(need.max()) > block_tables.shape[1]:
-            raise KernelLaunchError(f"block_tables has {block_tables.shape[1]} columns, a sequence needs {int(need.max())}")
-        bt = block_tables.cpu().long()
-        for s in range(num_seqs):
-            used = bt[s, : int(need[s])]
-            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
-                raise KernelLaunchError(f"block_tables[{s}] has block ids outside [0, {num_blocks})")
+        check_values(block_tables, cu_seqlens_q, context_lens, total_q, num_blocks, block_size)
     if total_q == 0 or num_seqs == 0:
         return out
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)

@@ -771,7 +771,7 @@ def _words(name, t, cached=False):
     return (bridge.cached_view if cached else bridge.as_array)(t, "uint32", flat=True)
 
 
-def _check_values(block_tables, cu_seqlens_q, context_lens, total_q, num_blocks, block_size):
+def check_values(block_tables, cu_seqlens_q, context_lens, total_q, num_blocks, block_size):
     """Metadata values against each other and the pool (one device->host sync)."""
     cu, ctx = cu_seqlens_q.cpu().long(), context_lens.cpu().long()
     q_lens = cu[1:] - cu[:-1]
@@ -786,6 +786,46 @@ def _check_values(block_tables, cu_seqlens_q, context_lens, total_q, num_blocks,
     used = torch.arange(bt.shape[1])[None, :] < need[:, None]
     if bool((used & ((bt < 0) | (bt >= num_blocks))).any()):
         raise KernelLaunchError(f"block_tables has block ids outside [0, {num_blocks})")
+
+
+def check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, head_dims, block_sizes):
+    """The host checks every prefill version shares (shapes, dtypes, contiguity; KernelLaunchError naming the
+    argument). Returns (out, or a new [total_q, H, D] tensor, and the GQA group)."""
+    half = tuple(DTYPES)
+    bridge.check_tensor("q", q, 3, half)
+    bridge.check_tensor("k_cache", k_cache, 4, half)
+    bridge.check_tensor("v_cache", v_cache, 4, half)
+    bridge.check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    bridge.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
+    bridge.check_tensor("context_lens", context_lens, 1, (torch.int32,))
+    total_q, num_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise KernelLaunchError(f"k_cache/v_cache dtype must equal q.dtype={q.dtype}, got {k_cache.dtype}/{v_cache.dtype}")
+    if v_cache.shape != k_cache.shape:
+        raise KernelLaunchError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise KernelLaunchError("k_cache and v_cache must be contiguous")
+    if cache_head_dim != head_dim:
+        raise KernelLaunchError(f"q head_dim={head_dim} must equal the cache's head_dim={cache_head_dim}")
+    if head_dim not in head_dims:
+        raise KernelLaunchError(f"head_dim must be one of {head_dims}, got {head_dim}")
+    if block_size not in block_sizes:
+        raise KernelLaunchError(f"block_size must be one of {block_sizes}, got {block_size}")
+    if num_heads % num_kv_heads != 0:
+        raise KernelLaunchError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    num_seqs = context_lens.shape[0]
+    if cu_seqlens_q.shape[0] != num_seqs + 1:
+        raise KernelLaunchError(f"cu_seqlens_q must be [num_seqs + 1 = {num_seqs + 1}], got {tuple(cu_seqlens_q.shape)}")
+    if block_tables.shape[0] != num_seqs:
+        raise KernelLaunchError(f"block_tables must have num_seqs={num_seqs} rows, got {block_tables.shape[0]}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        bridge.check_tensor("out", out, 3, (q.dtype,))
+        if out.shape != q.shape:
+            raise KernelLaunchError(f"out must be {tuple(q.shape)}, got {tuple(out.shape)}")
+    return out, num_heads // num_kv_heads
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
@@ -807,48 +847,17 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     Returns out [total_q, num_heads, head_dim] in q's dtype. Runs on torch's current stream; with
     validate=False (or while capturing) there is no host sync.
     """
-    half = tuple(DTYPES)
-    bridge.check_tensor("q", q, 3, half)
-    bridge.check_tensor("k_cache", k_cache, 4, half)
-    bridge.check_tensor("v_cache", v_cache, 4, half)
-    bridge.check_tensor("block_tables", block_tables, 2, (torch.int32,))
-    bridge.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
-    bridge.check_tensor("context_lens", context_lens, 1, (torch.int32,))
+    out, group = check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, HEAD_DIMS, BLOCK_SIZES)
     total_q, num_heads, head_dim = q.shape
-    num_blocks, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    num_seqs = context_lens.shape[0]
     version = DEFAULT_VERSION if version is None else version
     if version not in VERSIONS:
         raise KernelLaunchError(f"version must be one of {list(VERSIONS)}, got {version!r}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise KernelLaunchError(f"k_cache/v_cache dtype must equal q.dtype={q.dtype}, got {k_cache.dtype}/{v_cache.dtype}")
-    if v_cache.shape != k_cache.shape:
-        raise KernelLaunchError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise KernelLaunchError("k_cache and v_cache must be contiguous")
-    if cache_head_dim != head_dim:
-        raise KernelLaunchError(f"q head_dim={head_dim} must equal the cache's head_dim={cache_head_dim}")
-    if head_dim not in HEAD_DIMS:
-        raise KernelLaunchError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
-    if block_size not in BLOCK_SIZES:
-        raise KernelLaunchError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
-    if num_heads % num_kv_heads != 0:
-        raise KernelLaunchError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    group = num_heads // num_kv_heads
     if group > tile_rows(version, head_dim):
         raise KernelLaunchError(f"GQA group {group} must be <= {tile_rows(version, head_dim)} rows for v{version}")
-    num_seqs = context_lens.shape[0]
-    if cu_seqlens_q.shape[0] != num_seqs + 1:
-        raise KernelLaunchError(f"cu_seqlens_q must be [num_seqs + 1 = {num_seqs + 1}], got {tuple(cu_seqlens_q.shape)}")
-    if block_tables.shape[0] != num_seqs:
-        raise KernelLaunchError(f"block_tables must have num_seqs={num_seqs} rows, got {block_tables.shape[0]}")
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    else:
-        bridge.check_tensor("out", out, 3, (q.dtype,))
-        if out.shape != q.shape:
-            raise KernelLaunchError(f"out must be {tuple(q.shape)}, got {tuple(out.shape)}")
     if validate and not bridge.capturing():
-        _check_values(block_tables, cu_seqlens_q, context_lens, total_q, num_blocks, block_size)
+        check_values(block_tables, cu_seqlens_q, context_lens, total_q, num_blocks, block_size)
     if total_q == 0 or num_seqs == 0:
         return out
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
