@@ -14,8 +14,14 @@ The rule (reference/sampling.py writes it out in numpy; the three implementation
     device rounds them the same way.
     Also returned: the raw log-probability log_softmax(l)[token] (vLLM's "raw logprobs").
 
-CUDA: one CTA per row, no sort, no global atomics; the row is read in groups of 4 tokens (one 16-byte
-load of float32 or one 8-byte load of fp16/bf16 when V % 4 == 0, and one Philox call for all 4).
+CUDA: no sort, no global atomics; the row is read in groups of 4 tokens (one 16-byte load of float32
+or one 8-byte load of fp16/bf16 when V % 4 == 0, and one Philox call for all 4). Two paths:
+split path (the default, SPLIT_ROWS): each pass is a kernel over split_chunks(N, V) CTAs per row (64 at
+    N = 1, 1 from N = 264 on), the next kernel merging the row's partials; pass 2 draws noise only
+    for tokens that could beat the raw argmax's score, and top_k with top_p bounds Z_k from below
+    before it falls back to a selection (make_split_kernels says how and why both are exact); the
+    last kernel decides every row and runs the one-CTA fallback below for the rows left undecided.
+one-CTA path (chunks = 0): one CTA per row, the passes below in one hot kernel.
 hot kernel (two CTAs of 448 threads per SM, 72 registers):
     pass 1  raw max, logsumexp (online) and argmax.                       greedy rows end here.
     pass 2  m = max x; the Gumbel argmax j over all tokens and Z = sum of weights. A token whose
@@ -37,7 +43,8 @@ Entry points:
         no host sync and no allocation (after a first call per batch size), so it can be captured in
         a CUDA graph.
     sample_cpu(...)     the same arguments as CPU tensors: numba @njit, one row after the other.
-    launch(words, ...)  numba device arrays (numpy under the simulator), no checks.
+    launch_split(words, ...), launch(words, ...)   the two paths on numba device arrays (numpy under
+        the simulator), no checks.
     philox, det_log, det_exp, gumbel, weight, ...: the rule's scalar functions compiled for the CPU
     (GPU holds the device versions).
 """
@@ -1347,7 +1354,8 @@ def sample_cuda(logits, temperature, top_k, top_p, seed, index, position, out_to
     words = _wrap(logits, torch.int32 if kind == "f32" else (torch.int64 if vec else torch.int16))
     if chunks is None:
         chunks = split_chunks(n, vocab, threads) if SPLIT_ROWS else 0
-    args = [_view(t) for t in params] + [_view(out_tokens), _view(out_logprobs)] + list(_state(logits.device, n, chunks))
+    args = [_view(t) for t in params] + [_view(out_tokens), _view(out_logprobs)]
+    args += list(_state(logits.device, n, chunks))
     config = dict(threads=threads, fallback_threads=fallback_threads, nbins_log2=nbins_log2)
     if chunks:
         def go(**kw):

@@ -3,9 +3,10 @@
 Layers: the Philox words (Random123's known answers; numpy == numba CPU == the kernels' device function),
 the written-out exp/log (bit for bit across the three, and close to float64), the rule on whole rows
 (CPU version == reference on thousands of rows, the kernels under the CUDA simulator == reference on
-rows chosen to hit every path), the distribution it samples (chi-square against float64), and
-reproducibility (a seeded row draws the same token alone and in a mixed batch). gpu tests: real
-shapes on the H200 == the CPU version, and a capture-and-replay in a CUDA graph.
+rows chosen to hit every path, the split path on several CTAs per row), the split kernels' skip bound,
+the distribution it samples (chi-square against float64), and reproducibility (a seeded row draws the
+same token alone and in a mixed batch). gpu tests: real shapes on the H200 == the CPU version (N = 1,
+3, 8 and 256, both paths), and a capture-and-replay in a CUDA graph (N = 1, 8, 64).
 
 Tolerances: tokens are compared exactly. Logprobs: the kernels compute log_softmax in float32
 (online max/sum, libdevice exp/log), the CPU version in float64; against the float64 reference both
@@ -512,9 +513,11 @@ def test_bad_arguments_are_named():
 # ----------------------------------------------------------------------------------------
 # GPU: real shapes, against the CPU version, and inside a CUDA graph
 
-# Qwen2's vocabulary (V % 4 == 0: 16-byte / 8-byte words) and odd sizes (element loads)
-GPU_CASES = [(torch.float32, 151936), (torch.float16, 151936), (torch.bfloat16, 151936),
-             (torch.float32, 151935), (torch.bfloat16, 151934)]
+# Qwen2's vocabulary (V % 4 == 0: 16-byte / 8-byte words) and odd sizes (element loads); chunks None:
+# the default (the split path, 2 CTAs per row at N = 256), 0: the one-CTA path
+GPU_CASES = [(torch.float32, 151936, None), (torch.float16, 151936, None), (torch.bfloat16, 151936, None),
+             (torch.float32, 151935, None), (torch.bfloat16, 151934, None), (torch.float32, 151936, 0),
+             (torch.bfloat16, 151934, 0)]
 
 
 def real_batch(n=256, vocab=151936, seed=0):
@@ -533,16 +536,43 @@ def real_batch(n=256, vocab=151936, seed=0):
     return logits, st
 
 
+def sample_gpu(logits, st, chunks=None):
+    """ks.sample_cuda on CUDA copies of logits [N, V] and st; chunks as in sample_cuda. Returns CPU
+    (tokens, logprobs)."""
+    fields = [getattr(st, f).cuda() for f in ("temperature", "top_k", "top_p", "seed", "index", "position")]
+    n = logits.shape[0]
+    tokens, logprobs = torch.empty(n, dtype=torch.int32, device="cuda"), torch.empty(n, device="cuda")
+    ks.sample_cuda(logits.cuda(), *fields, tokens, logprobs, chunks=chunks)
+    return tokens.cpu(), logprobs.cpu()
+
+
+def check_gpu_against_cpu(got_t, got_lp, want_t, want_lp, what=""):
+    bad = (got_t != want_t).nonzero()[:, 0].tolist()
+    assert not bad, f"{what} rows {bad[:10]}: gpu {got_t[bad[:10]].tolist()} cpu {want_t[bad[:10]].tolist()}"
+    assert torch.allclose(got_lp, want_lp, atol=1e-4, rtol=0), what  # float32 logsumexp over 151936 terms
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,vocab", GPU_CASES, ids=str)
-def test_gpu_real_shapes_equal_cpu(dtype, vocab):
+@pytest.mark.parametrize("dtype,vocab,chunks", GPU_CASES, ids=str)
+def test_gpu_real_shapes_equal_cpu(dtype, vocab, chunks):
     logits, st = real_batch()
     logits = logits[:, :vocab].contiguous().to(dtype)
     want_t, want_lp = sample(logits, st)
-    got_t, got_lp = sample(logits.cuda(), st.to("cuda"))
-    bad = (got_t.cpu() != want_t).nonzero()[:, 0].tolist()
-    assert not bad, f"rows {bad[:10]}: gpu {got_t.cpu()[bad[:10]].tolist()} cpu {want_t[bad[:10]].tolist()}"
-    assert torch.allclose(got_lp.cpu(), want_lp, atol=1e-4, rtol=0)   # float32 logsumexp over 151936 terms
+    check_gpu_against_cpu(*sample_gpu(logits, st, chunks), want_t, want_lp)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,vocab", [(torch.float32, 151936), (torch.bfloat16, 151934)], ids=str)
+def test_gpu_small_batches_equal_cpu(dtype, vocab):
+    """The split path where it splits most: every row alone (N = 1: 64 CTAs per row), N = 3 (64) and
+    N = 8 (33), each row's parameters from the mixed batch (greedy, T, top_p, top_k, both)."""
+    logits, st = real_batch(n=16, seed=1)
+    logits = logits[:, :vocab].contiguous().to(dtype)
+    want_t, want_lp = sample(logits, st)
+    for rows in [slice(r, r + 1) for r in range(16)] + [slice(0, 3), slice(8, 16)]:
+        part = SamplingTensors(*(getattr(st, f)[rows].contiguous() for f in
+                                 ("temperature", "top_k", "top_p", "seed", "index", "position")))
+        check_gpu_against_cpu(*sample_gpu(logits[rows].contiguous(), part), want_t[rows], want_lp[rows], str(rows))
 
 
 @pytest.mark.gpu
@@ -575,11 +605,17 @@ def test_gpu_noise_and_weights_bitwise_on_every_uniform():
 
 
 @pytest.mark.gpu
-def test_gpu_sampling_replays_in_a_cuda_graph():
-    logits, st = real_batch(n=64)
+@pytest.mark.parametrize("n", [64, 1, 8])
+def test_gpu_sampling_replays_in_a_cuda_graph(n):
+    if n == 64:
+        logits, st = real_batch(n=64)
+    else:                                                          # flat rows: every draw differs
+        logits = torch.randn(n, 151936, generator=torch.Generator().manual_seed(n))
+        params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.9, top_p=0.9)] * n
+        st = SamplingTensors.from_params(params[:n], list(range(n)), [0] * n, [0] * n)
     logits, st = logits.cuda(), st.to("cuda")
-    tokens = torch.zeros(64, dtype=torch.int32, device="cuda")
-    logprobs = torch.zeros(64, device="cuda")
+    tokens = torch.zeros(n, dtype=torch.int32, device="cuda")
+    logprobs = torch.zeros(n, device="cuda")
     sample(logits, st, tokens, logprobs)                           # compile and allocate before capture
     eager = tokens.clone()
     graph = torch.cuda.CUDAGraph()

@@ -17,12 +17,15 @@ i // 4, 0), word i % 4, where position = tokens this completion generated before
 therefore draws the same numbers whatever else is in the batch, with or without CUDA graphs,
 after preemption and recompute, on the GPU and on the CPU.
 
-On CUDA, sample() launches two numba kernels on torch's current stream (kernels_numba/sampling.py):
+On CUDA, sample() launches numba kernels on torch's current stream (kernels_numba/sampling.py):
 pass 1 raw max / logsumexp / argmax (greedy rows end here); pass 2 the Gumbel argmax j over all
-tokens (rows without top_k/top_p end here); pass 3 the mass ranked before j: if j is inside S it
-is S's argmax (probability 1 - mass outside S); otherwise an exact radix selection finds S's
-boundary and a last pass takes the argmax over S with the same noise. Nothing is sorted, nothing
-vocab-sized touches the host, nothing synchronises: sample() can be captured in a CUDA graph.
+tokens, drawing noise only for tokens that could still beat the raw argmax's score (rows without
+top_k/top_p end here); pass 3 the mass ranked before j: if j is inside S it is S's argmax
+(probability 1 - mass outside S); otherwise an exact radix selection finds S's boundary and a last
+pass takes the argmax over S with the same noise. Each pass is one kernel whose rows are split over
+several CTAs at small batches (64 per row at N = 1; a fixed function of N and V), the next kernel
+merging the partials. Nothing is sorted, nothing vocab-sized touches the host, nothing synchronises:
+sample() can be captured in a CUDA graph.
 """
 from dataclasses import dataclass
 
