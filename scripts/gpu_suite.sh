@@ -7,6 +7,8 @@
 #   bash scripts/gpu_suite.sh tp                         two GPUs: the tensor-parallel tests and TP=1 vs TP=2 (0.5B)
 #   bash scripts/gpu_suite.sh tp7b                       two GPUs: TP=1 vs TP=2 on a random Qwen2-7B checkpoint
 #   bash scripts/gpu_suite.sh serve                      the HTTP server under Poisson load beside LLM.generate
+#   bash scripts/gpu_suite.sh final                      two GPUs: tensor parallelism (tests, TP=1 vs TP=2), then two
+#                                                        queues: sampler tests + benches | graph tests + serving
 #   bash scripts/gpu_suite.sh both                       two GPUs, two queues at once: the runtime tests then the
 #                                                        engine benches on one, the kernel benches and layer tests
 #                                                        on the other
@@ -55,7 +57,7 @@ bench)
     run profile 150 python3 scripts/profile_step.py --out "$dir" --sampled
     run kernels 150 python3 scripts/bench_kernels.py --out "$dir"
     run prefill 120 python3 scripts/bench_prefill.py --out "$dir"
-    run sampling 90 python3 scripts/bench_sampling.py --out "$dir"
+    run sampling 300 python3 scripts/bench_sampling.py --out "$dir"
     ;;
 tp)
     run tp_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py
@@ -75,10 +77,29 @@ both)
     (
         export CUDA_VISIBLE_DEVICES=0
         run profile 120 python3 scripts/profile_step.py --out "$dir" --sampled
-        run sampling 60 python3 scripts/bench_sampling.py --out "$dir"
+        run sampling 200 python3 scripts/bench_sampling.py --out "$dir" --rows 1,256
         run kernels 150 python3 scripts/bench_kernels.py --out "$dir" --no-flex
         run prefill 120 python3 scripts/bench_prefill.py --out "$dir"
         run layers 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_kernels.py
+    ) &
+    wait
+    ;;
+final)
+    run tp_tests 140 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py \
+        -k "layer_by_layer and None or engine_tp2 or nccl"
+    run tp_bench 110 python3 scripts/bench_throughput.py --mode tp --config 0.5b --num-requests 64 --time-limit 15 \
+        --runs tp1_graphs,tp2_graphs --out "$dir"
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        run sampler_tests 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sampler.py
+        run sampling 90 python3 scripts/bench_sampling.py --out "$dir" --rows 1,256 --no-one-cta
+        run throughput 110 python3 scripts/bench_throughput.py --out "$dir" --time-limit 20
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        run graph_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graph.py \
+            tests/test_fused_kernels.py
+        run serve 180 python3 scripts/bench_serving.py --model random --rates 32,inf --num-requests 128 --out "$dir"
     ) &
     wait
     ;;
