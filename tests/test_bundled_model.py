@@ -318,6 +318,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_greedy_matches_hf_generate(bundled_model_dir, hf_and_prompts, one_thread):
     """32 greedy tokens identical to HF generate(do_sample=False) on three chat prompts decoded together
     through the paged cache with the CPU default backend (numba CPU kernels); every step's logits within

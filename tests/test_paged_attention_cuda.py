@@ -126,8 +126,8 @@ def test_split_kv_matches_reference(monkeypatch, version):
     assert err.max() <= _tolerance(np.float16), f"max err {err.max():.3g}, mean {err.mean():.3g}"
 
 
-@pytest.mark.parametrize("version, warps", [(9, 2)] + [pytest.param(v, w, marks=pytest.mark.slow)
-                                                       for v, w in [(6, 4), (7, 4), (8, 4), (9, 4), (9, 8)]])
+@pytest.mark.parametrize("version, warps", [pytest.param(v, w, marks=pytest.mark.slow)     # v10's splits: below
+                                            for v, w in [(6, 4), (7, 4), (8, 4), (9, 2), (9, 4), (9, 8)]])
 def test_partitions_match_reference(monkeypatch, version, warps):
     """v6+ cut contexts into partitions of whole CTA steps (16 tokens per warp): force 4 of them
     over lengths that end mid-partition, mid-block, on a partition edge and inside the first

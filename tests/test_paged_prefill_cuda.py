@@ -88,10 +88,11 @@ def case_id(c):
 
 
 def _prefill_cases():
-    """v3 (the default) on every case, v1 and v2 on the MHA bf16 case; the rest under `slow`."""
+    """Every journey version on the MHA bf16 case (the engine runs v4+, tests/test_prefill_fa2.py); the rest
+    under `slow`."""
     for case in SIM_CASES:
         for version in VERSIONS:
-            slow = version != pp.DEFAULT_VERSION and case is not SIM_CASES[2]
+            slow = case is not SIM_CASES[2]
             yield pytest.param(version, case, id=f"{version}-{case_id(case)}", marks=[pytest.mark.slow] if slow else [])
 
 
