@@ -14,7 +14,7 @@ heads, 2 KV heads, head_dim 64, fp16, block 16, shuffled block tables):
     bandwidth measured in the same run, the ratio to SDPA and to flex, and v10's prediction (written
     before its first GPU run, docs/kernels.md) beside its time.
 
-    python3 scripts/bench_kernels.py --out docs/              # kernels_bench.md / .json / .png
+    python3 scripts/bench_kernels.py --out docs/results      # kernels_bench.md / .json / .png
     python3 scripts/bench_kernels.py --quick --versions 9 10  # a few points
     python3 scripts/bench_kernels.py --check                  # validate every version at every point, no timing
 """
