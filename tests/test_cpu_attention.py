@@ -118,7 +118,8 @@ def test_prefill_matches_reference(num_heads, num_kv_heads, head_dim, pool_dtype
 
 def test_chunked_prefill_equals_one_pass():
     """A 57-token prompt prefilled in chunks of 20 + 5 + 32 (boundaries inside blocks of 16) gives the
-    same rows as one 57-token pass: each row's keys and their order are the same."""
+    rows of one 57-token pass: each row reads the same keys in the same order; only which rows share a
+    pass of the kernel differs, which may change the last bit (float32 rounding, 1e-6)."""
     rng = np.random.default_rng(2)
     k_cache, v_cache, tables, _ = make_pool(rng, [57], 2, 64, 16)
     q = torch.from_numpy(rng.standard_normal((57, 14, 64))).float()
@@ -128,7 +129,7 @@ def test_chunked_prefill_equals_one_pass():
         parts.append(ca.paged_prefill_attention(q[start:start + n], k_cache, v_cache, tables, torch.tensor([0, n]),
                                                 torch.tensor([start + n])))
         start += n
-    np.testing.assert_array_equal(np.concatenate(parts), whole)
+    np.testing.assert_allclose(np.concatenate(parts), whole, rtol=1e-6, atol=1e-6)
 
 
 def test_parallel_equals_serial(monkeypatch):
