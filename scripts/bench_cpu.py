@@ -1,0 +1,283 @@
+"""pagedattn against HF transformers `generate` on the CPU: same model (the bundled Qwen2.5-Coder-0.5B-Instruct,
+float32), same machine, same thread count, greedy, prompts the tests never use. Goals (issue 19):
+
+  one prompt   chat template, a 100-token answer: pagedattn >= 1.05x HF's tokens/s, same tokens
+  mixed batch  8 requests, two of them long (~1000-token prompts: two standard-library modules to explain),
+               max_tokens 8-64 each. HF pads every prompt to the longest and runs every row until the
+               longest request is done (64 tokens); pagedattn batches them continuously and stops each at
+               its own max_tokens. Compared in *useful* tokens/s (each request's own tokens, cut at its
+               max_tokens and end of turn): pagedattn >= 3x HF.
+
+The runs alternate (ours, HF, ours, HF, ...) after one warm-up each, so a load change on a shared machine
+hits both; the table gives the median of --repeats runs and the ratio of medians (wall clock: the goal), and
+the ratio of median CPU seconds (all threads of the process; steadier than wall clock on a busy machine,
+exact at --threads 1). Loading is not timed.
+
+    python scripts/bench_cpu.py --out OUT                 # 2 threads, 3 repeats (~10 min on 2 cores)
+    python scripts/bench_cpu.py --threads 4 --repeats 5 --out OUT
+    python scripts/bench_cpu.py --profile --out OUT       # where a decode step's milliseconds go
+
+Writes OUT/bench_cpu.json and .md (benchlib.save); --profile writes OUT/profile_cpu.json and .md: per
+piece of a decode step (scheduling, packing, each layer's GEMMs, norms, rotary, the attention write and
+read, logits, sampling, output processing) the median and minimum milliseconds per step over --steps
+steps, with the torch backend (gather + SDPA) and the numba CPU backend, at 1 sequence of ~130 tokens
+and 8 of ~1000.
+"""
+import inspect
+import os
+import statistics
+import sys
+import time
+
+if __name__ == "__main__":          # run as a file: make `scripts.` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from scripts import benchlib  # noqa: E402
+
+ONE_PROMPT = "Write a Python class that implements an LRU cache with get and put methods, with docstrings."
+ONE_PROMPT_TOKENS = 100
+SHORT_PROMPTS = [
+    "What does the Python `with` statement do?",
+    "Write a bash one-liner that counts the lines of every .py file in a directory tree.",
+    "Name three differences between TCP and UDP.",
+    "Write a Python generator that yields the Fibonacci numbers.",
+    "What is a race condition?",
+    "Write a regular expression that matches an ISO 8601 date.",
+]
+LONG_MODULES = ("textwrap", "heapq")          # their source, cut to LONG_TOKENS tokens, to explain
+LONG_TOKENS = 1000
+MIXED_MAX_TOKENS = [64, 8, 48, 16, 64, 32, 24, 40]   # two long prompts first, then the six short ones
+
+
+def chat(tok, question):
+    return tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=False)
+
+
+def long_question(tok, module_name):
+    """'Explain this module' over the first LONG_TOKENS tokens of a standard-library module's source."""
+    import importlib
+
+    source = inspect.getsource(importlib.import_module(module_name))
+    cut = tok.decode(tok.encode(source)[:LONG_TOKENS])
+    return f"Explain briefly what this Python module does:\n```python\n{cut}\n```"
+
+
+def mixed_prompts(tok):
+    questions = [long_question(tok, m) for m in LONG_MODULES] + SHORT_PROMPTS
+    return [chat(tok, q) for q in questions]
+
+
+def cut(tokens, max_tokens, eos):
+    """A request's useful tokens: at most max_tokens, through the first end-of-turn token."""
+    tokens = list(tokens)[:max_tokens]
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:i + 1]
+    return tokens
+
+
+def timed(fn):
+    """(wall seconds, CPU seconds of this process over all its threads, fn())."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    result = fn()
+    return time.perf_counter() - t0, time.process_time() - c0, result
+
+
+def run_ours(llm, prompts, max_tokens):
+    from pagedattn import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens]
+    wall, cpu, outs = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    return wall, cpu, [o.outputs[0].token_ids for o in outs]
+
+
+def run_hf(hf, tok, prompts, max_tokens, eos):
+    """Left-padded batch through HF generate(do_sample=False) up to max(max_tokens)."""
+    width = max(len(p) for p in prompts)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])                    # (B, width)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        wall, cpu, seqs = timed(lambda: hf.generate(ids, attention_mask=mask, max_new_tokens=max(max_tokens),
+                                                    do_sample=False, pad_token_id=pad))
+    return wall, cpu, [cut(row[width:].tolist(), m, eos) for row, m in zip(seqs, max_tokens)]
+
+
+def compare(name, llm, hf, tok, prompts, max_tokens, eos, repeats, goal, warmup):
+    """Alternating timed runs (after a warm-up of each when `warmup`); returns the table row."""
+    if warmup:
+        run_ours(llm, prompts, max_tokens)
+        run_hf(hf, tok, prompts, max_tokens, eos)
+    ours, theirs = [], []                         # (wall s, cpu s) per run
+    for r in range(repeats):
+        *t, ours_tok = run_ours(llm, prompts, max_tokens)
+        ours.append(t)
+        *t, hf_tok = run_hf(hf, tok, prompts, max_tokens, eos)
+        theirs.append(t)
+        print(f"  {name} run {r + 1}/{repeats}: pagedattn {ours[-1][0]:.2f} s ({ours[-1][1]:.2f} s CPU), "
+              f"HF {theirs[-1][0]:.2f} s ({theirs[-1][1]:.2f} s CPU)", flush=True)
+    useful = sum(len(cut(t, m, eos)) for t, m in zip(ours_tok, max_tokens))
+    same = sum(cut(a, m, eos) == b for a, b, m in zip(ours_tok, hf_tok, max_tokens))
+    ours_s, hf_s = statistics.median(w for w, _ in ours), statistics.median(w for w, _ in theirs)
+    ours_cpu, hf_cpu = statistics.median(c for _, c in ours), statistics.median(c for _, c in theirs)
+    return {"workload": name, "requests": len(prompts), "prompt tokens": sum(len(p) for p in prompts),
+            "useful tokens": useful, "pagedattn s": ours_s, "HF s": hf_s,
+            "pagedattn tok/s": useful / ours_s, "HF useful tok/s": useful / hf_s,
+            "speed-up": hf_s / ours_s, "CPU-time speed-up": hf_cpu / ours_cpu, "goal": goal,
+            "met": hf_s / ours_s >= goal, "same tokens": f"{same}/{len(prompts)}",
+            "pagedattn runs (wall s, cpu s)": ours, "HF runs (wall s, cpu s)": theirs}
+
+
+class StepProfile:
+    """Wall time of each piece of an engine step, summed per step (the wrappers time a method of an
+    instance or a module function; a shared object is wrapped once)."""
+
+    def __init__(self):
+        self.current, self.steps, self.wrapped = {}, [], set()
+
+    def wrap(self, obj, name, label):
+        if (id(obj), name) in self.wrapped:
+            return
+        self.wrapped.add((id(obj), name))
+        fn = getattr(obj, name)
+
+        def timed_call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current[label] = self.current.get(label, 0.0) + time.perf_counter() - t0
+        setattr(obj, name, timed_call)
+
+    def step(self, engine):
+        self.current = {}
+        t0 = time.perf_counter()
+        engine.step()
+        self.current["engine.step (total)"] = time.perf_counter() - t0
+        self.steps.append(self.current)
+
+    def rows(self):
+        """Per piece: median and minimum milliseconds per step (the minimum: the step least disturbed
+        by other processes, a quiet machine's figure)."""
+        labels = list(dict.fromkeys(k for st in self.steps for k in st))
+        return [{"piece": k, "median ms": 1e3 * statistics.median(st.get(k, 0.0) for st in self.steps),
+                 "min ms": 1e3 * min(st.get(k, 0.0) for st in self.steps)} for k in labels]
+
+
+def profile_decode(llm, num_seqs, context_len, steps=30):
+    """Decode steps of num_seqs sequences at about context_len tokens each, timed piece by piece."""
+    import pagedattn.engine.llm_engine as llm_engine
+    import pagedattn.engine.model_runner as model_runner
+    from pagedattn import SamplingParams
+
+    engine, prof = llm.engine, StepProfile()
+    model, backend = engine.model, engine.model.attn_backend
+    prof.wrap(engine.scheduler, "schedule", "schedule")
+    prof.wrap(llm_engine, "build_step_inputs", "build_step_inputs (pack the step)")
+    prof.wrap(engine, "_process", "process outputs (append, stop checks, detokenize)")
+    prof.wrap(model, "forward", "model.forward")
+    prof.wrap(model, "compute_logits", "lm_head (logits of the sampling rows)")
+    prof.wrap(model_runner.sampler, "sample", "sampler")
+    prof.wrap(backend, "write", "  attention: K/V write")
+    prof.wrap(backend, "attend", "  attention: attend")
+    for layer in model.model.layers:
+        prof.wrap(layer.input_layernorm, "forward", "  RMSNorm x2 (+ residual add)")
+        prof.wrap(layer.post_attention_layernorm, "forward", "  RMSNorm x2 (+ residual add)")
+        prof.wrap(layer.self_attn.qkv_proj, "forward", "  qkv_proj GEMM")
+        prof.wrap(layer.self_attn.rotary_emb, "forward", "  rotary")
+        prof.wrap(layer.self_attn.o_proj, "forward", "  o_proj GEMM")
+        prof.wrap(layer.mlp, "forward", "  MLP (gate_up GEMM, SiLU*mul, down GEMM)")
+    words = [1000 + i for i in range(context_len + 8 * num_seqs)]
+    for i in range(num_seqs):
+        engine.add_request(f"profile-{i}", words[8 * i: 8 * i + context_len],
+                           SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(3):                           # the prefill, then two warm decode steps
+        engine.step()
+    prof.steps.clear()
+    for _ in range(steps):
+        prof.step(engine)
+    while engine.has_unfinished_requests():
+        engine.step()
+    rows = prof.rows()
+    for r in rows:
+        r.update(backend=getattr(backend, "name", str(backend)), seqs=num_seqs, context=context_len)
+    return rows
+
+
+def main_profile(out="bench_cpu_out", threads=2, model=None, steps=30):
+    """--profile: the decode-step breakdown, the torch backend against the numba CPU backend, at one
+    sequence of ~130 tokens and at eight of ~1000."""
+    from pagedattn import LLM
+    from pagedattn.bundled import bundled_model_path
+
+    torch.set_num_threads(threads)
+    path = model or bundled_model_path()
+    print(benchlib.env_line())
+    rows = []
+    for backend in ("torch", "cpu"):
+        llm = LLM(path, device="cpu", dtype="float32", max_model_len=2048, max_num_seqs=16, num_blocks=640,
+                  enable_prefix_caching=False, attn_backend=backend)
+        for num_seqs, context in ((1, 130), (8, 1000)):
+            rows += profile_decode(llm, num_seqs, context, steps)
+        llm.close()
+        del llm
+    table = benchlib.markdown_table(rows, ["backend", "seqs", "context", "piece", "median ms", "min ms"],
+                                    floatfmt="{:.2f}")
+    print(table)
+    meta = {"threads": threads, "steps": steps, "model": path, "dtype": "float32"}
+    print("\n".join(benchlib.save(out, "profile_cpu", rows, meta, table)))
+    return rows
+
+
+def main(out="bench_cpu_out", threads=2, repeats=3, model=None):
+    from transformers import AutoModelForCausalLM
+
+    from pagedattn import LLM
+    from pagedattn.bundled import bundled_model_path
+
+    torch.set_num_threads(threads)
+    path = model or bundled_model_path()
+    llm = LLM(path, device="cpu", dtype="float32", max_model_len=2048, max_num_seqs=16, num_blocks=512,
+              enable_prefix_caching=False)      # the runs repeat the same prompts
+    backend = llm.engine.model.attn_backend
+    tok = llm.get_tokenizer()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eos = set(llm.engine.eos_token_ids)
+    print(benchlib.env_line())
+    print(f"pagedattn attention backend: {getattr(backend, 'name', backend)}; HF attention: "
+          f"{hf.config._attn_implementation}")
+
+    one = [chat(tok, ONE_PROMPT)]
+    rows = [compare("one prompt", llm, hf, tok, one, [ONE_PROMPT_TOKENS], eos, repeats, 1.05, warmup=True)]
+    rows.append(compare("mixed batch of 8", llm, hf, tok, mixed_prompts(tok), MIXED_MAX_TOKENS, eos, repeats, 3.0,
+                        warmup=False))           # both are warm from the first workload
+    columns = ["workload", "requests", "prompt tokens", "useful tokens", "pagedattn s", "HF s", "pagedattn tok/s",
+               "HF useful tok/s", "speed-up", "CPU-time speed-up", "goal", "met", "same tokens"]
+    table = benchlib.markdown_table(rows, columns)
+    print(table)
+    meta = {"threads": threads, "repeats": repeats, "model": path, "dtype": "float32", "greedy": True,
+            "attention backend": getattr(backend, "name", str(backend)),
+            "mixed max_tokens": MIXED_MAX_TOKENS, "long prompts": [f"{m} source, {LONG_TOKENS} tokens"
+                                                                   for m in LONG_MODULES]}
+    print("\n".join(benchlib.save(out, "bench_cpu", rows, meta, table)))
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench_cpu_out")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default=None, help="HF Qwen2 directory with a tokenizer (default: the bundled model)")
+    ap.add_argument("--profile", action="store_true", help="the decode-step breakdown instead of the HF comparison")
+    ap.add_argument("--steps", type=int, default=30, help="--profile: decode steps timed per case")
+    a = ap.parse_args()
+    if a.profile:
+        main_profile(a.out, a.threads, a.model, a.steps)
+    else:
+        main(a.out, a.threads, a.repeats, a.model)
