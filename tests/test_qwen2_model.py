@@ -178,7 +178,9 @@ def _tp_rank_main(rank, world_size, init_method, ckpt, results):
     init_process_group(rank, world_size, init_method, "cpu", 120)
     try:
         model, config = load_model(ckpt, attn_backend="torch", tp_rank=rank, tp_size=world_size)
-        results.put((rank, tp_logits(model, config, world_size)))
+        # a numpy copy travels by value: a tensor would travel as a shared-memory handle that is gone
+        # when this process exits before the parent reads it
+        results.put((rank, tp_logits(model, config, world_size).numpy()))
     finally:
         dist.destroy_process_group()
 
@@ -200,7 +202,7 @@ def test_tensor_parallel_shards_match_tp1(tiny_checkpoint):  # noqa: F811
     for p in procs:
         p.start()
     try:
-        got = dict(results.get(timeout=120) for _ in procs)
+        got = {rank: torch.from_numpy(logits) for rank, logits in (results.get(timeout=120) for _ in procs)}
     finally:
         for p in procs:
             p.join(timeout=30)
