@@ -15,7 +15,18 @@ numba kernels in kernels_numba.cache_ops must match them exactly.
 """
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+
+def slots_for(block_tables, rows, positions, block_size):
+    """Pool slots of tokens: slot = block_tables[row, pos // block_size] * block_size + pos % block_size.
+
+    block_tables: [S, W] int (numpy); rows, positions: [T] int arrays (the token's sequence row, its
+    position in that sequence). Returns [T] int64. The one place the slot formula is written.
+    """
+    positions = np.asarray(positions, dtype=np.int64)
+    return block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
 
 def write_kv(k_cache, v_cache, key, value, slot_mapping):

@@ -5,7 +5,7 @@ For a step whose sequences s (prefill chunks first, then decodes) compute tokens
     input_ids     [T] int32   token_ids[start_s:end_s], concatenated (0 where the id is still in flight)
     input_src     [T] int32   -1, or the row of the previous step's sampled tokens that holds this id
     positions     [T] int32   start_s .. end_s - 1, concatenated
-    slot_mapping  [T] int32   slots_for(block_table_s, positions)
+    slot_mapping  [T] int32   slots_for(block_tables, rows, positions) (pagedattn.kv_cache)
     context_lens  [S] int32   end_s (tokens in the cache after this step's write)
     block_tables  [S, W] int32, padded with 0
     cu_seqlens_q  [P + 1] int32, the prefill chunks' boundaries
@@ -26,19 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedattn.kv_cache import slots_for
+
 HEADER = ("num_tokens", "num_seqs", "width", "num_prefills", "num_prefill_tokens", "num_samples",
           "num_beams", "beam_k", "num_copies", "max_context_len")
 HEADER_LEN = len(HEADER)
-
-
-def slots_for(block_tables, rows, positions, block_size):
-    """Pool slots of tokens: slot = block_tables[row, pos // block_size] * block_size + pos % block_size.
-
-    block_tables: [S, W] int (numpy); rows, positions: [T] int arrays (the token's sequence row, its
-    position in that sequence). Returns [T] int64. The one place the slot formula is written.
-    """
-    positions = np.asarray(positions, dtype=np.int64)
-    return block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
 
 def layout(h):

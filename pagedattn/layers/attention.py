@@ -32,12 +32,13 @@ import math
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from pagedattn.errors import KernelLaunchError
-from pagedattn.kv_cache import copy_blocks, write_kv
+from pagedattn.kv_cache import copy_blocks, slots_for, write_kv
 
 
 @dataclass
@@ -106,14 +107,16 @@ class AttentionMetadata:
             raise ValueError("query_lens, context_lens and block_tables need one entry per sequence")
         if any(q != 1 for q in query_lens[num_prefills:]):
             raise ValueError(f"decode sequences have query_len 1, got {query_lens[num_prefills:]}")
-        slots = []
         for q_len, ctx, table in zip(query_lens, context_lens, block_tables):
             if not 1 <= q_len <= ctx or len(table) * block_size < ctx:
                 raise ValueError(f"sequence with query_len={q_len}, context_len={ctx} and "
                                  f"{len(table)} blocks of {block_size} is inconsistent")
-            slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx)]
         width = max([len(t) for t in block_tables] + [1])
         tables = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        rows = np.repeat(np.arange(len(query_lens)), query_lens)                       # (T,) sequence of a token
+        positions = np.concatenate([np.arange(c - q, c) for q, c in zip(query_lens, context_lens)] or [[]])
+        slots = slots_for(np.asarray(tables, dtype=np.int64).reshape(len(tables), width), rows,
+                          positions.astype(np.int64), block_size).tolist()
         cu = [0]
         for q_len in query_lens[:num_prefills]:
             cu.append(cu[-1] + q_len)
