@@ -139,6 +139,29 @@ def test_seeded_sampling_reproducible_regardless_of_batch(tiny_checkpoint):
     assert_clean(llm)
 
 
+def test_seeded_request_alone_equals_it_in_64_mixed_requests_under_preemption(tiny_checkpoint):
+    """A seeded sampled request draws the same tokens alone on a roomy pool and as one of 64 mixed requests
+    (greedy, seeded, unseeded, n > 1, top-k / top-p) on a pool so small that requests are preempted and
+    recomputed: its random numbers depend on (seed, completion, output position) only."""
+    target = SamplingParams(n=2, temperature=0.9, top_k=40, top_p=0.9, seed=77, max_tokens=20, ignore_eos=True)
+    prompt = PROMPTS[4]
+    alone = LLM(tiny_checkpoint, device="cpu", num_blocks=256, block_size=8).generate([prompt], target,
+                                                                                      use_tqdm=False)[0]
+    rng = random.Random(5)
+    kinds = [greedy(12), SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True),
+             SamplingParams(temperature=0.7, top_p=0.8, seed=3, max_tokens=10),
+             SamplingParams(n=3, temperature=1.2, top_k=5, max_tokens=8, ignore_eos=True)]
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randrange(1, 40))] for _ in range(63)]
+    params = [kinds[i % len(kinds)] for i in range(63)]
+    prompts.insert(8, prompt)                # (at 8 it is among the newest running when the pool runs out)
+    params.insert(8, target)
+    llm = LLM(tiny_checkpoint, device="cpu", num_blocks=40, block_size=8, max_num_seqs=16, max_num_batched_tokens=64)
+    mixed = llm.generate(prompts, params, use_tqdm=False)[8]
+    assert mixed.metrics.num_preemptions > 0, "the seeded request was meant to be preempted and recomputed"
+    assert [c.token_ids for c in mixed.outputs] == [c.token_ids for c in alone.outputs]
+    assert_clean(llm)
+
+
 def test_parallel_sampling_shares_prompt_blocks_and_copies_on_write(tiny_checkpoint):
     # A 33-token prompt with block_size 8: 4 full blocks + 1 partial block shared by the 4 children.
     llm = LLM(tiny_checkpoint, device="cpu", num_blocks=64, block_size=8, enable_prefix_caching=False)
