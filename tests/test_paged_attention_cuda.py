@@ -347,6 +347,51 @@ def test_simulator_shuffles_follow_ptx_semantics(threads):
         assert out[3, t] == src(lane ^ 6)
 
 
+def _barrier_kernel(out, counts, exit_after):
+    """Each round, every live thread writes its id into one slot and reads its neighbour's after a
+    syncthreads; threads >= exit_after return after round 0 (the rest keep meeting without them)."""
+    t = cuda.threadIdx.x
+    n = cuda.blockDim.x
+    buf = cuda.shared.array(64, dtype=np.int32)
+    for r in range(3):
+        if r == 1 and t >= exit_after:
+            return
+        buf[t] = 100 * r + t
+        cuda.syncthreads()
+        out[r, t] = buf[(t + 1) % min(n, exit_after if r else n)]
+        cuda.syncthreads()
+    counts[cuda.blockIdx.x, t] = cuda.syncthreads_count(t % 3 == 0)
+
+
+def _failing_kernel(out):
+    t = cuda.threadIdx.x
+    cuda.syncthreads()
+    if t == 37:
+        raise ValueError("lane 37 fails")
+    v = cuda.shfl_down_sync(0xFFFFFFFF, t, 1)   # lane 37's warp never completes this shuffle
+    cuda.syncthreads()
+    out[t] = v
+
+
+@pytest.mark.skipif(not common.SIMULATOR, reason="checks the simulator's block scheduler")
+def test_simulator_block_scheduler_syncs_live_threads_and_raises():
+    """syncthreads releases when every live thread waits (returned threads do not take part), the
+    block-wide counts see every thread, and a thread's exception aborts the block and reaches the caller
+    (not a hang: lane 37's warp-mates wait in a shuffle it never reaches)."""
+    kernel = cuda.jit(_barrier_kernel)
+    out = np.full((3, 64), -1, dtype=np.int32)
+    counts = np.zeros((2, 64), dtype=np.int32)
+    kernel[2, 64](out, counts, 40)
+    t = np.arange(64)
+    assert (out[0] == (t + 1) % 64).all()
+    for r in (1, 2):
+        assert (out[r, :40] == 100 * r + (t[:40] + 1) % 40).all()
+        assert (out[r, 40:] == -1).all()
+    assert (counts[:, :40] == np.count_nonzero(np.arange(40) % 3 == 0)).all()
+    with pytest.raises(ValueError, match="lane 37 fails"):
+        cuda.jit(_failing_kernel)[1, 64](np.zeros(64, dtype=np.int32))
+
+
 @pytest.mark.skipif(not common.SIMULATOR, reason="the helpers are device intrinsics off the simulator")
 def test_pair_helpers_round_trip():
     vals = np.array([1.5, -2.25, 0.1, 65504.0, -1e-3, 3.0], dtype=np.float32)
