@@ -4,16 +4,40 @@ Import from a test module (tests/ is on sys.path under pytest):
 
     from helpers import TINY_CONFIG, write_tiny_checkpoint, PagedRunner
     from helpers import tiny_checkpoint, bundled_model_dir      # session fixtures
+    from helpers import compile_in_subprocess                   # the codegen tests' PTX compiles
 
 The tiny checkpoint is written by transformers' own Qwen2ForCausalLM.save_pretrained, so it is exactly
 the layout a real HF directory has; its weights are re-drawn at a larger scale than HF's init
 (std 0.02, zero biases) so that biases, rotary angles and softmax shapes all matter in comparisons.
 """
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from pagedattn.layers.attention import AttentionMetadata
 from pagedattn.kv_cache import KVCache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def compile_in_subprocess(script, *args, timeout):
+    """Run `python -c script *args` from the repository root without the CUDA simulator (the codegen
+    tests compile the real kernels for sm_90 there, while this process simulates) and return its stdout.
+    Skips the test when there is no CUDA toolkit to compile with; any other failure fails it with the
+    child's stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 and "CUDA toolkit" in proc.stderr + proc.stdout:
+        pytest.skip("no CUDA toolkit (NVVM) to compile with")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
 
 # GQA with 3 query heads per KV head, head_dim 16, two layers: small, but every code path of Qwen2.
 TINY_CONFIG = dict(

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import PagedRunner, tiny_checkpoint  # noqa: F401 (fixture)
+from helpers import compile_in_subprocess, PagedRunner, tiny_checkpoint  # noqa: F401 (fixture)
 from kernels_numba import activation, rmsnorm, rotary
 from pagedattn.errors import KernelLaunchError
 from pagedattn.layers.rotary import rope_cos_sin_cache
@@ -326,14 +326,8 @@ WIDE = {"rms_norm_f16": (2, 1), "fused_add_rms_norm_bf16": (4, 2), "silu_and_mul
 @pytest.fixture(scope="module")
 def compiled():
     tmp = tempfile.mkdtemp(prefix="glue_ptx_")
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, tmp], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    if proc.returncode != 0 and "CUDA toolkit" in proc.stderr + proc.stdout:
-        pytest.skip("no CUDA toolkit (NVVM) to compile with")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    yield json.loads(proc.stdout.strip().splitlines()[-1]), tmp
+    stdout = compile_in_subprocess(_SCRIPT, tmp, timeout=600)
+    yield json.loads(stdout.strip().splitlines()[-1]), tmp
     shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -19,15 +19,14 @@ d=64 fp16 of each version runs by default, the other head dims and dtypes under 
 compiles only what the run selected, in one subprocess).
 """
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from helpers import compile_in_subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,12 +95,8 @@ def ptx_stats(request, ptx_dir):
         spec = getattr(item, "callspec", None)
         if item.module is request.module and spec is not None and "name" in spec.params:
             wanted |= {spec.params["name"], spec.params["name"].replace("_v3_", "_v2_")}
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(ptx_dir), json.dumps(sorted(wanted))], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("STATS"))
+    stdout = compile_in_subprocess(_SCRIPT, ptx_dir, json.dumps(sorted(wanted)), timeout=1200)
+    line = next(l for l in stdout.splitlines() if l.startswith("STATS"))
     return json.loads(line[len("STATS"):])
 
 

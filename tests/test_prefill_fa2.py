@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from numba import cuda
 from kernels_numba import paged_prefill_fa2 as fa
 from pagedattn.errors import KernelLaunchError
 from reference.attention import gather_paged_kv, paged_prefill_attention
+from helpers import compile_in_subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -332,14 +332,8 @@ def _name(cfg):
 
 
 def _compile(configs, tmp):
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(configs), tmp], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0 and "CUDA toolkit" in proc.stderr + proc.stdout:
-        pytest.skip("no CUDA toolkit (NVVM) to compile with")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("STATS"))
+    stdout = compile_in_subprocess(_SCRIPT, json.dumps(configs), tmp, timeout=900)
+    line = next(x for x in stdout.splitlines() if x.startswith("STATS"))
     return json.loads(line[len("STATS"):])
 
 

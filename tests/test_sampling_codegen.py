@@ -21,11 +21,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from helpers import compile_in_subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,14 +103,8 @@ def compiled(request):
     wanted = sorted({_values(item.callspec.params["cfg"]) for item in request.session.items
                      if item.module.__name__ == __name__ and hasattr(item, "callspec")})
     tmp = tempfile.mkdtemp(prefix="sampling_ptx_")
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(wanted), tmp], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0 and "CUDA toolkit" in proc.stderr + proc.stdout:
-        pytest.skip("no CUDA toolkit (NVVM) to compile with")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    yield json.loads(proc.stdout.strip().splitlines()[-1]), tmp
+    stdout = compile_in_subprocess(_SCRIPT, json.dumps(wanted), tmp, timeout=1800)
+    yield json.loads(stdout.strip().splitlines()[-1]), tmp
     shutil.rmtree(tmp, ignore_errors=True)
 
 
