@@ -235,9 +235,9 @@ def test_cpu_version_half_logits(dtype):
 
 
 # vocab, dtype, rows, chunks: V % 4 == 0 reads 16-byte (f32) or 8-byte (fp16/bf16) words, otherwise
-# one element per load; chunks 0 is the one-CTA path. The simulator runs ~1 s per fallback row and
-# ~0.1 s per CTA, so the default run takes one case of the split path (the engine's); the one-CTA path
-# (SPLIT_ROWS = False) runs in the slow set
+# one element per load; chunks 0 is the one-CTA path. The simulator takes seconds per fallback row, so
+# the default run takes one case of the split path (the engine's); the one-CTA path (SPLIT_ROWS = False)
+# runs in the slow set
 SIM_CASES = [(96, torch.float32, 6, 3),
              pytest.param(98, torch.bfloat16, 4, 0, marks=pytest.mark.slow),
              pytest.param(97, torch.float32, 9, 7, marks=pytest.mark.slow),
