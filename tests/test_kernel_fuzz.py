@@ -127,7 +127,8 @@ def test_decode_fuzz_v10_forced_plans_simulator(seed):
 
 
 @pytest.mark.skipif(HAS_GPU, reason="simulator cases; the gpu cases below cover the device")
-@pytest.mark.parametrize("seed", seeds(2, 200))
+@pytest.mark.parametrize("seed", [s if i == 0 else pytest.param(s, marks=pytest.mark.slow)
+                                  for i, s in enumerate(seeds(2, 200))])
 def test_prefill_fuzz_simulator(seed):
     check_prefill(seed, large=False)
 
