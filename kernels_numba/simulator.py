@@ -50,7 +50,7 @@ def _warp():
     manager = t._manager  # one simulator BlockManager per simulated block
     warp_id, lane = divmod(t.thread_id, 32)
     with _state_lock:
-        if manager.__dict__.get("_pagedattn_aborted"):
+        if getattr(manager, "_pagedattn_failed", None) is not None:
             raise RuntimeError("block aborted: another thread failed")
         warps = manager.__dict__.setdefault("_pagedattn_warps", {})
         state = warps.get(warp_id)
@@ -140,11 +140,13 @@ def _syncthreads(self):
         raise RuntimeError("abort flag set on syncthreads clear")
 
 
-def _abort_block(manager):
+def _abort_block(manager, failed):
+    """`failed` raised: remember the block's first failure, then wake everyone so they raise too."""
     for t in manager._pagedattn_threads:
         t.abort = True
     with _state_lock:
-        manager._pagedattn_aborted = True
+        if manager._pagedattn_failed is None:
+            manager._pagedattn_failed = failed
         for state in manager.__dict__.get("_pagedattn_warps", {}).values():
             state.barrier.abort()
     block = manager._pagedattn_block
@@ -158,15 +160,13 @@ def _run_block(self, grid_point, *args):
 
     self._pagedattn_block = _Block(int(np.prod(self._block_dim)))
     self._pagedattn_threads = threads = []
+    self._pagedattn_failed = None           # the first thread to raise (the others follow from the abort)
 
     def target():
-        t = threading.current_thread()
         try:
             self._f(*args)
         except BaseException:
-            if not t.abort:                 # the first failure (the others follow from the abort)
-                t.pagedattn_first = True
-            _abort_block(self)
+            _abort_block(self, threading.current_thread())
             raise
         finally:
             block = self._pagedattn_block
@@ -180,9 +180,8 @@ def _run_block(self, grid_point, *args):
         t.start()
     for t in threads:
         t.join()
-    failed = [t for t in threads if t.exception]
-    if failed:
-        first = next((t for t in failed if getattr(t, "pagedattn_first", False)), failed[0])
+    first = self._pagedattn_failed
+    if first is not None and first.exception:
         raise first.exception[0].with_traceback(first.exception[1])
 
 
