@@ -6,6 +6,8 @@
 #                                                        step's kernels and GPU/host time, decode and prefill kernels
 #   bash scripts/gpu_suite.sh tp                         two GPUs: the tensor-parallel tests and TP=1 vs TP=2 (0.5B)
 #   bash scripts/gpu_suite.sh tp7b                       two GPUs: TP=1 vs TP=2 on a random Qwen2-7B checkpoint
+#   bash scripts/gpu_suite.sh runtime                    the engine, server, fuzz, disk-cache and prefill-matrix `gpu`
+#                                                        tests, three queues on one GPU
 #   bash scripts/gpu_suite.sh serve                      the HTTP server under Poisson load beside LLM.generate
 #   bash scripts/gpu_suite.sh final                      two GPUs: tensor parallelism (tests, TP=1 vs TP=2), then two
 #                                                        queues: sampler tests + benches | graph tests + serving
@@ -15,7 +17,7 @@
 #
 # Logs and results go to $OUT (default ./gpu_out) and are packed into $OUT/<phase>.tar.gz.
 set -uo pipefail
-phase=${1:?phase: tests | bench | tp | tp7b | serve}
+phase=${1:?phase: tests | bench | tp | tp7b | runtime | serve | final | both}
 shift
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT/$phase"
@@ -101,6 +103,13 @@ final)
             tests/test_fused_kernels.py
         run serve 180 python3 scripts/bench_serving.py --model random --rates 32,inf --num-requests 128 --out "$dir"
     ) &
+    wait
+    ;;
+runtime)
+    run engine 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine.py tests/test_async_engine.py \
+        tests/test_serving_gpu.py tests/test_model_gpu.py tests/test_cuda_graph.py &
+    run fuzz 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_fuzz.py tests/test_kernel_codegen.py &
+    run prefill_matrix 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_prefill_fa2.py -k full_matrix &
     wait
     ;;
 serve)
