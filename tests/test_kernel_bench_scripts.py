@@ -74,6 +74,7 @@ def test_tune_table_marks_the_fastest_forced_configuration():
 
 
 @CPU_ONLY
+@pytest.mark.slow
 def test_tune_sweep_and_profile_check_their_configurations():
     rows = tune_splits.main(["1x64"], [2], [2], ["kernel"], check=True, device="cpu")
     assert rows[0]["plan"]["v10"] and rows[0]["us"] == {}
