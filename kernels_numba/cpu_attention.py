@@ -57,6 +57,7 @@ from numba import njit
 from numba.core import types
 from numba.extending import overload
 
+from kernels_numba.cpu_threads import Threads
 from pagedattn.errors import KernelLaunchError
 
 # Fast-math without 'nnan'/'ninf': poisoned pool slots are never read, but a NaN or inf that does
@@ -371,32 +372,7 @@ def _run(thread, num_threads, q, k_cache, v_cache, block_tables, cu_seqlens_q, c
                      k_cache, v_cache, block_tables[si], scale, out, qs, acc, m, l, alpha, s, kbuf, vbuf, bits)
 
 
-class _Threads:
-    """A small pool of Python threads for `_run` (which releases the GIL).
-
-    Python threads rather than numba's `prange`: they sleep on a lock between calls instead of
-    spinning in a second OpenMP runtime beside torch's (numba links the system libgomp, torch ships
-    its own), and a kernel without `parallel=True` compiles in half the time. Rebuilt after a fork.
-    """
-
-    def __init__(self):
-        self.executor, self.size, self.pid = None, 0, None
-
-    def run(self, num_threads, args):
-        """_run(t, num_threads, *args) for t in 0..num_threads-1; thread 0 in the calling thread."""
-        import os
-        from concurrent.futures import ThreadPoolExecutor
-
-        if self.executor is None or self.size < num_threads - 1 or self.pid != os.getpid():
-            self.executor = ThreadPoolExecutor(max_workers=num_threads - 1, thread_name_prefix="cpu_attention")
-            self.size, self.pid = num_threads - 1, os.getpid()
-        futures = [self.executor.submit(_run, t, num_threads, *args) for t in range(1, num_threads)]
-        _run(0, num_threads, *args)
-        for f in futures:
-            f.result()
-
-
-_THREADS = _Threads()
+_THREADS = Threads("cpu_attention")
 
 
 @njit(cache=True)
@@ -530,7 +506,7 @@ def attention(q, k_cache, v_cache, plan, scale=None, out=None, num_threads=1):
             plan.tile_seq, plan.tile_q0, plan.order, work)
     threads = min(num_threads, len(plan.order))
     if threads > 1 and plan.rows_x_keys >= PARALLEL_MIN_WORK:
-        _THREADS.run(threads, args)
+        _THREADS.run(_run, threads, args)
     else:
         _run(0, 1, *args)
     if out is None:

@@ -279,6 +279,8 @@ PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
     "What does the `yield` keyword do in Python? Answer briefly.",
     "Write a SQL query that returns the five most recent orders from a table named orders.",
+    "Explain in one sentence what a Python decorator is.",
+    "Write a Bash command that counts the lines of every .py file in a directory.",
 ]
 MAX_NEW_TOKENS = 32
 LOGITS_ATOL = 1e-3
@@ -319,16 +321,20 @@ def one_thread():
 
 
 @pytest.mark.slow
-def test_greedy_matches_hf_generate(bundled_model_dir, hf_and_prompts, one_thread):
-    """32 greedy tokens identical to HF generate(do_sample=False) on three chat prompts decoded together
-    through the paged cache with the CPU default backend (numba CPU kernels); every step's logits within
-    1e-3 of HF's (float32 on both sides)."""
+def test_greedy_matches_hf_generate(bundled_model_dir, hf_and_prompts, one_thread, monkeypatch):
+    """32 greedy tokens identical to HF generate(do_sample=False) on five chat prompts decoded together
+    through the paged cache with the CPU default backend (numba CPU kernels: attention, and the GEMMs of
+    the 4-16-row steps); every step's logits within 1e-3 of HF's (float32 on both sides)."""
+    from kernels_numba import cpu_linear
     from pagedattn.layers.cpu_attention import CpuNumbaBackend
     from pagedattn.models.loader import load_model
 
+    gemms, kernel = [], cpu_linear.linear
+    monkeypatch.setattr(cpu_linear, "linear", lambda *a, **k: gemms.append(a[1].shape) or kernel(*a, **k))
     tok, hf, prompts = hf_and_prompts
     model, config = load_model(bundled_model_dir, dtype=torch.float32, attn_backend=CpuNumbaBackend())
     ours, our_logits = PagedRunner(model, config, num_blocks=32, block_size=16).greedy(prompts, MAX_NEW_TOKENS)
+    assert (config.vocab_size, config.hidden_size) in gemms, "the decode steps' GEMMs should run the CPU kernel"
     for p, ids in enumerate(prompts):
         with torch.no_grad():
             out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),

@@ -260,6 +260,10 @@ class TorchPagedBackend:
         """Whether the numba glue kernels run on tensor x: never with torch ops."""
         return False
 
+    def linear(self, x, weight, bias=None):
+        """The linear layers' GEMM, y = x weight^T + bias: torch's here."""
+        return F.linear(x, weight, bias)
+
     def can_capture(self, dtype, head_dim, block_size):
         """Whether a decode step through this backend can be recorded in a CUDA graph: no, the gather
         is sized on the host (int(context_lens.max())), so float32 / torch steps run eagerly by design."""

@@ -5,6 +5,9 @@ tensor in every layer and step, then builds a mask and calls SDPA (docs/cpu.md m
 costs). This backend keeps the interface and runs kernels_numba.cpu_attention instead:
 
     write    the step's K/V into the pool at slot_mapping (float32 pools; 16-bit pools: torch)
+    linear   the linear layers' GEMMs at 4-16 rows (a decode step of 4-16 sequences) through
+             kernels_numba.cpu_linear, which streams the weight once where torch's float32 GEMM packs
+             it first; other row counts through torch (docs/cpu.md)
     attend   prefill chunks and decodes of the step in ONE kernel call per layer, straight through
              the block tables; the checked metadata and the work list (a `Plan`) are made at the
              first layer of a step and reused by the other layers (same metadata contents)
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 
 from kernels_numba import cpu_attention as kernels
+from kernels_numba import cpu_linear
 from pagedattn.errors import KernelLaunchError
 from pagedattn.layers.attention import TorchPagedBackend
 
@@ -53,6 +57,11 @@ class CpuNumbaBackend(TorchPagedBackend):
             self._plan = kernels.make_plan(tables, cu, ctx, *k_cache.shape[:3])
             self._plan_for = key
         return self._plan
+
+    def linear(self, x, weight, bias=None):
+        if cpu_linear.use_kernel(x, weight):
+            return cpu_linear.linear(x, weight, bias)
+        return super().linear(x, weight, bias)
 
     def write(self, k, v, k_cache, v_cache, slot_mapping):
         if k_cache.dtype != torch.float32 or not self._runs_here(k, k_cache):

@@ -50,9 +50,13 @@ class LinearBase(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.weight = _param(output_size, input_size)
         self.bias = _param(output_size) if bias else None
+        self.backend = None        # the model's attention backend, whose `linear` runs the GEMM (None: torch)
+
+    def gemm(self, x, bias):
+        return F.linear(x, self.weight, bias) if self.backend is None else self.backend.linear(x, self.weight, bias)
 
     def forward(self, x):                                                     # (T, in) -> (T, out)
-        return F.linear(x, self.weight, self.bias)
+        return self.gemm(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -109,7 +113,7 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, loaded[:, self.tp_rank * n:(self.tp_rank + 1) * n])
 
     def forward(self, x):                                                     # (T, in/P) -> (T, out)
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.gemm(x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y
@@ -124,6 +128,7 @@ class VocabParallelEmbedding(nn.Module):
         self.rows = divide(num_embeddings, tp_size, "vocab_size")
         self.start = tp_rank * self.rows
         self.weight = _param(self.rows, embedding_dim)
+        self.backend = None        # used by ParallelLMHead's GEMM, as LinearBase.backend
 
     def weight_loader(self, param, loaded, shard_id=None):
         _copy(param.data, loaded[self.start:self.start + self.rows])
@@ -143,7 +148,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits of this rank's vocab rows, all-gathered (rank order = vocab order)."""
 
     def forward(self, hidden):                                                # (N, hidden) -> (N, V)
-        logits = F.linear(hidden, self.weight)                                # (N, V/P)
+        b = self.backend
+        logits = F.linear(hidden, self.weight) if b is None else b.linear(hidden, self.weight)   # (N, V/P)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)]

@@ -28,6 +28,7 @@ from pagedattn.errors import ModelLoadError
 from pagedattn.layers.activation import SiluAndMul
 from pagedattn.layers.attention import get_backend
 from pagedattn.layers.linear import (
+    LinearBase,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -191,9 +192,9 @@ class Qwen2ForCausalLM(nn.Module):
 
     config: Qwen2Config. attn_backend: a backend object, or "auto" / "torch" / "numba" (resolved for the
     device of the first forward's inputs; see pagedattn.layers.attention.get_backend). The backend also
-    decides where the glue kernels run (its `fused(x)`): assigning model.attn_backend hands it to every
-    norm, rotary and activation layer. Parameters are created uninitialised: load them
-    (pagedattn.models.loader.load_model).
+    decides where the glue kernels run (its `fused(x)`) and runs the linear layers' GEMMs (its `linear`):
+    assigning model.attn_backend hands it to every norm, activation, linear layer and the LM head.
+    Parameters are created uninitialised: load them (pagedattn.models.loader.load_model).
     """
 
     # checkpoint name -> (parameter name, shard id) for the weights merged at load time
@@ -219,7 +220,7 @@ class Qwen2ForCausalLM(nn.Module):
     def attn_backend(self, backend):
         self._attn_backend = backend
         for m in self.modules():
-            if isinstance(m, (RMSNorm, SiluAndMul)):
+            if isinstance(m, (RMSNorm, SiluAndMul, LinearBase, ParallelLMHead)):
                 m.backend = None if isinstance(backend, str) else backend
 
     def forward(self, input_ids, positions, kv_cache, attn_metadata):
