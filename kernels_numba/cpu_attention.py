@@ -53,7 +53,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numba import njit
+import numba
+from numba import njit, prange
 from numba.core import types
 from numba.extending import overload
 
@@ -372,6 +373,15 @@ def _run(thread, num_threads, q, k_cache, v_cache, block_tables, cu_seqlens_q, c
                      k_cache, v_cache, block_tables[si], scale, out, qs, acc, m, l, alpha, s, kbuf, vbuf, bits)
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def _run_parallel(num_threads, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, query_tile,
+                  tile_seq, tile_q0, order, out):
+    """`_run` for every thread index on numba's thread pool."""
+    for t in prange(num_threads):
+        _run(t, num_threads, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, query_tile,
+             tile_seq, tile_q0, order, out)
+
+
 _THREADS = Threads("cpu_attention")
 
 
@@ -474,13 +484,16 @@ def _pool(k_cache, v_cache):
     return kc, vc
 
 
-def attention(q, k_cache, v_cache, plan, scale=None, out=None, num_threads=1):
+def attention(q, k_cache, v_cache, plan, scale=None, out=None, num_threads=1, numba_threads=False):
     """Paged attention of every query in `plan` (prefill chunks and decodes alike) over the pool.
 
     q: [plan.num_tokens, H, D] float32 (other float dtypes are converted); k_cache, v_cache: [num_blocks,
     Hkv, block_size, D] float32 / bfloat16 / float16 (torch or numpy); plan: make_plan(...) for this pool.
     scale: default 1/sqrt(D). out: optional [num_tokens, H, D] destination (torch or numpy, any float
     dtype). num_threads: threads to split the work over (below PARALLEL_MIN_WORK rows x keys: one).
+    numba_threads: run them on numba's thread pool (a parallel loop: a few microseconds to start, its
+    threads spin a while after) instead of Python threads (~0.1 ms to wake, asleep after): the CPU
+    backend's choice inside a small step, where torch runs on one thread (pagedattn/layers/cpu_attention.py).
     Returns out, or a new float32 numpy array.
     """
     kc, vc = _pool(k_cache, v_cache)
@@ -505,7 +518,11 @@ def attention(q, k_cache, v_cache, plan, scale=None, out=None, num_threads=1):
     args = (qa, kc, vc, plan.block_tables, plan.cu_seqlens_q, plan.context_lens, scale, QUERY_TILE,
             plan.tile_seq, plan.tile_q0, plan.order, work)
     threads = min(num_threads, len(plan.order))
-    if threads > 1 and plan.rows_x_keys >= PARALLEL_MIN_WORK:
+    if threads > 1 and numba_threads:
+        if numba.get_num_threads() != min(threads, numba.config.NUMBA_NUM_THREADS):
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        _run_parallel(threads, *args)
+    elif threads > 1 and plan.rows_x_keys >= PARALLEL_MIN_WORK:
         _THREADS.run(_run, threads, args)
     else:
         _run(0, 1, *args)

@@ -18,22 +18,21 @@ them, so each weight element is loaded from memory once and feeds 4-16 FMAs; eac
 Threads: the output features are cut into one contiguous range per thread (multiples of 4 rows);
 kernels_numba.cpu_threads runs them (the kernel releases the GIL).
 
-`use_kernel(x, weight)` says when this beats torch (measured, docs/cpu.md): 4 <= rows <= MAX_ROWS and a
-weight of at least MIN_WEIGHT elements (the attention projections of the 0.5B model, ~1M elements, are
-as fast in torch). Sums run in float32 in a different order than torch's: results differ from
-F.linear by float32 rounding (relative ~1e-6 of the row's magnitude), not by more.
+The CPU backend (pagedattn.layers.cpu_attention) runs every GEMM of a step of at most MAX_ROWS rows
+here, with torch on one thread meanwhile (its OpenMP threads would spin on the cores these threads
+use); measured against torch on two threads (docs/cpu.md), the kernel is as fast at 1-3 rows and up to
+2x faster at 4-16 (the LM head: 37 against 75 ms at 8 rows). Sums run in float32 in another order than
+torch's: results differ from F.linear by float32 rounding (relative ~1e-6 of the row's magnitude).
 """
 import numpy as np
 import torch
-from numba import njit
+import numba
+from numba import njit, prange
 
-from kernels_numba.cpu_threads import Threads
 from pagedattn.errors import KernelLaunchError
 
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}   # as cpu_attention: NaN and inf propagate
-MIN_ROWS = 4                 # below: torch's matrix-vector path streams the weight as well
 MAX_ROWS = 16                # above: torch's blocked GEMM (prefill) does more arithmetic per byte than this
-MIN_WEIGHT = 1 << 21         # output x input elements below which torch is as fast (docs/cpu.md)
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
@@ -87,24 +86,24 @@ def _store4(out, m, n, s0, s1, s2, s3, bias, has_bias):
     out[m + 3, n] = s3 + b
 
 
-@njit(cache=True, nogil=True)
-def _run(thread, num_threads, x, w, bias, out):
-    """Thread `thread` of `num_threads`: its contiguous range of output features (multiples of 4)."""
+@njit(parallel=True, cache=True, nogil=True)
+def _run(num_threads, x, w, bias, out):
+    """One contiguous range of output features (multiples of 4) per thread of numba's pool."""
     N = w.shape[0]
     per = (N // num_threads) // 4 * 4
-    n0 = thread * per
-    n1 = N if thread == num_threads - 1 else n0 + per
-    _rows(x, w, bias, out, n0, n1)
+    for t in prange(num_threads):
+        n0 = t * per
+        n1 = N if t == num_threads - 1 else n0 + per
+        _rows(x, w, bias, out, n0, n1)
 
 
-_THREADS = Threads("cpu_linear")
 _NO_BIAS = np.zeros(0, np.float32)
 
 
 def use_kernel(x, weight):
-    """Whether `linear` beats F.linear for this call (CPU float32, 4-16 rows, a large enough weight)."""
+    """Whether `linear` takes this call: CPU float32, 2-D, at most MAX_ROWS rows."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and x.dim() == 2 and MIN_ROWS <= x.shape[0] <= MAX_ROWS and weight.numel() >= MIN_WEIGHT)
+            and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS)
 
 
 def linear(x, weight, bias=None, num_threads=None):
@@ -121,8 +120,10 @@ def linear(x, weight, bias=None, num_threads=None):
     if bias is not None and ba.shape[0] != wa.shape[0]:
         raise KernelLaunchError(f"bias: {ba.shape[0]} elements for {wa.shape[0]} output features")
     out = torch.empty(xa.shape[0], wa.shape[0], dtype=torch.float32)
-    threads = max(1, min(num_threads or torch.get_num_threads(), wa.shape[0] // 64))
-    _THREADS.run(_run, threads, (xa, wa, ba, out.numpy()))
+    threads = max(1, min(num_threads or torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, wa.shape[0] // 64))
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
+    _run(threads, xa, wa, ba, out.numpy())
     return out
 
 

@@ -133,7 +133,8 @@ def test_chunked_prefill_equals_one_pass():
 
 
 def test_parallel_equals_serial(monkeypatch):
-    """The work split over threads changes nothing: every item is computed the same way on any thread."""
+    """The work split over threads changes nothing: every item is computed the same way on any thread,
+    Python's or numba's."""
     rng = np.random.default_rng(3)
     context_lens = [c + n for c, n in CHUNKS]
     k_cache, v_cache, tables, _ = make_pool(rng, context_lens, 2, 64, 16)
@@ -144,6 +145,10 @@ def test_parallel_equals_serial(monkeypatch):
     monkeypatch.setattr(ca, "PARALLEL_MIN_WORK", 0)
     for threads in (2, 3):
         np.testing.assert_array_equal(ca.paged_prefill_attention(*args, num_threads=threads), serial)
+    plan = ca.make_plan(tables, cu, torch.tensor(context_lens), *k_cache.shape[:3])
+    for threads in (2, 3):
+        np.testing.assert_array_equal(ca.attention(q, k_cache, v_cache, plan, num_threads=threads,
+                                                   numba_threads=True), serial)
 
 
 def test_exp_polynomial():

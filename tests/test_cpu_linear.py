@@ -90,11 +90,39 @@ def test_bad_arguments_name_the_field(args, field):
         cpu_linear.linear(*args)
 
 
-def test_use_kernel_picks_the_measured_range():
-    big = torch.empty(-(-cpu_linear.MIN_WEIGHT // 896), 896)                 # just over MIN_WEIGHT
-    assert cpu_linear.use_kernel(torch.empty(4, 896), big)
-    assert cpu_linear.use_kernel(torch.empty(16, 896), big)
-    assert not cpu_linear.use_kernel(torch.empty(3, 896), big)           # torch's matrix-vector path
-    assert not cpu_linear.use_kernel(torch.empty(17, 896), big)          # torch's blocked GEMM
-    assert not cpu_linear.use_kernel(torch.empty(8, 896), torch.empty(64, 896))           # small weight
-    assert not cpu_linear.use_kernel(torch.empty(8, 896, dtype=torch.float16), big.half())
+def test_use_kernel_takes_small_float32_cpu_calls():
+    w = torch.empty(64, 896)
+    assert cpu_linear.use_kernel(torch.empty(1, 896), w)
+    assert cpu_linear.use_kernel(torch.empty(cpu_linear.MAX_ROWS, 896), w)
+    assert not cpu_linear.use_kernel(torch.empty(cpu_linear.MAX_ROWS + 1, 896), w)     # prefill: torch
+    assert not cpu_linear.use_kernel(torch.empty(8, 896, dtype=torch.float16), w.half())
+    assert not cpu_linear.use_kernel(torch.empty(2, 8, 896), w)
+
+
+def test_backend_runs_small_steps_through_the_kernel(monkeypatch):
+    """CpuNumbaBackend.step_scope: inside a small step's scope the GEMMs go to the kernel on torch's
+    former thread count and torch runs on one thread; a large step, and any call outside a scope, stay
+    with torch; the thread count comes back (after an exception too); nested scopes change nothing."""
+    from pagedattn.layers.cpu_attention import CpuNumbaBackend
+
+    calls, kernel = [], cpu_linear.linear
+    monkeypatch.setattr(cpu_linear, "linear", lambda *a, **k: calls.append(k["num_threads"]) or kernel(*a, **k))
+    backend, threads = CpuNumbaBackend(), torch.get_num_threads()
+    x, w, b = torch.randn(5, 64), torch.randn(96, 64), torch.randn(96)
+    assert torch.allclose(backend.linear(x, w, b), F.linear(x, w, b)) and calls == []
+    with backend.step_scope(5):
+        assert torch.get_num_threads() == 1 and backend.threads() == threads
+        with backend.step_scope(3):
+            assert backend.threads() == threads
+        y = backend.linear(x, w, b)
+        assert torch.get_num_threads() == 1
+    assert calls == [threads] and torch.allclose(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert torch.get_num_threads() == threads
+    with backend.step_scope(cpu_linear.MAX_ROWS + 1):
+        assert torch.get_num_threads() == threads
+        backend.linear(torch.randn(cpu_linear.MAX_ROWS + 1, 64), w)
+    assert calls == [threads]
+    with pytest.raises(RuntimeError):
+        with backend.step_scope(2):
+            raise RuntimeError("a failing step")
+    assert torch.get_num_threads() == threads and backend.threads() == threads

@@ -193,12 +193,14 @@ class ModelRunner:
             self.graphs.run(step)
         else:
             dev = self.staging.upload(step.data) if self.cuda else torch.from_numpy(step.data)
-            hidden, _ = self.run_step(step, dev, max_context_len=self.plan_len or step.max_context_len,
-                                      gather=bool((host["input_src"] >= 0).any()))
-            if step.num_beams:
-                rows = step.fields(dev)["beam_rows"]
-                logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)   # (Nb, V)
-                beams = logprobs.topk(step.beam_k, dim=-1)
+            # a small CPU step: the sampler's torch ops on one thread too (CpuNumbaBackend.step_scope)
+            with self.model.attn_backend.step_scope(len(host["input_ids"])):
+                hidden, _ = self.run_step(step, dev, max_context_len=self.plan_len or step.max_context_len,
+                                          gather=bool((host["input_src"] >= 0).any()))
+                if step.num_beams:
+                    rows = step.fields(dev)["beam_rows"]
+                    logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)   # (Nb, V)
+                    beams = logprobs.topk(step.beam_k, dim=-1)
         if not want_results:
             return None
         N = step.num_samples

@@ -22,4 +22,6 @@ class SiluAndMul(nn.Module):
             from kernels_numba.activation import silu_and_mul
             return silu_and_mul(x, validate=backend.validate)
         gate, up = x.chunk(2, dim=-1)                                       # (T, I) each
-        return F.silu(gate) * up
+        # in place, in x's gate half (a step's temporary): no new [T, I] buffers to fault in, which at a
+        # 2,000-token CPU prefill was two thirds of this op's time
+        return F.silu(gate, inplace=True).mul_(up)                          # (T, I), a view of x

@@ -27,6 +27,7 @@ Backends:
 
 get_backend("auto" | "torch" | "numba" | "cpu", device) picks one.
 """
+import contextlib
 import importlib
 import math
 import warnings
@@ -263,6 +264,14 @@ class TorchPagedBackend:
     def linear(self, x, weight, bias=None):
         """The linear layers' GEMM, y = x weight^T + bias: torch's here."""
         return F.linear(x, weight, bias)
+
+    def step_scope(self, num_rows):
+        """Context around a forward of num_rows rows (the CPU backend runs small ones on its own threads)."""
+        return contextlib.nullcontext()
+
+    def cpu_glue(self, x):
+        """Whether the numba CPU glue kernels (kernels_numba.cpu_glue) run on tensor x: not here."""
+        return False
 
     def can_capture(self, dtype, head_dim, block_size):
         """Whether a decode step through this backend can be recorded in a CUDA graph: no, the gather

@@ -5,9 +5,16 @@ tensor in every layer and step, then builds a mask and calls SDPA (docs/cpu.md m
 costs). This backend keeps the interface and runs kernels_numba.cpu_attention instead:
 
     write    the step's K/V into the pool at slot_mapping (float32 pools; 16-bit pools: torch)
-    linear   the linear layers' GEMMs at 4-16 rows (a decode step of 4-16 sequences) through
+    linear   the linear layers' GEMMs of a small step (at most 16 rows: decodes, short chunks) through
              kernels_numba.cpu_linear, which streams the weight once where torch's float32 GEMM packs
-             it first; other row counts through torch (docs/cpu.md)
+             it first from 4 rows on; larger steps (prefill) through torch (docs/cpu.md)
+
+A small step runs inside `step_scope(num_rows)`: its GEMMs and attention on this backend's threads, its
+RMSNorms and rotary + KV write as one numba call each (kernels_numba.cpu_glue), and torch's remaining
+ops (activation, sampling) on one thread. Torch's OpenMP threads spin for a
+while after every parallel op (GNU OpenMP's default wait policy), and on a machine with as many threads
+as cores a spinning one takes the core a kernel thread needs: measured, 24 [8, 896] x [896, 9728] GEMMs
+took 75 ms alone and ~150 ms with a small torch op after each; with torch on one thread, 78 ms.
     attend   prefill chunks and decodes of the step in ONE kernel call per layer, straight through
              the block tables; the checked metadata and the work list (a `Plan`) are made at the
              first layer of a step and reused by the other layers (same metadata contents)
@@ -16,6 +23,8 @@ Tensors on another device go to the torch pieces. The kernels are compiled on fi
 on disk (numba cache=True): the first process pays ~10 s of CPU per pool dtype, later ones about a
 second. Calls big enough are split over torch.get_num_threads() threads.
 """
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 
@@ -39,6 +48,7 @@ class CpuNumbaBackend(TorchPagedBackend):
     def __init__(self):
         self._plan_for = None        # the metadata contents and pool geometry of the cached plan
         self._plan = None
+        self._step_threads = None    # inside a small step's scope: the kernels' thread count (torch runs on one)
 
     @staticmethod
     def _runs_here(q, k_cache):
@@ -58,9 +68,35 @@ class CpuNumbaBackend(TorchPagedBackend):
             self._plan_for = key
         return self._plan
 
+    @contextmanager
+    def step_scope(self, num_rows):
+        """A forward (or LM head) of num_rows rows: at most cpu_linear.MAX_ROWS run their GEMMs through
+        the kernel, on torch.get_num_threads() threads of this backend, with torch set to one thread
+        meanwhile (see the module docstring). Larger ones, and scopes inside a scope, change nothing."""
+        if num_rows > cpu_linear.MAX_ROWS or self._step_threads is not None:
+            yield
+            return
+        threads = torch.get_num_threads()
+        self._step_threads = threads
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+            self._step_threads = None
+
+    def threads(self):
+        """Threads of the kernels: torch's count, or the count it had before a small step's scope."""
+        return self._step_threads or torch.get_num_threads()
+
+    def cpu_glue(self, x):
+        """RMSNorm and rotary + KV write of a small step's float32 CPU tensors: one numba call each
+        (kernels_numba.cpu_glue) instead of torch's several small ops."""
+        return self._step_threads is not None and x.device.type == "cpu" and x.dtype == torch.float32
+
     def linear(self, x, weight, bias=None):
-        if cpu_linear.use_kernel(x, weight):
-            return cpu_linear.linear(x, weight, bias)
+        if self._step_threads is not None and cpu_linear.use_kernel(x, weight):
+            return cpu_linear.linear(x, weight, bias, num_threads=self._step_threads)
         return super().linear(x, weight, bias)
 
     def write(self, k, v, k_cache, v_cache, slot_mapping):
@@ -78,14 +114,14 @@ class CpuNumbaBackend(TorchPagedBackend):
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
         return kernels.attention(q, k_cache, v_cache, self.plan(attn_metadata, k_cache), scale, out,
-                                 torch.get_num_threads())
+                                 self.threads(), numba_threads=self._step_threads is not None)
 
     def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out):
         """q, out: [Np, H, D]; sequence s owns rows cu_seqlens_q[s]:cu_seqlens_q[s+1]."""
         if not self._runs_here(q, k_cache):
             return super().prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out)
         kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out,
-                                        torch.get_num_threads())
+                                        self.threads())
 
     def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len=None):
         """q, out: [num_decodes, H, D]; each query sees its sequence's context_len tokens.
@@ -93,4 +129,4 @@ class CpuNumbaBackend(TorchPagedBackend):
         if not self._runs_here(q, k_cache):
             return super().decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len)
         kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
-                                       torch.get_num_threads())
+                                       self.threads())

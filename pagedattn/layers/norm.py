@@ -5,8 +5,8 @@
 
 fp32 math with Hugging Face's roundings (the sum is stored in the dtype before it is normed; the normed row
 is cast back before the weight multiplies it; see reference/layers.py). With the numba backend on fp16/bf16
-this is one kernel (kernels_numba/rmsnorm.py) that updates `residual` in place; otherwise torch ops with the
-same math.
+this is one kernel (kernels_numba/rmsnorm.py) that updates `residual` in place, in a small float32 CPU step one
+numba call (kernels_numba/cpu_glue.py) that does the same; otherwise torch ops with the same math.
 """
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return rmsnorm.rms_norm(x, self.weight, self.eps, validate=backend.validate)
             return rmsnorm.fused_add_rms_norm(x, residual, self.weight, self.eps, validate=backend.validate)
+        if backend is not None and backend.cpu_glue(x):                   # a small float32 CPU step
+            from kernels_numba import cpu_glue
+            return cpu_glue.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = residual = x + residual                                     # (T, hidden) in the dtype
         x32 = x.float()

@@ -20,8 +20,10 @@ Tensor parallelism: built for rank tp_rank of tp_size (pagedattn/layers/linear.p
 Hugging Face's (q_proj / k_proj / v_proj and gate_proj / up_proj are merged at load time:
 `packed_modules_mapping`, pagedattn/models/loader.py).
 """
+import contextlib
 from dataclasses import MISSING, dataclass, fields
 
+import torch
 from torch import nn
 
 from pagedattn.errors import ModelLoadError
@@ -137,6 +139,10 @@ class Qwen2Attention(nn.Module):
             # one kernel: q rotated into a contiguous buffer, k rotated and v copied into the pool
             q = self.rotary_emb.rotate_and_cache(positions, q, k, v, k_cache, v_cache, attn_metadata.slot_mapping,
                                                  validate=backend.validate)          # (T, H, D)
+        elif backend.cpu_glue(qkv) and k_cache.dtype == torch.float32:
+            from kernels_numba.cpu_glue import rotary_cache          # the same, one numba call on the CPU
+            q = rotary_cache(positions, qkv, H, Hkv, D, self.rotary_emb.cos_sin_cache, k_cache, v_cache,
+                             attn_metadata.slot_mapping)
         else:
             q, k = self.rotary_emb(positions, q, k)
             backend.write(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
@@ -233,12 +239,15 @@ class Qwen2ForCausalLM(nn.Module):
         if isinstance(self.attn_backend, str):
             self.attn_backend = get_backend(self.attn_backend, input_ids.device)
         backend = self.attn_backend
-        x, residual = self.model.embed_tokens(input_ids), None                  # (T, hidden)
-        for i, layer in enumerate(self.model.layers):
-            x, residual = layer(positions, x, residual, kv_cache.k_caches[i], kv_cache.v_caches[i], attn_metadata,
-                                backend)
-        return self.model.norm(x, residual)[0]
+        with backend.step_scope(input_ids.shape[0]):
+            x, residual = self.model.embed_tokens(input_ids), None              # (T, hidden)
+            for i, layer in enumerate(self.model.layers):
+                x, residual = layer(positions, x, residual, kv_cache.k_caches[i], kv_cache.v_caches[i],
+                                    attn_metadata, backend)
+            return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden):
         """hidden: [N, hidden] (usually the last token of each sequence) -> [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+        backend = self.attn_backend
+        with contextlib.nullcontext() if isinstance(backend, str) else backend.step_scope(hidden.shape[0]):
+            return self.lm_head(hidden).float()
