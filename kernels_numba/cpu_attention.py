@@ -32,8 +32,10 @@ than the two matrix products it sits between).
 
 Scheduling: work items are sorted by cost (rows x keys) and dealt round-robin to the threads, so a
 long sequence and a causal tile near the end of a long prompt do not leave a thread idle while another
-finishes them. Calls below PARALLEL_MIN_WORK run on the calling thread alone (a decode step of one
-short sequence costs less than waking a second thread).
+finishes them. The threads are Python threads (kernels_numba.cpu_threads; calls below PARALLEL_MIN_WORK
+run on the calling thread alone: a decode step of one short sequence costs less than waking a second
+thread), or numba's thread pool with `numba_threads` (a parallel loop that starts in microseconds: the
+CPU backend's choice inside a small step, pagedattn/layers/cpu_attention.py).
 
 Pools: float32 is read in place; bfloat16 and float16 pools (numba's CPU target has neither type) are
 passed as 16-bit integer views, uint16 for bf16 and int16 for fp16, and each block tile is widened

@@ -171,6 +171,7 @@ def profile_decode(llm, num_seqs, context_len, steps=30):
     """Decode steps of num_seqs sequences at about context_len tokens each, timed piece by piece."""
     import pagedattn.engine.llm_engine as llm_engine
     import pagedattn.engine.model_runner as model_runner
+    from kernels_numba import cpu_glue
     from pagedattn import SamplingParams
 
     engine, prof = llm.engine, StepProfile()
@@ -182,6 +183,7 @@ def profile_decode(llm, num_seqs, context_len, steps=30):
     prof.wrap(model, "compute_logits", "lm_head (logits of the sampling rows)")
     prof.wrap(model_runner.sampler, "sample", "sampler")
     prof.wrap(backend, "write", "  attention: K/V write")
+    prof.wrap(cpu_glue, "rotary_cache", "  rotary + K/V write (one numba call, small steps)")
     prof.wrap(backend, "attend", "  attention: attend")
     for layer in model.model.layers:
         prof.wrap(layer.input_layernorm, "forward", "  RMSNorm x2 (+ residual add)")
