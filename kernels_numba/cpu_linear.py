@@ -15,8 +15,9 @@ The 4 weight rows (4 x 3.5-19 KB for Qwen2-0.5B) stay in L1 while every group of
 them, so each weight element is loaded from memory once and feeds 4-16 FMAs; each loaded x element feeds
 4. The leftover rows (M % 4 inputs, N % 4 weight rows) take the same loop with fewer sums.
 
-Threads: the output features are cut into one contiguous range per thread (multiples of 4 rows);
-kernels_numba.cpu_threads runs them (the kernel releases the GIL).
+Threads: the output features are cut into one contiguous range per thread (multiples of 4 rows), run by
+a numba parallel loop (a few microseconds to start; a Python thread pool's wake-up costs ~0.1 ms here,
+and a decode step makes ~100 of these calls).
 
 The CPU backend (pagedattn.layers.cpu_attention) runs every GEMM of a step of at most MAX_ROWS rows
 here, with torch on one thread meanwhile (its OpenMP threads would spin on the cores these threads

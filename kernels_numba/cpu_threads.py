@@ -1,4 +1,4 @@
-"""A small pool of Python threads for the CPU kernels (kernels_numba.cpu_attention, cpu_linear).
+"""A small pool of Python threads for the CPU kernels (kernels_numba.cpu_attention's large calls).
 
 Python threads rather than numba's `prange`: they sleep on a lock between calls instead of spinning in a
 second OpenMP runtime beside torch's (numba links the system libgomp, torch ships its own), and a kernel
