@@ -1,8 +1,10 @@
 """A small pool of Python threads for the CPU kernels (kernels_numba.cpu_attention's large calls).
 
-Python threads rather than numba's `prange`: they sleep on a lock between calls instead of spinning in a
-second OpenMP runtime beside torch's (numba links the system libgomp, torch ships its own), and a kernel
-without `parallel=True` compiles in half the time. The kernels release the GIL (`nogil=True`), so the
+Python threads rather than numba's `prange` for calls made while torch's own threads are busy (a
+prefill): they sleep on a lock between calls, where numba's OpenMP threads would spin for milliseconds
+on the cores torch's GEMMs need (numba links the system libgomp, torch ships its own). Waking one costs
+~0.1 ms, so inside a small step, where torch runs on one thread, the CPU backend uses numba's parallel
+loop instead (pagedattn/layers/cpu_attention.py). The kernels release the GIL (`nogil=True`), so the
 threads run them at once on disjoint work. Rebuilt after a fork.
 """
 import os
