@@ -5,23 +5,23 @@ tensor in every layer and step, then builds a mask and calls SDPA (docs/cpu.md m
 costs). This backend keeps the interface and runs kernels_numba.cpu_attention instead:
 
     write    the step's K/V into the pool at slot_mapping (float32 pools; 16-bit pools: torch)
+    attend   prefill chunks and decodes of the step in ONE kernel call per layer, straight through
+             the block tables; the checked metadata and the work list (a `Plan`) are made at the
+             first layer of a step and reused by the other layers (same metadata contents)
     linear   the linear layers' GEMMs of a small step (at most 16 rows: decodes, short chunks) through
              kernels_numba.cpu_linear, which streams the weight once where torch's float32 GEMM packs
              it first from 4 rows on; larger steps (prefill) through torch (docs/cpu.md)
 
-A small step runs inside `step_scope(num_rows)`: its GEMMs and attention on this backend's threads, its
+A small step runs inside `step_scope(num_rows)`: its GEMMs and attention on numba's thread pool, its
 RMSNorms and rotary + KV write as one numba call each (kernels_numba.cpu_glue), and torch's remaining
-ops (activation, sampling) on one thread. Torch's OpenMP threads spin for a
-while after every parallel op (GNU OpenMP's default wait policy), and on a machine with as many threads
-as cores a spinning one takes the core a kernel thread needs: measured, 24 [8, 896] x [896, 9728] GEMMs
-took 75 ms alone and ~150 ms with a small torch op after each; with torch on one thread, 78 ms.
-    attend   prefill chunks and decodes of the step in ONE kernel call per layer, straight through
-             the block tables; the checked metadata and the work list (a `Plan`) are made at the
-             first layer of a step and reused by the other layers (same metadata contents)
+ops (activation, sampling) on one thread. Torch's OpenMP threads spin for a while after every parallel
+op (GNU OpenMP's default wait policy), and on a machine with as many threads as cores a spinning one
+takes the core a kernel thread needs: measured, 24 [8, 896] x [896, 9728] GEMMs took 75 ms alone and
+~150 ms with a small torch op after each; with torch on one thread, 78 ms.
 
 Tensors on another device go to the torch pieces. The kernels are compiled on first use and cached
 on disk (numba cache=True): the first process pays ~10 s of CPU per pool dtype, later ones about a
-second. Calls big enough are split over torch.get_num_threads() threads.
+second. Outside small steps, calls big enough are split over torch.get_num_threads() Python threads.
 """
 from contextlib import contextmanager
 
