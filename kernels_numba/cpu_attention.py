@@ -55,12 +55,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import numba
 from numba import njit, prange
 from numba.core import types
 from numba.extending import overload
 
-from kernels_numba.cpu_threads import Threads
+from kernels_numba.cpu_threads import Threads, numba_threads as set_numba_threads
 from pagedattn.errors import KernelLaunchError
 
 # Fast-math without 'nnan'/'ninf': poisoned pool slots are never read, but a NaN or inf that does
@@ -521,9 +520,7 @@ def attention(q, k_cache, v_cache, plan, scale=None, out=None, num_threads=1, nu
             plan.tile_seq, plan.tile_q0, plan.order, work)
     threads = min(num_threads, len(plan.order))
     if threads > 1 and numba_threads:
-        if numba.get_num_threads() != min(threads, numba.config.NUMBA_NUM_THREADS):
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        _run_parallel(threads, *args)
+        _run_parallel(set_numba_threads(threads), *args)
     elif threads > 1 and plan.rows_x_keys >= PARALLEL_MIN_WORK:
         _THREADS.run(_run, threads, args)
     else:

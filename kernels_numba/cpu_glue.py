@@ -41,7 +41,6 @@ def _add_rms_norm(x, residual, weight, eps, out, has_residual):
 def _rotary_cache(positions, qkv, H, Hkv, D, cos_sin, k_cache, v_cache, slots, q_out):
     """Returns 0, 1 (a position outside the cos/sin cache) or 2 (a slot outside the pool)."""
     T = qkv.shape[0]
-    half = D // 2
     num_slots = k_cache.shape[0] * k_cache.shape[2]
     BS = k_cache.shape[2]
     for t in range(T):
@@ -50,28 +49,28 @@ def _rotary_cache(positions, qkv, H, Hkv, D, cos_sin, k_cache, v_cache, slots, q
         if slots[t] >= num_slots:
             return 2
     for t in range(T):
-        p = positions[t]
+        cs = cos_sin[positions[t]]
         for h in range(H):
-            base = h * D
-            for i in range(half):
-                c, s = cos_sin[p, i], cos_sin[p, half + i]
-                x1, x2 = qkv[t, base + i], qkv[t, base + half + i]
-                q_out[t, h, i] = x1 * c - x2 * s
-                q_out[t, h, half + i] = x2 * c + x1 * s
+            _rotate(qkv[t, h * D:(h + 1) * D], cs, q_out[t, h])
         slot = slots[t]
         if slot < 0:
             continue
         blk, off = slot // BS, slot % BS
         for h in range(Hkv):
-            kb, vb = (H + h) * D, (H + Hkv + h) * D
-            for i in range(half):
-                c, s = cos_sin[p, i], cos_sin[p, half + i]
-                x1, x2 = qkv[t, kb + i], qkv[t, kb + half + i]
-                k_cache[blk, h, off, i] = x1 * c - x2 * s
-                k_cache[blk, h, off, half + i] = x2 * c + x1 * s
-            for i in range(D):
-                v_cache[blk, h, off, i] = qkv[t, vb + i]
+            _rotate(qkv[t, (H + h) * D:(H + h + 1) * D], cs, k_cache[blk, h, off])
+            v_cache[blk, h, off, :] = qkv[t, (H + Hkv + h) * D:(H + Hkv + h + 1) * D]
     return 0
+
+
+@njit(inline="always")
+def _rotate(x, cs, out):
+    """out = x rotated: (x1 cos - x2 sin, x2 cos + x1 sin) over the halves of one head; cs = [cos | sin]."""
+    half = x.shape[0] // 2
+    for i in range(half):
+        c, s = cs[i], cs[half + i]
+        x1, x2 = x[i], x[half + i]
+        out[i] = x1 * c - x2 * s
+        out[half + i] = x2 * c + x1 * s
 
 
 def _f32(t, name, ndim):

@@ -27,9 +27,9 @@ torch's: results differ from F.linear by float32 rounding (relative ~1e-6 of the
 """
 import numpy as np
 import torch
-import numba
 from numba import njit, prange
 
+from kernels_numba.cpu_threads import numba_threads
 from pagedattn.errors import KernelLaunchError
 
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}   # as cpu_attention: NaN and inf propagate
@@ -121,9 +121,7 @@ def linear(x, weight, bias=None, num_threads=None):
     if bias is not None and ba.shape[0] != wa.shape[0]:
         raise KernelLaunchError(f"bias: {ba.shape[0]} elements for {wa.shape[0]} output features")
     out = torch.empty(xa.shape[0], wa.shape[0], dtype=torch.float32)
-    threads = max(1, min(num_threads or torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, wa.shape[0] // 64))
-    if numba.get_num_threads() != threads:
-        numba.set_num_threads(threads)
+    threads = numba_threads(min(num_threads or torch.get_num_threads(), wa.shape[0] // 64))
     _run(threads, xa, wa, ba, out.numpy())
     return out
 

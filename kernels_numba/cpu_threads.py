@@ -10,6 +10,8 @@ threads run them at once on disjoint work. Rebuilt after a fork.
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import numba
+
 
 class Threads:
     def __init__(self, prefix):
@@ -27,3 +29,12 @@ class Threads:
         fn(0, num_threads, *args)
         for f in futures:
             f.result()
+
+
+def numba_threads(num_threads):
+    """Set numba's thread count for this thread's next parallel loop to num_threads (at most numba's pool
+    size, at least 1); returns the count set."""
+    n = max(1, min(num_threads, numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+    return n

@@ -36,6 +36,11 @@ def _param(*shape):
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def _gemm(backend, x, weight, bias=None):
+    """x weight^T + bias through the model's attention backend (its `linear`), or torch without one."""
+    return F.linear(x, weight, bias) if backend is None else backend.linear(x, weight, bias)
+
+
 def _copy(dst, src, name=""):
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"{name}: slice of shape {tuple(src.shape)} does not fit {tuple(dst.shape)}")
@@ -53,7 +58,7 @@ class LinearBase(nn.Module):
         self.backend = None        # the model's attention backend, whose `linear` runs the GEMM (None: torch)
 
     def gemm(self, x, bias):
-        return F.linear(x, self.weight, bias) if self.backend is None else self.backend.linear(x, self.weight, bias)
+        return _gemm(self.backend, x, self.weight, bias)
 
     def forward(self, x):                                                     # (T, in) -> (T, out)
         return self.gemm(x, self.bias)
@@ -148,8 +153,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits of this rank's vocab rows, all-gathered (rank order = vocab order)."""
 
     def forward(self, hidden):                                                # (N, hidden) -> (N, V)
-        b = self.backend
-        logits = F.linear(hidden, self.weight) if b is None else b.linear(hidden, self.weight)   # (N, V/P)
+        logits = _gemm(self.backend, hidden, self.weight)                    # (N, V/P)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
