@@ -11,6 +11,12 @@ One step: schedule (Scheduler) -> plan which rows sample -> pack (step_inputs) -
 append, stop checks, beam search, forks for n > 1 (OutputProcessor, BeamState) -> RequestOutputs.
 Requests may be added or aborted between any two steps (continuous batching).
 
+One request, one fate: a request whose row goes wrong after the step (a sampled token outside the
+vocabulary, its detokenizer or stop check raising, its beam search failing) finishes alone with an error
+(`fail_request`: finish_reason "error", RequestOutput.error), its blocks freed; the other requests of the
+batch carry on. A step that raises as a whole (the forward itself) cannot say whose row broke it: the
+caller decides (AsyncLLM fails the requests in flight and keeps serving).
+
 With async_scheduling (on CUDA by default), step() launches step N+1 before it processes step N's tokens, so the host's
 scheduling and packing overlap the GPU's work: a sequence's in-flight token is read on the device
 (pagedattn.engine.sequence), a sequence that step N finished still computed one wasted row in step N+1,
@@ -18,6 +24,7 @@ and its tokens from then on are dropped; the tokens and finish reasons are exact
 """
 import itertools
 import json
+import logging
 import os
 
 from pagedattn.block_manager import BlockManager
@@ -25,6 +32,7 @@ from pagedattn.engine.beam_search import BeamState
 from pagedattn.engine.executor import make_executor
 from pagedattn.engine.metrics import EngineStats, now
 from pagedattn.engine.output_processor import OutputProcessor
+from pagedattn.engine.outputs import CompletionOutput, RequestOutput
 from pagedattn.engine.requests import InputProcessor
 from pagedattn.engine.scheduler import Scheduler, SchedulerConfig
 from pagedattn.engine.sequence import Sequence, SequenceGroup
@@ -32,6 +40,7 @@ from pagedattn.engine.step_inputs import SampleRow, build_step_inputs
 from pagedattn.errors import InvalidRequestError, ModelLoadError
 from pagedattn.sampling_params import SamplingParams
 
+logger = logging.getLogger("pagedattn.engine")
 
 def _read_json(path):
     try:
@@ -262,12 +271,13 @@ class LLMEngine:
         tokens, logprobs, beams = result.wait()
         t = now()
         touched = {}
+        failed = {}                     # request_id -> (group, exception): finished alone, with an error
         generated = 0
         for i, row in enumerate(plan.sample_rows):
             seq = row.seq
             group = self.groups.get(seq.request_id)
             if row.fork:
-                if group is None or seq.is_finished:
+                if group is None or seq.is_finished or seq.request_id in failed:
                     continue
                 target = self.fork(seq, row.index)
                 target.num_pending_forks = 0
@@ -276,31 +286,62 @@ class LLMEngine:
                 seq.num_inflight -= 1
                 seq.last_token_inflight = False
                 seq.num_pending_forks = 0
-                if seq.is_finished or group is None:     # finished one step earlier (async), or aborted
-                    continue
+                if seq.is_finished or group is None or seq.request_id in failed:
+                    continue            # finished one step earlier (async), aborted, or failed in this step
                 target = seq
             generated += 1
-            reason = self.outputs.append(target, int(tokens[i]), logprobs[i], t)
+            token = int(tokens[i])
+            try:
+                if not 0 <= token < self.vocab_size:
+                    raise RuntimeError(f"the sampler returned token id {token} for this request's row, outside "
+                                       f"the vocabulary [0, {self.vocab_size})")
+                reason = self.outputs.append(target, token, logprobs[i], t)
+            except Exception as e:      # noqa: BLE001 (this request's failure alone: the others go on)
+                failed[group.request_id] = (group, e)
+                continue
             if reason is not None:
                 self.scheduler.finish(target, reason)
             touched[group.request_id] = group
         for j, seq in enumerate(plan.beam_rows):
             group = self.groups.get(seq.request_id)
-            if group is None or seq.is_finished:
+            if group is None or seq.is_finished or seq.request_id in failed:
                 continue
             seq.beam_candidates = (beams[0][j], beams[1][j])
             if group.beam.ready:
-                group.beam.advance(self)
+                try:
+                    group.beam.advance(self)
+                except Exception as e:  # noqa: BLE001
+                    failed[group.request_id] = (group, e)
+                    continue
                 generated += len(group.beam.beams)
                 touched[group.request_id] = group
         results = []
         for group in touched.values():
-            if group.is_finished:
-                del self.groups[group.request_id]
-                results.append(self._final_output(group, t))
-            elif group.stream:
-                results.append(self.outputs.request_output(group, t))
+            if group.request_id in failed:
+                continue
+            try:
+                if group.is_finished:
+                    results.append(self._final_output(group, t))
+                    del self.groups[group.request_id]
+                elif group.stream:
+                    results.append(self.outputs.request_output(group, t))
+            except Exception as e:      # noqa: BLE001 (detokenizing one request's text failed)
+                failed[group.request_id] = (group, e)
+        for group, exc in failed.values():
+            results.append(self.fail_request(group, exc))
         return results, generated
+
+    def fail_request(self, group, exc):
+        """Finish one request with an error (its completions' finish_reason "error", RequestOutput.error the
+        message) and free its blocks; the rest of the batch is untouched. Returns its final RequestOutput."""
+        logger.error("request %r failed in the engine: %r", group.request_id, exc)
+        self.groups.pop(group.request_id, None)
+        for seq in group.seqs:
+            self.free_sequence(seq, "error")
+        seqs = sorted(group.seqs, key=lambda s: s.index)
+        outputs = [CompletionOutput(s.index, "", list(s.output_token_ids), "error") for s in seqs]
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished=True,
+                             error=f"the request failed in the engine: {exc!r}")
 
     def _final_output(self, group, t):
         if group.beam is not None:

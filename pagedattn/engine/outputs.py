@@ -3,6 +3,10 @@
 A finished request's outputs are final. A request added with `stream=True` also gets a RequestOutput
 after every step that added to it (`finished=False`), where `delta_text` / `delta_token_ids` are what the
 step added: concatenating a completion's deltas gives exactly its final `text` / `token_ids`.
+
+A request that failed inside the engine (its row alone: see LLMEngine.fail_request) finishes with
+`error` set to the reason and finish_reason "error" on its completions (text empty); the others in its
+batch are not affected.
 """
 from dataclasses import dataclass, field
 
@@ -12,7 +16,7 @@ class CompletionOutput:
     index: int                     # which of the request's n completions
     text: str                      # detokenized so far (special tokens skipped, stop string removed)
     token_ids: list                # generated ids so far (an EOS / stop token id that ended it included)
-    finish_reason: str | None      # None while running, then "stop" | "length" | "abort"
+    finish_reason: str | None      # None while running, then "stop" | "length" | "abort" | "error"
     cumulative_logprob: float | None = None
     logprobs: list | None = None   # the chosen tokens' log-probabilities (SamplingParams(logprobs=True))
     delta_text: str = ""           # what the last step added to text
@@ -33,3 +37,4 @@ class RequestOutput:
     metrics: object = None         # RequestMetrics (set when finished)
     num_cached_tokens: int = 0     # prompt tokens served by the prefix cache
     prompt_index: int | None = None  # LLM.stream: the prompt's position in the list given
+    error: str | None = None       # set when the request failed in the engine (finish_reason "error")

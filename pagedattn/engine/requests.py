@@ -34,6 +34,8 @@ class InputProcessor:
 
     def validate(self, prompt, params):
         """Token ids of `prompt` after checking it and `params` (SamplingParams or BeamSearchParams)."""
+        if isinstance(params, (BeamSearchParams, SamplingParams)):
+            params.validate()           # again: a dataclass can be changed after it was constructed
         if isinstance(params, BeamSearchParams):
             width, max_tokens = params.beam_width, params.max_tokens
         elif isinstance(params, SamplingParams):
@@ -46,13 +48,13 @@ class InputProcessor:
         n_prompt, max_len = len(ids), self.max_model_len
         if n_prompt == 0:
             raise InvalidRequestError("prompt is empty: it must have at least 1 token")
+        if n_prompt > max_len:          # (before the per-token scan: its cost stays bounded by max_model_len)
+            raise InvalidRequestError(f"prompt has {n_prompt} tokens: the prompt length must be <= "
+                                      f"max_model_len={max_len}")
         bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"prompt token id {ids[bad]} at position {bad} is outside the vocabulary: "
                                       f"token ids must be in [0, {self.vocab_size})")
-        if n_prompt > max_len:
-            raise InvalidRequestError(f"prompt has {n_prompt} tokens: the prompt length must be <= "
-                                      f"max_model_len={max_len}")
         if n_prompt + max_tokens > max_len:
             raise InvalidRequestError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
                                       f"max_model_len={max_len}: max_tokens must be in [1, {max_len - n_prompt}]")

@@ -22,7 +22,8 @@ early (`aclose()`, `abort()`, or cancelling the task that iterates it: a client 
 the request: its blocks are freed before the next step.
 
 Errors. A request the engine refuses when it is added (say a duplicate request id) gets the error on its
-own stream only. A step that raises fails the requests in flight (each stream raises EngineStepError
+own stream only, and so does a request the engine failed alone (RequestOutput.error: RequestFailedError on
+its stream; the others in the batch go on). A step that raises fails the requests in flight (each stream raises EngineStepError
 with the cause attached), they are aborted, and the loop goes on serving new requests; only if the
 engine cannot even abort them is it declared dead (`AsyncLLM.error`), and then every call raises.
 """
@@ -47,6 +48,11 @@ _SNAPSHOT_INTERVAL_S = 0.05
 
 class EngineStepError(PagedAttnError, RuntimeError):
     """An engine step raised while this request was in flight; `__cause__` is the original exception."""
+
+
+class RequestFailedError(EngineStepError):
+    """This request alone failed inside the engine (its row: a token outside the vocabulary, its
+    detokenizer); the rest of the batch went on. The message says why."""
 
 
 class EngineDeadError(PagedAttnError, RuntimeError):
@@ -109,6 +115,7 @@ class RequestStream:
         self._ready = asyncio.Event()
         # engine-thread bookkeeping for the latency metrics
         self._first_token_time = None
+        self._counted = False           # counted in the finished-requests metrics (exactly once)
         self._last_token_time = {}      # completion index -> perf_counter of its latest token
 
     # ---- engine thread side ----------------------------------------------------------------------
@@ -353,6 +360,7 @@ class AsyncLLM:
             for rid, stream in list(live.items()):
                 with contextlib.suppress(Exception):   # leave the engine clean for whoever uses it next
                     engine.abort_request(rid)
+                self._record_finished(stream, "error", None, now())
                 self._put_quietly(stream, error=dead)
             self._drain_after_death(dead)
             self._take_snapshot()
@@ -380,12 +388,14 @@ class AsyncLLM:
                 return True
 
     def _add(self, live, stream):
-        if stream.finished:             # aborted before the engine saw it
+        if stream.finished:             # aborted before the engine saw it (still an accepted request)
+            self._record_finished(stream, "abort", None, now())
             return
         try:
             self.engine.add_request(stream.request_id, stream.prompt, stream.params,
                                     prompt_token_ids=stream.prompt_token_ids, stream=True)
         except Exception as e:          # noqa: BLE001 (this request's error, on this request's stream)
+            self._record_finished(stream, "error", None, now())
             self._put_quietly(stream, error=e)
             return
         live[stream.request_id] = stream
@@ -393,6 +403,11 @@ class AsyncLLM:
     def _deliver(self, live, out, t, woken):
         stream = live.get(out.request_id)
         if stream is None:              # aborted meanwhile, or not ours
+            return
+        if out.error is not None:       # failed alone in the engine (its blocks are already free)
+            del live[out.request_id]
+            self._record_finished(stream, "error", None, t)
+            self._put_quietly(stream, error=RequestFailedError(out.error))
             return
         try:
             self._record_tokens(stream, out, t)
@@ -406,6 +421,7 @@ class AsyncLLM:
             live.pop(out.request_id, None)
             if not out.finished:
                 self.engine.abort_request(out.request_id)
+            self._record_finished(stream, "error", None, t)
             self._put_quietly(stream, error=e)
 
     def _wake(self, live, loop, streams):
@@ -416,6 +432,7 @@ class AsyncLLM:
                 if live.get(stream.request_id) is stream:
                     del live[stream.request_id]
                     self.engine.abort_request(stream.request_id)
+                self._record_finished(stream, "abort", None, now())
                 self._forget(stream)
 
     def _fail_in_flight(self, live, exc):
@@ -437,6 +454,7 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if cmd == "add":
+                self._record_finished(arg, "error", None, now())
                 self._put_quietly(arg, error=error)
 
     def _put_quietly(self, stream, error):
@@ -473,8 +491,11 @@ class AsyncLLM:
             m.generated(k)
 
     def _record_finished(self, stream, reason, out, t):
-        if self.metrics is None:
+        """Count a request that ended (finished, aborted, failed) in the metrics: once, whichever path
+        ends it."""
+        if self.metrics is None or stream._counted:
             return
+        stream._counted = True
         if out is not None:
             reasons = [c.finish_reason for c in out.outputs]
             reason = reasons[0] if len(set(reasons)) == 1 else "mixed"
