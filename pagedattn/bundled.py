@@ -78,6 +78,18 @@ def cache_root():
     return os.environ.get("PAGEDATTN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedattn")
 
 
+def missing_pieces(parts=None):
+    """Names of the pieces that are not installed at all (a piece installed but damaged is not "missing":
+    locate_parts and verify_parts report it)."""
+    missing = []
+    for dist_name, *_ in parts or PARTS:
+        try:
+            _distribution(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(dist_name)
+    return missing
+
+
 def locate_parts(parts=None):
     """Paths of the installed GGUF pieces, in order; a missing piece raises ModelLoadError with the pip command."""
     paths = []

