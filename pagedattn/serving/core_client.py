@@ -1,0 +1,571 @@
+"""CoreClient: the API process's side of the engine cores, with the interface build_app expects of AsyncLLM.
+
+    client = CoreClient.start(dict(model=path, device="cuda"), data_parallel_size=2)   # owns 2 core processes
+    async for out in client.generate("def fib(n):", SamplingParams(temperature=0, max_tokens=32)):
+        print(out.outputs[0].delta_text, end="")
+    client.shutdown()
+
+or, when the cores were started elsewhere (the launcher, another node): CoreClient(["ipc://...", ...]).
+
+Work split. The core (pagedattn.serving.engine_core) schedules, runs steps and sends token ids. Here,
+in the API process: tokenizing and validating a request (InvalidRequestError at once, before a byte of
+a response is sent), choosing a core for it, and turning each step's token ids into text: incremental
+detokenization (pagedattn.engine.detokenizer, the same code the in-process engine uses) and stop
+strings. A stop string ends its completion here; the token ids after it are dropped and the core is
+told to stop computing it. So the text, token ids, logprobs and finish reasons are exactly those of the
+in-process engine (AsyncLLM).
+
+Threads. One receiver thread reads every core's messages: for each step message it walks the entries
+(one per completion that advanced), detokenizes, builds that request's RequestOutput and hands it to
+its RequestStream (pagedattn.serving.async_llm's: an async iterator that merges outputs its consumer has
+not taken yet and wakes the consumer's event loop once per step). Commands go out from the callers'
+threads on one PUSH socket per core (under a lock). Closing a stream early aborts its request in its
+core, which frees the blocks before the next step.
+
+Routing (data parallelism): a request goes to the live core with the least load, running + waiting
+sequences from that core's latest snapshot plus what this client sent it since, ties broken by KV usage.
+
+Faults. A core whose connection drops (the process died, or a peer silent past the ZMTP heartbeat
+timeout), a local core process that exited, or a core that says it is Dead: every stream it was
+serving ends with EngineDeadError, `is_alive` turns False (so /health fails) and new requests are
+refused. Nothing is restarted behind the caller's back.
+"""
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+import time
+import uuid
+
+import msgspec
+import zmq
+
+from pagedattn.engine.detokenizer import IncrementalDetokenizer
+from pagedattn.engine.outputs import CompletionOutput, RequestOutput
+from pagedattn.engine.requests import InputProcessor
+from pagedattn.errors import InvalidRequestError
+from pagedattn.sampling_params import SamplingParams
+from pagedattn.serving import engine_core as ec
+from pagedattn.serving.async_llm import EngineDeadError, EngineStepError, RequestStream, _set_ready
+
+logger = logging.getLogger("pagedattn.serving")
+now = time.perf_counter
+
+# Engine metrics that add up over data-parallel ranks; the ratios are recomputed from the sums.
+_SUMMED = ("num_blocks", "num_free_blocks", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
+           "num_preemptions", "num_running", "num_waiting", "num_steps", "num_computed_tokens",
+           "num_generated_tokens", "num_finished_requests", "generation_throughput_tok_s", "total_throughput_tok_s")
+
+
+def aggregate_metrics(snapshots):
+    """One engine-metrics dict for several ranks' engine.metrics() dicts: counts summed (throughputs too:
+    the ranks run side by side), KV usage and prefix-cache hit rate recomputed from the sums, the other
+    ratios the worst rank's (fragmentation, peak KV usage) or the mean over ranks (latencies)."""
+    snapshots = [s for s in snapshots if s]
+    if not snapshots:
+        return {}
+    out = {"data_parallel_size": len(snapshots), "block_size": snapshots[0].get("block_size")}
+    for key in _SUMMED:
+        values = [s[key] for s in snapshots if s.get(key) is not None]
+        if values:
+            out[key] = sum(values)
+    if out.get("num_blocks"):
+        out["kv_cache_usage"] = 1.0 - out["num_free_blocks"] / out["num_blocks"]
+    queried = out.get("prefix_cache_queried_tokens", 0)
+    out["prefix_cache_hit_rate"] = out.get("prefix_cache_hit_tokens", 0) / queried if queried else 0.0
+    for key in ("kv_fragmentation", "mean_kv_fragmentation", "peak_kv_usage", "step_time_s"):
+        values = [s[key] for s in snapshots if s.get(key) is not None]
+        if values:
+            out[key] = max(values)
+    for key in ("mean_ttft_s", "mean_itl_s"):
+        values = [s[key] for s in snapshots if s.get(key) is not None]
+        out[key] = sum(values) / len(values) if values else None
+    return out
+
+
+class _Completion:
+    """The API side's state of one completion: its token ids, logprobs, text (receiver thread only)."""
+    __slots__ = ("index", "token_ids", "logprobs", "cumulative", "detok", "finish_reason", "text",
+                 "num_sent_tokens", "num_sent_chars", "last_token_time")
+
+    def __init__(self, index, tokenizer, params):
+        self.index = index
+        self.token_ids = []
+        self.logprobs = [] if params.logprobs else None
+        self.cumulative = 0.0
+        self.detok = IncrementalDetokenizer(tokenizer, params.stop) if tokenizer is not None else None
+        self.finish_reason = None
+        self.text = None                # final text
+        self.num_sent_tokens = 0
+        self.num_sent_chars = 0
+        self.last_token_time = None
+
+    def output(self):
+        """The CompletionOutput of what is known, with the delta since the last call."""
+        if self.finish_reason is not None and self.text is None:
+            self.text = self.detok.finish() if self.detok is not None else ""
+        if self.text is not None:
+            text = self.text
+        else:
+            text = self.detok.releasable if self.detok is not None else ""
+        ids = list(self.token_ids)
+        out = CompletionOutput(self.index, text, ids, self.finish_reason, self.cumulative,
+                               None if self.logprobs is None else list(self.logprobs))
+        out.delta_token_ids = ids[self.num_sent_tokens:]
+        out.delta_text = text[self.num_sent_chars:] if text.startswith(text[:self.num_sent_chars]) else ""
+        self.num_sent_tokens, self.num_sent_chars = len(ids), max(self.num_sent_chars, len(text))
+        return out
+
+
+class _Request:
+    """One request in flight: its stream, core, wire id and completions."""
+    __slots__ = ("stream", "core", "wire_id", "completions", "n", "num_finished", "first_token_time")
+
+    def __init__(self, stream, core, wire_id, tokenizer):
+        params = stream.params
+        self.stream, self.core, self.wire_id, self.n = stream, core, wire_id, params.n
+        self.completions = [_Completion(i, tokenizer, params) for i in range(params.n)]
+        self.num_finished = 0
+        self.first_token_time = None
+
+
+class _Core:
+    """The client's view of one engine core: its sockets, what it reported, its load."""
+
+    def __init__(self, rank, address, ctx, identity, process=None):
+        self.rank, self.address, self.process = rank, address, process
+        in_ep, out_ep = ec.core_endpoints(address)
+        self.push = ctx.socket(zmq.PUSH)
+        self.dealer = ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.ROUTING_ID, identity)
+        for s in (self.push, self.dealer):
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.HEARTBEAT_IVL, ec.HEARTBEAT_IVL_MS)
+            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, ec.HEARTBEAT_TIMEOUT_MS)
+        self.monitor = self.dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.push.connect(in_ep)
+        self.dealer.connect(out_ep)
+        self.lock = threading.Lock()    # guards `push` (any thread sends)
+        self.info = None                # Ready.info
+        self.snapshot = {}              # its latest engine.metrics()
+        self.snapshot_token = 0
+        self.sent_since_snapshot = 0
+        self.error = None               # set when it died
+
+    @property
+    def load(self):
+        s = self.snapshot
+        return (s.get("num_running", 0) + s.get("num_waiting", 0) + self.sent_since_snapshot,
+                s.get("kv_cache_usage", 0.0), self.rank)
+
+    def close(self):
+        for s in (self.monitor, self.push, self.dealer):
+            s.close(0)
+
+
+class CoreClient:
+    """A client of one or more engine cores (data-parallel ranks), with AsyncLLM's interface.
+
+    addresses: the cores' addresses (engine_core.core_endpoints). processes: the local core processes
+    this client owns (stopped by shutdown()), or None. metrics: ServingMetrics-like recorder or None (build_app
+    attaches one). stream_interval: wake a stream's reader once at least this many new tokens wait
+    (the first tokens and the final output at once). ready_timeout_s: how long to wait for every core
+    to answer (loading a model takes a while).
+    """
+
+    def __init__(self, addresses, processes=None, metrics=None, stream_interval=1, ready_timeout_s=600.0):
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+            raise InvalidRequestError(f"stream_interval must be an int >= 1, got {stream_interval!r}")
+        self.metrics = metrics
+        self.stream_interval = stream_interval
+        self.processes = list(processes or [])
+        self.error = None
+        self.num_step_errors = 0
+        self._identity = uuid.uuid4().bytes
+        self._ctx = zmq.Context()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(ec.CoreMessage)
+        procs = self.processes + [None] * (len(addresses) - len(self.processes))
+        self._cores = [_Core(r, a, self._ctx, self._identity, p) for r, (a, p) in enumerate(zip(addresses, procs))]
+        self._streams = {}              # request_id -> RequestStream, accepted and not yet forgotten
+        self._live = {}                 # wire id -> _Request, as the receiver thread serves them
+        self._lock = threading.Lock()   # guards _streams / _live changes and the metrics recorder
+        self._wire_ids = itertools.count(1)
+        self._request_ids = itertools.count()
+        self._snapshot_tokens = itertools.count(1)
+        self._stopping = False
+        try:
+            self._handshake(ready_timeout_s)
+        except BaseException:
+            self._close_sockets()
+            raise
+        info = [c.info for c in self._cores]
+        self.model_path = info[0]["model_path"]
+        self.info = info
+        from pagedattn.engine.llm_engine import load_tokenizer
+        self.tokenizer = load_tokenizer(self.model_path)            # the request threads' copy
+        self._detok_tokenizer = load_tokenizer(self.model_path)     # the receiver thread's own copy
+        small = min(info, key=lambda i: i["num_blocks"] * i["block_size"])
+        self._inputs = InputProcessor(None, min(i["vocab_size"] for i in info),
+                                      min(i["max_model_len"] for i in info), min(i["max_num_seqs"] for i in info),
+                                      small["block_size"], small["num_blocks"], self.model_path)
+        self._thread = threading.Thread(target=self._run, name="pagedattn-core-client", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, engine_kwargs, data_parallel_size=1, **kwargs):
+        """Start `data_parallel_size` local core processes on LLM(**engine_kwargs) and a client owning them."""
+        procs, addresses = ec.start_engine_cores(engine_kwargs, data_parallel_size)
+        try:
+            return cls(addresses, processes=procs, **kwargs)
+        except BaseException:
+            ec.stop_processes(procs)
+            raise
+
+    def _handshake(self, timeout):
+        """Say Hello to every core and wait for each one's Ready (a local process that exits first fails it)."""
+        for core in self._cores:
+            core.dealer.send(self._encoder.encode(ec.Hello(self._identity)))
+        deadline = now() + timeout
+        pending = {id(c.dealer): c for c in self._cores}
+        poller = zmq.Poller()
+        for c in self._cores:
+            poller.register(c.dealer, zmq.POLLIN)
+        while pending:
+            for sock, _ in poller.poll(100):
+                core = pending.get(id(sock))
+                msg = self._decoder.decode(sock.recv())
+                if isinstance(msg, ec.Ready) and core is not None:
+                    core.info = msg.info
+                    del pending[id(sock)]
+                elif isinstance(msg, ec.Dead):
+                    raise EngineDeadError(f"engine core {msg.rank} failed to start: {msg.reason}")
+            for core in pending.values():
+                if core.process is not None and not core.process.is_alive():
+                    raise EngineDeadError(f"engine core {core.rank} exited while starting "
+                                          f"(exit code {core.process.exitcode}); see its log above")
+            if pending and now() > deadline:
+                raise TimeoutError(f"engine core(s) {sorted(c.rank for c in pending.values())} did not answer "
+                                   f"within {timeout} s")
+
+    # ---- what build_app uses -------------------------------------------------------------------
+    @property
+    def max_model_len(self):
+        return self._inputs.max_model_len
+
+    @property
+    def max_request_tokens(self):
+        """The most tokens (prompt + generated) one request can ever hold on any core."""
+        return min(self._inputs.max_model_len, self._inputs.num_blocks * self._inputs.block_size)
+
+    @property
+    def data_parallel_size(self):
+        return len(self._cores)
+
+    def tokenize(self, prompt):
+        """prompt: str -> list[int] without special tokens (token ids pass through: validation checks them)."""
+        if not isinstance(prompt, str):
+            return prompt
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"prompt is a string but {self.model_path!r} has no tokenizer: pass token ids")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def add_request(self, prompt, params=None, request_id=None):
+        """Validate and send one request to the least-loaded core; returns its RequestStream. Call from a
+        coroutine. Raises InvalidRequestError naming the field, EngineDeadError once a core has died."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.error}") from self.error
+        params = SamplingParams() if params is None else params
+        request_id = f"req-{next(self._request_ids)}" if request_id is None else request_id
+        ids = self._inputs.validate(self.tokenize(prompt), params)
+        stream = RequestStream(self, request_id, prompt, ids, params, asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request_id {request_id!r} is already running")
+            core = min((c for c in self._cores if c.error is None), key=lambda c: c.load)
+            core.sent_since_snapshot += params.n
+            wire_id = next(self._wire_ids)
+            stream._wire_id = wire_id
+            self._streams[request_id] = stream
+            self._live[wire_id] = _Request(stream, core, wire_id, self._detok_tokenizer)
+        self._send(core, ec.AddRequest(self._identity, wire_id, ids, params))
+        return stream
+
+    async def generate(self, prompt, params=None, request_id=None):
+        """Async iterator of the request's RequestOutputs; leaving early, or cancelling, aborts it."""
+        stream = self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    async def abort(self, request_id):
+        """Abort a request by id (False if it is not running)."""
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        stream.abort()
+        return True
+
+    def engine_metrics(self):
+        """engine.metrics() summed over the cores (aggregate_metrics), from their latest snapshots."""
+        return aggregate_metrics([c.snapshot for c in self._cores])
+
+    def engine_metrics_per_rank(self):
+        """Each core's latest engine.metrics() snapshot, in rank order."""
+        return [dict(c.snapshot) for c in self._cores]
+
+    def wait_until_idle(self, timeout=60.0):
+        """Block (a plain thread) until no request is in flight here and every live core holds no sequence
+        (every finish and abort applied, blocks free). Returns engine_metrics() then; raises TimeoutError."""
+        deadline = now() + timeout
+        while self.num_requests_in_flight:
+            if now() > deadline:
+                raise TimeoutError(f"{self.num_requests_in_flight} request(s) still in flight")
+            time.sleep(0.005)
+        while True:
+            token = next(self._snapshot_tokens)
+            live = [c for c in self._cores if c.error is None]
+            for core in live:
+                self._send(core, ec.TakeSnapshot(self._identity, token))
+            while any(c.snapshot_token < token for c in live if c.error is None):
+                if now() > deadline:
+                    raise TimeoutError("an engine core did not answer a snapshot request")
+                time.sleep(0.005)
+            if all(not c.snapshot.get("num_running") and not c.snapshot.get("num_waiting") for c in live):
+                return self.engine_metrics()
+            if now() > deadline:
+                raise TimeoutError(f"the engine is still busy: {self.engine_metrics()}")
+            time.sleep(0.01)
+
+    @property
+    def num_requests_in_flight(self):
+        with self._lock:
+            return len(self._streams)
+
+    @property
+    def is_alive(self):
+        return self.error is None and self._thread.is_alive()
+
+    def shutdown(self, timeout=30.0):
+        """Stop the receiver thread and the core processes this client owns; open streams get
+        EngineDeadError. Idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for core in self._cores:
+            if core.process is not None and core.error is None:
+                with contextlib.suppress(Exception):
+                    self._send(core, ec.Shutdown())
+        self._thread.join(timeout)
+        if self.processes:
+            deadline = now() + timeout
+            for p in self.processes:
+                p.join(max(0.0, deadline - now()))
+            ec.stop_processes(self.processes, timeout=5.0)
+        self._close_sockets()
+
+    def _close_sockets(self):
+        for core in self._cores:
+            core.close()
+        self._ctx.term()
+
+    # ---- stream callbacks (RequestStream calls these) -------------------------------------------------
+    def _abort(self, stream):
+        """The consumer closed the stream early: stop the request in its core."""
+        with self._lock:
+            self._forget(stream)
+            req = self._live.pop(getattr(stream, "_wire_id", None), None)
+            if req is not None and self.metrics is not None:
+                self.metrics.finished("abort", now() - stream.arrival_time)
+        if req is not None and req.core.error is None:
+            self._send(req.core, ec.AbortRequests(self._identity, [req.wire_id]))
+
+    def _forget(self, stream):
+        """Drop a request from the table of accepted ones (call with _lock held)."""
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+
+    def _send(self, core, msg):
+        data = self._encoder.encode(msg)
+        with core.lock:
+            core.push.send(data, zmq.NOBLOCK)
+
+    # ---- the receiver thread -------------------------------------------------------------------------
+    def _run(self):
+        poller = zmq.Poller()
+        by_socket = {}
+        for core in self._cores:
+            poller.register(core.dealer, zmq.POLLIN)
+            poller.register(core.monitor, zmq.POLLIN)
+            by_socket[core.dealer] = (core, False)
+            by_socket[core.monitor] = (core, True)
+        try:
+            while not self._stopping:
+                for sock, _ in poller.poll(100):
+                    core, is_monitor = by_socket[sock]
+                    if is_monitor:
+                        self._monitor_event(core)
+                    else:
+                        self._drain(core)
+                for core in self._cores:
+                    if core.error is None and core.process is not None and not core.process.is_alive():
+                        self._core_died(core, f"the engine core process exited (exit code {core.process.exitcode})")
+        except BaseException as e:  # noqa: BLE001 (report, do not vanish)
+            logger.exception("the core client's receiver thread died")
+            self.error = self.error or e
+        finally:
+            if self.error is None:
+                self.error = EngineDeadError("the engine client has been shut down")
+            self._fail_streams(list(self._live.values()), self.error)
+
+    def _monitor_event(self, core):
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                event = recv_monitor_message(core.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED and core.error is None and not self._stopping:
+                self._core_died(core, "lost the connection to the engine core (it exited or stopped answering)")
+
+    def _drain(self, core):
+        while True:
+            try:
+                data = core.dealer.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self._decoder.decode(data)
+            if isinstance(msg, ec.StepOutputs):
+                self._on_step(core, msg)
+            elif isinstance(msg, ec.Stats):
+                core.snapshot = msg.metrics
+                core.sent_since_snapshot = 0
+                if msg.token:
+                    core.snapshot_token = max(core.snapshot_token, msg.token)
+            elif isinstance(msg, ec.Dead):
+                self._core_died(core, f"engine core {core.rank} died: {msg.reason}")
+
+    def _core_died(self, core, reason):
+        logger.error("engine core %d: %s", core.rank, reason)
+        err = EngineDeadError(f"the engine has stopped: {reason}")
+        core.error = err
+        self.error = self.error or err
+        self._fail_streams([r for r in list(self._live.values()) if r.core is core], err)
+
+    def _fail_streams(self, requests, error):
+        woken = {}
+        for req in requests:
+            with self._lock:
+                if self._live.pop(req.wire_id, None) is None:
+                    continue
+                self._forget(req.stream)
+            if req.stream._put(error=error):
+                woken.setdefault(req.stream.loop, []).append(req.stream)
+        self._wake(woken)
+
+    def _on_step(self, core, msg):
+        """One step's outputs from `core`: detokenize, stop strings, one RequestOutput per request."""
+        t = now()
+        step = ec.decode_step(msg)
+        wire_ids, index, counts = step["wire_ids"].tolist(), step["index"].tolist(), step["num_tokens"].tolist()
+        tokens, finish = step["token_ids"].tolist(), step["finish"].tolist()
+        logprobs, cumulative = step["logprobs"], step["cumulative"].tolist()
+        touched = {}
+        offset = 0
+        for e, wid in enumerate(wire_ids):
+            k = counts[e]
+            start, offset = offset, offset + k
+            req = self._live.get(wid)
+            if req is None:                         # aborted meanwhile
+                continue
+            comp = req.completions[index[e]]
+            if comp.finish_reason is not None:      # ended here (a stop string) before the core knew
+                continue
+            touched[wid] = req
+            new = tokens[start:offset]
+            stopped_at = None
+            if comp.detok is not None:
+                for j, tok in enumerate(new):
+                    if comp.detok.add(tok):
+                        stopped_at = j
+                        break
+            if stopped_at is not None:
+                new = new[:stopped_at + 1]
+            comp.token_ids += new
+            if comp.logprobs is not None:
+                comp.logprobs += logprobs[start:start + len(new)].tolist()
+            comp.cumulative = cumulative[e] - float(logprobs[start + len(new):offset].sum())
+            self._record_tokens(req, comp, len(new), t)
+            if stopped_at is not None:
+                comp.finish_reason = "stop"
+                if finish[e] == 0:                  # the core still runs it
+                    self._send(core, ec.StopCompletion(self._identity, wid, comp.index))
+            elif finish[e]:
+                comp.finish_reason = ec.FINISH_REASONS[finish[e]]
+            if comp.finish_reason is not None:
+                req.num_finished += 1
+        woken = {}
+        for wid, req in touched.items():
+            self._deliver(req, t, woken)
+        for wid, kind, message in step["errors"]:
+            req = self._live.get(wid)
+            if req is None:
+                continue
+            if kind == "step":
+                self.num_step_errors += 1
+                err = EngineStepError(f"the engine step failed while this request was running: {message}")
+                reason = "error"
+            else:
+                err = InvalidRequestError(message)
+                reason = None
+            with self._lock:
+                self._live.pop(wid, None)
+                self._forget(req.stream)
+                if reason is not None and self.metrics is not None:
+                    self.metrics.finished(reason, t - req.stream.arrival_time)
+            if req.stream._put(error=err):
+                woken.setdefault(req.stream.loop, []).append(req.stream)
+        self._wake(woken)
+
+    def _deliver(self, req, t, woken):
+        stream = req.stream
+        finished = req.num_finished == req.n
+        out = RequestOutput(stream.request_id, stream.prompt, stream.prompt_token_ids,
+                            [c.output() for c in req.completions], finished)
+        if finished:
+            with self._lock:
+                self._live.pop(req.wire_id, None)
+                self._forget(stream)
+                if self.metrics is not None:
+                    reasons = {c.finish_reason for c in req.completions}
+                    self.metrics.finished(reasons.pop() if len(reasons) == 1 else "mixed", t - stream.arrival_time)
+        if stream._put(out):
+            woken.setdefault(stream.loop, []).append(stream)
+
+    def _wake(self, woken):
+        for loop, streams in woken.items():
+            try:
+                loop.call_soon_threadsafe(_set_ready, streams)
+            except RuntimeError:                # that loop is closed: nobody reads these streams any more
+                for stream in streams:
+                    stream.abort()
+
+    def _record_tokens(self, req, comp, k, t):
+        m = self.metrics
+        if m is None or not k:
+            return
+        with self._lock:
+            if req.first_token_time is None:
+                req.first_token_time = t
+                m.first_token(t - req.stream.arrival_time, len(req.stream.prompt_token_ids))
+            if comp.last_token_time is not None:
+                m.inter_token((t - comp.last_token_time) / k, k)
+            comp.last_token_time = t
+            m.generated(k)
