@@ -19,7 +19,7 @@ from numba import cuda, float32
 from kernels_numba import bridge
 from kernels_numba.common import check_tensor, load_u32x4, torch_stream
 from kernels_numba.rmsnorm import check_rows, pack2, row_words, store_u32x4, unpack2, words
-from pagedattn.errors import KernelLaunchError
+from kernels_numba.errors import KernelLaunchError
 
 THREADS = 128
 

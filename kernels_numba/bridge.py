@@ -97,7 +97,7 @@ def check_tensor(name, t, dim=None, dtypes=None):
     (CUDA, or CPU under the simulator) with `dim` dims and a dtype in `dtypes`."""
     import torch
 
-    from pagedattn.errors import KernelLaunchError
+    from kernels_numba.errors import KernelLaunchError
 
     if not isinstance(t, torch.Tensor):
         raise KernelLaunchError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

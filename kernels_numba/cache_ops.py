@@ -32,7 +32,7 @@ import torch
 from numba import cuda
 
 from kernels_numba.bridge import as_array, cached_view, capturing, check_tensor, enable_disk_cache, torch_stream
-from pagedattn.errors import KernelLaunchError
+from kernels_numba.errors import KernelLaunchError
 
 THREADS = 128  # threads per CTA for both kernels: 4 warps striding over the words to copy
 

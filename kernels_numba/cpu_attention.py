@@ -60,7 +60,7 @@ from numba.core import types
 from numba.extending import overload
 
 from kernels_numba.cpu_threads import Threads, numba_threads as set_numba_threads
-from pagedattn.errors import KernelLaunchError
+from kernels_numba.errors import KernelLaunchError
 
 # Fast-math without 'nnan'/'ninf': poisoned pool slots are never read, but a NaN or inf that does
 # arrive (e.g. an overflowing query) must propagate, not be assumed away.

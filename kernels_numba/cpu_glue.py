@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from pagedattn.errors import KernelLaunchError
+from kernels_numba.errors import KernelLaunchError
 
 
 @njit(cache=True, nogil=True)

@@ -30,7 +30,7 @@ import torch
 from numba import njit, prange
 
 from kernels_numba.cpu_threads import numba_threads
-from pagedattn.errors import KernelLaunchError
+from kernels_numba.errors import KernelLaunchError
 
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}   # as cpu_attention: NaN and inf propagate
 MAX_ROWS = 16                # above: torch's blocked GEMM (prefill) does more arithmetic per byte than this

@@ -58,7 +58,7 @@ from kernels_numba.attention_parts import (
 from kernels_numba.common import f32_bits, f32x2_to_bf16x2, f32x2_to_f16x2
 from kernels_numba.decode_journey_cuda_core import VERSIONS as CUDA_CORE_VERSIONS
 from kernels_numba.decode_journey_tensor_core import VERSIONS as TENSOR_CORE_VERSIONS
-from pagedattn.errors import KernelLaunchError
+from kernels_numba.errors import KernelLaunchError
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)

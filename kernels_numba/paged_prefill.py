@@ -53,7 +53,7 @@ from numba import cuda, float32
 from kernels_numba import bridge, common
 from kernels_numba.bridge import torch_stream
 from kernels_numba.paged_prefill_fa2 import check_args, check_values
-from pagedattn.errors import KernelLaunchError
+from kernels_numba.errors import KernelLaunchError
 
 THREADS = 128
 V1_BN = 32  # v1: keys per KV tile

@@ -113,7 +113,7 @@ from numba import cuda, float32, uint32
 
 from kernels_numba import bridge, common
 from kernels_numba.common import cp_async16, cp_async_commit, cp_async_wait, ex2, load_u32x4
-from pagedattn.errors import KernelLaunchError
+from kernels_numba.errors import KernelLaunchError
 
 SIMULATOR = bridge.SIMULATOR
 THREADS = 128  # 4 warps

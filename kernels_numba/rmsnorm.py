@@ -50,7 +50,7 @@ from kernels_numba.common import (
     torch_stream,
     warp_sum,
 )
-from pagedattn.errors import KernelLaunchError
+from kernels_numba.errors import KernelLaunchError
 
 MAX_THREADS = 1024
 

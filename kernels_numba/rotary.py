@@ -26,7 +26,7 @@ from numba import cuda
 from kernels_numba import bridge
 from kernels_numba.common import check_tensor, f32_from_bits, load_u32x4, torch_stream
 from kernels_numba.rmsnorm import capturing, ints, pack2, store_u32x4, threads_for, unpack2, words
-from pagedattn.errors import KernelLaunchError
+from kernels_numba.errors import KernelLaunchError
 
 
 @cuda.jit(device=True)

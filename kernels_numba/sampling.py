@@ -1298,7 +1298,7 @@ _PARAMS = (("temperature", "float32"), ("top_k", "int32"), ("top_p", "float32"),
 def _check(logits, params, out_tokens, out_logprobs, on_cpu):
     import torch
 
-    from pagedattn.errors import KernelLaunchError
+    from kernels_numba.errors import KernelLaunchError
 
     def check(name, t, dim, dtypes):
         if on_cpu:

@@ -2,7 +2,13 @@
 
 Every error a user can cause is one of these, with a message that names the field and the
 allowed range. Value problems subclass ValueError so `except ValueError` keeps working.
+KernelLaunchError belongs to the kernels (kernels_numba.errors, a ValueError), which import nothing of
+pagedattn; it is re-exported here, the same class.
 """
+from kernels_numba.errors import KernelLaunchError
+
+__all__ = ["PagedAttnError", "InvalidRequestError", "ModelLoadError", "KernelLaunchError", "OutOfBlocksError",
+           "BlockManagerError"]
 
 
 class PagedAttnError(Exception):
@@ -15,10 +21,6 @@ class InvalidRequestError(PagedAttnError, ValueError):
 
 class ModelLoadError(PagedAttnError, ValueError):
     """A checkpoint is missing a file, is not Qwen2, or has tensors of the wrong shape."""
-
-
-class KernelLaunchError(PagedAttnError, ValueError):
-    """Kernel arguments with mismatched shapes, dtypes, devices, or block ids outside the pool."""
 
 
 class OutOfBlocksError(PagedAttnError, RuntimeError):

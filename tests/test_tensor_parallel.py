@@ -132,7 +132,7 @@ def test_worker_failure_raises_in_parent(tiny_checkpoint):  # noqa: F811
 def test_worker_exception_surfaces_in_parent(tiny_checkpoint):  # noqa: F811
     """An exception raised inside the worker (here: an op it does not know) reaches the parent with the
     worker's traceback, within seconds."""
-    from pagedattn.distributed.worker import send
+    from pagedattn.engine.executor import send
 
     llm = LLM(tiny_checkpoint, tensor_parallel_size=TP, **ENGINE_ARGS)
     (pid,) = llm.engine.executor.pids

@@ -2,7 +2,9 @@
 
 parallel.py: the process group and the checks; the sharded layers themselves are pagedattn/layers/linear.py,
     loaded rank by rank by pagedattn.models.loader.load_model(..., tp_rank, tp_size).
-worker.py: the worker processes that run rank 1..P-1's ModelRunner, and the step's wire format.
+worker.py: the ranks' devices, thread counts and process groups, the pool size they agree on, and
+    TensorParallelError. The worker loop and the step's wire format are pagedattn/engine/executor.py's
+    (distributed imports nothing of the engine).
 """
 from pagedattn.distributed.parallel import check_tensor_parallel_size
 

@@ -1,4 +1,7 @@
-"""Tensor-parallel worker processes: the same ModelRunner as rank 0, driven by rank 0's broadcasts.
+"""Tensor-parallel ranks: their devices, their process groups, and how rank 0 reaches them.
+
+The worker loop itself (build the ModelRunner, receive each step, run it) and the step's wire format are
+the engine's: pagedattn/engine/executor.py (worker_main, send, recv). What follows describes them together.
 
 Rank 0 is the user's process (LLMEngine with a MultiprocExecutor); ranks 1..P-1 are processes started
 with torch.multiprocessing (spawn). Every rank builds `ModelRunner(config, rank, P)`, which loads only its
@@ -19,14 +22,11 @@ A worker whose peer dies sees its collective fail (gloo: the socket closes; NCCL
 and exits. Workers ignore SIGINT: Ctrl-C reaches the parent, which stops them.
 """
 import os
-import signal
-import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from pagedattn.engine.step_inputs import HEADER_LEN, StepInputs
+from pagedattn.distributed.parallel import init_process_group
 from pagedattn.errors import PagedAttnError
 
 OP_STOP, OP_STEP = 0, 1
@@ -50,8 +50,6 @@ def cpu_threads_per_rank(world_size):
 
 def join_group(rank, world_size, init_method, device):
     """Join the model's process group (NCCL on CUDA, gloo on CPU) and make the gloo control group."""
-    from pagedattn.distributed.parallel import init_process_group
-
     init_process_group(rank, world_size, init_method, device, TIMEOUT_S)
     return dist.new_group(backend="gloo") if torch.device(device).type == "cuda" else dist.group.WORLD
 
@@ -61,57 +59,3 @@ def agree_num_blocks(runner, ctrl):
     n = torch.tensor([runner.available_blocks()], dtype=torch.int64)
     dist.all_reduce(n, op=dist.ReduceOp.MIN, group=ctrl)
     return int(n.item())
-
-
-# ---- the step on the wire -------------------------------------------------------------------------
-def send(op, step, ctrl):
-    """Rank 0: broadcast an op, and for OP_STEP the step's header and data."""
-    header = torch.zeros(2 + HEADER_LEN, dtype=torch.int64)
-    header[0] = op
-    if op == OP_STEP:
-        header[1] = step.data.shape[0]
-        header[2:] = torch.from_numpy(step.header_array())
-    dist.broadcast(header, src=0, group=ctrl)
-    if op == OP_STEP:
-        dist.broadcast(torch.from_numpy(step.data), src=0, group=ctrl)
-
-
-def recv(ctrl):
-    """Workers: (op, StepInputs or None)."""
-    header = torch.empty(2 + HEADER_LEN, dtype=torch.int64)
-    dist.broadcast(header, src=0, group=ctrl)
-    op = int(header[0])
-    if op != OP_STEP:
-        return op, None
-    data = torch.empty(int(header[1]), dtype=torch.int32)
-    dist.broadcast(data, src=0, group=ctrl)
-    return op, StepInputs.from_header_array(header[2:].numpy(), np.ascontiguousarray(data.numpy()))
-
-
-def worker_main(index, world_size, init_method, config):
-    """Entry point of rank index + 1 (torch.multiprocessing passes `index`). Returns on OP_STOP."""
-    from pagedattn.engine.model_runner import ModelRunner
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C is the parent's to handle
-    rank = index + 1
-    device = rank_device(config.device_type, rank)
-    if config.device_type == "cpu":
-        torch.set_num_threads(cpu_threads_per_rank(world_size))
-    ctrl = join_group(rank, world_size, init_method, device)
-    try:
-        runner = ModelRunner(config, rank, world_size, device)
-        runner.allocate_kv_cache(agree_num_blocks(runner, ctrl))
-        while True:
-            op, step = recv(ctrl)
-            if op == OP_STOP:
-                break
-            if op != OP_STEP:
-                raise RuntimeError(f"rank {rank}: unknown op {op} from rank 0")
-            runner.execute(step, want_results=False)
-    finally:
-        dist.destroy_process_group()
-    # A clean stop leaves no work behind; skip interpreter teardown, where a C++ thread left over by
-    # the communication library can abort the process (exit code -6) after the work is done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

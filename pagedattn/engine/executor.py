@@ -6,17 +6,24 @@
     executor.shutdown()
 
 UniprocExecutor owns one ModelRunner. MultiprocExecutor is rank 0 of a tensor-parallel group: it starts
-ranks 1..P-1 (pagedattn.distributed.worker), owns rank 0's ModelRunner, and broadcasts each step before
-running it itself. The engine above cannot tell them apart.
+ranks 1..P-1 (each runs worker_main below), owns rank 0's ModelRunner, and broadcasts each step (send)
+before running it itself. The engine above cannot tell them apart. The ranks' devices and process groups
+are pagedattn/distributed/worker.py's.
 """
+import os
+import signal
+import sys
+
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedattn.distributed.parallel import check_tensor_parallel_size, free_port
 from pagedattn.distributed.worker import (OP_STEP, OP_STOP, TensorParallelError, agree_num_blocks,
-                                          cpu_threads_per_rank, join_group, rank_device, send, worker_main)
+                                          cpu_threads_per_rank, join_group, rank_device)
 from pagedattn.engine.model_runner import ModelRunner
+from pagedattn.engine.step_inputs import HEADER_LEN, StepInputs
 from pagedattn.models.loader import read_config
 
 
@@ -136,3 +143,55 @@ class MultiprocExecutor:
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+
+# ---- the step on the wire -------------------------------------------------------------------------
+def send(op, step, ctrl):
+    """Rank 0: broadcast an op, and for OP_STEP the step's header and data."""
+    header = torch.zeros(2 + HEADER_LEN, dtype=torch.int64)
+    header[0] = op
+    if op == OP_STEP:
+        header[1] = step.data.shape[0]
+        header[2:] = torch.from_numpy(step.header_array())
+    dist.broadcast(header, src=0, group=ctrl)
+    if op == OP_STEP:
+        dist.broadcast(torch.from_numpy(step.data), src=0, group=ctrl)
+
+
+def recv(ctrl):
+    """Workers: (op, StepInputs or None)."""
+    header = torch.empty(2 + HEADER_LEN, dtype=torch.int64)
+    dist.broadcast(header, src=0, group=ctrl)
+    op = int(header[0])
+    if op != OP_STEP:
+        return op, None
+    data = torch.empty(int(header[1]), dtype=torch.int32)
+    dist.broadcast(data, src=0, group=ctrl)
+    return op, StepInputs.from_header_array(header[2:].numpy(), np.ascontiguousarray(data.numpy()))
+
+
+def worker_main(index, world_size, init_method, config):
+    """Entry point of rank index + 1 (torch.multiprocessing passes `index`). Returns on OP_STOP."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C is the parent's to handle
+    rank = index + 1
+    device = rank_device(config.device_type, rank)
+    if config.device_type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(world_size))
+    ctrl = join_group(rank, world_size, init_method, device)
+    try:
+        runner = ModelRunner(config, rank, world_size, device)
+        runner.allocate_kv_cache(agree_num_blocks(runner, ctrl))
+        while True:
+            op, step = recv(ctrl)
+            if op == OP_STOP:
+                break
+            if op != OP_STEP:
+                raise RuntimeError(f"rank {rank}: unknown op {op} from rank 0")
+            runner.execute(step, want_results=False)
+    finally:
+        dist.destroy_process_group()
+    # A clean stop leaves no work behind; skip interpreter teardown, where a C++ thread left over by
+    # the communication library can abort the process (exit code -6) after the work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,6 +1,6 @@
 """CpuNumbaBackend: attention on the CPU through numba-compiled kernels that read the paged pool in place.
 
-TorchPagedBackend (pagedattn.layers.attention) gathers every sequence's K/V into a dense float32
+TorchPagedBackend (pagedattn.layers.torch_attention) gathers every sequence's K/V into a dense float32
 tensor in every layer and step, then builds a mask and calls SDPA (docs/cpu.md measures what that
 costs). This backend keeps the interface and runs kernels_numba.cpu_attention instead:
 
@@ -31,7 +31,7 @@ import torch
 from kernels_numba import cpu_attention as kernels
 from kernels_numba import cpu_linear
 from pagedattn.errors import KernelLaunchError
-from pagedattn.layers.attention import TorchPagedBackend
+from pagedattn.layers.torch_attention import TorchPagedBackend
 
 _POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
