@@ -6,25 +6,39 @@ A request body becomes prompt token ids + SamplingParams (protocol.py), AsyncLLM
 increments become a JSON response or server-sent events (`data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`).
 Nothing here knows about blocks or steps.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (these need the API key when
-one is set: `Authorization: Bearer KEY`), GET /health, GET /metrics (Prometheus text).
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id} (these need
+the API key when one is set: `Authorization: Bearer KEY`), GET /health, GET /metrics (Prometheus text);
+/docs, /redoc and /openapi.json only with enable_docs.
+
+What a client can make the server do is bounded (ServerLimits; docs/serving.md lists the defaults and
+their flags): RequestGuard, in front of every route, checks the API key from the headers before a byte of
+the body is read, refuses a body over max_body_bytes (413) and one that does not arrive within
+body_timeout_s (408); the routes cap prompts per request, characters per prompt and stop strings; chat
+templates and tokenization run on one worker thread, never on the event loop; and the HTTP protocol
+(`uvicorn_config`) closes a connection whose request headers are not complete within head_timeout_s.
 
 Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}:
-  400 invalid_request_error: malformed JSON, a field of the wrong type, a value out of range (the
+  400 invalid_request_error: malformed JSON, a field of the wrong type (strict: "5" is not an int), a
+      string that is not valid Unicode, a value out of range (the
       engine's own message, `param` = the field), a prompt too long, a request the KV pool can never
       hold, an unsupported option;
-  401 invalid_api_key; 404 model_not_found (param "model") or an unknown route;
-  500 server_error (an engine step failed), 503 the engine has stopped.
+  401 invalid_api_key; 404 model_not_found (param "model") or an unknown route; 408 the body came too
+  slowly; 413 the body is over max_body_bytes;
+  500 server_error (an engine step failed; code request_failed: this request alone failed in the engine),
+  503 the engine has stopped.
 A stream that fails after it started sends one `data: {"error": ...}` event, then `data: [DONE]`.
 A client that disconnects, streaming or not, has its requests aborted (their KV blocks freed).
 """
 import asyncio
 import json
 import logging
+import re
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -32,7 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedattn.errors import InvalidRequestError
 from pagedattn.serving import protocol as P
-from pagedattn.serving.async_llm import EngineDeadError, EngineStepError
+from pagedattn.serving.async_llm import EngineDeadError, EngineStepError, RequestFailedError
 from pagedattn.serving.metrics import CONTENT_TYPE, ServingMetrics
 
 logger = logging.getLogger("pagedattn.serving")
@@ -50,7 +64,43 @@ class APIError(Exception):
                                                  code=self.code)).model_dump()
 
     def response(self):
-        return JSONResponse(self.body(), status_code=self.status)
+        return ErrorJSONResponse(self.body(), status_code=self.status)
+
+
+class ErrorJSONResponse(JSONResponse):
+    """JSON written as ASCII (\\u escapes): an error message may quote what the client sent, and that
+    must never make the error itself unwritable."""
+
+    def render(self, content):
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+@dataclass
+class ServerLimits:
+    """What one client may ask of the server (docs/serving.md: defaults and `serve` flags).
+
+    max_body_bytes: request body size (413 beyond). body_timeout_s: the whole body must arrive within it (408).
+    head_timeout_s: a connection's request line and headers must be complete within it, or it is closed.
+    timeout_keep_alive_s: an idle keep-alive connection is closed after it.
+    max_prompts_per_request: prompts in one /v1/completions call.
+    max_prompt_chars: characters of one completions prompt, or of a chat request's message content in all.
+    max_stop_strings, max_stop_chars: stop strings per request, characters per stop string.
+    """
+
+    max_body_bytes: int = 8 * 2**20
+    body_timeout_s: float = 30.0
+    head_timeout_s: float = 10.0
+    timeout_keep_alive_s: float = 5.0
+    max_prompts_per_request: int = 256
+    max_prompt_chars: int = 1_000_000
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise InvalidRequestError(f"{f.name} must be a number > 0, got {v!r}")
 
 
 def bad_request(exc, renames=None):
@@ -61,6 +111,8 @@ def bad_request(exc, renames=None):
 def _engine_error(exc):
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type="server_error", code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), type="server_error", code="request_failed")
     if isinstance(exc, EngineStepError):
         return APIError(500, str(exc), type="server_error", code="engine_step_failed")
     if isinstance(exc, InvalidRequestError):     # refused by the engine itself when added
@@ -68,17 +120,29 @@ def _engine_error(exc):
     return APIError(500, f"internal error: {exc!r}", type="server_error")
 
 
-def build_app(llm, model_name, api_key=None):
+def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
     """The FastAPI app serving `llm` (an AsyncLLM) as `model_name`. api_key: required on /v1/* when set.
+    limits: ServerLimits (default ServerLimits()). enable_docs: serve /docs, /redoc and /openapi.json.
 
     If llm.metrics is None, a ServingMetrics is created and attached to it (before any request)."""
+    limits = ServerLimits() if limits is None else limits
     if llm.metrics is None:
         llm.metrics = ServingMetrics(model_name)
     metrics = llm.metrics
     metrics.attach(lambda: {**llm.engine_metrics(), "num_requests_in_flight": llm.num_requests_in_flight})
     tokenizer = llm.tokenizer
-    app = FastAPI(title="pagedattn", description="OpenAI-compatible server on the pagedattn engine")
-    app.state.llm, app.state.metrics, app.state.model_name = llm, metrics, model_name
+    control_tokens = _control_tokens(tokenizer)
+    docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json") if enable_docs else dict(
+        docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pagedattn", description="OpenAI-compatible server on the pagedattn engine", **docs)
+    app.add_middleware(RequestGuard, api_key=api_key, limits=limits)
+    # Chat templates and tokenization: one worker thread (the front's tokenizer is used by one thread at a
+    # time), so a long prompt costs its own request time, never the event loop's.
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedattn-tokenize")
+    app.state.llm, app.state.metrics, app.state.model_name, app.state.limits = llm, metrics, model_name, limits
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     # ---- errors ------------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -93,7 +157,7 @@ def build_app(llm, model_name, api_key=None):
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc):
         err = exc.errors()[0]
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _UNION_TAG.match(str(x))]
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", err.get("msg"))
             return APIError(400, f"malformed JSON body: {detail}").response()
@@ -107,18 +171,7 @@ def build_app(llm, model_name, api_key=None):
         code = "not_found" if exc.status_code == 404 else None
         return APIError(exc.status_code, str(exc.detail), code=code).response()
 
-    # ---- auth, model -------------------------------------------------------------------------------
-    async def check_api_key(request: Request):
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-        if not secrets.compare_digest(given.strip().encode(), api_key.encode()):
-            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
-
+    # ---- model -------------------------------------------------------------------------------------
     def check_model(name):
         if name is not None and name != model_name:
             raise APIError(404, f"The model `{name}` does not exist (this server serves `{model_name}`).",
@@ -135,19 +188,36 @@ def build_app(llm, model_name, api_key=None):
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    @app.get("/v1/models")
     async def models():
         return P.ModelList(data=[P.ModelCard(id=model_name, max_model_len=llm.max_model_len)])
 
-    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id)
+        return P.ModelCard(id=model_name, max_model_len=llm.max_model_len)
+
+    @app.post("/v1/completions")
     async def completions(req: P.CompletionRequest, raw: Request):
         check_model(req.model)
         rid = P.random_id("cmpl")
         try:
             req.check_supported()
+            req.check_limits(limits.max_stop_strings, limits.max_stop_chars)
             params = req.sampling_params(16 if req.max_tokens is None else req.max_tokens,
                                          logprobs=req.logprobs is not None)
-            streams = start(req.prompts(), params, rid)
+            prompts = req.prompts()
+            if len(prompts) > limits.max_prompts_per_request:
+                P.unsupported("prompt", f"prompt holds {len(prompts)} prompts: at most "
+                              f"{limits.max_prompts_per_request} are allowed per request")
+            for i, p in enumerate(prompts):
+                if isinstance(p, str) and len(p) > limits.max_prompt_chars:
+                    where = f"prompt {i}" if len(prompts) > 1 else "prompt"
+                    P.unsupported("prompt", f"{where} has {len(p)} characters: at most {limits.max_prompt_chars} "
+                                  "are allowed")
+            if any(isinstance(p, str) for p in prompts):
+                prompts = await off_loop(lambda: [llm.tokenize(p) for p in prompts])
+            streams = start(prompts, params, rid)
         except InvalidRequestError as e:
             raise bad_request(e) from e
         job = CompletionJob(rid, model_name, req, streams, tokenizer)
@@ -155,7 +225,7 @@ def build_app(llm, model_name, api_key=None):
             return sse_response(job)
         return await until_disconnected(raw, job)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(req: P.ChatCompletionRequest, raw: Request):
         check_model(req.model)
         rid = P.random_id("chatcmpl")
@@ -163,7 +233,8 @@ def build_app(llm, model_name, api_key=None):
         renames = {"prompt": "messages", "max_tokens": max_tokens_field}
         try:
             req.check_supported()
-            ids = llm.tokenize(render_chat(req))
+            req.check_limits(limits.max_stop_strings, limits.max_stop_chars)
+            ids = await off_loop(lambda: llm.tokenize(render_chat(req)))
             max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
             if max_tokens is None:      # OpenAI's default: whatever room the context leaves
                 max_tokens = llm.max_request_tokens - len(ids)
@@ -183,9 +254,9 @@ def build_app(llm, model_name, api_key=None):
     def render_chat(req):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError("messages: this model has no chat template: use /v1/completions")
+        chat = req.chat(limits.max_prompt_chars, control_tokens)
         try:
-            return tokenizer.apply_chat_template(req.chat(), tokenize=False,
-                                                 add_generation_prompt=req.add_generation_prompt)
+            return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=req.add_generation_prompt)
         except Exception as e:          # noqa: BLE001 (the template's own complaint, e.g. a role it refuses)
             raise InvalidRequestError(f"messages: the chat template failed: {e}") from e
 
@@ -206,6 +277,162 @@ def build_app(llm, model_name, api_key=None):
         return streams
 
     return app
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\]|function-.*)$")
+
+
+def _control_tokens(tokenizer):
+    """The tokenizer's added tokens (<|im_start|>, <|im_end|>, ...): strings its encoder turns into one
+    control token wherever they appear in text."""
+    if tokenizer is None:
+        return ()
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    names = {getattr(t, "content", str(t)) for t in added.values()} | set(getattr(tokenizer, "all_special_tokens", ()))
+    return tuple(sorted(n for n in names if n))
+
+
+# ---- the guard in front of every route ---------------------------------------------------------------
+class RequestGuard:
+    """Pure ASGI middleware: what a request costs is bounded before the app sees it.
+
+    For /v1/* with an API key set: the Authorization header is checked first (401 without reading the
+    body). Then a body (POST) is read here, up to limits.max_body_bytes (413 beyond, from Content-Length
+    at once or while reading a chunked body) and within limits.body_timeout_s (408), and handed to the app
+    from memory; after it, `receive` passes the client's disconnect through as before."""
+
+    def __init__(self, app, api_key, limits):
+        self.app, self.api_key, self.limits = app, api_key, limits
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.lower(): v for k, v in scope.get("headers", ())}
+        path = scope.get("path", "")
+        if self.api_key is not None and (path == "/v1" or path.startswith("/v1/")):
+            error = self.check_key(headers.get(b"authorization", b""))
+            if error is not None:
+                return await error.response()(scope, receive, send)
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        limit = self.limits.max_body_bytes
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return await _too_large(limit).response()(scope, receive, send)
+        try:
+            body = await asyncio.wait_for(self.read_body(receive, limit), self.limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            return await APIError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
+                                  code="request_timeout").response()(scope, receive, send)
+        except _BodyTooLarge:
+            return await _too_large(limit).response()(scope, receive, send)
+        except _ClientGone:
+            return None
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    def check_key(self, header):
+        """None, or the 401 APIError for an Authorization header value (bytes)."""
+        scheme, _, given = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not given.strip():
+            return APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                            code="invalid_api_key")
+        if not secrets.compare_digest(given.strip(), self.api_key.encode()):
+            return APIError(401, "incorrect API key provided", code="invalid_api_key")
+        return None
+
+    @staticmethod
+    async def read_body(receive, limit):
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _BodyTooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _too_large(limit):
+    return APIError(413, f"the request body is larger than {limit} bytes (max_body_bytes)", code="body_too_large")
+
+
+# ---- the HTTP protocol: bounded time to send the request headers ----------------------------------------
+def _head_timeout_protocol(base, timeout_s):
+    """`base` (uvicorn's h11 protocol) that closes a connection whose request line and headers are not
+    complete within timeout_s of the connection opening or of the first byte of a next request (uvicorn's
+    keep-alive timer stops at the first byte, so a client dribbling a header would hold the socket)."""
+
+    class HeadTimeoutProtocol(base):
+        head_timeout_s = timeout_s
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._head_timer = None
+            self._arm_head_timer()
+
+        def _waiting_for_head(self):
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm_head_timer(self):
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+        def _disarm_head_timer(self):
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def data_received(self, data):
+            super().data_received(data)
+            if self._waiting_for_head():
+                self._arm_head_timer()
+            else:
+                self._disarm_head_timer()
+
+        def _head_timed_out(self):
+            self._head_timer = None
+            if self._waiting_for_head() and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_lost(self, exc):
+            self._disarm_head_timer()
+            super().connection_lost(exc)
+
+    return HeadTimeoutProtocol
+
+
+def uvicorn_config(app, host="127.0.0.1", port=8000, log_level="info", limits=None, **kwargs):
+    """The uvicorn.Config `python -m pagedattn serve` runs `app` with: h11 with the head timeout above,
+    limits.timeout_keep_alive_s for idle keep-alive connections (limits: the ServerLimits given to
+    build_app, default ServerLimits())."""
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    limits = ServerLimits() if limits is None else limits
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          http=_head_timeout_protocol(H11Protocol, limits.head_timeout_s),
+                          timeout_keep_alive=limits.timeout_keep_alive_s, **kwargs)
 
 
 # ---- running the requests ------------------------------------------------------------------------------
@@ -255,6 +482,7 @@ class _Job:
         self.completion_tokens = 0
         self.finished = set()           # choice indices whose finish_reason was sent
         self.final = {}                 # choice index -> latest CompletionOutput
+        self._pieces = {}               # choice index -> TokenPieces (logprobs)
 
     def abort(self):
         for s in self.streams:
@@ -263,10 +491,15 @@ class _Job:
     def usage(self):
         return P.UsageInfo.of(self.prompt_tokens, self.completion_tokens)
 
-    def token_strings(self, token_ids):
+    def token_strings(self, index, token_ids):
+        """The next tokens of choice `index` as text (TokenPieces: what each completes of the choice's text;
+        call with the choice's tokens in order)."""
         if self.tokenizer is None:
             return [f"token_id:{t}" for t in token_ids]
-        return [self.tokenizer.decode([t]) for t in token_ids]
+        pieces = self._pieces.get(index)
+        if pieces is None:
+            pieces = self._pieces[index] = TokenPieces(self.tokenizer)
+        return [pieces.step(t) for t in token_ids]
 
     def updates(self, i, out):
         """(choice index, CompletionOutput, finish_reason sent now or None) for the completions of `out`
@@ -324,7 +557,7 @@ class CompletionJob(_Job):
     def logprobs(self, index, c, token_ids):
         if self.req.logprobs is None:
             return None
-        tokens = self.token_strings(token_ids)
+        tokens = self.token_strings(index, token_ids)
         values = (c.logprobs or [])[len(c.logprobs or []) - len(token_ids):]
         start = self.offsets.get(index, 0)
         offsets = []
@@ -343,21 +576,26 @@ class CompletionJob(_Job):
                                  usage=usage)
 
     def response(self):
-        choices = [P.CompletionChoice(index=index, text=c.text, finish_reason=c.finish_reason,
-                                      logprobs=self.logprobs(index, c, c.token_ids))
-                   for index, c in sorted(self.final.items())]
+        choices = []
+        for index, c in sorted(self.final.items()):
+            logprobs = self.logprobs(index, c, c.token_ids)
+            if logprobs is not None:    # tokens past a stop string start where the (cut) text ends
+                logprobs.text_offset = [min(o, len(c.text)) for o in logprobs.text_offset]
+            choices.append(P.CompletionChoice(index=index, text=c.text, finish_reason=c.finish_reason,
+                                              logprobs=logprobs))
         return P.CompletionResponse(id=self.rid, created=self.created, model=self.model_name, choices=choices,
                                     usage=self.usage())
 
 
 class ChatJob(_Job):
-    def logprobs(self, c, token_ids):
+    def logprobs(self, index, c, token_ids):
         if not self.req.logprobs:
             return None
         values = (c.logprobs or [])[len(c.logprobs or []) - len(token_ids):]
+        texts = self.token_strings(index, token_ids)
         return P.ChatChoiceLogprobs(content=[
-            P.ChatLogprob(token=t, logprob=v, bytes=list(t.encode("utf-8")))
-            for t, v in zip(self.token_strings(token_ids), values)])
+            P.ChatLogprob(token=text, logprob=v, bytes=token_bytes(self.tokenizer, t, text))
+            for t, text, v in zip(token_ids, texts, values)])
 
     def first_chunks(self):
         """The role comes first, once per choice, as OpenAI sends it."""
@@ -367,7 +605,7 @@ class ChatJob(_Job):
 
     def stream_choice(self, index, c, finish):
         return P.ChatCompletionStreamChoice(index=index, delta=P.DeltaMessage(content=c.delta_text),
-                                            finish_reason=finish, logprobs=self.logprobs(c, c.delta_token_ids))
+                                            finish_reason=finish, logprobs=self.logprobs(index, c, c.delta_token_ids))
 
     def chunk(self, choices, usage=None):
         return P.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model_name, choices=choices,
@@ -375,10 +613,64 @@ class ChatJob(_Job):
 
     def response(self):
         choices = [P.ChatCompletionChoice(index=index, message=P.ChatResponseMessage(content=c.text),
-                                          finish_reason=c.finish_reason, logprobs=self.logprobs(c, c.token_ids))
+                                          finish_reason=c.finish_reason, logprobs=self.logprobs(index, c, c.token_ids))
                    for index, c in sorted(self.final.items())]
         return P.ChatCompletionResponse(id=self.rid, created=self.created, model=self.model_name,
                                         choices=choices, usage=self.usage())
+
+
+class TokenPieces:
+    """Each token's share of a completion's text, token by token: the characters it completes. A character
+    whose UTF-8 bytes span several tokens belongs to the token that completes it (the tokens before get ""),
+    so no piece holds a replacement character '\ufffd' and the pieces join to the decoded text (special
+    tokens skipped), which makes the completions API's text_offset an offset into that text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        if self.backend is not None:
+            from tokenizers.decoders import DecodeStream
+            self.stream = DecodeStream(skip_special_tokens=True)
+        self.ids, self.text = [], ""
+
+    def step(self, token_id):
+        if self.backend is not None:
+            return self.stream.step(self.backend, token_id) or ""
+        self.ids.append(token_id)       # a slow tokenizer: decode the whole again
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if full.endswith("\ufffd") or not full.startswith(self.text):
+            return ""
+        piece, self.text = full[len(self.text):], full
+        return piece
+
+
+def _byte_level_decoder():
+    """GPT-2's byte-level alphabet, inverted: the printable character standing for each byte -> the byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_decoder()
+
+
+def token_bytes(tokenizer, token_id, text):
+    """The UTF-8 bytes a token stands for: for a byte-level BPE token its own bytes (part of a character,
+    maybe), otherwise the bytes of its text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and "ByteLevel" in repr(backend.decoder):
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        special = token_id in getattr(tokenizer, "all_special_ids", ())
+        if isinstance(token, str) and token and not special and all(ch in _BYTE_LEVEL for ch in token):
+            return [_BYTE_LEVEL[ch] for ch in token]
+    return list(text.encode("utf-8"))
 
 
 def sse_response(job):

@@ -15,6 +15,8 @@ import argparse
 import os
 import sys
 
+from pagedattn.serving.api_server import ServerLimits
+
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m pagedattn serve", description=__doc__.split("\n")[0])
@@ -40,17 +42,46 @@ def parse_args(argv=None):
                     help="the interpreter's thread switch interval (Python's default: 5 ms): how long the engine "
                          "thread may wait for the GIL while the HTTP thread is busy")
     ap.add_argument("--log-level", default="info", help="uvicorn's: critical | error | warning | info | debug")
+    d = ServerLimits()
+    lim = ap.add_argument_group("limits", "what one client may ask of the server (docs/serving.md)")
+    lim.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="request body size (413 beyond)")
+    lim.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                     help="seconds for a request body to arrive (408 beyond)")
+    lim.add_argument("--head-timeout", type=float, default=d.head_timeout_s,
+                     help="seconds for a connection's request headers to arrive (closed beyond)")
+    lim.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive_s,
+                     help="seconds an idle keep-alive connection stays open")
+    lim.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
+                     help="prompts in one /v1/completions request")
+    lim.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
+                     help="characters of one prompt (chat: of all the messages' content)")
+    lim.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
+    lim.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars, help="characters per stop string")
+    ap.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (off by default)")
     return ap.parse_args(argv)
+
+
+def limits_from_args(a):
+    """ServerLimits from parsed arguments (InvalidRequestError names a bad one)."""
+    return ServerLimits(max_body_bytes=a.max_body_bytes, body_timeout_s=a.body_timeout, head_timeout_s=a.head_timeout,
+                        timeout_keep_alive_s=a.timeout_keep_alive, max_prompts_per_request=a.max_prompts_per_request,
+                        max_prompt_chars=a.max_prompt_chars, max_stop_strings=a.max_stop_strings,
+                        max_stop_chars=a.max_stop_chars)
 
 
 def main(argv=None):
     import uvicorn
 
     from pagedattn import LLM
-    from pagedattn.serving.api_server import build_app
+    from pagedattn.errors import InvalidRequestError
+    from pagedattn.serving.api_server import build_app, uvicorn_config
     from pagedattn.serving.async_llm import AsyncLLM
 
     a = parse_args(argv)
+    try:
+        limits = limits_from_args(a)
+    except InvalidRequestError as e:
+        raise SystemExit(str(e)) from e
     if a.switch_interval_ms <= 0:
         raise SystemExit(f"--switch-interval-ms must be > 0, got {a.switch_interval_ms}")
     if a.stream_interval < 1:
@@ -66,13 +97,13 @@ def main(argv=None):
     engine = llm.engine
     name = a.served_model_name or os.path.basename(os.path.normpath(engine.model_path))
     async_llm = AsyncLLM(llm, stream_interval=a.stream_interval)
-    app = build_app(async_llm, name, api_key=a.api_key)
+    app = build_app(async_llm, name, api_key=a.api_key, limits=limits, enable_docs=a.enable_docs)
     print(f"serving {name!r} ({engine.model_path} on {engine.config.device}, "
           f"{str(engine.config.dtype).replace('torch.', '')}, KV pool {engine.num_blocks} blocks x "
           f"{engine.config.block_size} tokens, max_model_len {engine.max_model_len}) at "
           f"http://{a.host}:{a.port}/v1{' (API key required)' if a.api_key else ''}", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+        uvicorn.Server(uvicorn_config(app, a.host, a.port, a.log_level, limits)).run()
     finally:
         async_llm.shutdown()
         llm.close()

@@ -1,6 +1,8 @@
 """The OpenAI wire format (the subset we serve), as pydantic models, and the request -> SamplingParams map.
 
-Requests only check types here; value ranges are the engine's (SamplingParams and
+Requests check types here, strictly where OpenAI's API is strict (pydantic strict mode: "5", true or 2.0
+are not a max_tokens, "yes" is not a stream, [true] is not a prompt), and every string is valid Unicode
+(a lone surrogate such as "\ud800" is refused naming its field); chat roles are system, user or assistant. value ranges are the engine's (SamplingParams and
 LLMEngine.validate_request raise InvalidRequestError naming the field), so the HTTP API and LLM.generate
 accept exactly the same values and say the same thing about the rest. Fields OpenAI has and we do not
 implement are accepted at their neutral value and refused with a 400 otherwise (`unsupported`), never
@@ -12,16 +14,29 @@ Extras beyond OpenAI's fields (vLLM's names): top_k, ignore_eos, stream_options.
 import re
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer
 
 from pagedattn.errors import InvalidRequestError
 from pagedattn.sampling_params import SamplingParams
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def _valid_unicode(text):
+    """Refuse a string the UTF-8 codec cannot write (a lone surrogate from a JSON escape like "\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the string holds a lone surrogate (U+{ord(text[e.start]):04X} at position {e.start}): "
+                         "text must be valid Unicode") from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
 
 
 # ---- errors ------------------------------------------------------------------------------------------
@@ -44,20 +59,30 @@ class StreamOptions(OpenAIModel):
 
 class _SamplingRequest(OpenAIModel):
     """The fields completions and chat completions share."""
-    model: str | None = None
+    model: Text | None = None
     n: int | None = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Text | None = None
+
+    def check_limits(self, max_stop_strings, max_stop_chars):
+        """Refuse more than max_stop_strings stop strings or one longer than max_stop_chars characters (each
+        is searched for after every token)."""
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stop) > max_stop_strings:
+            unsupported("stop", f"stop has {len(stop)} strings: at most {max_stop_strings} are allowed")
+        for s in stop:
+            if len(s) > max_stop_chars:
+                unsupported("stop", f"stop string of {len(s)} characters: each must be at most {max_stop_chars}")
 
     def check_supported(self):
         """Refuse the OpenAI features we do not implement when asked for anything but their neutral value."""
@@ -94,11 +119,11 @@ class _SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = False
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
 
     def check_supported(self):
@@ -126,14 +151,14 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(OpenAIModel):
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(OpenAIModel):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: Literal["system", "user", "assistant"]
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def text(self):
         if self.content is None or isinstance(self.content, str):
@@ -162,9 +187,20 @@ class ChatCompletionRequest(_SamplingRequest):
         if not self.messages:
             raise InvalidRequestError("messages is empty: give at least one message")
 
-    def chat(self):
-        """[{"role", "content"}] for the chat template."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def chat(self, max_chars=None, control_tokens=()):
+        """[{"role", "content"}] for the chat template. Refuses content longer than max_chars in total, and
+        content holding one of `control_tokens` (the tokenizer's added tokens, such as <|im_start|>: text
+        that became one would let a user forge a turn of another role)."""
+        chat = [{"role": m.role, "content": m.text()} for m in self.messages]
+        total = sum(len(m["content"]) for m in chat)
+        if max_chars is not None and total > max_chars:
+            unsupported("messages", f"messages hold {total} characters of content: at most {max_chars} are allowed")
+        for i, m in enumerate(chat):
+            bad = next((t for t in control_tokens if t in m["content"]), None)
+            if bad is not None:
+                unsupported("messages", f"messages[{i}].content contains the control token {bad!r}, which the "
+                            "chat template reserves: remove it")
+        return chat
 
 
 def unsupported(param, message):
