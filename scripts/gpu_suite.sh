@@ -38,20 +38,26 @@ run() {   # run NAME SECONDS CMD...: one step, its log in $dir/NAME.log, its exi
     > "$dir/env.txt" 2>&1
 case "$phase" in
 tests)
-    # four groups at once (two per GPU when there are two): numba compiles on the CPU cores meanwhile
+    # nine processes at once (spread over the GPUs when there are two): a fresh machine spends most of this
+    # phase compiling kernels on the CPU, so each large group runs as contiguous --shard slices (each slice
+    # compiles its own versions, on its own core) and every process fits the call's 10 minutes
     k=${1:-}
     gpus=$(nvidia-smi -L | wc -l)
-    group() {   # group NAME GPU SECONDS FILES...
-        local name=$1 gpu=$(( $2 % gpus )) secs=$3
-        shift 3
+    group() {   # group NAME GPU SECONDS SHARD FILES...   (SHARD "I/N", or "-" for the whole group)
+        local name=$1 gpu=$(( $2 % gpus )) secs=$3 shard=()
+        [ "$4" != - ] && shard=(--shard "$4")
+        shift 4
         run "$name" "$secs" env CUDA_VISIBLE_DEVICES=$gpu python3 -m pytest -q -m gpu -p no:cacheprovider \
-            ${k:+-k "$k"} "$@"
+            ${k:+-k "$k"} ${shard[@]+"${shard[@]}"} "$@"
     }
-    group decode 0 480 tests/test_paged_attention_cuda.py tests/test_kernel_fuzz.py tests/test_cache_ops_cuda.py &
-    group prefill 1 480 tests/test_prefill_fa2.py tests/test_paged_prefill_cuda.py tests/test_attention_backend.py \
-        tests/test_paged_attention_runtime.py &
-    group layers 0 480 tests/test_fused_kernels.py tests/test_sampler.py tests/test_model_gpu.py &
-    group engine 1 480 tests/test_cuda_graph.py tests/test_engine.py tests/test_async_engine.py tests/test_serving_gpu.py &
+    decode="tests/test_paged_attention_cuda.py tests/test_kernel_fuzz.py tests/test_cache_ops_cuda.py"
+    prefill="tests/test_prefill_fa2.py tests/test_paged_prefill_cuda.py tests/test_attention_backend.py
+        tests/test_paged_attention_runtime.py"
+    layers="tests/test_fused_kernels.py tests/test_sampler.py tests/test_model_gpu.py"
+    for i in 1 2 3 4; do group decode$i $i 540 $i/4 $decode & done
+    for i in 1 2; do group prefill$i $i 540 $i/2 $prefill & done
+    for i in 1 2; do group layers$i $i 540 $i/2 $layers & done
+    group engine 1 540 - tests/test_cuda_graph.py tests/test_engine.py tests/test_async_engine.py tests/test_serving_gpu.py &
     wait
     ;;
 bench)
