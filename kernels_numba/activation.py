@@ -17,9 +17,10 @@ from functools import lru_cache
 from numba import cuda, float32
 
 from kernels_numba import bridge
-from kernels_numba.common import check_tensor, load_u32x4, torch_stream
-from kernels_numba.rmsnorm import check_rows, pack2, row_words, store_u32x4, unpack2, words
+from kernels_numba.bridge import words
+from kernels_numba.common import check_tensor, load_u32x4, pack2, store_u32x4, torch_stream, unpack2
 from kernels_numba.errors import KernelLaunchError
+from kernels_numba.rmsnorm import check_rows, row_words
 
 THREADS = 128
 

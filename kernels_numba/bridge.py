@@ -16,6 +16,13 @@ Every torch entry point of kernels_numba launches through these helpers:
                                       wrapping costs tens of microseconds per tensor, and the pool, the
                                       block tables and the engine's static buffers are the same tensors
                                       call after call (the cache keeps them alive; clear_caches drops it)
+    words(t)                          1-D uint32 view of t's bytes from its first element to its last (rows
+                                      may be strided views, e.g. q/k/v inside a merged qkv output)
+    ints(t)                           a contiguous 1-D int32/int64 tensor as a kernel argument
+                                      (both: built from the address without keeping t alive, cached by
+                                      address: the caching allocator hands a step's activations out at
+                                      the same addresses step after step; under the simulator numpy
+                                      views the simulator neither copies nor writes back)
     scratch(device, shape, dtype=np.float32, zero=False)  a persistent buffer per (device, stream,
                                       shape, dtype): launches on one stream run in order, so reusing it
                                       is safe, also inside a captured graph. zero=True: zero-filled once
@@ -45,9 +52,11 @@ SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 KERNEL_CACHE = os.environ.get("PAGEDATTN_KERNEL_CACHE", "1") != "0"
 SMEM_PER_CTA_MAX = 227 * 1024  # H100/H200: the most dynamic shared memory one CTA may have
 _MAX_CACHED = 256
+_MAX_ADDRESS_VIEWS = 4096
 
 _STREAMS = {}  # torch stream handle -> numba external stream
 _VIEWS = {}  # (data_ptr, shape, dtype, device, view) -> (numba view, tensor kept alive)
+_ADDRESS_VIEWS = {}  # (device, address, length, type) -> numba device array (not keeping the tensor alive)
 _SCRATCH = {}  # (device, stream, shape, dtype, zero) -> (numba view, tensor)
 _SMS = {}  # device index -> SM count
 _DYNAMIC_SMEM = set()  # (kernel, device, argument kinds) that have opted in to > 48 KiB
@@ -144,6 +153,45 @@ def cached_view(t, dtype=None, flat=False):
     return hit[0]
 
 
+def _span(t):
+    """Elements from t's first to its last element (strided views included)."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0
+
+
+def _address_view(t, n, typestr):
+    key = (t.device.index, t.data_ptr(), n, typestr)
+    arr = _ADDRESS_VIEWS.get(key)
+    if arr is None:
+        desc = {"shape": (n,), "strides": None, "typestr": typestr, "data": (t.data_ptr(), False), "version": 3}
+        arr = cuda.from_cuda_array_interface(desc, owner=None, sync=False)
+        if len(_ADDRESS_VIEWS) >= _MAX_ADDRESS_VIEWS:
+            _ADDRESS_VIEWS.pop(next(iter(_ADDRESS_VIEWS)))
+        _ADDRESS_VIEWS[key] = arr
+    return arr
+
+
+def words(t):
+    """1-D uint32 view of the bytes from t's first element to its last (a multiple of 4 bytes)."""
+    import torch
+
+    n = _span(t) * t.element_size() // 4
+    if not SIMULATOR:
+        return _address_view(t, n, "<u4")
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    flat = torch.as_strided(t, (_span(t),), (1,))                          # t's storage from its first element
+    return FakeCUDAArray(flat.view(torch.int32).numpy().view(np.uint32)[:n])
+
+
+def ints(t):
+    """A contiguous 1-D int32/int64 tensor as a kernel argument."""
+    if not SIMULATOR:
+        return _address_view(t, t.shape[0], "<i4" if t.element_size() == 4 else "<i8")
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    return FakeCUDAArray(t.numpy())
+
+
 def scratch(device, shape, dtype=np.float32, zero=False):
     """A persistent numba array of `shape` on `device`, one per (device, current stream, shape,
     dtype, zero). zero=True: zero-filled when made; a kernel using it must leave it zero."""
@@ -196,6 +244,7 @@ def allow_dynamic_smem(kernel, args, nbytes):
 def clear_caches():
     """Drop the cached numba views (they keep their tensors alive) and the scratch buffers."""
     _VIEWS.clear()
+    _ADDRESS_VIEWS.clear()
     _SCRATCH.clear()
 
 

@@ -26,7 +26,6 @@ Two levels of API:
 * `launch_reshape_and_cache(...)`, `launch_copy_blocks(...)`: numba device arrays (or numpy
   arrays in the simulator) of integer words, no validation, an optional numba stream.
 """
-import warnings
 
 import torch
 from numba import cuda
@@ -136,15 +135,7 @@ def _check_cache(name, cache):
         raise KernelLaunchError(f"{name} must be contiguous")
 
 
-def _validate_flag(validate, check_bounds):
-    """`validate`, or the deprecated `check_bounds` when a caller still passes it."""
-    if check_bounds is None:
-        return validate
-    warnings.warn("check_bounds= is deprecated: use validate=", DeprecationWarning, stacklevel=3)
-    return check_bounds
-
-
-def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, validate=True, check_bounds=None):
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, validate=True):
     """Write new K/V vectors into the pool at their slots (in place); matches `write_kv` bitwise.
 
     key, value: [num_tokens, num_kv_heads, head_dim], any float dtype (cast to the cache dtype
@@ -153,10 +144,8 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, validate=True,
     slot_mapping: [num_tokens] int32/int64, slot = block_id * block_size + offset, -1 = skip
     validate: verify every slot is < num_blocks * block_size (one host sync; skipped
         automatically while a CUDA graph is being captured)
-    check_bounds: deprecated name of `validate`
     Tensors on CUDA (CPU under the simulator); runs on torch's current stream.
     """
-    validate = _validate_flag(validate, check_bounds)
     for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
         check_tensor(name, t)
     _check_cache("k_cache", k_cache)
@@ -200,7 +189,7 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, validate=True,
     )
 
 
-def copy_blocks(k_caches, v_caches, block_mapping, validate=True, check_bounds=None):
+def copy_blocks(k_caches, v_caches, block_mapping, validate=True):
     """Copy whole blocks src -> dst in every layer, K and V, in one launch; matches the torch
     `copy_blocks` bitwise.
 
@@ -212,9 +201,7 @@ def copy_blocks(k_caches, v_caches, block_mapping, validate=True, check_bounds=N
         of independent CTAs would not).
     validate: verify block ids and the rules above on the host (one host sync for a device
         tensor; skipped while a CUDA graph is being captured)
-    check_bounds: deprecated name of `validate`
     """
-    validate = _validate_flag(validate, check_bounds)
     k_caches, v_caches = list(k_caches), list(v_caches)
     if len(k_caches) == 0 or len(k_caches) != len(v_caches):
         raise KernelLaunchError(

@@ -29,6 +29,13 @@ Stable API (other kernels import these):
     f32x2_to_f16x2(lo, hi) -> u32     f32x2_to_bf16x2(lo, hi) -> u32
     fma_f16x2(a, b, c) -> u32         fma_bf16x2(a, b, c) -> u32          (a*b+c per half)
     ex2(x) -> f32                     2**x on the SFU (ex2.approx.ftz.f32, one MUFU.EX2; ex2(-inf) = 0)
+    store_u32x4(arr_u32, i, a, b, c, d)  16-byte store of 4 words at arr[i:i+4] (STG.E.128), i % 4 == 0
+    ldmatrix_x4(shared_u32, i) -> 4 x u32   four 8x8 b16 matrices of shared memory in mma fragment
+    ldmatrix_x4_trans(shared_u32, i)     layout (PTX ldmatrix .x4, and .trans); this lane gives the
+                                      16-byte row at word i of matrix lane // 8
+    unpack2(u32, bf16) -> (lo, hi)    a pair of fp16/bf16 as float32 (bf16 a compile-time constant)
+    pack2(lo, hi, bf16) -> u32        two float32 rounded to fp16/bf16 (nearest even), packed
+    cpu_f32_bits(x), cpu_f32_from_bits(u)   the 32-bit reinterpretations for numba's CPU target
     warp_sum(x), warp_max(x)          butterfly over 32 lanes with shfl_xor_sync, every lane gets it
     mma_m16n8k16_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)
     mma_m16n8k16_bf16(...)            warp-wide D = A B + C on tensor cores (PTX mma.sync, SASS HMMA):
@@ -40,7 +47,9 @@ Stable API (other kernels import these):
                                       c0, c1 = C[group, 2t], C[group, 2t+1]; c2, c3 = row group+8
 """
 import numpy as np
+from llvmlite import ir as llvm_ir
 from numba import cuda, types
+from numba.extending import intrinsic as cpu_intrinsic
 
 # SIMULATOR and the host helpers live in bridge.py; importing them from here keeps working
 from kernels_numba.bridge import SIMULATOR, check_tensor, torch_stream  # noqa: F401
@@ -153,6 +162,37 @@ if SIMULATOR:
 
     def ex2(x):
         return np.float32(np.exp2(np.float32(x)))
+
+    def store_u32x4(arr, i, a, b, c, d):
+        arr[i], arr[i + 1], arr[i + 2], arr[i + 3] = a, b, c, d
+
+    def ldmatrix_x4(arr, i):
+        """Of matrix 0..3, the word (row lane // 4, halves 2 (lane % 4), +1)."""
+        rows = _sim.warp_all((arr, int(i)))  # each lane's row address (arrays are shared: one block)
+        lane = _sim.lane_id()
+        g, t = lane >> 2, lane & 3
+        words = []
+        for m in range(4):
+            a, j = rows[8 * m + g]
+            words.append(np.uint32(int(a[j + t]) & 0xFFFFFFFF))
+        return tuple(words)
+
+    def _row_half(a, j, col):
+        # half `col` (0..7) of the 16-byte row at word j of a
+        return (int(a[j + col // 2]) >> (16 * (col % 2))) & 0xFFFF
+
+    def ldmatrix_x4_trans(arr, i):
+        """Of matrix m this lane receives the halves (row 2t, col g) (low) and (row 2t + 1, col g)
+        (high), lane = 4 g + t."""
+        rows = _sim.warp_all((arr, int(i)))
+        lane = _sim.lane_id()
+        g, t = lane >> 2, lane & 3
+        words = []
+        for m in range(4):
+            lo = _row_half(*rows[8 * m + 2 * t], g)
+            hi = _row_half(*rows[8 * m + 2 * t + 1], g)
+            words.append(np.uint32(lo | (hi << 16)))
+        return tuple(words)
 
 else:
     from llvmlite import ir
@@ -422,6 +462,87 @@ else:
             return _asm(builder, _f32, [xf], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
 
         return sig, codegen
+
+    @intrinsic
+    def store_u32x4(typingctx, arr, idx, a, b, c, d):
+        """arr: 1-D uint32/int32 array; idx % 4 == 0 (16-byte aligned). Stores a, b, c, d at arr[idx:idx+4]."""
+        if not _is_u32_vector(arr) or not all(isinstance(t, types.Integer) for t in (idx, a, b, c, d)):
+            return None
+        sig = types.void(arr, idx, a, b, c, d)
+
+        def codegen(context, builder, sig, args):
+            ptr = _item_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            vec = ir.Constant(_v4i32, ir.Undefined)
+            for k, (val, ty) in enumerate(zip(args[2:], sig.args[2:])):
+                vec = builder.insert_element(vec, context.cast(builder, val, ty, types.uint32), ir.Constant(_i32, k))
+            builder.store(vec, builder.bitcast(ptr, _v4i32.as_pointer()), align=16)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _make_ldmatrix(trans):
+        text = ("ldmatrix.sync.aligned.m8n8.x4" + (".trans" if trans else "")
+                + ".shared.b16 {$0, $1, $2, $3}, [$4];")
+
+        @intrinsic
+        def impl(typingctx, arr, idx):
+            if not (_is_u32_vector(arr) and isinstance(idx, types.Integer)):
+                return None
+            sig = types.UniTuple(types.uint32, 4)(arr, idx)
+
+            def codegen(context, builder, sig, args):
+                addr = _space_address(context, builder, sig.args[0], args[0], sig.args[1], args[1], 3, _i32)
+                # the memory clobber keeps it after the barrier that publishes the tile
+                res = _asm(builder, ir.LiteralStructType([_i32] * 4), [addr], text, "=r,=r,=r,=r,r,~{memory}")
+                return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, k) for k in range(4)])
+
+            return sig, codegen
+
+        return impl
+
+    ldmatrix_x4 = _make_ldmatrix(False)
+    ldmatrix_x4_trans = _make_ldmatrix(True)
+
+
+@cuda.jit(device=True)
+def unpack2(u, bf16):
+    """A pair of fp16/bf16 (low half first) as two float32."""
+    if bf16:
+        return bf16x2_to_f32(u)
+    return f16x2_to_f32(u)
+
+
+@cuda.jit(device=True)
+def pack2(lo, hi, bf16):
+    """Two float32 rounded to fp16/bf16 and packed (lo in the low half)."""
+    if bf16:
+        return f32x2_to_bf16x2(lo, hi)
+    return f32x2_to_f16x2(lo, hi)
+
+
+# numba's CPU target: plain bit reinterpretations (the sampling kernels' CPU build)
+@cpu_intrinsic
+def cpu_f32_bits(typingctx, x):
+    if not isinstance(x, types.Float):
+        return None
+    sig = types.uint32(x)
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.float32), llvm_ir.IntType(32))
+
+    return sig, codegen
+
+
+@cpu_intrinsic
+def cpu_f32_from_bits(typingctx, u):
+    if not isinstance(u, types.Integer):
+        return None
+    sig = types.float32(u)
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.uint32), llvm_ir.FloatType())
+
+    return sig, codegen
 
 
 @cuda.jit(device=True)

@@ -44,7 +44,6 @@ G <= BM (G = 1 is MHA). Under NUMBA_ENABLE_CUDASIM=1 every version runs in the s
 with a numpy fallback of the warp's mma).
 """
 import math
-import warnings
 
 import numpy as np
 import torch
@@ -52,8 +51,8 @@ from numba import cuda, float32
 
 from kernels_numba import bridge, common
 from kernels_numba.bridge import torch_stream
-from kernels_numba.paged_prefill_fa2 import check_args, check_values
 from kernels_numba.errors import KernelLaunchError
+from kernels_numba.paged_prefill_fa2 import check_args, check_values
 
 THREADS = 128
 V1_BN = 32  # v1: keys per KV tile
@@ -568,7 +567,7 @@ def _flat_words(name, t):
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
-                  version=None, validate=False, check_bounds=None):
+                  version=None, validate=False):
     """Causal prefill attention over the paged pool (new K/V already written).
 
     q: [total_q, num_heads, head_dim] float16/bfloat16, the chunks of num_seqs sequences packed
@@ -580,7 +579,6 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     version: kernel version (VERSIONS; default DEFAULT_VERSION)
     validate: verify the metadata on the host (one sync): context_len >= q_len, block ids
         inside the pool, enough table columns. Off by default (the kernel is graph-capturable).
-    check_bounds: deprecated name of `validate`
     Returns out [total_q, num_heads, head_dim] in q's dtype. Runs on torch's current stream.
     """
     out, group = check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, HEAD_DIMS, BLOCK_SIZES)
@@ -593,9 +591,6 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     if group > tile_rows(head_dim, version):
         raise KernelLaunchError(
             f"GQA group num_heads/num_kv_heads={group} must be <= {tile_rows(head_dim, version)} for v{version}")
-    if check_bounds is not None:
-        warnings.warn("check_bounds= is deprecated: use validate=", DeprecationWarning, stacklevel=2)
-        validate = check_bounds
     if validate:
         check_values(block_tables, cu_seqlens_q, context_lens, total_q, num_blocks, block_size)
     if total_q == 0 or num_seqs == 0:

@@ -112,7 +112,8 @@ import torch
 from numba import cuda, float32, uint32
 
 from kernels_numba import bridge, common
-from kernels_numba.common import cp_async16, cp_async_commit, cp_async_wait, ex2, load_u32x4
+from kernels_numba.common import (cp_async16, cp_async_commit, cp_async_wait, ex2, ldmatrix_x4, ldmatrix_x4_trans,
+                                  load_u32x4, store_u32x4)
 from kernels_numba.errors import KernelLaunchError
 
 SIMULATOR = bridge.SIMULATOR
@@ -128,39 +129,10 @@ NAN_WORD = 0x7FC07FC0  # two halves that are NaN as fp16 and as bf16 (the simula
 SMEM_ALIGN = None if SIMULATOR else 16  # cp.async and ldmatrix move 16-byte units (the simulator has no alignment)
 
 # ----------------------------------------------------------------------------------------
-# Intrinsics: ldmatrix (.x4, .trans), a 16-byte store
+# The mma step: common's, and under the simulator one vectorised over the warp
 
 if SIMULATOR:
     from kernels_numba import simulator as _sim
-
-    def ldmatrix_x4(arr, i):
-        """Four 8x8 b16 matrices of shared memory: this lane gives the row at word i of matrix
-        lane // 8 (16 bytes); returns, of matrix 0..3, the word (row lane // 4, halves 2 (lane % 4), +1)."""
-        rows = _sim.warp_all((arr, int(i)))  # each lane's row address (arrays are shared: one block)
-        lane = _sim.lane_id()
-        g, t = lane >> 2, lane & 3
-        words = []
-        for m in range(4):
-            a, j = rows[8 * m + g]
-            words.append(np.uint32(int(a[j + t]) & 0xFFFFFFFF))
-        return tuple(words)
-
-    def _half(a, j, col):
-        # half `col` (0..7) of the 16-byte row at word j of a
-        return (int(a[j + col // 2]) >> (16 * (col % 2))) & 0xFFFF
-
-    def ldmatrix_x4_trans(arr, i):
-        """As ldmatrix_x4 with .trans: of matrix m this lane receives the halves (row 2t, col g)
-        (low) and (row 2t + 1, col g) (high), lane = 4 g + t."""
-        rows = _sim.warp_all((arr, int(i)))
-        lane = _sim.lane_id()
-        g, t = lane >> 2, lane & 3
-        words = []
-        for m in range(4):
-            lo = _half(*rows[8 * m + 2 * t], g)
-            hi = _half(*rows[8 * m + 2 * t + 1], g)
-            words.append(np.uint32(lo | (hi << 16)))
-        return tuple(words)
 
     # mma.sync m16n8k16 for the simulator, vectorised over the warp (common's fallback unpacks
     # every lane's fragments in Python for every lane: 30x slower). Where each lane's words sit
@@ -197,71 +169,7 @@ if SIMULATOR:
     mma_f16 = _make_mma(False)
     mma_bf16 = _make_mma(True)
 
-    def store_u32x4(arr, i, a, b, c, d):
-        arr[i], arr[i + 1], arr[i + 2], arr[i + 3] = a, b, c, d
-
 else:
-    from llvmlite import ir
-    from numba.core import types
-    from numba.cuda import cgutils
-    from numba.cuda.extending import intrinsic
-
-    _i32 = ir.IntType(32)
-
-    def _shared_address(context, builder, aryty, ary_val, idxty, idx_val):
-        """32-bit shared-window address of ary[idx] (a 1-D shared array): addrspacecast by LLVM,
-        so the array base is loop-invariant and a constant index offset folds into the instruction."""
-        ary = context.make_array(aryty)(context, builder, ary_val)
-        i = context.cast(builder, idx_val, idxty, types.intp)
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [i], wraparound=False)
-        spaced = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, addrspace=3))
-        return builder.ptrtoint(spaced, _i32)
-
-    def _make_ldmatrix(trans):
-        text = ("ldmatrix.sync.aligned.m8n8.x4" + (".trans" if trans else "")
-                + ".shared.b16 {$0, $1, $2, $3}, [$4];")
-
-        @intrinsic
-        def impl(typingctx, arr, idx):
-            if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype in (types.uint32, types.int32)
-                    and isinstance(idx, types.Integer)):
-                return None
-            sig = types.UniTuple(types.uint32, 4)(arr, idx)
-
-            def codegen(context, builder, sig, args):
-                addr = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-                fnty = ir.FunctionType(ir.LiteralStructType([_i32] * 4), [_i32])
-                # the memory clobber keeps it after the barrier that publishes the tile
-                res = builder.call(ir.InlineAsm(fnty, text, "=r,=r,=r,=r,r,~{memory}"), [addr])
-                return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, k) for k in range(4)])
-
-            return sig, codegen
-
-        return impl
-
-    ldmatrix_x4 = _make_ldmatrix(False)
-    ldmatrix_x4_trans = _make_ldmatrix(True)
-
-    @intrinsic
-    def store_u32x4(typingctx, arr, idx, a, b, c, d):
-        """arr[idx:idx+4] = a, b, c, d as one 16-byte store (idx % 4 == 0)."""
-        if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype in (types.uint32, types.int32)):
-            return None
-        sig = types.void(arr, idx, a, b, c, d)
-
-        def codegen(context, builder, sig, args):
-            ary = context.make_array(sig.args[0])(context, builder, args[0])
-            i = context.cast(builder, args[1], sig.args[1], types.intp)
-            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [i], wraparound=False)
-            vec = ir.Constant(ir.VectorType(_i32, 4), ir.Undefined)
-            for k in range(4):
-                w = context.cast(builder, args[2 + k], sig.args[2 + k], types.uint32)
-                vec = builder.insert_element(vec, w, ir.Constant(_i32, k))
-            builder.store(vec, builder.bitcast(ptr, ir.VectorType(_i32, 4).as_pointer()), align=16)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
     mma_f16 = common.mma_m16n8k16_f16
     mma_bf16 = common.mma_m16n8k16_bf16
 

@@ -18,150 +18,25 @@ a block reduction (warp shuffles, then one shared slot per warp); pass 2 re-read
 pieces (L1-resident) and writes the output. Qwen2-0.5B's row is 1.75 KiB: the kernel is latency bound at
 decode and streams at memory speed in prefill.
 
-Shared by the three fused glue kernels (this file, rotary.py, activation.py), until the common modules
-take them:
-    store_u32x4(arr, i, a, b, c, d)  16-byte store (st.global.v4.u32, STG.E.128) of 4 words at arr[i:i+4]
-    unpack2(u32, bf16) -> (lo, hi)   a pair of fp16/bf16 as float32 (bf16 is a constant: no branch left)
-    pack2(lo, hi, bf16) -> u32       two float32 rounded to fp16/bf16 (nearest even), packed
-    words(t)                         a 1-D uint32 view of a torch tensor's memory from its first element
-                                     (rows may be strided views, e.g. q/k/v inside a merged qkv output)
-    ints(t)                          a contiguous 1-D int32/int64 tensor as a kernel argument
-On the GPU these views are built from the tensor's address without touching torch's
-__cuda_array_interface__ and without keeping the tensor alive (the kernel runs in stream order while the
-caller holds it), and cached by address, so a step's activations, which the caching allocator hands out at
-the same addresses step after step, cost a dict lookup. Under the simulator they are numpy views wrapped so
-the simulator neither copies nor writes back (aliased arguments, e.g. in-place outputs, stay exact).
+The three fused glue kernels (this file, rotary.py, activation.py) share the device helpers of
+common.py (store_u32x4, pack2, unpack2), the views of bridge.py (words, ints) and the host checks here
+(check_rows, row_words, threads_for).
 """
 import math
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, types
+from numba import cuda, float32
 
 from kernels_numba import bridge
-from kernels_numba.common import (
-    SIMULATOR,
-    bf16x2_to_f32,
-    check_tensor,
-    f16x2_to_f32,
-    f32x2_to_bf16x2,
-    f32x2_to_f16x2,
-    load_u32x4,
-    torch_stream,
-    warp_sum,
-)
+from kernels_numba.bridge import words
+from kernels_numba.common import check_tensor, load_u32x4, pack2, store_u32x4, torch_stream, unpack2, warp_sum
 from kernels_numba.errors import KernelLaunchError
 
 MAX_THREADS = 1024
 
 # ----------------------------------------------------------------------------------------------
-# device helpers shared by the fused glue kernels
-
-if SIMULATOR:
-    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-    def store_u32x4(arr, i, a, b, c, d):
-        arr[i] = a
-        arr[i + 1] = b
-        arr[i + 2] = c
-        arr[i + 3] = d
-
-else:
-    from llvmlite import ir
-    from numba.cuda import cgutils
-    from numba.cuda.extending import intrinsic
-
-    _i32 = ir.IntType(32)
-    _v4i32 = ir.VectorType(_i32, 4)
-
-    @intrinsic
-    def store_u32x4(typingctx, arr, idx, a, b, c, d):
-        """arr: 1-D uint32/int32 array; idx % 4 == 0 (16-byte aligned). Stores a, b, c, d at arr[idx:idx+4]."""
-        if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype in (types.uint32, types.int32)):
-            return None
-        if not all(isinstance(t, types.Integer) for t in (idx, a, b, c, d)):
-            return None
-        sig = types.void(arr, idx, a, b, c, d)
-
-        def codegen(context, builder, sig, args):
-            aryty, idxty = sig.args[0], sig.args[1]
-            ary = context.make_array(aryty)(context, builder, args[0])
-            i = context.cast(builder, args[1], idxty, types.intp)
-            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [i], wraparound=False)
-            vec = ir.Constant(_v4i32, ir.Undefined)
-            for k, (val, ty) in enumerate(zip(args[2:], sig.args[2:])):
-                word = context.cast(builder, val, ty, types.uint32)
-                vec = builder.insert_element(vec, word, ir.Constant(_i32, k))
-            builder.store(vec, builder.bitcast(ptr, _v4i32.as_pointer()), align=16)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-
-@cuda.jit(device=True)
-def unpack2(u, bf16):
-    """A pair of fp16/bf16 (low half first) as two float32."""
-    if bf16:
-        return bf16x2_to_f32(u)
-    return f16x2_to_f32(u)
-
-
-@cuda.jit(device=True)
-def pack2(lo, hi, bf16):
-    """Two float32 rounded to fp16/bf16 and packed (lo in the low half)."""
-    if bf16:
-        return f32x2_to_bf16x2(lo, hi)
-    return f32x2_to_f16x2(lo, hi)
-
-
-# ----------------------------------------------------------------------------------------------
 # host helpers shared by the fused glue kernels
-
-_VIEWS = {}          # (device, address, length, type) -> numba device array (non-owning)
-_MAX_VIEWS = 4096
-
-
-def _span(t):
-    """Elements from t's first to its last element (strided views included)."""
-    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0
-
-
-def _device_array(t, n, typestr):
-    key = (t.device.index, t.data_ptr(), n, typestr)
-    arr = _VIEWS.get(key)
-    if arr is None:
-        desc = {"shape": (n,), "strides": None, "typestr": typestr, "data": (t.data_ptr(), False), "version": 3}
-        arr = cuda.from_cuda_array_interface(desc, owner=None, sync=False)
-        if len(_VIEWS) >= _MAX_VIEWS:
-            _VIEWS.pop(next(iter(_VIEWS)))
-        _VIEWS[key] = arr
-    return arr
-
-
-def words(t):
-    """1-D uint32 view of the bytes from t's first element to its last (a multiple of 4 bytes)."""
-    import torch
-
-    n = _span(t) * t.element_size() // 4
-    if not SIMULATOR:
-        return _device_array(t, n, "<u4")
-    flat = torch.as_strided(t, (_span(t),), (1,))                          # t's storage from its first element
-    return FakeCUDAArray(flat.view(torch.int32).numpy().view(np.uint32)[:n])
-
-
-def ints(t):
-    """A contiguous 1-D int32/int64 tensor as a kernel argument."""
-    if not SIMULATOR:
-        return _device_array(t, t.shape[0], "<i4" if t.element_size() == 4 else "<i8")
-    return FakeCUDAArray(t.numpy())
-
-
-def capturing():
-    """True while torch captures a CUDA graph on the current stream (value checks must not sync then)."""
-    import torch
-
-    return not SIMULATOR and torch.cuda.is_current_stream_capturing()
-
 
 def check_rows(name, t, width, dtypes):
     """t: [rows, width] with unit stride along a row, rows 16-byte aligned (for 16-byte loads)."""

@@ -24,9 +24,10 @@ from functools import lru_cache
 from numba import cuda
 
 from kernels_numba import bridge
-from kernels_numba.common import check_tensor, f32_from_bits, load_u32x4, torch_stream
-from kernels_numba.rmsnorm import capturing, ints, pack2, store_u32x4, threads_for, unpack2, words
+from kernels_numba.bridge import capturing, ints, words
+from kernels_numba.common import check_tensor, f32_from_bits, load_u32x4, pack2, store_u32x4, torch_stream, unpack2
 from kernels_numba.errors import KernelLaunchError
+from kernels_numba.rmsnorm import threads_for
 
 
 @cuda.jit(device=True)

@@ -53,12 +53,11 @@ from functools import lru_cache
 from types import SimpleNamespace
 
 import numpy as np
-from llvmlite import ir
-from numba import cuda, njit, types
-from numba.extending import intrinsic as cpu_intrinsic
+from numba import cuda, njit
 
-from kernels_numba.common import (SIMULATOR, bf16_to_f32, check_tensor, f16_to_f32, f32_bits, f32_from_bits,
-                                  load_u32x4, torch_stream)
+from kernels_numba.bridge import as_array, cached_view
+from kernels_numba.common import (SIMULATOR, bf16_to_f32, check_tensor, cpu_f32_bits, cpu_f32_from_bits, f16_to_f32,
+                                  f32_bits, f32_from_bits, load_u32x4, torch_stream)
 
 # ----------------------------------------------------------------------------------------
 # constants (tests/test_sampler.py checks that they equal reference/sampling.py's)
@@ -202,30 +201,6 @@ def _make_math(jit, mul, add, div, bits, from_bits):
 
 
 # CPU: plain float32 operators (LLVM does not contract them on the CPU without fast-math)
-@cpu_intrinsic
-def _cpu_f32_bits(typingctx, x):
-    if not isinstance(x, types.Float):
-        return None
-    sig = types.uint32(x)
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.float32), ir.IntType(32))
-
-    return sig, codegen
-
-
-@cpu_intrinsic
-def _cpu_f32_from_bits(typingctx, u):
-    if not isinstance(u, types.Integer):
-        return None
-    sig = types.float32(u)
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.uint32), ir.FloatType())
-
-    return sig, codegen
-
-
 @njit(inline="always")
 def _mul(a, b):
     return a * b
@@ -241,7 +216,7 @@ def _div(a, b):
     return a / b
 
 
-CPU = _make_math(njit, _mul, _add, _div, _cpu_f32_bits, _cpu_f32_from_bits)
+CPU = _make_math(njit, _mul, _add, _div, cpu_f32_bits, cpu_f32_from_bits)
 # module-level names: numba resolves globals, not attributes of a namespace
 philox, det_log, det_exp, gumbel, weight = CPU.philox, CPU.det_log, CPU.det_exp, CPU.gumbel, CPU.weight
 scaled, inverse_temperature, key, clean = CPU.scaled, CPU.inverse_temperature, CPU.key, CPU.clean
@@ -1244,28 +1219,7 @@ def launch_split(words, vocab, kind, vec, chunks, temperature, top_k, top_p, see
 
 
 _KINDS = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16"}
-_VIEWS = {}                         # (address, shape, dtype, device, view) -> (numba view, tensor)
-_MAX_VIEWS = 256
 _STATE = {}                         # (device, rows) -> (state_i, state_f) views and tensors
-
-
-def _wrap(t, dtype=None):
-    """Zero-copy numba view of contiguous t (flat, reinterpreted as `dtype` when given): numpy under
-    the simulator, a device array on CUDA (no synchronisation: the kernels run on torch's stream)."""
-    x = t if dtype is None else t.view(dtype).view(-1)
-    return x.numpy() if SIMULATOR else cuda.as_cuda_array(x, sync=False)
-
-
-def _view(t):
-    """_wrap(t), cached: wrapping costs tens of microseconds, and the engine passes the same small
-    static buffers step after step (the cache keeps them alive; the logits are never cached)."""
-    key = (t.data_ptr(), tuple(t.shape), t.dtype, t.device)
-    hit = _VIEWS.get(key)
-    if hit is None:
-        if len(_VIEWS) >= _MAX_VIEWS:
-            _VIEWS.pop(next(iter(_VIEWS)))
-        hit = _VIEWS[key] = (_wrap(t), t)
-    return hit[0]
 
 
 def _state(device, n, chunks=0):
@@ -1281,13 +1235,12 @@ def _state(device, n, chunks=0):
         if chunks:
             shapes += [((n * chunks, len(PART_I64)), torch.int64), ((n * chunks, len(PART_F32)), torch.float32)]
         tensors = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes]
-        hit = _STATE[(device, n, chunks)] = (tuple(_wrap(t) for t in tensors), tensors)
+        hit = _STATE[(device, n, chunks)] = (tuple(as_array(t) for t in tensors), tensors)
     return hit[0]
 
 
 def clear_caches():
-    """Drop the cached numba views and scratch buffers (they keep their tensors alive)."""
-    _VIEWS.clear()
+    """Drop the scratch buffers (they keep their tensors alive); bridge.clear_caches drops the views."""
     _STATE.clear()
 
 
@@ -1351,10 +1304,11 @@ def sample_cuda(logits, temperature, top_k, top_p, seed, index, position, out_to
     kind = _KINDS[str(logits.dtype)]
     align = 16 if kind == "f32" else 8
     vec = vocab % 4 == 0 and logits.data_ptr() % align == 0
-    words = _wrap(logits, torch.int32 if kind == "f32" else (torch.int64 if vec else torch.int16))
+    words = as_array(logits.view(torch.int32 if kind == "f32" else (torch.int64 if vec else torch.int16)), flat=True)
     if chunks is None:
         chunks = split_chunks(n, vocab, threads) if SPLIT_ROWS else 0
-    args = [_view(t) for t in params] + [_view(out_tokens), _view(out_logprobs)]
+    # the engine passes the same small static buffers step after step: their views are cached
+    args = [cached_view(t) for t in params] + [cached_view(out_tokens), cached_view(out_logprobs)]
     args += list(_state(logits.device, n, chunks))
     config = dict(threads=threads, fallback_threads=fallback_threads, nbins_log2=nbins_log2)
     if chunks:

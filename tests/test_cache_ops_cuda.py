@@ -116,16 +116,14 @@ def test_copy_blocks_rejects_bad_arguments():
         cache_ops.copy_blocks([k], [v[:2].contiguous()], [[0, 1]])
 
 
-def test_check_bounds_is_a_deprecated_name_of_validate():
+def test_validate_checks_slots_and_block_ids():
     k, v = _pool((2, 1, 8, 64), torch.float16, 9)
     key = torch.zeros(2, 1, 64, dtype=torch.float16, device=DEVICE)
     outside = torch.tensor([0, 16], device=DEVICE)
     with pytest.raises(KernelLaunchError, match="slot_mapping"):
         cache_ops.reshape_and_cache(key, key, k, v, outside, validate=True)
-    with pytest.warns(DeprecationWarning, match="validate"), pytest.raises(KernelLaunchError, match="slot_mapping"):
-        cache_ops.reshape_and_cache(key, key, k, v, outside, check_bounds=True)
-    with pytest.warns(DeprecationWarning, match="validate"), pytest.raises(KernelLaunchError, match="block_mapping"):
-        cache_ops.copy_blocks([k], [v], [[0, 2]], check_bounds=True)
+    with pytest.raises(KernelLaunchError, match="block_mapping"):
+        cache_ops.copy_blocks([k], [v], [[0, 2]], validate=True)
 
 
 @pytest.mark.gpu

@@ -128,8 +128,6 @@ def test_paged_prefill_rejects_bad_arguments():
         pp.paged_prefill(q[:, :3].contiguous(), k, v, bt, cu, ctx)
     with pytest.raises(KernelLaunchError, match="context_lens"):
         pp.paged_prefill(q, k, v, bt, cu, torch.tensor([2], dtype=torch.int32, device=DEVICE), validate=True)
-    with pytest.warns(DeprecationWarning, match="validate"), pytest.raises(KernelLaunchError, match="context_lens"):
-        pp.paged_prefill(q, k, v, bt, cu, torch.tensor([2], dtype=torch.int32, device=DEVICE), check_bounds=True)
     with pytest.raises(KernelLaunchError, match="block_tables"):
         pp.paged_prefill(q, k, v, bt.long(), cu, ctx)
     with pytest.raises(KernelLaunchError, match="version"):
