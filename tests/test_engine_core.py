@@ -1,0 +1,307 @@
+"""The engine core in its own process, against the in-process AsyncLLM (the tiny chat model, CPU, float32).
+
+Greedy and seeded tokens do not depend on the batch a request runs in, nor on the process the engine
+lives in, so every comparison is exact: text, token ids, logprobs, finish reasons, the concatenated
+deltas, usage counts. Checked: the core client equals AsyncLLM (concurrent requests, n=2, stop strings
+that end a completion mid-way, logprobs, token-id prompts); a stream closed early aborts its request in
+the core and frees its blocks; the core killed mid-load ends every open stream with EngineDeadError and
+turns is_alive False in bounded time; two data-parallel cores give the same results as one, both get
+work, their per-rank metrics add up to the totals and neither leaks a block; build_app on the client
+through uvicorn and the openai client (streamed == unstreamed); the launcher with two cores and two API
+processes on one port (slow: five processes), stopped by SIGTERM with no process left behind.
+"""
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from serving_helpers import ServerThread, scrape, write_tiny_chat_checkpoint
+
+from pagedattn import LLM, SamplingParams
+from pagedattn.serving.api_server import build_app
+from pagedattn.serving.async_llm import AsyncLLM, EngineDeadError
+from pagedattn.serving.core_client import CoreClient, aggregate_metrics
+from pagedattn.serving.engine_core import core_endpoints, decode_step, encode_step
+
+MODEL = "tiny-chat"
+NUM_BLOCKS = 48
+ENGINE = dict(device="cpu", dtype="float32", max_model_len=256, num_blocks=NUM_BLOCKS, max_num_seqs=32)
+PROMPTS = ["def fib(n):", "The paged KV cache", "Hello world! How are you", "SELECT name FROM", [5, 17, 301, 42]]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat"))
+
+
+@pytest.fixture(scope="module")
+def ref(checkpoint):
+    llm = AsyncLLM(LLM(checkpoint, **ENGINE))
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def core(checkpoint):
+    client = CoreClient.start(dict(model=checkpoint, **ENGINE))
+    yield client
+    client.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dp2(checkpoint):
+    client = CoreClient.start(dict(model=checkpoint, **ENGINE), data_parallel_size=2)
+    yield client
+    client.shutdown()
+
+
+async def collect(llm, prompt, params):
+    """Everything a caller can observe of one request: per completion (text, token ids, finish reason,
+    logprobs, the deltas joined), and the prompt's token count."""
+    deltas = {}
+    out = None
+    async for out in llm.generate(prompt, params):
+        for c in out.outputs:
+            text, ids = deltas.get(c.index, ("", []))
+            deltas[c.index] = (text + c.delta_text, ids + list(c.delta_token_ids))
+    assert out is not None and out.finished
+    return (len(out.prompt_token_ids),
+            [(c.index, c.text, list(c.token_ids), c.finish_reason, c.logprobs, deltas[c.index])
+             for c in out.outputs])
+
+
+def assert_same(got, expected):
+    """Exact equality, except logprobs to 1e-5: the batch a request runs in (its size, its order) changes
+    how float32 sums round in the model, which moves a logprob in its last digits but not an argmax here."""
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g[0] == e[0]
+        for gc, ec in zip(g[1], e[1], strict=True):
+            assert gc[:4] + gc[5:] == ec[:4] + ec[5:]
+            assert (gc[4] is None) == (ec[4] is None)
+            if ec[4] is not None:
+                assert gc[4] == pytest.approx(ec[4], abs=1e-5, rel=1e-5)
+
+
+def run_all(llm, cases):
+    async def main():
+        return await asyncio.gather(*[collect(llm, p, params) for p, params in cases])
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def cases(ref):
+    """Concurrent requests of every kind; the stop strings are cut from the middle of the greedy text, so
+    that they do end their completion early."""
+    greedy = run_all(ref, [(p, SamplingParams(temperature=0, max_tokens=24)) for p in PROMPTS[:3]])
+    stops = []
+    for _, comps in greedy:
+        text = comps[0][1]      # random weights: much of it is odd bytes; cut at plain letters
+        stops.append(next(text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].isascii()
+                           and text[i:i + 2].isalpha()))
+    out = [(p, SamplingParams(temperature=0, max_tokens=24)) for p in PROMPTS]
+    out += [(PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, n=2, logprobs=True)),
+            (PROMPTS[2], SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, n=2, logprobs=True))]
+    out += [(p, SamplingParams(temperature=0, max_tokens=24, stop=[s, "never-in-the-text"]))
+            for p, s in zip(PROMPTS[:3], stops)]
+    out += [(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, n=2, stop=[stops[0]], logprobs=True))]
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(ref, cases):
+    return run_all(ref, cases)
+
+
+def test_step_message_round_trips_as_arrays():
+    entries = [(3, 0, [7, 8], [-0.5, -1.25], -1.75, None), (9, 1, [], None, 0.0, "length"), (4, 0, [1], None, -2.0, "stop")]
+    step = decode_step(encode_step(0, entries, [9], [(5, "invalid", "bad")]))
+    assert step["wire_ids"].tolist() == [3, 9, 4] and step["index"].tolist() == [0, 1, 0]
+    assert step["num_tokens"].tolist() == [2, 0, 1] and step["token_ids"].tolist() == [7, 8, 1]
+    assert step["logprobs"].tolist() == [-0.5, -1.25, 0.0] and step["finish"].tolist() == [0, 2, 1]
+    assert step["finished"] == [9] and step["errors"] == [(5, "invalid", "bad")]
+    assert core_endpoints("tcp://10.0.0.2:5550") == ("tcp://10.0.0.2:5550", "tcp://10.0.0.2:5551")
+
+
+def test_core_client_equals_async_llm(core, cases, expected):
+    got = run_all(core, cases)
+    assert_same(got, expected)
+    for (_, params), (_, comps) in zip(cases, got):
+        for _, text, ids, reason, logprobs, (delta_text, delta_ids) in comps:
+            assert (delta_text, delta_ids) == (text, ids)
+            assert (logprobs is not None) == params.logprobs
+        if params.stop:
+            assert any(c[3] == "stop" for c in comps)          # the stop string did end a completion
+    assert core.wait_until_idle()["num_free_blocks"] == NUM_BLOCKS
+
+
+def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(core):
+    before = core.wait_until_idle()["num_generated_tokens"]
+
+    async def leave_early():
+        stream = core.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        seen = 0
+        async for out in stream:
+            seen += len(out.outputs[0].delta_token_ids)
+            if seen >= 3:
+                break
+        await stream.aclose()
+        return seen
+
+    assert asyncio.run(leave_early()) >= 3
+    snap = core.wait_until_idle()
+    assert snap["num_free_blocks"] == NUM_BLOCKS and snap["num_running"] == 0 and core.num_requests_in_flight == 0
+    assert snap["num_generated_tokens"] - before < 100      # stopped long before its 200 tokens
+
+
+def test_bad_requests_are_refused_before_anything_is_sent(core):
+    from pagedattn.errors import InvalidRequestError
+
+    async def bad(prompt, params):
+        with pytest.raises(InvalidRequestError):
+            core.add_request(prompt, params)
+
+    asyncio.run(bad([1, 2, 100000], SamplingParams(max_tokens=4)))        # outside the vocabulary
+    asyncio.run(bad("x", SamplingParams(max_tokens=10_000)))              # longer than max_model_len
+    assert core.num_requests_in_flight == 0
+
+
+def test_two_data_parallel_cores_equal_one_and_their_metrics_add_up(dp2, cases, expected):
+    assert dp2.data_parallel_size == 2
+    before = [m["num_generated_tokens"] for m in (dp2.wait_until_idle(), *dp2.engine_metrics_per_rank())]
+    assert_same(run_all(dp2, cases), expected)
+    plain = [(p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)) for p in PROMPTS * 2]
+    outs = run_all(dp2, plain)
+    total = dp2.wait_until_idle()
+    ranks = dp2.engine_metrics_per_rank()
+    assert aggregate_metrics(ranks) == total
+    for m in ranks:
+        assert m["num_free_blocks"] == m["num_blocks"] == NUM_BLOCKS and m["num_running"] == m["num_waiting"] == 0
+    grew = [m["num_generated_tokens"] - b for m, b in zip([total, *ranks], before)]
+    assert grew[0] == grew[1] + grew[2]
+    assert min(grew[1:]) > 0                                 # least-load routing used both cores
+    assert total["num_blocks"] == 2 * NUM_BLOCKS and total["kv_cache_usage"] == 0.0
+    plain_tokens = sum(len(c[2]) for _, comps in outs for c in comps)
+    assert plain_tokens == len(plain) * 16
+
+
+def test_killed_core_ends_every_stream_with_an_error(checkpoint):
+    client = CoreClient.start(dict(model=checkpoint, **ENGINE))
+    try:
+        async def main():
+            streams = [client.add_request(p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+                       for p in PROMPTS]
+            for s in streams:                       # every one is running
+                await asyncio.wait_for(s.__anext__(), 60)
+            os.kill(client.processes[0].pid, signal.SIGKILL)
+
+            async def drain(s):
+                with pytest.raises(EngineDeadError):
+                    async for _ in s:
+                        pass
+            await asyncio.wait_for(asyncio.gather(*[drain(s) for s in streams]), 30)
+            with pytest.raises(EngineDeadError):
+                client.add_request(PROMPTS[0], SamplingParams(max_tokens=4))
+
+        asyncio.run(main())
+        assert not client.is_alive and client.num_requests_in_flight == 0
+    finally:
+        client.shutdown()
+    assert not client.processes[0].is_alive()
+
+
+def test_http_server_on_the_core_client(core, ref):
+    with ServerThread(build_app(core, MODEL)) as srv:
+        api = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        assert httpx.get(srv.url + "/health", timeout=30).json() == {"status": "ok"}
+        for prompt in PROMPTS[:2]:
+            full = api.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+            pieces = list(api.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+            assert "".join(c.choices[0].text for c in pieces if c.choices) == full.choices[0].text
+            assert pieces[-1].usage.completion_tokens == full.usage.completion_tokens
+            (_, comps), = run_all(ref, [(prompt, SamplingParams(temperature=0, max_tokens=20))])
+            assert full.choices[0].text == comps[0][1] and full.usage.completion_tokens == len(comps[0][2])
+        messages = [{"role": "user", "content": "Explain blocks, 中文 🙂"}]
+        full = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+        pieces = list(api.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                                  stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == full.choices[0].message.content
+        core.wait_until_idle()
+        samples = scrape(srv.url)
+        label = frozenset({"model_name": MODEL}.items())
+        assert samples[("pagedattn_kv_cache_blocks", label)] == NUM_BLOCKS
+        assert samples[("pagedattn_kv_cache_free_blocks", label)] == NUM_BLOCKS
+        assert samples[("pagedattn_num_requests_in_flight", label)] == 0
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid):
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:                    # a zombie is dead, only not reaped yet
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.mark.slow
+def test_launcher_two_cores_two_api_servers_one_port(checkpoint, ref):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pagedattn.serving.launcher", "--model", checkpoint, "--device", "cpu",
+           "--dtype", "float32", "--max-model-len", "256", "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "32",
+           "--port", str(port), "--served-model-name", MODEL, "--log-level", "warning",
+           "--data-parallel-size", "2", "--api-server-count", "2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-4000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        children = _children(proc.pid)
+        assert len(children) >= 4                           # 2 cores + 2 API servers (+ spawn's tracker)
+        expected = run_all(ref, [(p, SamplingParams(temperature=0, max_tokens=16)) for p in PROMPTS[:4]])
+        with httpx.Client(timeout=120) as http:             # a fresh connection each: both API servers serve
+            for prompt, (_, comps) in zip(PROMPTS[:4] * 2, expected * 2):
+                r = http.post(url + "/v1/completions", headers={"Connection": "close"},
+                              json=dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0))
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == comps[0][1]
+        text = httpx.get(url + "/metrics", timeout=30).text
+        assert f'pagedattn_kv_cache_blocks{{model_name="{MODEL}"}} {2.0 * NUM_BLOCKS}' in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, proc.stderr.read()[-4000:]
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in children)
