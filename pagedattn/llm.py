@@ -126,7 +126,9 @@ class LLM:
         """Complete every prompt; returns RequestOutputs in the prompts' order.
 
         prompts: a str, a list of token ids, or a list of those. sampling_params: one SamplingParams
-        for all, or one per prompt (default: SamplingParams()).
+        for all, or one per prompt (default: SamplingParams()). A bad request raises InvalidRequestError
+        before any is queued; a request that fails inside the engine (its row alone) comes back in its
+        place with `error` set and finish_reason "error", the others complete as they would alone.
         """
         ids = self._add(prompts, sampling_params, stream=False)
         results = {out.request_id: out for out in self._run(ids, use_tqdm) if out.finished}
