@@ -55,9 +55,25 @@ def core(checkpoint):
     client.shutdown()
 
 
+def _free_port_pair():
+    """A port P with P + 1 free too (a tcp:// core address uses both)."""
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports")
+
+
 @pytest.fixture(scope="module")
 def dp2(checkpoint):
-    client = CoreClient.start(dict(model=checkpoint, **ENGINE), data_parallel_size=2)
+    """Two cores on TCP, as two nodes would be addressed (here both on 127.0.0.1)."""
+    addresses = [f"tcp://127.0.0.1:{_free_port_pair()}", f"tcp://127.0.0.1:{_free_port_pair()}"]
+    client = CoreClient.start(dict(model=checkpoint, **ENGINE), data_parallel_size=2, addresses=addresses)
     yield client
     client.shutdown()
 

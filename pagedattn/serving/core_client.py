@@ -216,9 +216,10 @@ class CoreClient:
         self._thread.start()
 
     @classmethod
-    def start(cls, engine_kwargs, data_parallel_size=1, **kwargs):
-        """Start `data_parallel_size` local core processes on LLM(**engine_kwargs) and a client owning them."""
-        procs, addresses = ec.start_engine_cores(engine_kwargs, data_parallel_size)
+    def start(cls, engine_kwargs, data_parallel_size=1, addresses=None, **kwargs):
+        """Start `data_parallel_size` local core processes on LLM(**engine_kwargs) and a client owning them.
+        addresses: where the cores listen (default: private ipc:// paths)."""
+        procs, addresses = ec.start_engine_cores(engine_kwargs, data_parallel_size, addresses)
         try:
             return cls(addresses, processes=procs, **kwargs)
         except BaseException:

@@ -193,21 +193,20 @@ def serve(config):
 
 
 def main(argv=None):
-    """python -m pagedattn.serving.launcher: the `serve` command's arguments plus --data-parallel-size and
-    --api-server-count."""
+    """python -m pagedattn.serving.launcher: the `serve` command's arguments plus --data-parallel-size D,
+    --api-server-count N and --engine-core-address ADDR (repeated: use cores already running there)."""
+    import argparse
+
     from pagedattn.serving.cli import parse_args
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = {"--data-parallel-size": "data_parallel_size", "--api-server-count": "api_server_count"}
-    picked = {}
-    for flag, name in extra.items():
-        if flag in argv:
-            i = argv.index(flag)
-            picked[name] = int(argv[i + 1])
-            del argv[i:i + 2]
-    args = parse_args(argv)
-    for name, value in picked.items():
-        setattr(args, name, value)
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--data-parallel-size", type=int, default=1)
+    ap.add_argument("--api-server-count", type=int, default=1)
+    ap.add_argument("--engine-core-address", action="append", default=[])
+    own, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(rest)
+    args.data_parallel_size, args.api_server_count = own.data_parallel_size, own.api_server_count
+    args.engine_core_addresses = own.engine_core_address
     sys.exit(serve(args))
 
 
