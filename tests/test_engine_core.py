@@ -191,6 +191,7 @@ def test_bad_requests_are_refused_before_anything_is_sent(core):
 
 def test_two_data_parallel_cores_equal_one_and_their_metrics_add_up(dp2, cases, expected):
     assert dp2.data_parallel_size == 2
+    assert [m["num_blocks"] for m in dp2.engine_metrics_per_rank()] == [NUM_BLOCKS, NUM_BLOCKS]   # from the start
     before = [m["num_generated_tokens"] for m in (dp2.wait_until_idle(), *dp2.engine_metrics_per_rank())]
     assert_same(run_all(dp2, cases), expected)
     plain = [(p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)) for p in PROMPTS * 2]

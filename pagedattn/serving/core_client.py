@@ -231,17 +231,20 @@ class CoreClient:
         for core in self._cores:
             core.dealer.send(self._encoder.encode(ec.Hello(self._identity)))
         deadline = now() + timeout
-        pending = {id(c.dealer): c for c in self._cores}
+        by_socket = {id(c.dealer): c for c in self._cores}
+        pending = dict(by_socket)
         poller = zmq.Poller()
         for c in self._cores:
             poller.register(c.dealer, zmq.POLLIN)
         while pending:
             for sock, _ in poller.poll(100):
-                core = pending.get(id(sock))
+                core = by_socket[id(sock)]
                 msg = self._decoder.decode(sock.recv())
-                if isinstance(msg, ec.Ready) and core is not None:
+                if isinstance(msg, ec.Ready):
                     core.info = msg.info
-                    del pending[id(sock)]
+                    pending.pop(id(sock), None)
+                elif isinstance(msg, ec.Stats):
+                    core.snapshot = msg.metrics
                 elif isinstance(msg, ec.Dead):
                     raise EngineDeadError(f"engine core {msg.rank} failed to start: {msg.reason}")
             for core in pending.values():

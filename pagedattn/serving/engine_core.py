@@ -270,6 +270,7 @@ class EngineCore:
             if isinstance(msg, Hello):
                 self.clients.add(msg.client)
                 self._send(msg.client, Ready(self.rank, self.info()))
+                self._send(msg.client, Stats(self.rank, 0, self._metrics()))     # /metrics has numbers at once
             elif isinstance(msg, AddRequest):
                 self._add(msg)
             elif isinstance(msg, AbortRequests):
