@@ -63,8 +63,10 @@ class APIError(Exception):
         return P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.type, param=self.param,
                                                  code=self.code)).model_dump()
 
-    def response(self):
-        return ErrorJSONResponse(self.body(), status_code=self.status)
+    def response(self, close=False):
+        """The JSON response; close: end the connection after it (the request body was left unread)."""
+        headers = {"Connection": "close"} if close else None
+        return ErrorJSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 class ErrorJSONResponse(JSONResponse):
@@ -312,20 +314,20 @@ class RequestGuard:
         if self.api_key is not None and (path == "/v1" or path.startswith("/v1/")):
             error = self.check_key(headers.get(b"authorization", b""))
             if error is not None:
-                return await error.response()(scope, receive, send)
+                return await error.response(close=True)(scope, receive, send)
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         limit = self.limits.max_body_bytes
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            return await _too_large(limit).response()(scope, receive, send)
+            return await _too_large(limit).response(close=True)(scope, receive, send)
         try:
             body = await asyncio.wait_for(self.read_body(receive, limit), self.limits.body_timeout_s)
         except asyncio.TimeoutError:
             return await APIError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
-                                  code="request_timeout").response()(scope, receive, send)
+                                  code="request_timeout").response(close=True)(scope, receive, send)
         except _BodyTooLarge:
-            return await _too_large(limit).response()(scope, receive, send)
+            return await _too_large(limit).response(close=True)(scope, receive, send)
         except _ClientGone:
             return None
         replayed = False
