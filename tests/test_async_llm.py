@@ -14,7 +14,8 @@ import pytest
 from pagedattn.engine.outputs import CompletionOutput, RequestOutput
 from pagedattn.errors import InvalidRequestError
 from pagedattn.sampling_params import SamplingParams
-from pagedattn.serving.async_llm import AsyncLLM, EngineDeadError, EngineStepError, merge_outputs
+from pagedattn.serving.async_llm import AsyncLLM, EngineDeadError, EngineStepError, RequestFailedError, merge_outputs
+from pagedattn.serving.metrics import ServingMetrics
 
 
 class FakeConfig:
@@ -23,7 +24,7 @@ class FakeConfig:
 
 
 class FakeEngine:
-    def __init__(self, fail_steps=(), step_delay=0.0, refuse_ids=()):
+    def __init__(self, fail_steps=(), step_delay=0.0, refuse_ids=(), fail_ids=()):
         self.config = FakeConfig()
         self.tokenizer = None
         self.model_path = "fake"
@@ -35,6 +36,7 @@ class FakeEngine:
         self.fail_steps = set(fail_steps)
         self.step_delay = step_delay
         self.refuse_ids = set(refuse_ids)
+        self.fail_ids = set(fail_ids)   # requests that fail alone at their second step (as fail_request does)
         self.thread_ids = set()         # threads that called add_request / step / abort_request
 
     def validate_request(self, prompt, params):
@@ -67,6 +69,11 @@ class FakeEngine:
         outs = []
         for rid, state in list(self.requests.items()):
             params, k, _ = state
+            if rid in self.fail_ids and k == 1:
+                del self.requests[rid]
+                c = CompletionOutput(0, "", [0], "error")
+                outs.append(RequestOutput(rid, None, [1, 2], [c], finished=True, error="its row broke"))
+                continue
             state[1] = k + 1
             done = k + 1 == params.max_tokens
             ids = list(range(k + 1))
@@ -223,6 +230,36 @@ def test_a_failed_step_fails_the_requests_in_flight_and_the_loop_goes_on(make_ll
         assert isinstance(e, EngineStepError) and isinstance(e.__cause__, RuntimeError)
     assert sorted(llm.engine.aborted) == ["x", "y"]
     assert after[-1].outputs[0].token_ids == [0, 1, 2] and llm.is_alive and llm.num_step_errors == 1
+
+
+def test_a_request_that_fails_alone_fails_only_its_stream(make_llm):
+    llm = make_llm(fail_ids={"bad"})
+    llm.metrics = ServingMetrics("fake")
+
+    async def main():
+        return await asyncio.gather(collect(llm, 5, "good"), collect(llm, 5, "bad"), return_exceptions=True)
+
+    good, bad = run(main())
+    assert good[-1].outputs[0].token_ids == list(range(5)) and good[-1].finished
+    assert isinstance(bad, RequestFailedError) and "its row broke" in str(bad)
+    assert llm.is_alive and llm.num_step_errors == 0 and "bad" not in llm.engine.aborted
+    llm.wait_until_idle()
+    assert llm.metrics.finished_requests == {"length": 1, "error": 1} and llm.metrics.e2e.count == 2
+
+
+def test_a_request_aborted_before_the_engine_took_it_is_counted_once(make_llm):
+    llm = make_llm(step_delay=0.05)
+    llm.metrics = ServingMetrics("fake")
+
+    async def main():
+        streams = [llm.add_request([1, 2], params(30), f"r{i}") for i in range(5)]
+        for s in streams:               # before the engine thread drains its inbox (or right after)
+            s.abort()
+            s.abort()                   # a second abort changes nothing
+
+    run(main())
+    llm.wait_until_idle()
+    assert llm.metrics.finished_requests == {"abort": 5} and llm.metrics.e2e.count == 5
 
 
 def test_shutdown_fails_streams_and_refuses_new_requests(make_llm):

@@ -131,8 +131,8 @@ class _Collector:
             c.add_metric(label, value)
             yield c
         c = CounterMetricFamily("pagedattn_request_finished", "Finished requests by finish reason (stop, length, "
-                                "abort: the client left, error: a failed step, mixed: n > 1 completions that ended "
-                                "differently).", labels=["model_name", "finished_reason"])
+                                "abort: the client left, error: the request failed in the engine or its step failed, mixed: n > 1 "
+                                "completions that ended differently); every accepted request counts once.", labels=["model_name", "finished_reason"])
         for reason, value in sorted(dict(m.finished_requests).items()):
             c.add_metric(label + [reason], value)
         yield c
