@@ -11,7 +11,7 @@ v1: naive. grid (num_seqs, num_heads), blockDim = head_dim. Pass 1: thread t sco
 v2: adds shared-memory KV tiling: each physical block's K (then V) tile is loaded once,
     coalesced, by all threads into shared memory and reused by every thread; the softmax
     max/sum become a shared-memory tree reduction.
-v3: the design's kernel: adds online softmax (one pass over K and V, running max m, sum l,
+v3: the textbook single-pass kernel: adds online softmax (one pass over K and V, running max m, sum l,
     accumulator), warp-level dot products reduced with shfl_down_sync, and fp16 *pair* math
     (q and k multiplied two halves per instruction with fma.rn.f16x2 / bf16x2, the pair
     summed in fp32), fp32 accumulation.

@@ -1,6 +1,6 @@
 """The BlockManager: which physical KV blocks each sequence owns.
 
-Plain state, as the design names it:
+Plain state, in vLLM's words:
 
     free_blocks      free list: block ids with ref_count 0, ordered by the time they were freed
                      (oldest first; allocation takes from the front)
@@ -146,7 +146,7 @@ class BlockManager:
         wasted = allocated - stored
         return Fragmentation(wasted, allocated, wasted / allocated if allocated else 0.0)
 
-    # ---- the design's four operations ----------------------------------------------------------
+    # ---- the four block operations: allocate, free, share, copy on write ------------------------
 
     def allocate_blocks(self, seq_id: Hashable, n: int) -> list[int]:
         """Append n fresh blocks to seq_id's table (created if new); returns their ids.

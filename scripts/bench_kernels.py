@@ -1,9 +1,9 @@
 """Decode attention on the GPU: every kernel version against torch SDPA (dense) and FlexAttention (paged).
 
-One call builds, checks and times everything (DEVICE.md's method), Qwen2-0.5B layer shapes (14 query
+One call builds, checks and times everything (validate every version, then time: docs/performance.md), Qwen2-0.5B layer shapes (14 query
 heads, 2 KV heads, head_dim 64, fp16, block 16, shuffled block tables):
   * the grid B in {1, 8, 32, 64, 128, 256} x ctx in {512, 2048, 8192}, long and ragged points
-    (B=1 x 4000, B=3 x 5000, B=1 x 32768, batches of mixed lengths) and the design's concurrency
+    (B=1 x 4000, B=3 x 5000, B=1 x 32768, batches of mixed lengths) and the target concurrency
     rows (1, 2, 4, 8 sequences at ctx 512);
   * at each point, first every version of kernels_numba.paged_attention, SDPA on a dense cache
     (enable_gqa; ragged: padded to the longest, with a key mask) and FlexAttention over torch's

@@ -1,7 +1,7 @@
 """The bench library every script shares: timers, L2-rotating input sets, the environment line,
 saving tables (JSON + markdown) and plots, random checkpoints and the nano-vllm workload.
 
-Timing rules (docs/performance.md, /work/shared/DEVICE.md):
+Timing rules (docs/performance.md):
   * GPU work is timed by CUDA-graph replay (`graph_time_us`) or CUDA events (`event_time_us`),
     median of several runs after a warm-up; never by host clocks around asynchronous launches.
   * Repeated reads of the same buffers are served by the 60 MB L2: rotate `num_sets_for(...)` input

@@ -6,9 +6,9 @@ For a batch of sequence lengths this prints bytes reserved, bytes used (tokens a
 waste %, and how many sequences of the mix fit a fixed KV budget each way.
 
 Two experiments:
-  1. The design's "66.7% reduction" table (1/2/4/8 sequences, 0.75 MB -> 0.25 MB per sequence).
+  1. The target "66.7% reduction" table (1/2/4/8 sequences, 0.75 MB -> 0.25 MB per sequence).
      Its numbers come out exactly for ONE attention layer of Qwen2-0.5B (2 KV heads x 64 x fp16,
-     K and V: 512 B per token), sequences of 512 tokens (the design's ctx=512) and a contiguous
+     K and V: 512 B per token), sequences of 512 tokens (the attention benchmarks' ctx=512) and a contiguous
      reservation of 1536 tokens (3 x 512), with MB = 2**20 bytes. The full 24-layer model
      (12 KiB per token) cannot give 0.25 MiB: that would be 21.3 tokens.
   2. A realistic mix for the whole model: lengths uniform in [min_len, max_len], max_model_len 4096.
@@ -91,7 +91,7 @@ def paged_fit(lengths, total_blocks, block_size):
 
 
 def design_table(block_size=16):
-    """The design's table: per batch size, contiguous vs paged MiB (total and per sequence)."""
+    """The target table: per batch size, contiguous vs paged MiB (total and per sequence)."""
     rows = []
     for b in DESIGN["batch_sizes"]:
         r = compare([DESIGN["seq_len"]] * b, DESIGN["max_model_len"], DESIGN["geometry"], block_size)
@@ -186,21 +186,21 @@ at most `block_size - 1` slots per sequence are empty (internal fragmentation). 
 here with the real `BlockManager` doing the paged allocation. Bytes per token =
 `num_layers x 2 (K, V) x num_kv_heads x head_dim x 2 (fp16)`; MiB = 2^20 bytes.
 
-## The design's table (66.7% reduction)
+## The target table (66.7% reduction)
 
-The design reports 0.75 MB per sequence contiguous vs 0.25 MB paged for 1, 2, 4, 8 sequences.
-Those numbers come out exactly under these assumptions, which the design does not state:
+The target table gives 0.75 MB per sequence contiguous vs 0.25 MB paged for 1, 2, 4, 8 sequences.
+Those numbers come out exactly under these assumptions, which the table does not state:
 
 - **one attention layer** of Qwen2-0.5B: 2 KV heads x head_dim 64, fp16, K and V = 512 B/token
-  (the design's benchmarks measure the attention layer alone);
-- every sequence holds **512 tokens** (the design's ctx=512), a multiple of block_size 16, so the
+  (the attention benchmarks measure one layer alone);
+- every sequence holds **512 tokens** (the attention benchmarks' ctx=512), a multiple of block_size 16, so the
   paged allocation wastes nothing: 512 x 512 B = 0.25 MiB;
 - the contiguous cache reserves **1536 tokens** (3 x 512) per sequence: 0.75 MiB;
 - MB means MiB (2^20 bytes).
 
 The reduction is then 1 - 512/1536 = 66.7% at every batch size. Only the product
 layers x tokens = 512 is pinned down (2 layers at 256 tokens would give the same table); one layer
-at ctx=512 is the reading consistent with the design's benchmarks. For the full 24-layer model
+at ctx=512 is the reading consistent with the attention benchmarks. For the full 24-layer model
 (12 KiB per token) 0.25 MiB would be 21.3 tokens, so the table cannot describe the whole model.
 
 {design_md}

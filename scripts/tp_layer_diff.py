@@ -201,7 +201,7 @@ def _rank_device(device_type, rank):
 
 
 def _join_group(rank, world_size, port, device, timeout_s):
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")        # NVLink multicast stays off (DEVICE.md)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")        # NVLink multicast stays off, as in scripts/gpu_suite.sh
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:

@@ -2,7 +2,7 @@
 
 Each kernel is compiled for sm_90 with `numba.cuda.compile_ptx` in a subprocess *without*
 NUMBA_ENABLE_CUDASIM (conftest.py sets it for this process, and the simulator cannot compile),
-and the PTX is checked for what the design promises:
+and the PTX is checked for what each version's docstring promises:
 
 * no local memory (.local / ld.local / st.local): the per-thread tiles (v1: S 4x4, O 4x8 at
   d=64; v2: the Q, S and O mma fragments) must live in registers;

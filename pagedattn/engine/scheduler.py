@@ -169,9 +169,6 @@ class Scheduler:
                     bm.commit_full_blocks(seq.seq_id, seq.token_ids[:full * self.block_size])
 
     # ---- blocks ---------------------------------------------------------------------------------
-    def _blocks_for(self, num_tokens):
-        return -(-num_tokens // self.block_size)
-
     def _can_admit(self, seq):
         return self.block_manager.can_allocate_prompt(seq.token_ids)
 
@@ -189,7 +186,7 @@ class Scheduler:
         bm = self.block_manager
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         num_blocks = bm.num_blocks_of(seq.seq_id)
-        new_blocks = max(0, self._blocks_for(end) - num_blocks)
+        new_blocks = bm.blocks_needed(seq.seq_id, end)
         first = start // self.block_size
         cow = start % self.block_size != 0 and first < num_blocks and bm.is_shared(seq.seq_id, first)
         if not bm.can_allocate(new_blocks + int(cow)):
