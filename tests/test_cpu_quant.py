@@ -1,0 +1,207 @@
+"""GGUF block formats: reference/quant.py and kernels_numba/cpu_quant.py against the `gguf` package's
+dequantizer, the kernels' products against a float64 product of the dequantized matrix, and (-m slow) the
+bundled file's every tensor against its converted float32 checkpoint.
+
+Dequantization is exact: every value is a float32 product (d * q, or (d * sc) * q - dmin * m) and is
+compared bit for bit. The products' tolerance is the float32 summation bound of tests/test_cpu_linear.py:
+a float32 dot product of length K in any order is within (K + 1) * u * sum_k |x_k w_k| (+ the bias's
+rounding) of the exact value, u = 2^-24, element by element; the typical error is a median over the
+output, never judged on a few dozen elements.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from kernels_numba import cpu_quant
+from pagedattn.errors import KernelLaunchError
+from reference import quant
+
+U = 2.0 ** -24
+FORMATS = ["Q8_0", "Q5_0", "Q6_K", "Q4_K"]
+# byte offsets of each block's fp16 scales (d, and dmin for Q4_K), where random bytes may not go
+SCALE_OFFSETS = {"Q8_0": [0], "Q5_0": [0], "Q6_K": [208], "Q4_K": [0, 2]}
+
+
+def synthetic_blocks(fmt, rows, blocks_per_row, seed):
+    """uint8 [rows, blocks_per_row * bytes_per_block]: random quants and packed scales, fp16 scales drawn
+    from normal values of both signs plus zero and the subnormal range (never inf or NaN)."""
+    _, nbytes = quant.BLOCK[fmt]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows * blocks_per_row, nbytes), dtype=np.uint8)
+    for off in SCALE_OFFSETS[fmt]:
+        d = (rng.standard_normal(raw.shape[0]) * 10.0 ** rng.integers(-8, 1, raw.shape[0])).astype(np.float16)
+        d[::7] = 0
+        d[3::11] = np.float16(3e-6)                 # an fp16 subnormal
+        raw[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+def same_bits(a, b):
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantization_is_ggufs_bit_for_bit(fmt):
+    raw = synthetic_blocks(fmt, rows=9, blocks_per_row=3, seed=FORMATS.index(fmt))
+    theirs = gguf_dequantize(raw, GGMLQuantizationType[fmt])
+    assert same_bits(quant.dequantize(raw, fmt), theirs)
+    assert same_bits(cpu_quant.dequantize(raw, fmt, num_threads=2), theirs)
+    assert same_bits(cpu_quant.embedding(np.array([8, 0, 3, 3]), raw, fmt).numpy(), theirs[[8, 0, 3, 3]])
+
+
+def test_fp16_scales_of_every_kind():
+    """Every fp16 bit pattern as a Q8_0 scale times q = 1: the kernel's integer decode of the scale is the
+    hardware's conversion, subnormals, zeros of both signs, inf and NaN included."""
+    h = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    raw = np.zeros((65536, 34), np.uint8)
+    raw[:, 0:2] = h.view(np.uint8).reshape(-1, 2)
+    raw[:, 2] = 1
+    got = cpu_quant.dequantize(raw, "Q8_0")[:, 0]
+    want = h.view(np.float16).astype(np.float32)
+    finite = np.isfinite(want)
+    assert np.array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(got[np.isinf(want)], want[np.isinf(want)])
+
+
+def reference(x, w, b=None):
+    y = x.astype(np.float64) @ w.astype(np.float64).T
+    return y + b.astype(np.float64) if b is not None else y
+
+
+def bound(x, w, b=None):
+    K = x.shape[1]
+    mag = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
+    return (K + 1) * U * (mag + (np.abs(b.astype(np.float64)) if b is not None else 0)) + 1e-30
+
+
+def check_product(y, x, w, b):
+    ref, tol = reference(x, w, b), bound(x, w, b)
+    err = np.abs(y.double().numpy() - ref)
+    assert (err <= tol).all(), f"max err {err.max():.3g}, worst err/bound {(err / tol).max():.2f}"
+    # typical errors sit well inside the bound: the median of err / bound is 0.01-0.05 here under
+    # NUMBA_CPU_NAME=generic, znver4 and skylake-avx512, so 0.25 is a 5x margin; a median needs
+    # enough elements to be a statistic.
+    if err.size >= 32:
+        assert np.median(err / tol) < 0.25, f"median err/bound {np.median(err / tol):.3f}"
+
+
+# rows: every leftover of the 4-row groups and both ends of the kernel's range (1-16), and 17 (torch's
+# GEMM on dequantized tiles); weight rows: every N % 4 and N below one group; K: 1-3 blocks
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 8, 11, 16, 17])
+@pytest.mark.parametrize("N, blocks", [(67, 3), (130, 1), (5, 2), (2, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_product_matches_reference(fmt, M, N, blocks, with_bias):
+    seed = FORMATS.index(fmt) * 100000 + M * 1000 + N * 10 + blocks
+    raw = synthetic_blocks(fmt, N, blocks, seed)
+    w = quant.dequantize(raw, fmt)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((M, w.shape[1])).astype(np.float32)
+    b = rng.standard_normal(N).astype(np.float32) if with_bias else None
+    y = cpu_quant.linear(torch.from_numpy(x), raw, fmt, None if b is None else torch.from_numpy(b), num_threads=2)
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    check_product(y, x, w, b)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_threads_give_identical_bits(threads):
+    raw = synthetic_blocks("Q5_0", 1027, 4, seed=5)
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(5))
+    one = cpu_quant.linear(x, raw, "Q5_0", num_threads=1)
+    assert torch.equal(cpu_quant.linear(x, raw, "Q5_0", num_threads=threads), one)
+
+
+def test_nan_and_inf_propagate_to_their_rows_only():
+    raw = synthetic_blocks("Q4_K", 40, 1, seed=6)
+    x = torch.randn(8, 256)
+    x[2, 5], x[6, 0] = float("nan"), float("inf")
+    y = cpu_quant.linear(x, raw, "Q4_K")
+    assert torch.isnan(y[2]).all() and not torch.isfinite(y[6]).all()
+    assert torch.isfinite(y[[0, 1, 3, 4, 5, 7]]).all()
+
+
+@pytest.mark.parametrize("args, field", [
+    ((torch.randn(2, 64, dtype=torch.float64), synthetic_blocks("Q8_0", 8, 2, 0), "Q8_0"), "x"),
+    ((torch.randn(2, 64), synthetic_blocks("Q8_0", 8, 2, 0).view(np.int8), "Q8_0"), "blocks"),
+    ((torch.randn(2, 64), synthetic_blocks("Q8_0", 8, 2, 0)[:, :60], "Q8_0"), "blocks"),
+    ((torch.randn(2, 96), synthetic_blocks("Q8_0", 8, 2, 0), "Q8_0"), "blocks"),
+    ((torch.randn(2, 64), synthetic_blocks("Q8_0", 8, 2, 0), "Q2_K"), "fmt"),
+    ((torch.randn(2, 64, 1), synthetic_blocks("Q8_0", 8, 2, 0), "Q8_0"), "x"),
+    ((torch.randn(2, 64), synthetic_blocks("Q8_0", 8, 2, 0), "Q8_0", torch.randn(7)), "bias"),
+])
+def test_bad_arguments_name_the_field(args, field):
+    with pytest.raises(KernelLaunchError, match=f"^{field}:"):
+        cpu_quant.linear(*args)
+
+
+def test_embedding_rejects_ids_outside_the_table():
+    raw = synthetic_blocks("Q5_0", 10, 1, seed=7)
+    for ids in ([10], [-1], [[1, 2]]):
+        with pytest.raises(KernelLaunchError, match="^ids:"):
+            cpu_quant.embedding(np.array(ids), raw, "Q5_0")
+
+
+def test_gguf_tensor_linear_and_embedding(tmp_path):
+    """gguf_weights on a small GGUF written here: shapes in torch's order, blocks kept as stored (a view of
+    the mapped file, no float32 copy), quant_linear / QuantLinear / embedding on them."""
+    import gguf
+
+    from pagedattn.models import gguf_weights
+
+    raw = synthetic_blocks("Q5_0", 12, 2, seed=8)
+    bias = np.linspace(-1, 1, 12, dtype=np.float32)
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "qwen2")
+    writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=GGMLQuantizationType.Q5_0)
+    writer.add_tensor("blk.0.attn_q.bias", bias)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensors = gguf_weights.read_gguf(str(tmp_path / "t.gguf"))
+    w, b = tensors["blk.0.attn_q.weight"], tensors["blk.0.attn_q.bias"]
+    assert (w.fmt, w.shape, w.data.dtype, w.data.shape, w.nbytes) == ("Q5_0", (12, 64), np.uint8, (12, 44), 12 * 44)
+    assert isinstance(w.data.base, np.memmap) or isinstance(w.data, np.memmap)
+    assert (b.fmt, b.shape) == ("F32", (12,)) and np.array_equal(b.data, bias)
+    assert gguf_weights.hf_name(w.name) == "model.layers.0.self_attn.q_proj.weight"
+    x = torch.randn(3, 64)
+    y = gguf_weights.QuantLinear(w, b)(x)
+    check_product(y, x.numpy(), quant.dequantize(raw, "Q5_0"), bias)
+    assert torch.equal(gguf_weights.quant_linear(x, w, torch.from_numpy(bias)), y)
+    assert same_bits(gguf_weights.embedding([4, 1], w).numpy(), quant.dequantize(raw, "Q5_0")[[4, 1]])
+
+
+@pytest.mark.slow
+def test_bundled_gguf_dequantizes_to_the_converted_checkpoint(tmp_path):
+    """Every tensor of the bundled GGUF, dequantized from its blocks by the kernel, equals the converted
+    float32 checkpoint's tensor of the Qwen2 name bit for bit (so the conversion permutes nothing); the
+    numpy reference agrees on the first rows of each quantized tensor; a product on real blocks (the LM
+    head's, at 8 rows) meets the bound."""
+    from safetensors import safe_open
+
+    from helpers import bundled_model_dir
+    from pagedattn import bundled
+    from pagedattn.models import gguf_weights
+
+    checkpoint = bundled_model_dir()
+    if bundled.missing_pieces():
+        pytest.skip(f"the bundled GGUF's pieces are not installed ({', '.join(bundled.missing_pieces())})")
+    path = os.path.join(tmp_path, "model.gguf")
+    bundled.join_parts(bundled.verify_parts(), path)
+    tensors = gguf_weights.read_gguf(path)
+    formats = {t.fmt for t in tensors.values()}
+    assert formats == {"Q8_0", "Q5_0", "Q6_K", "Q4_K", "F32"}
+    with safe_open(os.path.join(checkpoint, "model.safetensors"), "np") as f:
+        assert {gguf_weights.hf_name(n) for n in tensors} == set(f.keys())
+        for name, t in tensors.items():
+            assert same_bits(t.dequantize(), f.get_tensor(gguf_weights.hf_name(name))), name
+            if t.quantized:
+                assert same_bits(quant.dequantize(t.data[:2], t.fmt), t.dequantize()[:2]), name
+    head = tensors["output.weight"]
+    x = np.random.default_rng(9).standard_normal((8, head.shape[1])).astype(np.float32)
+    rows = slice(0, 4099)
+    y = cpu_quant.linear(torch.from_numpy(x), head.data[rows], head.fmt)
+    check_product(y, x, head.dequantize()[rows], None)
