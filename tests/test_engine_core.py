@@ -7,8 +7,11 @@ that end a completion mid-way, logprobs, token-id prompts); a stream closed earl
 the core and frees its blocks; the core killed mid-load ends every open stream with EngineDeadError and
 turns is_alive False in bounded time; two data-parallel cores give the same results as one, both get
 work, their per-rank metrics add up to the totals and neither leaks a block; build_app on the client
-through uvicorn and the openai client (streamed == unstreamed); the launcher with two cores and two API
-processes on one port (slow: five processes), stopped by SIGTERM with no process left behind.
+through uvicorn and the openai client (streamed == unstreamed); a request failing alone (its row in the
+core, its text in the API process) ends with RequestFailedError while the others complete; `python -m
+pagedattn serve` runs the engine in its own process and stops every process on Ctrl-C; the launcher with
+two cores and two API processes on one port (slow: five processes), stopped by SIGTERM with no process
+left behind.
 """
 import asyncio
 import os
@@ -259,6 +262,96 @@ def test_http_server_on_the_core_client(core, ref):
         assert samples[("pagedattn_num_requests_in_flight", label)] == 0
 
 
+def _gather_outcomes(llm, cases):
+    """Per case: ("ok", text) or (exception type name, message)."""
+    async def one(prompt, params):
+        try:
+            out = None
+            async for out in llm.generate(prompt, params):
+                pass
+            return "ok", out.outputs[0].text
+        except Exception as e:  # noqa: BLE001 (the outcome under test)
+            return type(e).__name__, str(e)
+
+    async def main():
+        return await asyncio.gather(*[one(p, params) for p, params in cases])
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def core_in_thread(checkpoint):
+    """An EngineCore run on a thread of this process (so a test can reach into its engine) and a client."""
+    import tempfile
+    import threading
+
+    from pagedattn.serving.engine_core import EngineCore
+
+    address = f"ipc://{tempfile.mkdtemp(prefix='pagedattn-test-core-')}/core0"
+    engine_core = EngineCore(LLM(checkpoint, **ENGINE), address)
+    thread = threading.Thread(target=engine_core.run, daemon=True)
+    thread.start()
+    client = CoreClient([address])
+    yield engine_core, client
+    client.shutdown()
+    engine_core.stop()
+    thread.join(30)
+
+
+def test_a_request_failing_in_the_core_fails_alone(core_in_thread, ref):
+    """A request whose row fails inside the engine (its output processing raises, as a kernel's bad
+    token or a failing stop check would) ends with RequestFailedError; the batch around it completes with
+    the right text and no block leaks."""
+    engine_core, client = core_in_thread
+    engine = engine_core.engine
+    bad_prompt = "Prefix caching shares"
+    bad_ids = client.tokenize(bad_prompt)
+    append = engine.outputs.append
+
+    def failing_append(seq, token, logprob, t):
+        if list(seq.token_ids[:seq.num_prompt_tokens]) == bad_ids:
+            raise RuntimeError("this request's row failed")
+        return append(seq, token, logprob, t)
+
+    engine.outputs.append = failing_append
+    good = [(p, SamplingParams(temperature=0, max_tokens=12)) for p in PROMPTS[:3]]
+    got = _gather_outcomes(client, good[:2] + [(bad_prompt, SamplingParams(temperature=0, max_tokens=6))] + good[2:])
+    want = [("ok", comps[0][1]) for _, comps in run_all(ref, good)]
+    assert got[:2] + got[3:] == want
+    assert got[2][0] == "RequestFailedError" and "this request's row failed" in got[2][1]
+    client.wait_until_idle()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.total_blocks == NUM_BLOCKS
+    assert client.is_alive
+
+
+def test_a_request_failing_to_detokenize_fails_alone(core, ref):
+    """The API side's text (incremental detokenization) failing for one request ends that request with
+    RequestFailedError and aborts it in the core; the others complete and no block leaks."""
+    class Broken:
+        def add(self, token):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a detokenizer failure in this request")
+
+    async def bad():
+        stream = core.add_request("Prefix caching shares", SamplingParams(temperature=0, max_tokens=40,
+                                                                          ignore_eos=True))
+        core._live[stream._wire_id].completions[0].detok = Broken()     # before its first tokens come back
+        try:
+            async for _ in stream:
+                pass
+            return "ok", ""
+        except Exception as e:  # noqa: BLE001 (the outcome under test)
+            return type(e).__name__, str(e)
+
+    good = [(p, SamplingParams(temperature=0, max_tokens=12)) for p in PROMPTS[:3]]
+
+    async def main():
+        return await asyncio.gather(*[collect(core, p, params) for p, params in good], bad())
+    *got, failed = asyncio.run(main())
+    assert_same(got, run_all(ref, good))
+    assert failed[0] == "RequestFailedError" and "detokenizer failure" in failed[1]
+    m = core.wait_until_idle()
+    assert m["num_running"] == m["num_waiting"] == 0 and m["num_free_blocks"] == NUM_BLOCKS
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -322,3 +415,51 @@ def test_launcher_two_cores_two_api_servers_one_port(checkpoint, ref):
     while any(_alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(p) for p in children)
+
+
+def test_serve_command_runs_the_engine_in_its_own_process(checkpoint, ref):
+    """`python -m pagedattn serve` (no process flags): one engine-core process and one API process; a
+    request is answered with the in-process engine's text; Ctrl-C (SIGINT to the group) stops every
+    process and the command exits 0."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pagedattn", "serve", "--model", checkpoint, "--device", "cpu", "--dtype", "float32",
+           "--max-model-len", "256", "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "32", "--port", str(port),
+           "--served-model-name", MODEL, "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-4000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        children = _children(proc.pid)
+        assert len(children) >= 2                           # the engine core and the API server
+        (_, comps), = run_all(ref, [(PROMPTS[0], SamplingParams(temperature=0, max_tokens=16))])
+        r = httpx.post(url + "/v1/completions", timeout=120,
+                       json=dict(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == comps[0][1], r.text
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)                  # what Ctrl-C in a terminal sends
+        try:
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, proc.stderr.read()[-4000:]
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in children)
+
+
+def test_serve_in_process_refuses_process_flags():
+    proc = subprocess.run([sys.executable, "-m", "pagedattn", "serve", "--in-process", "--data-parallel-size", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--in-process runs one engine" in proc.stderr

@@ -1,7 +1,12 @@
-"""python -m pagedattn serve: the OpenAI-compatible server (uvicorn) on one engine.
+"""python -m pagedattn serve: the OpenAI-compatible server.
 
     python -m pagedattn serve                                  # the bundled model, 127.0.0.1:8000
     python -m pagedattn serve --model path/to/qwen2_dir --device cuda --port 8001 --api-key secret
+    python -m pagedattn serve --model DIR --device cuda --data-parallel-size 2 --api-server-count 4
+
+The engine runs in an engine-core process of its own and the HTTP side (tokenizing, detokenizing, SSE) in
+one or more API processes that share the port (pagedattn.serving.launcher, docs/engine_core.md);
+--in-process runs both in this process instead, the engine on a thread (one interpreter, one GIL).
 
 then, with the official client:
 
@@ -42,6 +47,17 @@ def parse_args(argv=None):
                     help="the interpreter's thread switch interval (Python's default: 5 ms): how long the engine "
                          "thread may wait for the GIL while the HTTP thread is busy")
     ap.add_argument("--log-level", default="info", help="uvicorn's: critical | error | warning | info | debug")
+    proc = ap.add_argument_group("processes", "how the server is spread over processes (docs/engine_core.md)")
+    proc.add_argument("--data-parallel-size", type=int, default=1,
+                      help="engine cores, each a process with its own GPUs; requests go to the least loaded")
+    proc.add_argument("--api-server-count", type=int, default=1,
+                      help="HTTP processes sharing the port (SO_REUSEPORT), each talking to every engine core")
+    proc.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (ranks) per engine core")
+    proc.add_argument("--engine-core-address", dest="engine_core_addresses", action="append", default=[],
+                      metavar="ADDR", help="use an engine core already running at tcp://HOST:PORT (repeat for "
+                                           "several) instead of starting local ones")
+    proc.add_argument("--in-process", action="store_true",
+                      help="the engine on a thread of the HTTP process (one interpreter: slower under load)")
     d = ServerLimits()
     lim = ap.add_argument_group("limits", "what one client may ask of the server (docs/serving.md)")
     lim.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="request body size (413 beyond)")
@@ -86,6 +102,17 @@ def main(argv=None):
         raise SystemExit(f"--switch-interval-ms must be > 0, got {a.switch_interval_ms}")
     if a.stream_interval < 1:
         raise SystemExit(f"--stream-interval must be >= 1, got {a.stream_interval}")
+    if not a.in_process:
+        from pagedattn.serving.launcher import ServeConfig, serve
+
+        try:
+            config = ServeConfig.from_args(a)
+        except ValueError as e:
+            raise SystemExit(str(e)) from e
+        return serve(config)
+    if a.data_parallel_size != 1 or a.api_server_count != 1 or a.engine_core_addresses:
+        raise SystemExit("--in-process runs one engine and one HTTP server: drop --data-parallel-size, "
+                         "--api-server-count and --engine-core-address")
     # Two threads share the GIL here: the engine thread (Python between GPU launches) and uvicorn's event
     # loop (JSON and socket writes for every stream). A thread that wants the GIL waits up to the switch
     # interval for the other to drop it; a shorter interval bounds what a busy HTTP thread costs a step.
@@ -93,7 +120,7 @@ def main(argv=None):
     llm = LLM(a.model, device=a.device, dtype=a.dtype, block_size=a.block_size, num_blocks=a.num_blocks,
               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=not a.no_prefix_caching,
-              enforce_eager=a.enforce_eager)
+              enforce_eager=a.enforce_eager, tensor_parallel_size=a.tensor_parallel_size)
     engine = llm.engine
     name = a.served_model_name or os.path.basename(os.path.normpath(engine.model_path))
     async_llm = AsyncLLM(llm, stream_interval=a.stream_interval)

@@ -47,7 +47,7 @@ from pagedattn.engine.requests import InputProcessor
 from pagedattn.errors import InvalidRequestError
 from pagedattn.sampling_params import SamplingParams
 from pagedattn.serving import engine_core as ec
-from pagedattn.serving.async_llm import EngineDeadError, EngineStepError, RequestStream, _set_ready
+from pagedattn.serving.async_llm import EngineDeadError, EngineStepError, RequestFailedError, RequestStream, _set_ready
 
 logger = logging.getLogger("pagedattn.serving")
 now = time.perf_counter
@@ -481,7 +481,7 @@ class CoreClient:
         wire_ids, index, counts = step["wire_ids"].tolist(), step["index"].tolist(), step["num_tokens"].tolist()
         tokens, finish = step["token_ids"].tolist(), step["finish"].tolist()
         logprobs, cumulative = step["logprobs"], step["cumulative"].tolist()
-        touched = {}
+        touched, failed = {}, []
         offset = 0
         for e, wid in enumerate(wire_ids):
             k = counts[e]
@@ -492,14 +492,19 @@ class CoreClient:
             comp = req.completions[index[e]]
             if comp.finish_reason is not None:      # ended here (a stop string) before the core knew
                 continue
-            touched[wid] = req
             new = tokens[start:offset]
             stopped_at = None
             if comp.detok is not None:
-                for j, tok in enumerate(new):
-                    if comp.detok.add(tok):
-                        stopped_at = j
-                        break
+                try:
+                    for j, tok in enumerate(new):
+                        if comp.detok.add(tok):
+                            stopped_at = j
+                            break
+                except Exception as e:  # noqa: BLE001 (this request's text failed: it ends alone)
+                    touched.pop(wid, None)
+                    failed.append((req, f"detokenizing completion {comp.index} failed: {e!r}"))
+                    continue
+            touched[wid] = req
             if stopped_at is not None:
                 new = new[:stopped_at + 1]
             comp.token_ids += new
@@ -518,13 +523,19 @@ class CoreClient:
         woken = {}
         for wid, req in touched.items():
             self._deliver(req, t, woken)
-        for wid, kind, message in step["errors"]:
+        errors = [(req.wire_id, "failed", message) for req, message in failed]
+        for req, _ in failed:
+            self._send(core, ec.AbortRequests(self._identity, [req.wire_id]))     # the core frees its blocks
+        for wid, kind, message in errors + list(step["errors"]):
             req = self._live.get(wid)
             if req is None:
                 continue
             if kind == "step":
                 self.num_step_errors += 1
                 err = EngineStepError(f"the engine step failed while this request was running: {message}")
+                reason = "error"
+            elif kind == "failed":
+                err = RequestFailedError(message)
                 reason = "error"
             else:
                 err = InvalidRequestError(message)

@@ -29,7 +29,8 @@ client with news gets ONE StepOutputs: one entry per completion that advanced, a
     finish       int8   [E]   0 running, else FINISH_REASONS[code]
 
 plus `finished` (requests with every completion done) and `errors` ((wire id, kind, message): a request
-refused when added, "invalid", or failed by a raising step, "step"). Nothing is one object per token.
+refused when added, "invalid"; failed alone in the engine, its row's token outside the vocabulary say,
+"failed"; or failed by a raising step, "step"). Nothing is one object per token.
 
 Faults. A step that raises fails the requests in flight (each gets a "step" error) and the loop goes on.
 If even aborting them fails, the core tells every client it is Dead and exits; a core that is killed
@@ -318,10 +319,13 @@ class EngineCore:
             for client, errs in errors.items():
                 self._send(client, encode_step(self.rank, [], [], errs))
             return
-        per_client = {}                         # client -> (entries, finished wire ids)
+        per_client = {}                         # client -> (entries, finished wire ids, errors)
         for out in outs:
             client, wid = out.request_id
-            entries, finished = per_client.setdefault(client, ([], []))
+            entries, finished, errors = per_client.setdefault(client, ([], [], []))
+            if out.error is not None:           # failed alone in the engine (its blocks are already free)
+                errors.append((wid, "failed", out.error))
+                continue
             for c in out.outputs:
                 d = c.delta_token_ids
                 if not d and c.finish_reason is None:
@@ -330,8 +334,8 @@ class EngineCore:
                 entries.append((wid, c.index, d, lps, c.cumulative_logprob, c.finish_reason))
             if out.finished:
                 finished.append(wid)
-        for client, (entries, finished) in per_client.items():
-            self._send(client, encode_step(self.rank, entries, finished, []))
+        for client, (entries, finished, errors) in per_client.items():
+            self._send(client, encode_step(self.rank, entries, finished, errors))
 
     # ---- sending ----------------------------------------------------------------------------------
     def _send(self, client, msg):

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field, fields
 
 from pagedattn.serving import engine_core as ec
+from pagedattn.serving.api_server import ServerLimits
 
 logger = logging.getLogger("pagedattn.serving")
 
@@ -59,6 +60,8 @@ class ServeConfig:
     engine: dict = field(default_factory=dict)
     engine_core_addresses: list = field(default_factory=list)
     startup_timeout_s: float = 900.0
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    enable_docs: bool = False
 
     def __post_init__(self):
         for name in ("data_parallel_size", "api_server_count", "stream_interval"):
@@ -69,8 +72,10 @@ class ServeConfig:
     @classmethod
     def from_args(cls, args):
         """From `python -m pagedattn serve`'s parsed arguments (an argparse.Namespace)."""
+        from pagedattn.serving.cli import limits_from_args
+
         a = vars(args)
-        own = {f.name for f in fields(cls)} - {"engine"}
+        own = {f.name for f in fields(cls)} - {"engine", "limits"}
         config = {k: a[k] for k in own if a.get(k) is not None}
         engine = dict(block_size=a.get("block_size"), num_blocks=a.get("num_blocks"),
                       max_model_len=a.get("max_model_len"), max_num_seqs=a.get("max_num_seqs"),
@@ -80,7 +85,7 @@ class ServeConfig:
             engine["enable_prefix_caching"] = False
         if a.get("enforce_eager"):
             engine["enforce_eager"] = True
-        return cls(**config, engine={k: v for k, v in engine.items() if v is not None})
+        return cls(**config, engine={k: v for k, v in engine.items() if v is not None}, limits=limits_from_args(args))
 
     def engine_kwargs(self):
         return dict(self.engine, model=self.model, device=self.device, dtype=self.dtype)
@@ -104,21 +109,21 @@ def run_api_server(config, addresses, index, port, events):
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # the launcher decides; uvicorn's own handlers follow
     import uvicorn
 
-    from pagedattn.serving.api_server import build_app
+    from pagedattn.serving.api_server import build_app, uvicorn_config
     from pagedattn.serving.core_client import CoreClient
 
     client = CoreClient(addresses, stream_interval=config.stream_interval, ready_timeout_s=config.startup_timeout_s)
     try:
         name = config.served_model_name or os.path.basename(os.path.normpath(client.model_path))
-        app = build_app(client, name, api_key=config.api_key)
+        app = build_app(client, name, api_key=config.api_key, limits=config.limits, enable_docs=config.enable_docs)
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((config.host, port))
         sock.listen(2048)                 # connections queue from now on, before uvicorn accepts them
-        server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, lifespan="off",
-                                               timeout_graceful_shutdown=5))
+        server = uvicorn.Server(uvicorn_config(app, config.host, port, config.log_level, config.limits,
+                                               lifespan="off", timeout_graceful_shutdown=5))
         events.put(("ready", index, {"name": name, "cores": client.info}))
         server.run(sockets=[sock])
     finally:
@@ -193,21 +198,10 @@ def serve(config):
 
 
 def main(argv=None):
-    """python -m pagedattn.serving.launcher: the `serve` command's arguments plus --data-parallel-size D,
-    --api-server-count N and --engine-core-address ADDR (repeated: use cores already running there)."""
-    import argparse
+    """python -m pagedattn.serving.launcher: the same as `python -m pagedattn serve`, with its arguments."""
+    from pagedattn.serving.cli import main as serve_main
 
-    from pagedattn.serving.cli import parse_args
-
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--data-parallel-size", type=int, default=1)
-    ap.add_argument("--api-server-count", type=int, default=1)
-    ap.add_argument("--engine-core-address", action="append", default=[])
-    own, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
-    args = parse_args(rest)
-    args.data_parallel_size, args.api_server_count = own.data_parallel_size, own.api_server_count
-    args.engine_core_addresses = own.engine_core_address
-    sys.exit(serve(args))
+    sys.exit(serve_main(argv))
 
 
 if __name__ == "__main__":
