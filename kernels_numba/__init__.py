@@ -11,11 +11,14 @@
                                    split plans, the split-KV merges
     paged_prefill.py               prefill attention over the paged pool (v1-v3) and its entry point
     cache_ops.py                   reshape_and_cache (write K/V at their slots), copy_blocks
-    common.py                      device intrinsics: packed fp16/bf16 math, 128-bit loads, cp.async,
-                                   mma.sync, ex2, warp reductions (each with a simulator fallback)
+    common.py                      device intrinsics: packed fp16/bf16 math, 128-bit loads and stores,
+                                   cp.async, ldmatrix, mma.sync, ex2, warp reductions (each with a
+                                   simulator fallback), the CPU target's bit casts
     bridge.py                      torch <-> numba: cached array views, torch's stream, scratch
                                    buffers, SM count, tensor checks, dynamic shared memory opt-in
     simulator.py                   warp shuffles for numba's CUDA simulator
+    errors.py                      KernelLaunchError, the kernels' own error (pagedattn.errors re-exports it);
+                                   no module here imports pagedattn
 
 Under NUMBA_ENABLE_CUDASIM=1 (CI, no GPU) the kernels run in numba's CUDA simulator on CPU tensors;
 importing this package installs the warp shuffles the simulator lacks (see simulator.py).
