@@ -15,6 +15,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
+from helpers import bundled_model_dir  # noqa: F401 (session fixture)
 
 from kernels_numba import cpu_quant
 from pagedattn.errors import KernelLaunchError
@@ -175,18 +176,17 @@ def test_gguf_tensor_linear_and_embedding(tmp_path):
 
 
 @pytest.mark.slow
-def test_bundled_gguf_dequantizes_to_the_converted_checkpoint(tmp_path):
+def test_bundled_gguf_dequantizes_to_the_converted_checkpoint(tmp_path, bundled_model_dir):
     """Every tensor of the bundled GGUF, dequantized from its blocks by the kernel, equals the converted
     float32 checkpoint's tensor of the Qwen2 name bit for bit (so the conversion permutes nothing); the
     numpy reference agrees on the first rows of each quantized tensor; a product on real blocks (the LM
     head's, at 8 rows) meets the bound."""
     from safetensors import safe_open
 
-    from helpers import bundled_model_dir
     from pagedattn import bundled
     from pagedattn.models import gguf_weights
 
-    checkpoint = bundled_model_dir()
+    checkpoint = bundled_model_dir
     if bundled.missing_pieces():
         pytest.skip(f"the bundled GGUF's pieces are not installed ({', '.join(bundled.missing_pieces())})")
     path = os.path.join(tmp_path, "model.gguf")
