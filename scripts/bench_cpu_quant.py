@@ -48,6 +48,8 @@ def methods(N, K, rng):
     """{name: (call(x, i), bytes per call, float64 rows :CHECK_ROWS of copy 0's weight, for the check)}."""
     out = {}
     for fmt in FORMATS:
+        if K % cpu_quant.FORMATS[fmt][1]:
+            continue                         # K-quants need K a multiple of 256 (GGUF stores K = 896 otherwise)
         ws = copies(lambda i: random_blocks(fmt, N, K, rng), N * K)   # ~1 byte a value; enough copies
         out[fmt] = ((lambda x, i, ws=ws, fmt=fmt: cpu_quant.linear(x, ws[i % len(ws)], fmt)), ws[0].nbytes,
                     cpu_quant.dequantize(ws[0][:CHECK_ROWS], fmt).astype(np.float64))
@@ -100,7 +102,7 @@ def table(results, rounds, threads):
     for N, K, M in keys:
         cells = {r["method"]: r for r in results if (r["N"], r["K"], r["M"]) == (N, K, M)}
         lines.append(f"| {N} x {K} | {M} | " + " | ".join(
-            f"{cells[m]['ms']:.3f} ms, {cells[m]['gbps']:.1f} GB/s" for m in methods_) + " |")
+            f"{cells[m]['ms']:.3f} ms, {cells[m]['gbps']:.1f} GB/s" if m in cells else "-" for m in methods_) + " |")
     est = []
     for M in sorted({r["M"] for r in results}):
         q, f = decode_estimate(results, M)
