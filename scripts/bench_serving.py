@@ -1,39 +1,57 @@
-"""Online serving benchmark: Poisson arrivals at several request rates against `python -m pagedattn serve`,
-beside the offline LLM.generate throughput on the same requests, in one run.
+"""Serving benchmark: the multi-process server (engine core in its own process, N API servers) and the
+in-process one, at saturation and at light load, beside offline LLM.generate on the same requests, in one run.
 
-Requests: the nano-vllm workload (scripts/benchlib.py): --num-requests prompts of random token ids with
-lengths uniform in [--min-len, --max-len] and output lengths drawn the same way, greedy, ignore_eos
-(every request generates exactly its output length, so served and offline runs do the same work).
+Servers (--servers, in this order; one row per server and load):
+  mp<N>    `python -m pagedattn.serving.launcher ... --api-server-count N`: one engine core process and N API
+           processes on one port (docs/engine_core.md)
+  inproc   `python -m pagedattn serve`: AsyncLLM's engine thread inside the HTTP process
+Every server runs with the offline run's engine settings (prefix caching off in both: the loads replay
+prompts), --stream-interval 1 by default; its log goes to <out>/server_<name>.log.
 
-1. Offline: LLM(...) in this process, a warm-up, then LLM.generate on all requests at once:
-   output tokens / wall seconds. The LLM is then freed.
-2. Online: the server as a subprocess with the same engine settings (prefix caching off in both, as every
-   rate replays the same prompts; its log goes to <out>/server_stream_interval_<K>.log),
-   a warm-up, then for each rate in --rates (requests/s; "inf" = all at once): requests sent at Poisson
-   arrival times (seeded), each a streamed /v1/completions call with
-   stream_options.continuous_usage_stats, so every chunk says how many tokens it brings. Measured on the
-   client: TTFT (send -> first chunk with a token), ITL (each chunk's gap since the previous one, split
-   evenly over the tokens it brings), end-to-end latency (send -> [DONE]), and throughput
-   (output tokens / (last [DONE] - first send)). After every rate the server's /metrics must show every
-   KV block free again.
-3. The saturating rate again on a server started with --stream-interval K for each K of
-   --extra-stream-intervals (default 8): a chunk per K tokens, so the HTTP thread's share of the GIL
-   shrinks; the difference to the K = 1 row is what per-token chunks cost.
+Loads (--loads):
+  chat   the issue's user load (needs a tokenizer): --chat-requests streamed /v1/chat/completions calls,
+         temperature 0.8, top_p 0.95, max_tokens 256, varied short user messages (chat_messages: templates x
+         topics x asks, deterministic), --concurrency streams at once (closed loop: a stream that finishes
+         sends the next request)
+  nano   the nano-vllm workload (scripts/benchlib.py): random token-id prompts on /v1/completions, lengths
+         uniform in [--min-len, --max-len], outputs the same, greedy, ignore_eos; all sent at once
+  light  one request at a time: a --light-prompt-len-token prompt (distinct random ids), 16 tokens; its
+         TTFT p50 is the light-load figure
+With --model random (no tokenizer) chat is skipped.
 
-The "inf" row is the saturated server: its throughput over the offline one is the `served / offline`
-column (goal >= 0.9). Table (markdown) + JSON + PNG under --out.
+The load generator is not the bottleneck: --client-processes processes (spawned once, before the first
+load), each running its share of the streams on asyncio with a raw HTTP/1.1 client (asyncio streams, one
+connection per request, chunked transfer decoding and SSE splitting on bytes, the token count read from
+each chunk's usage with a regex: no JSON parse, no h11, no pydantic per chunk). Every request asks for
+stream_options.include_usage and continuous_usage_stats, so each chunk says how many tokens it brings.
+Measured on the client: TTFT (send -> first chunk with a token), ITL (a chunk's gap since the previous
+one, split evenly over the tokens it brings), e2e (send -> [DONE]), throughput (output tokens / (last
+[DONE] - first send)). After every load the server's /metrics must show every KV block free again.
+
+Offline (one LLM in this process, before any server; freed afterwards): LLM.generate on each load's
+requests (chat: the messages through the tokenizer's chat template, as the server does), and the decode
+step: 256 sequences (100-token prompts, ignore_eos) stepped by hand, the median wall time of the steps
+after every prompt is in (the engine's step period at that batch: what an ITL compares to).
+
+Goals (issue: served >= 0.9x offline at 256 streams, ITL p50 <= 1.2x the offline decode step, TTFT p50
+at light load <= 25 ms) are checked per row in the `goals` list of the JSON and the markdown.
 
     python scripts/bench_serving.py --out OUT                          # the bundled model, GPU defaults
-    python scripts/bench_serving.py --model random --out OUT           # random Qwen2.5-0.5B weights (no tokenizer)
-    python scripts/bench_serving.py --smoke --out OUT                  # seconds on CPU: tiny random model
+    python scripts/bench_serving.py --model DIR --out OUT              # a converted checkpoint (e.g. /tmp/model)
+    python scripts/bench_serving.py --model random --out OUT           # random Qwen2.5-0.5B weights: nano + light
+    python scripts/bench_serving.py --smoke --out OUT                  # CPU, tiny random model, small loads
+    python scripts/bench_serving.py --smoke --model DIR --out OUT      # CPU, a tiny checkpoint with a tokenizer
 """
 import argparse
 import asyncio
-import gc
+import dataclasses
 import json
 import math
+import multiprocessing as mp
 import os
 import random
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -42,145 +60,294 @@ import time
 if __name__ == "__main__":          # run as a file: make `scripts.` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts import benchlib  # noqa: E402
-
-now = time.perf_counter
+# Nothing heavy at module level: the client processes import this module (spawn) and need asyncio only.
+now = time.monotonic                # one clock for every process of the machine
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
+GOALS = dict(served_over_offline=0.9, itl_over_decode_step=1.2, light_ttft_p50_ms=25.0)
 
 
 # ---- the requests ------------------------------------------------------------------------------------
-def workload(num_requests, min_len, max_len, vocab_size, seed=0):
+_TEMPLATES = [
+    "Explain {t} in two sentences.", "What is {t}?", "Give me three facts about {t}.",
+    "Write a haiku about {t}.", "How would you teach {t} to a beginner?", "Summarize the history of {t}.",
+    "What are common mistakes people make with {t}?", "Compare {t} with something similar.",
+    "Write a short Python function related to {t}.", "List the pros and cons of {t}.",
+    "Why does {t} matter?", "Describe {t} to a ten-year-old.", "What is a good book about {t}?",
+    "Tell me a fun story involving {t}.", "What questions should I ask an expert on {t}?",
+    "Give an analogy for {t}.",
+]
+_TOPICS = [
+    "hash tables", "photosynthesis", "the Roman empire", "binary search", "black holes", "sourdough bread",
+    "TCP congestion control", "jazz improvisation", "garbage collection", "plate tectonics", "chess openings",
+    "vaccines", "compound interest", "the French revolution", "neural networks", "coffee roasting",
+]
+_ASKS = ["", " Keep it short.", " Be precise.", " Use simple words."]
+
+
+def chat_messages(n, seed=0):
+    """n user conversations ([{"role": "user", "content": ...}]): templates x topics x asks (1024 distinct),
+    in a seeded order."""
+    combos = [(a, b, c) for a in range(len(_TEMPLATES)) for b in range(len(_TOPICS)) for c in range(len(_ASKS))]
+    random.Random(seed).shuffle(combos)
+    return [[{"role": "user", "content": _TEMPLATES[a].format(t=_TOPICS[b]) + _ASKS[c]}]
+            for a, b, c in (combos[i % len(combos)] for i in range(n))]
+
+
+def nano_workload(num_requests, min_len, max_len, vocab_size, seed=0):
     """(prompts as token-id lists, output lengths): benchlib's nano-vllm workload, ids folded into the vocab."""
+    from scripts import benchlib
+
     prompts, out_lens = benchlib.nano_vllm_workload(num_requests, min_len, max_len, seed)
     return [[t % vocab_size for t in p] for p in prompts], out_lens
 
 
-def arrival_times(n, rate, seed=0):
-    """Seconds after the start at which each of n requests is sent: a Poisson process of `rate` per second
-    (exponential gaps), or all at 0 for rate inf."""
-    if math.isinf(rate):
-        return [0.0] * n
-    rng = random.Random(seed)
-    t, times = 0.0, []
-    for _ in range(n):
-        times.append(t)
-        t += rng.expovariate(rate)
-    return times
+def light_prompts(n, length, vocab_size, seed=0):
+    """n distinct prompts of `length` random token ids (no shared prefix with each other)."""
+    rng = random.Random(seed + 7919)
+    return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(n)]
 
 
-# ---- the client ----------------------------------------------------------------------------------------
-async def stream_one(client, url, model, prompt, max_tokens):
-    """One streamed completion; returns {ok, tokens, ttft, itls, e2e, start, end, error}."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    res = {"ok": False, "tokens": 0, "ttft": None, "itls": [], "e2e": None, "error": None}
+CHAT_SAMPLING = dict(temperature=0.8, top_p=0.95)
+USAGE = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def chat_specs(messages, max_tokens):
+    """Request specs (path, body bytes, expected tokens or None) for the chat load."""
+    return [("/v1/chat/completions", json.dumps({"model": "bench", "messages": m, **CHAT_SAMPLING,
+                                                  "max_tokens": max_tokens, "stream": True,
+                                                  "stream_options": USAGE}).encode(), None) for m in messages]
+
+
+def completion_specs(prompts, out_lens):
+    """Request specs for token-id prompts, greedy, ignore_eos: each must bring exactly its output length."""
+    return [("/v1/completions", json.dumps({"model": "bench", "prompt": p, "max_tokens": n, "temperature": 0,
+                                            "ignore_eos": True, "stream": True, "stream_options": USAGE}).encode(), n)
+            for p, n in zip(prompts, out_lens)]
+
+
+# ---- the client (runs in the client processes) -----------------------------------------------------------
+class SSEReader:
+    """Bytes of a streamed HTTP response body in (chunked transfer encoding or not), SSE payloads out."""
+
+    def __init__(self, chunked):
+        self.chunked, self.raw, self.buf, self.done = chunked, b"", b"", False
+
+    def feed(self, data):
+        """The payloads (bytes after 'data: ') of every event completed by `data`."""
+        if self.chunked:
+            self.raw += data
+            parts = []
+            while not self.done:
+                i = self.raw.find(b"\r\n")
+                if i < 0:
+                    break
+                size = int(self.raw[:i].split(b";")[0], 16)
+                if size == 0:
+                    self.done = True
+                    break
+                if len(self.raw) < i + size + 4:
+                    break
+                parts.append(self.raw[i + 2:i + 2 + size])
+                self.raw = self.raw[i + size + 4:]
+            data = b"".join(parts)
+        self.buf += data
+        *events, self.buf = self.buf.split(b"\n\n")
+        return [e[6:] if e.startswith(b"data: ") else e for e in events if e.strip()]
+
+
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+
+
+async def stream_one(host, port, path, body, timeout_s):
+    """One streamed request on a fresh connection; returns (error or None, tokens, ttft, itls, start, end, done)."""
+    tokens, ttft, itls, last, error, done = 0, None, [], None, None, False
     start = now()
-    last = None
+    writer = None
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                res["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return res
-            buf = b""
-            async for data in r.aiter_bytes():
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\nContent-Length: %d"
+                         b"\r\nConnection: close\r\n\r\n%s" % (path.encode(), host.encode(), port, len(body), body))
+            head = await reader.readuntil(b"\r\n\r\n")
+            status = int(head.split(b" ", 2)[1])
+            sse = SSEReader(b"transfer-encoding: chunked" in head.lower())
+            if status != 200:
+                return f"HTTP {status}: {(await reader.read(400))!r}", 0, None, [], start, now(), False
+            while not sse.done:
+                data = await reader.read(1 << 16)
+                if not data:
+                    break
                 t = now()
-                buf += data
-                *events, buf = buf.split(b"\n\n")
-                for event in events:
-                    payload = event.removeprefix(b"data: ")
+                for payload in sse.feed(data):
                     if payload == b"[DONE]":
-                        res["ok"] = res["error"] is None
+                        done = True
                         continue
-                    chunk = json.loads(payload)
-                    if "error" in chunk:
-                        res["error"] = chunk["error"]["message"]
+                    if payload.startswith(b'{"error"'):
+                        error = payload[:300].decode(errors="replace")
                         continue
-                    total = chunk["usage"]["completion_tokens"]
-                    new = total - res["tokens"]
+                    m = None
+                    for m in _COMPLETION_TOKENS.finditer(payload):
+                        pass
+                    if m is None:
+                        continue
+                    total = int(m.group(1))
+                    new = total - tokens
                     if new <= 0:
                         continue
                     if last is None:
-                        res["ttft"] = t - start
+                        ttft = t - start
                     else:
-                        res["itls"] += [(t - last) / new] * new
-                    last, res["tokens"] = t, total
-    except Exception as e:              # noqa: BLE001 (reported per request)
-        res["error"] = repr(e)
-    res["start"], res["end"] = start, now()
-    res["e2e"] = res["end"] - start
-    return res
+                        itls += [(t - last) / new] * new
+                    last, tokens = t, total
+    except (Exception, asyncio.CancelledError) as e:     # noqa: BLE001 (reported per request; TimeoutError too)
+        error = error or repr(e)
+    finally:
+        if writer is not None:
+            writer.close()
+    if not done and error is None:
+        error = "the stream ended without [DONE]"
+    return error, tokens, ttft, itls, start, now(), done
 
 
-async def run_rate(url, model, prompts, out_lens, rate, seed=0):
-    """Send every request at its Poisson arrival time; returns the per-request results."""
-    import httpx
+async def run_specs(host, port, specs, concurrency, timeout_s):
+    """Closed loop: `concurrency` workers take the next spec until none is left. Results in spec order."""
+    results = [None] * len(specs)
+    queue = list(range(len(specs)))[::-1]
 
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-        t0 = now()
-        tasks = []
-        for prompt, n, at in zip(prompts, out_lens, arrival_times(len(prompts), rate, seed)):
-            delay = t0 + at - now()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(stream_one(client, url, model, prompt, n)))
-        return await asyncio.gather(*tasks)
+    async def worker():
+        while queue:
+            i = queue.pop()
+            path, body, _ = specs[i]
+            results[i] = await stream_one(host, port, path, body, timeout_s)
+
+    await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(specs))))))
+    return results
 
 
-def summarize(results, out_lens, rate):
-    """One table row from a rate's results (latencies in ms)."""
-    ok = [r for r, n in zip(results, out_lens) if r["ok"] and r["tokens"] == n]
-    errors = [r["error"] or f"{r['tokens']} tokens" for r in results if r not in ok]
-    span = max(r["end"] for r in results) - min(r["start"] for r in results)
-    tokens = sum(r["tokens"] for r in results)
-    row = {"rate": "inf" if math.isinf(rate) else rate, "requests": len(results), "failed": len(errors),
-           "seconds": span, "req_s": len(results) / span, "output_tok_s": tokens / span}
-    for name, xs in [("ttft", [r["ttft"] for r in ok if r["ttft"] is not None]),
-                     ("itl", [x for r in ok for x in r["itls"]]), ("e2e", [r["e2e"] for r in ok])]:
+def client_process(conn):
+    """A load-generator process: ("run", host, port, specs, concurrency, timeout_s) -> results; None: exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        cmd = conn.recv()
+        if cmd is None:
+            return
+        _, host, port, specs, concurrency, timeout_s = cmd
+        conn.send(asyncio.run(run_specs(host, port, specs, concurrency, timeout_s)))
+
+
+class ClientPool:
+    """`processes` spawned load-generator processes; run() spreads the requests and the streams over them."""
+
+    def __init__(self, processes):
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for i in range(processes):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=client_process, args=(child,), name=f"bench-client-{i}", daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+
+    def run(self, url, specs, concurrency, processes=None, timeout_s=600.0):
+        """Every spec streamed with `concurrency` streams in all (split evenly over the processes that get
+        requests); returns the results in spec order."""
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        k = max(1, min(processes or len(self.conns), len(self.conns), concurrency, len(specs)))
+        shares = [list(range(len(specs)))[j::k] for j in range(k)]
+        for j, conn in enumerate(self.conns[:k]):
+            streams = concurrency // k + (j < concurrency % k)
+            conn.send(("run", host, int(port), [specs[i] for i in shares[j]], streams, timeout_s))
+        results = [None] * len(specs)
+        for j, conn in enumerate(self.conns[:k]):
+            for i, r in zip(shares[j], conn.recv()):
+                results[i] = r
+        return results
+
+    def close(self):
+        for conn, p in zip(self.conns, self.procs):
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+def summarize(results, specs):
+    """One row's figures from a load's results (latencies in ms) and its errors."""
+    from scripts import benchlib
+
+    ok, errors = [], []
+    for (error, tokens, *_rest), (_, _, expect) in zip(results, specs):
+        if error is None and tokens > 0 and (expect is None or tokens == expect):
+            ok.append(True)
+        else:
+            ok.append(False)
+            errors.append(error or f"{tokens} tokens, expected {expect}")
+    span = max(r[5] for r in results) - min(r[4] for r in results)
+    tokens = sum(r[1] for r in results)
+    row = {"requests": len(results), "failed": len(errors), "seconds": span, "output_tokens": tokens,
+           "output_tok_s": tokens / span}
+    good = [r for r, g in zip(results, ok) if g]
+    for name, xs in [("ttft", [r[2] for r in good if r[2] is not None]), ("itl", [x for r in good for x in r[3]]),
+                     ("e2e", [r[5] - r[4] for r in good])]:
         for q, v in benchlib.percentiles([1000 * x for x in xs]).items():
             row[f"{name}_{q}_ms"] = v
     return row, errors
 
 
-# ---- the server ----------------------------------------------------------------------------------------
+# ---- the servers ---------------------------------------------------------------------------------------
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def start_server(model_dir, engine_args, log_path, timeout_s, extra_args=()):
-    """`python -m pagedattn serve` as a subprocess; returns (Popen, base url) once /health answers."""
+def server_command(name, model_dir, port, engine_args):
+    """The command line of server `name`: mpN (the launcher, N API servers) or inproc (`pagedattn serve`)."""
+    common = ["--model", model_dir, "--port", str(port), "--served-model-name", "bench", "--log-level", "warning",
+              *engine_args]
+    if name == "inproc":
+        return [sys.executable, "-m", "pagedattn", "serve", *common]
+    m = re.fullmatch(r"mp(\d+)", name)
+    if not m:
+        raise ValueError(f"unknown server {name!r}: mp<N> (the launcher with N API servers) or inproc")
+    return [sys.executable, "-m", "pagedattn.serving.launcher", *common, "--api-server-count", m.group(1)]
+
+
+def start_server(name, model_dir, engine_args, log_path, timeout_s):
+    """Server `name` as a subprocess; returns (Popen, base url) once /health answers 200."""
     import httpx
 
     port = free_port()
-    cmd = [sys.executable, "-m", "pagedattn", "serve", "--model", model_dir, "--port", str(port),
-           "--served-model-name", "bench", "--log-level", "warning", *engine_args, *extra_args]
     log = open(log_path, "w")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root)
+    proc = subprocess.Popen(server_command(name, model_dir, port, engine_args), stdout=log, stderr=subprocess.STDOUT,
+                            cwd=ROOT)
+    log.close()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            log.close()
-            raise RuntimeError(f"the server exited with code {proc.returncode}:\n{open(log_path).read()[-3000:]}")
+            raise RuntimeError(f"server {name} exited with code {proc.returncode}:\n{open(log_path).read()[-3000:]}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the server did not answer /health within {timeout_s} s; log: {log_path}")
-        time.sleep(0.5)
+            stop_server(proc)
+            raise RuntimeError(f"server {name} did not answer /health within {timeout_s} s; log: {log_path}")
+        time.sleep(0.25)
 
 
 def stop_server(proc):
+    """SIGTERM (the launcher stops its API servers, then its core), then SIGKILL after 60 s."""
     proc.terminate()
     try:
-        proc.wait(30)
+        proc.wait(60)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
@@ -191,7 +358,7 @@ def free_blocks(url):
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    values = {s.name: s.value for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+    values = {s.name: s.value for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
               for s in f.samples}
     return values.get("pagedattn_kv_cache_free_blocks"), values.get("pagedattn_kv_cache_blocks")
 
@@ -200,145 +367,263 @@ def wait_until_free(url, timeout_s=60):
     deadline = time.monotonic() + timeout_s
     while True:
         free, total = free_blocks(url)
-        if free == total or time.monotonic() > deadline:
+        if (free is not None and free == total) or time.monotonic() > deadline:
             return free, total
         time.sleep(0.1)
 
 
 # ---- offline -------------------------------------------------------------------------------------------
-def offline_throughput(model_dir, llm_kwargs, prompts, out_lens, warmup):
-    """Output tok/s of LLM.generate on all requests at once (after a warm-up generate of `warmup` of them)."""
+def decode_step_ms(llm, vocab_size, batch, prompt_len, max_tokens):
+    """Median wall ms of engine.step() while `batch` sequences decode (prompts in, before the last steps):
+    the offline step period an ITL at that many streams compares to."""
+    from pagedattn import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(light_prompts(batch, prompt_len, vocab_size, seed=12345)):
+        engine.add_request(f"decode-step-{i}", p, params)
+    times, settled = [], 0
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        if engine.scheduler.waiting:
+            settled = 0
+            continue
+        settled += 1
+        if settled > 2:                 # the last prompt chunk and the step overlapping it are done
+            times.append(dt)
+    times = times[:-2] if len(times) > 4 else times
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def offline_runs(model_dir, llm_kwargs, loads, vocab_size, batch):
+    """{load: offline row} for every load with an `offline` entry, plus the decode step (ms)."""
+    import gc
+
     import torch
 
     from pagedattn import LLM, SamplingParams
 
     llm = LLM(model_dir, **llm_kwargs)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
-    llm.generate(prompts[:warmup], params[:warmup], use_tqdm=False)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = now()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = now() - t0
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert tokens == sum(out_lens), f"offline run generated {tokens} tokens, expected {sum(out_lens)}"
+    rows = {}
+    for name, load in loads.items():
+        if load.get("offline") is None:
+            continue
+        prompts, params = load["offline"](llm, SamplingParams)
+        # warm-up: every prompt (every prefill shape, the full batch), a few tokens each
+        llm.generate(prompts, [dataclasses.replace(p, max_tokens=min(p.max_tokens, 8)) for p in params],
+                     use_tqdm=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        rows[name] = {"server": "offline", "load": name, "requests": len(prompts), "concurrency": batch,
+                      "failed": 0, "seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds}
+        print(f"offline {name}: {tokens / seconds:.1f} output tok/s ({seconds:.2f} s, {tokens} tokens)", flush=True)
+    max_len = llm.engine.max_model_len
+    step = decode_step_ms(llm, vocab_size, batch, min(100, max_len // 4), min(128, max_len // 2))
+    print(f"offline decode step at {batch} sequences: {step:.3f} ms", flush=True)
     num_blocks = llm.engine.num_blocks
     llm.close()
-    del llm, outs
+    del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"rate": "offline", "requests": len(prompts), "failed": 0, "seconds": seconds,
-            "req_s": len(prompts) / seconds, "output_tok_s": tokens / seconds}, num_blocks
+    return rows, step, num_blocks
+
+
+def save_results(out, rows, failures, step_ms, meta, final):
+    """Write bench_serving.{json,md} under out (after every server too, so a run cut short leaves its rows);
+    returns the markdown."""
+    from scripts import benchlib
+
+    goals = goal_lines(rows, step_ms)
+    columns = ["server", "load", "requests", "concurrency", "failed", "seconds", "output_tok_s", "offline_tok_s",
+               "served_over_offline", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_over_decode_step",
+               "e2e_p50_ms", "e2e_p99_ms", "kv_blocks_free_after", "server_start_s", "skipped"]
+    table = benchlib.markdown_table(rows, columns)
+    table += (f"\n\nOffline decode step at {meta['decode_step_batch']} sequences: {step_ms:.3f} ms. Stream interval "
+              f"{meta['stream_interval']}; {meta['client_processes']} client processes."
+              f"{'' if final else ' (partial: the run is not over)'}\n\nGoals:\n\n"
+              + "\n".join(f"- {'met' if ok else 'NOT met'}: {text}" for text, ok in goals) + "\n")
+    meta = dict(meta, offline_decode_step_ms=step_ms, goals=[{"goal": t, "met": ok} for t, ok in goals],
+                failures=failures, final=final)
+    benchlib.save(out, "bench_serving", rows, meta, table)
+    return table
 
 
 # ---- main ----------------------------------------------------------------------------------------------
 def resolve_model(model, smoke):
-    if smoke:
+    """(checkpoint dir, vocab size, has a chat template)."""
+    if smoke and model in (None, "bundled", "random"):
         import torch
-        return benchlib.random_checkpoint(TINY, dtype=torch.float32, device="cpu"), TINY["vocab_size"]
+
+        from scripts import benchlib
+        return benchlib.random_checkpoint(TINY, dtype=torch.float32, device="cpu"), TINY["vocab_size"], False
     if model == "random":
         import torch
+
+        from scripts import benchlib
         cfg = benchlib.QWEN2_CONFIGS["0.5b"]
-        return benchlib.random_checkpoint("0.5b", dtype=torch.float16), cfg["vocab_size"]
+        return benchlib.random_checkpoint("0.5b", dtype=torch.float16), cfg["vocab_size"], False
     if model in (None, "bundled"):
         from pagedattn.bundled import bundled_model_path
         model = bundled_model_path()
     with open(os.path.join(model, "config.json")) as f:
-        return model, json.load(f)["vocab_size"]
+        vocab = json.load(f)["vocab_size"]
+    chat = any(os.path.exists(os.path.join(model, n)) for n in ("chat_template.jinja", "chat_template.json"))
+    if not chat and os.path.exists(os.path.join(model, "tokenizer_config.json")):
+        with open(os.path.join(model, "tokenizer_config.json")) as f:
+            chat = bool(json.load(f).get("chat_template"))
+    return model, vocab, chat
 
 
-def serve_rates(model_dir, engine_args, out, log_name, server_timeout_s, server_args, prompts, out_lens, rates, warmup,
-                seed):
-    """Start a server, warm it up, run every rate; returns (rows, {rate: errors}). The server is stopped."""
-    proc, url = start_server(model_dir, engine_args, os.path.join(out, log_name), server_timeout_s, server_args)
-    rows, failures = [], {}
-    try:
-        asyncio.run(run_rate(url, "bench", prompts[:warmup], out_lens[:warmup], math.inf, seed))
-        for rate in rates:
-            results = asyncio.run(run_rate(url, "bench", prompts, out_lens, rate, seed))
-            row, errors = summarize(results, out_lens, rate)
-            free, total = wait_until_free(url)
-            row["kv_blocks_free_after"] = f"{free:.0f}/{total:.0f}"
-            if free != total:
-                errors.append(f"{total - free:.0f} KV blocks still held after the run")
-            rows.append(row)
-            if errors:
-                failures[row["rate"]] = errors[:5]
-            nan = float("nan")
-            print(f"{log_name}: rate {row['rate']}: {row['output_tok_s']:.1f} output tok/s, TTFT p50 "
-                  f"{row.get('ttft_p50_ms', nan):.1f} ms, ITL p50 {row.get('itl_p50_ms', nan):.2f} ms, "
-                  f"failed {row['failed']}", flush=True)
-    finally:
-        stop_server(proc)
-    return rows, failures
+def goal_lines(rows, step_ms):
+    """Each goal of the issue against the rows that measure it: (text, met)."""
+    lines = []
+    for r in rows:
+        if r["server"] == "offline" or r.get("skipped"):
+            continue
+        if r["load"] in ("chat", "nano") and r.get("served_over_offline") is not None:
+            v = r["served_over_offline"]
+            lines.append((f"{r['server']} {r['load']}: served / offline {v:.3f} (goal >= "
+                          f"{GOALS['served_over_offline']})", v >= GOALS["served_over_offline"]))
+        if r["load"] in ("chat", "nano") and r.get("itl_over_decode_step") is not None:
+            v = r["itl_over_decode_step"]
+            lines.append((f"{r['server']} {r['load']}: ITL p50 {r['itl_p50_ms']:.2f} ms = {v:.2f}x the offline decode "
+                          f"step {step_ms:.2f} ms (goal <= {GOALS['itl_over_decode_step']}x)",
+                          v <= GOALS["itl_over_decode_step"]))
+        if r["load"] == "light" and r.get("ttft_p50_ms") is not None:
+            v = r["ttft_p50_ms"]
+            lines.append((f"{r['server']} light: TTFT p50 {v:.1f} ms (goal <= {GOALS['light_ttft_p50_ms']} ms)",
+                          v <= GOALS["light_ttft_p50_ms"]))
+    return lines
 
 
-def main(out, model="bundled", rates=(4.0, 16.0, 32.0, math.inf), num_requests=256, min_len=100, max_len=1024,
-         device="auto", max_model_len=2048, max_num_seqs=256, num_blocks=None, warmup=8, server_timeout_s=600,
-         server_args=(), extra_stream_intervals=(8,), smoke=False, seed=0):
-    """Run the benchmark; returns the table rows (also written under `out`).
+def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
+         device="auto", dtype=None, chat_requests=1024, chat_max_tokens=256, concurrency=256, client_processes=8,
+         nano_requests=256, min_len=100, max_len=1024, light_requests=20, light_prompt_len=100, max_model_len=2048,
+         max_num_seqs=256,
+         num_blocks=None, stream_interval=1, warmup=16, server_timeout_s=600, time_budget_s=None,
+         request_timeout_s=600.0, smoke=False, seed=0):
+    """Run the benchmark; returns the table rows (also written under `out`). time_budget_s: a server row is
+    skipped (and marked so) when the time spent so far plus the longest server row so far would pass it.
+    servers: default mp1, mp2, mp4, inproc (smoke: mp2, inproc)."""
+    from scripts import benchlib
 
-    The server runs every rate with --stream-interval 1 (a chunk per token, what OpenAI clients expect),
-    then once more per entry of extra_stream_intervals, at the saturating rate (inf) only: how much of the
-    gap to offline is the HTTP thread's per-chunk work."""
+    t_start = time.monotonic()
     if smoke:
-        rates, num_requests, min_len, max_len, device = (8.0, math.inf), 12, 4, 24, "cpu"
-        max_model_len, max_num_seqs, num_blocks, warmup, extra_stream_intervals = 64, 8, num_blocks or 64, 2, (4,)
-    model_dir, vocab = resolve_model(model, smoke)
-    prompts, out_lens = workload(num_requests, min_len, max_len, vocab, seed)
+        servers = servers or ("mp2", "inproc")
+        device, chat_requests, concurrency, client_processes, nano_requests = "cpu", 12, 8, 2, 8
+        min_len, max_len, light_requests, light_prompt_len, max_model_len, chat_max_tokens = 4, 24, 3, 12, 128, 24
+        max_num_seqs, num_blocks, warmup, request_timeout_s = 8, num_blocks or 64, 2, 120.0
+    servers = tuple(servers or ("mp1", "mp2", "mp4", "inproc"))
+    if dtype is None:
+        dtype = "float32" if device == "cpu" else "float16"
+    model_dir, vocab, has_chat = resolve_model(model, smoke)
+    if not has_chat:
+        loads = tuple(x for x in loads if x != "chat")
     if num_blocks is None:              # enough for every sequence at full length: no preemption in either run
         num_blocks = max_num_seqs * -(-max_model_len // 16)
-    # prefix caching off in both: every rate replays the same prompts, which a warm cache would skip
-    llm_kwargs = dict(device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
-                      enable_prefix_caching=False)
-    print(benchlib.env_line())
-    print(f"model {model_dir}: {num_requests} requests, prompts {min_len}-{max_len} tokens, outputs "
-          f"{min_len}-{max_len} tokens ({sum(out_lens)} in all), engine {llm_kwargs}", flush=True)
-
-    offline, num_blocks = offline_throughput(model_dir, llm_kwargs, prompts, out_lens, warmup)
-    print(f"offline LLM.generate: {offline['output_tok_s']:.1f} output tok/s ({offline['seconds']:.2f} s)", flush=True)
-
+    llm_kwargs = dict(device=device, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                      num_blocks=num_blocks, enable_prefix_caching=False)
     os.makedirs(out, exist_ok=True)
-    engine_args = ["--device", device, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-                   "--num-blocks", str(num_blocks), "--no-prefix-caching"]
-    rows, failures = [], {}
-    for interval in (1, *extra_stream_intervals):
-        config_rates = rates if interval == 1 else (math.inf,)
-        got, errs = serve_rates(model_dir, engine_args, out, f"server_stream_interval_{interval}.log",
-                                server_timeout_s, [*server_args, "--stream-interval", str(interval)], prompts,
-                                out_lens, config_rates, warmup, seed)
-        for row in got:
-            row["stream_interval"] = interval
-        rows += got
-        failures.update({f"{rate} (stream interval {interval})": e for rate, e in errs.items()})
-    for row in rows:
-        row["served_over_offline"] = row["output_tok_s"] / offline["output_tok_s"]
-    rows.append(offline)
+    print(benchlib.env_line())
+    print(f"model {model_dir}; loads {loads}; servers {servers}; engine {llm_kwargs}", flush=True)
 
-    columns = ["rate", "stream_interval", "requests", "failed", "seconds", "req_s", "output_tok_s",
-               "served_over_offline", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms",
-               "itl_p99_ms", "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms", "kv_blocks_free_after"]
-    table = benchlib.markdown_table(rows, columns)
-    meta = dict(model=model_dir, num_requests=num_requests, min_len=min_len, max_len=max_len, seed=seed,
-                engine=llm_kwargs, server_args=list(server_args), total_output_tokens=sum(out_lens),
-                failures=failures, smoke=smoke)
-    benchlib.save(out, "bench_serving", rows, meta, table)
-    served = [r for r in rows if r["rate"] != "offline" and r["stream_interval"] == 1]
-    xs = [r["rate"] if r["rate"] != "inf" else 2 * max([x for x in rates if not math.isinf(x)], default=1)
-          for r in served]
-    benchlib.save_plot(os.path.join(out, "bench_serving.png"), xs,
-                       {"served output tok/s": [r["output_tok_s"] for r in served],
-                        "offline LLM.generate": [offline["output_tok_s"]] * len(served)},
-                       "request rate (req/s; the last point: all at once)", "output tok/s",
-                       "Served throughput vs offline", logx=True)
-    benchlib.save_plot(os.path.join(out, "bench_serving_latency.png"), xs,
-                       {"TTFT p50": [r.get("ttft_p50_ms") for r in served],
-                        "TTFT p99": [r.get("ttft_p99_ms") for r in served],
-                        "ITL p50": [r.get("itl_p50_ms") for r in served],
-                        "ITL p99": [r.get("itl_p99_ms") for r in served]},
-                       "request rate (req/s; the last point: all at once)", "ms", "Latency vs request rate",
-                       logx=True, logy=True)
+    # the loads: request specs for the clients, and (prompts, SamplingParams) for LLM.generate
+    specs = {}
+    offline_of = {}
+    if "chat" in loads:
+        messages = chat_messages(chat_requests, seed)
+        specs["chat"] = (chat_specs(messages, chat_max_tokens), concurrency, None,
+                         chat_specs(messages[:warmup], chat_max_tokens))
+
+        def chat_offline(llm, SamplingParams):
+            tok = llm.get_tokenizer()
+            prompts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+            return prompts, [SamplingParams(**CHAT_SAMPLING, max_tokens=chat_max_tokens)] * len(prompts)
+        offline_of["chat"] = chat_offline
+    if "nano" in loads:
+        prompts, out_lens = nano_workload(nano_requests, min_len, max_len, vocab, seed)
+        specs["nano"] = (completion_specs(prompts, out_lens), concurrency, None,
+                         completion_specs(prompts[:warmup], [min(n, 32) for n in out_lens[:warmup]]))
+
+        def nano_offline(llm, SamplingParams, prompts=prompts, out_lens=out_lens):
+            return prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
+        offline_of["nano"] = nano_offline
+    if "light" in loads:
+        lp = light_prompts(light_requests, light_prompt_len, vocab, seed)
+        specs["light"] = (completion_specs(lp, [16] * len(lp)), 1, 1,
+                          completion_specs(light_prompts(2, light_prompt_len, vocab, seed + 1), [16, 16]))
+
+    meta_base = dict(model=model_dir, loads=list(specs), servers=list(servers), engine=llm_kwargs,
+                     chat_requests=chat_requests if "chat" in specs else 0, chat_max_tokens=chat_max_tokens,
+                     chat_sampling=CHAT_SAMPLING, concurrency=concurrency,
+                     decode_step_batch=min(max_num_seqs, concurrency),
+                     client_processes=client_processes, nano_requests=nano_requests, min_len=min_len,
+                     max_len=max_len, light_requests=light_requests, light_prompt_len=light_prompt_len,
+                     stream_interval=stream_interval, smoke=smoke, seed=seed, env=benchlib.env_line())
+    pool = ClientPool(client_processes)            # started before the offline LLM: small, CUDA-free processes
+    try:
+        offline, step_ms, num_blocks = offline_runs(model_dir, llm_kwargs,
+                                                    {k: {"offline": offline_of.get(k)} for k in specs}, vocab,
+                                                    min(max_num_seqs, concurrency))
+        llm_kwargs["num_blocks"] = num_blocks
+        engine_args = ["--device", device, "--dtype", dtype, "--max-model-len", str(max_model_len),
+                       "--max-num-seqs", str(max_num_seqs), "--num-blocks", str(num_blocks), "--no-prefix-caching",
+                       "--stream-interval", str(stream_interval)]
+        rows, failures, longest = [], {}, 0.0
+        for name in servers:
+            elapsed = time.monotonic() - t_start
+            if time_budget_s is not None and elapsed + longest > time_budget_s:
+                print(f"server {name}: skipped ({elapsed:.0f} s spent, the longest server took {longest:.0f} s, "
+                      f"budget {time_budget_s} s)", flush=True)
+                rows += [{"server": name, "load": load, "skipped": "time budget"} for load in specs]
+                continue
+            t0 = time.monotonic()
+            proc, url = start_server(name, model_dir, engine_args, os.path.join(out, f"server_{name}.log"),
+                                     server_timeout_s)
+            started = time.monotonic() - t0
+            try:
+                for load, (load_specs, conc, procs, warm_specs) in specs.items():
+                    warm, _ = summarize(pool.run(url, warm_specs, min(conc, warmup), procs, request_timeout_s),
+                                        warm_specs)
+                    if warm["failed"]:
+                        print(f"server {name} {load}: {warm['failed']} warm-up requests failed", flush=True)
+                    results = pool.run(url, load_specs, conc, procs, request_timeout_s)
+                    row, errors = summarize(results, load_specs)
+                    row = {"server": name, "load": load, "concurrency": conc, **row}
+                    free, total = wait_until_free(url)
+                    row["kv_blocks_free_after"] = f"{free:.0f}/{total:.0f}" if free is not None else "no metric"
+                    if free is None or free != total:
+                        errors.append(f"KV blocks not all free after the load: {row['kv_blocks_free_after']}")
+                    if load in offline:
+                        row["offline_tok_s"] = offline[load]["output_tok_s"]
+                        row["served_over_offline"] = row["output_tok_s"] / row["offline_tok_s"]
+                        if row.get("itl_p50_ms") is not None:
+                            row["itl_over_decode_step"] = row["itl_p50_ms"] / step_ms
+                    row["server_start_s"] = started
+                    rows.append(row)
+                    if errors:
+                        failures[f"{name} {load}"] = errors[:5]
+                    nan = float("nan")
+                    print(f"server {name} {load}: {row['output_tok_s']:.1f} output tok/s"
+                          f" ({row.get('served_over_offline', nan):.3f}x offline), TTFT p50 "
+                          f"{row.get('ttft_p50_ms', nan):.1f} ms, ITL p50 {row.get('itl_p50_ms', nan):.2f} ms, "
+                          f"failed {row['failed']}, KV free {row['kv_blocks_free_after']}", flush=True)
+            finally:
+                stop_server(proc)
+            longest = max(longest, time.monotonic() - t0)
+            save_results(out, rows + list(offline.values()), failures, step_ms,
+                         dict(meta_base, wall_s=time.monotonic() - t_start), final=False)
+    finally:
+        pool.close()
+    rows += list(offline.values())
+    table = save_results(out, rows, failures, step_ms, dict(meta_base, wall_s=time.monotonic() - t_start), final=True)
     print()
     print(table)
     if failures:
@@ -346,28 +631,39 @@ def main(out, model="bundled", rates=(4.0, 16.0, 32.0, math.inf), num_requests=2
     return rows
 
 
-def _rates(text):
-    return tuple(math.inf if r.strip() == "inf" else float(r) for r in text.split(","))
+def _names(text):
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="directory for bench_serving.{json,md,png} and server.log")
+    ap.add_argument("--out", required=True, help="directory for bench_serving.{json,md} and the server logs")
     ap.add_argument("--model", default="bundled", help="bundled | random (Qwen2.5-0.5B shapes) | a Qwen2 directory")
-    ap.add_argument("--rates", type=_rates, default=(4.0, 16.0, 32.0, math.inf), help="req/s list, e.g. 4,16,inf")
-    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--servers", type=_names, default=None,
+                    help="comma-separated, run in this order: mp<N> (launcher, N API servers) | inproc "
+                         "(default mp1,mp2,mp4,inproc; --smoke: mp2,inproc)")
+    ap.add_argument("--loads", type=_names, default=("chat", "nano", "light"), help="chat,nano,light")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default=None, help="default: float16 (float32 on --device cpu)")
+    ap.add_argument("--chat-requests", type=int, default=1024)
+    ap.add_argument("--chat-max-tokens", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, default=256, help="streams at once (chat and nano loads)")
+    ap.add_argument("--client-processes", type=int, default=8)
+    ap.add_argument("--nano-requests", type=int, default=256)
     ap.add_argument("--min-len", type=int, default=100)
     ap.add_argument("--max-len", type=int, default=1024)
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--light-requests", type=int, default=20)
+    ap.add_argument("--light-prompt-len", type=int, default=100)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--num-blocks", type=int, default=None)
-    ap.add_argument("--server-args", default="", help="extra `serve` options, e.g. '--switch-interval-ms 0.5'")
-    ap.add_argument("--extra-stream-intervals", default="8",
-                    help="after the rates at --stream-interval 1, the saturating rate again at each of these "
-                         "(comma-separated; '' for none)")
-    ap.add_argument("--smoke", action="store_true", help="a tiny random model on CPU, 12 requests, two rates")
+    ap.add_argument("--stream-interval", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds: skip the remaining servers when the next would likely pass it")
+    ap.add_argument("--smoke", action="store_true", help="CPU, small loads; the tiny random model unless --model DIR")
     a = ap.parse_args()
-    main(a.out, a.model, a.rates, a.num_requests, a.min_len, a.max_len, a.device, a.max_model_len, a.max_num_seqs,
-         a.num_blocks, server_args=a.server_args.split(),
-         extra_stream_intervals=tuple(int(k) for k in a.extra_stream_intervals.split(",") if k), smoke=a.smoke)
+    main(a.out, a.model, a.servers, a.loads, a.device, a.dtype, a.chat_requests, a.chat_max_tokens, a.concurrency,
+         a.client_processes, a.nano_requests, a.min_len, a.max_len, a.light_requests, a.light_prompt_len,
+         a.max_model_len, a.max_num_seqs, a.num_blocks, a.stream_interval, a.warmup, time_budget_s=a.time_budget,
+         smoke=a.smoke)

@@ -121,6 +121,11 @@ runtime)
 serve)
     run serve 560 python3 scripts/bench_serving.py --model "${MODEL:-random}" --out "$dir"
     ;;
+serve_mp)
+    # the server through the launcher (engine core in its own process; 1, 2, 4 API servers) and the in-process
+    # one beside LLM.generate: 256 streams at once from 8 client processes, and one request at a time
+    run serve_mp 570 python3 scripts/bench_serving.py --model "${MODEL:-random}" --out "$dir" --time-budget 480
+    ;;
 *)
     echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -1,37 +1,88 @@
-"""scripts/bench_serving.py --smoke on CPU: the offline run, the server as a subprocess
-(`python -m pagedattn serve`), Poisson and all-at-once rates, and the files it writes. Timings on a
-shared CPU mean nothing; what must hold is that every request completed whole and the pool was freed."""
+"""scripts/bench_serving.py on CPU: its SSE reader and chat prompts, and --smoke end to end: the offline
+run, the multi-process server through the launcher (two API servers) and the in-process one, driven by the
+multi-process load generator with the chat, nano-vllm and light loads, and the files it writes. Timings
+on a shared CPU mean nothing; what must hold is that every request completed whole and the pool was freed."""
 import json
-import math
+import random
 
 import pytest
+from serving_helpers import write_tiny_chat_checkpoint
 
 from scripts import bench_serving
 
 
-def test_arrival_times_are_poisson_and_seeded():
-    times = bench_serving.arrival_times(4000, 50.0, seed=1)
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    assert times == sorted(times) and times[0] == 0.0
-    assert abs(sum(gaps) / len(gaps) - 1 / 50) < 0.1 / 50          # mean gap 1/rate (4000 draws: ~1.6% s.e.)
-    assert times == bench_serving.arrival_times(4000, 50.0, seed=1)
-    assert bench_serving.arrival_times(3, math.inf) == [0.0, 0.0, 0.0]
+def _chunked(body, sizes):
+    """`body` in HTTP/1.1 chunked transfer encoding, cut into chunks of the given sizes, then the last chunk."""
+    out, i = b"", 0
+    for n in sizes:
+        if i >= len(body):
+            break
+        part = body[i:i + n]
+        out += b"%x\r\n%s\r\n" % (len(part), part)
+        i += n
+    if i < len(body):
+        out += b"%x\r\n%s\r\n" % (len(body) - i, body[i:])
+    return out + b"0\r\n\r\n"
 
 
-@pytest.mark.slow                   # three processes start (the offline LLM, two servers): ~20-30 s of CPU
+@pytest.mark.parametrize("chunked", [True, False])
+def test_sse_reader_yields_every_event_whatever_the_cuts(chunked):
+    events = [json.dumps({"choices": [{"text": t}], "usage": {"completion_tokens": k}}).encode()
+              for k, t in enumerate(["a", "b\n\nc", "é", "data: x", ""], 1)] + [b"[DONE]"]
+    body = b"".join(b"data: " + e + b"\n\n" for e in events)
+    rng = random.Random(0)
+    for _ in range(50):
+        wire = _chunked(body, [rng.randint(1, 40) for _ in range(len(body))]) if chunked else body
+        reader, got, i = bench_serving.SSEReader(chunked), [], 0
+        while i < len(wire):                         # the socket hands the bytes over in arbitrary pieces
+            n = rng.randint(1, 30)
+            got += reader.feed(wire[i:i + n])
+            i += n
+        # json.dumps escapes the newlines inside strings, so an event never holds a bare blank line
+        assert got == events
+        assert reader.done == chunked
+
+
+def test_chat_messages_are_varied_and_deterministic():
+    msgs = bench_serving.chat_messages(1024, seed=3)
+    assert msgs == bench_serving.chat_messages(1024, seed=3)
+    assert msgs != bench_serving.chat_messages(1024, seed=4)
+    texts = [m[0]["content"] for m in msgs]
+    assert len(set(texts)) == 1024 and all(m[0]["role"] == "user" and len(m) == 1 for m in msgs)
+    assert bench_serving.chat_messages(1030)[1024:] == bench_serving.chat_messages(1030)[:6]
+
+
+def test_server_commands():
+    mp4 = bench_serving.server_command("mp4", "M", 123, ["--device", "cpu"])
+    assert mp4[1:3] == ["-m", "pagedattn.serving.launcher"] and mp4[-2:] == ["--api-server-count", "4"]
+    assert bench_serving.server_command("inproc", "M", 123, [])[1:4] == ["-m", "pagedattn", "serve"]
+    with pytest.raises(ValueError):
+        bench_serving.server_command("mpx", "M", 123, [])
+
+
+@pytest.mark.slow          # the offline LLM, a launcher (core + 2 API servers), the in-process server: ~1-2 min CPU
 def test_smoke_run(tmp_path):
-    rows = bench_serving.main(str(tmp_path), smoke=True)
-    served = [r for r in rows if r["rate"] != "offline"]
-    assert [(r["rate"], r.get("stream_interval")) for r in rows] == [(8.0, 1), ("inf", 1), ("inf", 4),
-                                                                     ("offline", None)]
+    model = write_tiny_chat_checkpoint(tmp_path / "model")
+    rows = bench_serving.main(str(tmp_path / "out"), model=model, smoke=True)
+    served = [r for r in rows if r["server"] != "offline"]
+    assert [(r["server"], r["load"]) for r in rows] == [
+        ("mp2", "chat"), ("mp2", "nano"), ("mp2", "light"), ("inproc", "chat"), ("inproc", "nano"),
+        ("inproc", "light"), ("offline", "chat"), ("offline", "nano")]
+    expected = {"chat": 12, "nano": 8, "light": 3}
     for r in served:
-        assert r["failed"] == 0 and r["requests"] == 12
+        assert r["failed"] == 0 and r["requests"] == expected[r["load"]]
         assert r["kv_blocks_free_after"] == "64/64"
         assert r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["itl_p50_ms"] > 0 and r["e2e_p50_ms"] >= r["ttft_p50_ms"]
-        assert r["served_over_offline"] > 0
-    data = json.loads((tmp_path / "bench_serving.json").read_text())
-    assert data["meta"]["total_output_tokens"] == sum(bench_serving.workload(12, 4, 24, 512)[1])
-    assert data["meta"]["failures"] == {}
-    for name in ("bench_serving.md", "bench_serving.png", "bench_serving_latency.png",
-                 "server_stream_interval_1.log", "server_stream_interval_4.log"):
-        assert (tmp_path / name).stat().st_size > 0
+        if r["load"] != "light":
+            assert r["served_over_offline"] > 0 and r["itl_over_decode_step"] > 0
+    nano_tokens = sum(bench_serving.nano_workload(8, 4, 24, 512)[1])
+    assert [r["output_tokens"] for r in rows if r["load"] == "nano"] == [nano_tokens] * 3
+    assert [r["output_tokens"] for r in rows if r["load"] == "light"] == [3 * 16] * 2
+    for r in rows:
+        if r["load"] == "chat":
+            assert 12 <= r["output_tokens"] <= 12 * 24
+    data = json.loads((tmp_path / "out" / "bench_serving.json").read_text())
+    assert data["meta"]["failures"] == {} and data["meta"]["offline_decode_step_ms"] > 0
+    assert len(data["meta"]["goals"]) == 10
+    for name in ("bench_serving.md", "server_mp2.log", "server_inproc.log"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
