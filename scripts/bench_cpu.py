@@ -171,25 +171,22 @@ def profile_decode(llm, num_seqs, context_len, steps=30):
     """Decode steps of num_seqs sequences at about context_len tokens each, timed piece by piece."""
     import pagedattn.engine.llm_engine as llm_engine
     import pagedattn.engine.model_runner as model_runner
-    from kernels_numba import cpu_glue
     from pagedattn import SamplingParams
 
     engine, prof = llm.engine, StepProfile()
-    model, backend = engine.model, engine.model.attn_backend
+    model = engine.model
     prof.wrap(engine.scheduler, "schedule", "schedule")
     prof.wrap(llm_engine, "build_step_inputs", "build_step_inputs (pack the step)")
     prof.wrap(engine, "_process", "process outputs (append, stop checks, detokenize)")
     prof.wrap(model, "forward", "model.forward")
     prof.wrap(model, "compute_logits", "lm_head (logits of the sampling rows)")
     prof.wrap(model_runner.sampler, "sample", "sampler")
-    prof.wrap(backend, "write", "  attention: K/V write")
-    prof.wrap(cpu_glue, "rotary_cache", "  rotary + K/V write (one numba call, small steps)")
-    prof.wrap(backend, "attend", "  attention: attend")
+    prof.wrap(model.ops, "rotary_and_cache_write", "  rotary + K/V write")
+    prof.wrap(model.ops, "attention", "  attention")
     for layer in model.model.layers:
         prof.wrap(layer.input_layernorm, "forward", "  RMSNorm x2 (+ residual add)")
         prof.wrap(layer.post_attention_layernorm, "forward", "  RMSNorm x2 (+ residual add)")
         prof.wrap(layer.self_attn.qkv_proj, "forward", "  qkv_proj GEMM")
-        prof.wrap(layer.self_attn.rotary_emb, "forward", "  rotary")
         prof.wrap(layer.self_attn.o_proj, "forward", "  o_proj GEMM")
         prof.wrap(layer.mlp, "forward", "  MLP (gate_up GEMM, SiLU*mul, down GEMM)")
     words = [1000 + i for i in range(context_len + 8 * num_seqs)]
@@ -205,7 +202,7 @@ def profile_decode(llm, num_seqs, context_len, steps=30):
         engine.step()
     rows = prof.rows()
     for r in rows:
-        r.update(backend=getattr(backend, "name", str(backend)), seqs=num_seqs, context=context_len)
+        r.update(backend=getattr(model.attn_backend, "name", str(model.attn_backend)), seqs=num_seqs, context=context_len)
     return rows
 
 

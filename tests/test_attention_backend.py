@@ -163,9 +163,8 @@ def test_can_capture_and_fused():
     for args in ((torch.float32, 64, 16), (torch.float16, 96, 16), (torch.float16, 64, 64)):
         assert not numba.can_capture(*args)
     assert not TorchPagedBackend().can_capture(torch.float16, 64, 16)
-    assert not TorchPagedBackend().fused(torch.zeros(2, dtype=torch.float16))
-    assert numba.fused(torch.zeros(2, dtype=torch.bfloat16, device=NUMBA_DEVICE))
-    assert not numba.fused(torch.zeros(2, device=NUMBA_DEVICE))
+    assert numba.glue_kernels_for(NUMBA_DEVICE, torch.bfloat16) and numba.glue_kernels_for(NUMBA_DEVICE, "float16")
+    assert not numba.glue_kernels_for(NUMBA_DEVICE, torch.float32)
 
 
 def test_get_backend(monkeypatch):

@@ -105,8 +105,10 @@ def test_fused_add_rms_norm_matches_reference(dtype, shape):
 def test_rms_norm_matches_torch_layer_path():
     """The RMSNorm layer's torch path (HF's recipe) and the kernel agree within one unit."""
     from pagedattn.layers.norm import RMSNorm
+    from pagedattn.layers.attention import TorchPagedBackend
+    from pagedattn.layers.ops import torch_ops
 
-    norm = RMSNorm(96, 1e-6).to(torch.bfloat16)
+    norm = RMSNorm(96, 1e-6, torch_ops(TorchPagedBackend())).to(torch.bfloat16)
     norm.weight.copy_(1 + randn(96, seed=6, scale=0.1, dtype=torch.float32, device="cpu"))
     x, r = randn(4, 96, seed=7, dtype=torch.bfloat16), randn(4, 96, seed=8, dtype=torch.bfloat16)
     torch_out, torch_res = norm.to("cpu")(x.cpu(), r.cpu())
@@ -263,21 +265,31 @@ def test_model_with_fused_kernels_matches_torch_path(tiny_checkpoint, dtype):  #
     assert torch.equal(runs["fused"].argmax(-1), runs["fp32"].argmax(-1))
 
 
-def test_backend_decides_where_kernels_run(tiny_checkpoint):  # noqa: F811
-    """Assigning model.attn_backend hands it to every norm and activation layer; the torch backend and
-    float32 keep torch ops."""
+def test_ops_table_is_chosen_at_build(tiny_checkpoint):  # noqa: F811
+    """The backend, device and dtype the model is built with choose its ops table once, and every layer
+    holds that table: NumbaBackend on fp16 takes the glue kernels where the tiny model's widths allow
+    (head_dim 16, hidden 96, I 160: the rotary, norm and SiLU kernels); float32 and the torch
+    backend keep torch ops."""
+    from kernels_numba import activation, rmsnorm
+    from pagedattn.layers import ops as ops_module
     from pagedattn.layers.attention import NumbaBackend, TorchPagedBackend
-    from pagedattn.layers.norm import RMSNorm
     from pagedattn.models.loader import load_model
 
-    model, _ = load_model(tiny_checkpoint, attn_backend="torch")
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    assert all(n.backend is None for n in norms)                           # a string: not resolved yet
     numba = NumbaBackend()
-    model.attn_backend = numba
-    assert all(n.backend is numba for n in norms) and model.model.layers[1].mlp.act_fn.backend is numba
-    assert numba.fused(torch.zeros(1, dtype=torch.float16, device=DEVICE))
-    assert not numba.fused(torch.zeros(1, device=DEVICE)) and not TorchPagedBackend().fused(torch.zeros(1))
+    model, config = load_model(tiny_checkpoint, DEVICE, torch.float16, numba)
+    ops = model.ops
+    assert model.attn_backend is numba and ops.backend is numba and ops.attention == numba.attend
+    assert ops.rms_norm.func is rmsnorm.rms_norm and ops.add_rms_norm.func is rmsnorm.fused_add_rms_norm
+    assert ops.silu_and_mul.func is activation.silu_and_mul
+    assert ops.rotary_and_cache_write.func is ops_module.fused_rotary_and_cache_write
+    layer = model.model.layers[1]
+    assert all(m.ops is ops for m in (layer.input_layernorm, layer.mlp.act_fn, layer.mlp.down_proj,
+                                      layer.self_attn, model.lm_head))
+    for dtype, backend in ((torch.float32, NumbaBackend()), (torch.float16, TorchPagedBackend())):
+        ops = load_model(tiny_checkpoint, DEVICE, dtype, backend)[0].ops
+        assert ops.rms_norm is ops_module.rms_norm and ops.silu_and_mul is ops_module.silu_and_mul
+        assert ops.rotary_and_cache_write.func is ops_module.rotary_then_write
+        assert ops.rotary_and_cache_write.args == (backend.write,)
     assert numba.can_capture(torch.float16, 64, 16) and numba.can_capture("bfloat16", 128, 32)
     assert not numba.can_capture(torch.float32, 64, 16) and not numba.can_capture(torch.float16, 16, 16)
     assert not TorchPagedBackend().can_capture(torch.float16, 64, 16)

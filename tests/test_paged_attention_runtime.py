@@ -25,9 +25,13 @@ class Recorder:
 
     def __init__(self, inner):
         self.inner, self.calls, self.written = inner, [], None
+        self.recording = False
 
-    def __getattr__(self, name):                    # fused(), validate, copy_blocks, ...: the inner backend's
+    def __getattr__(self, name):                    # validate, copy_blocks, ...: the inner backend's
         return getattr(self.inner, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
 
     def write(self, k, v, k_cache, v_cache, slot_mapping):
         self.inner.write(k, v, k_cache, v_cache, slot_mapping)
@@ -35,6 +39,8 @@ class Recorder:
 
     def attend(self, q, k_cache, v_cache, attn_metadata, out=None, scale=None):
         out = self.inner.attend(q, k_cache, v_cache, attn_metadata, out=out, scale=scale)
+        if not self.recording:
+            return out
         k, v = self.written
         self.calls.append(dict(q=q.clone(), k=k, v=v, k_cache=k_cache.clone(),
                                v_cache=v_cache.clone(), meta=attn_metadata, out=out.clone()))
@@ -42,7 +48,9 @@ class Recorder:
 
 
 def run_workload(ckpt):
-    llm = LLM(ckpt, device="cpu", num_blocks=48, block_size=4, max_num_batched_tokens=7)
+    from pagedattn.layers.attention import get_backend
+    rec = Recorder(get_backend("torch", "cpu"))
+    llm = LLM(ckpt, device="cpu", num_blocks=48, block_size=4, max_num_batched_tokens=7, attn_backend=rec)
     engine = llm.engine
     # Scramble the free list: run and finish a few requests first.
     llm.generate([[9] * 11, [4, 5, 6] * 3, [7] * 5], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
@@ -52,9 +60,7 @@ def run_workload(ckpt):
     engine.block_manager.block_hash.clear()          # the poisoned blocks must not be served as cache hits
     engine.block_manager.block_key.clear()
     engine.block_manager.cached_blocks.clear()
-    from pagedattn.layers.attention import get_backend
-    rec = Recorder(get_backend("torch", "cpu"))
-    engine.model.attn_backend = rec
+    rec.recording = True
     system = [11, 12, 13, 14, 15, 16, 17, 18, 19]
     arrivals = [(0, system + [20, 21], SamplingParams(temperature=0, max_tokens=6)),
                 (2, [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42], SamplingParams(temperature=0, max_tokens=5)),

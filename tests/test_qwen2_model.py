@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from helpers import PagedRunner, TINY_CONFIG, tiny_checkpoint, write_tiny_checkpoint  # noqa: F401 (fixture)
-from pagedattn.layers.attention import AttentionMetadata, TorchPagedBackend
+from pagedattn.layers.attention import AttentionMetadata
 from pagedattn.errors import ModelLoadError
 from pagedattn.kv_cache import KVCache
 from pagedattn.models.loader import load_model
@@ -68,7 +68,7 @@ def test_attention_layer_matches_hf(models, layer, split):
     out = []
     for lo, hi in ([(0, split)] if split else []) + [(split, T)]:
         meta = AttentionMetadata.build([hi - lo], [hi], table, 8, num_prefills=1)
-        out.append(attn(pos[lo:hi], x[lo:hi], cache.k_caches[0], cache.v_caches[0], meta, TorchPagedBackend()))
+        out.append(attn(pos[lo:hi], x[lo:hi], cache.k_caches[0], cache.v_caches[0], meta))
     assert_close(torch.cat(out), ref, f"layer {layer} attention")
 
 

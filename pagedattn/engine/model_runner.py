@@ -69,10 +69,14 @@ class _Staging:
 
 
 def load_shard(config, rank, world_size, device):
-    """(model, model_config) of rank `rank`: the checkpoint's shard for world_size ranks."""
+    """(model, model_config) of rank `rank`: the checkpoint's shard for world_size ranks, its attention
+    backend's host-side checks off (each step's metadata is checked once on the host: ModelRunner._check)."""
     from pagedattn.models.loader import load_model
 
-    return load_model(config.model, device, config.dtype, config.attn_backend, tp_rank=rank, tp_size=world_size)
+    backend = get_backend(config.attn_backend, device)
+    if hasattr(backend, "validate"):
+        backend.validate = False
+    return load_model(config.model, device, config.dtype, backend, tp_rank=rank, tp_size=world_size)
 
 
 class ModelRunner:
@@ -87,11 +91,6 @@ class ModelRunner:
         self.cuda = self.device.type == "cuda"
         self.model, self.model_config = load_shard(config, rank, world_size, self.device)
         backend = self.model.attn_backend
-        if isinstance(backend, str):
-            backend = get_backend(backend, self.device)
-        if hasattr(backend, "validate"):
-            backend.validate = False                  # the step's metadata is checked on the host (_check)
-        self.model.attn_backend = backend
         mc = self.model_config
         self.num_kv_heads = mc.num_key_value_heads // world_size
         self.block_size = config.block_size
@@ -193,8 +192,8 @@ class ModelRunner:
             self.graphs.run(step)
         else:
             dev = self.staging.upload(step.data) if self.cuda else torch.from_numpy(step.data)
-            # a small CPU step: the sampler's torch ops on one thread too (CpuNumbaBackend.step_scope)
-            with self.model.attn_backend.step_scope(len(host["input_ids"])):
+            # a small CPU step: the sampler's torch ops on one thread too (CpuStep.scope)
+            with self.model.ops.step_scope(len(host["input_ids"])):
                 hidden, _ = self.run_step(step, dev, max_context_len=self.plan_len or step.max_context_len,
                                           gather=bool((host["input_src"] >= 0).any()))
                 if step.num_beams:

@@ -6,17 +6,19 @@ token per decoding sequence. A backend does two things per layer:
     backend.write(k, v, k_cache, v_cache, slot_mapping)         # the step's new K/V into the pool
     out = backend.attend(q, k_cache, v_cache, attn_metadata)     # q [T, H, D] -> out [T, H, D]
 
-and `backend(q, k, v, k_cache, v_cache, attn_metadata)` is the two in a row. The model may instead write
-K/V through the fused rotary + cache-write kernel (pagedattn/layers/rotary.py) and then only attend.
+and `backend(q, k, v, k_cache, v_cache, attn_metadata)` is the two in a row. The model writes K/V through
+its ops table's one rotary + K/V write (pagedattn/layers/ops.py: the fused kernel, or rotary then the
+backend's `write`) and then only attends.
 Query i of a prefill chunk of length q_len sits at position context_len - q_len + i and sees every cached
 token up to itself; a decode query sees all context_len tokens. Scale 1/sqrt(D); GQA query head h reads
 KV head h // (H // Hkv).
 
-A backend also names the kernels the rest of the layer runs: `fused(x)` says whether the numba glue
-kernels (RMSNorm, rotary + cache write, SiLU-and-mul) run on tensor x; `validate` turns the kernels'
-host-side checks on (False in the engine, which checks each step's metadata once on the host);
-`can_capture(dtype, head_dim, block_size)` says whether every piece it would run can be recorded in a
-CUDA graph; `copy_blocks` does the copy-on-write block copies of every layer.
+A backend also has `validate`, which turns the kernels' host-side checks on (False in the engine, which
+checks each step's metadata once on the host); `can_capture(dtype, head_dim, block_size)`, whether every
+piece of a decode step can be recorded in a CUDA graph; and `copy_blocks`, the copy-on-write block copies
+of every layer. NumbaBackend.glue_kernels_for(device, dtype) says whether its glue kernels (RMSNorm,
+rotary + K/V write, SiLU-and-mul) load and cover that device and dtype; pagedattn/layers/ops.py reads it
+once, when the model is built.
 
 Backends:
   * TorchPagedBackend (pagedattn/layers/torch_attention.py): torch ops on any device. Gathers each
@@ -193,9 +195,11 @@ class NumbaBackend(TorchPagedBackend):
     def _on_kernel_device(self, t):
         return t.is_cuda or (self.simulated and t.device.type == "cpu")
 
-    def fused(self, x):
+    def glue_kernels_for(self, device, dtype):
         """The glue kernels run on fp16/bf16 tensors on the GPU (CPU tensors under the simulator)."""
-        return self.fused_kernels and x.dtype in self.KERNEL_DTYPES and self._on_kernel_device(x)
+        device = torch.device(device)
+        on_device = device.type == "cuda" or (self.simulated and device.type == "cpu")
+        return self.fused_kernels and _as_dtype(dtype) in self.KERNEL_DTYPES and on_device
 
     def can_capture(self, dtype, head_dim, block_size):
         """Every piece of a decode step is a numba kernel or a torch op without host syncs for fp16/bf16

@@ -8,16 +8,16 @@ costs). This backend keeps the interface and runs kernels_numba.cpu_attention in
     attend   prefill chunks and decodes of the step in ONE kernel call per layer, straight through
              the block tables; the checked metadata and the work list (a `Plan`) are made at the
              first layer of a step and reused by the other layers (same metadata contents)
-    linear   the linear layers' GEMMs of a small step (at most 16 rows: decodes, short chunks) through
-             kernels_numba.cpu_linear, which streams the weight once where torch's float32 GEMM packs
-             it first from 4 rows on; larger steps (prefill) through torch (docs/cpu.md)
 
-A small step runs inside `step_scope(num_rows)`: its GEMMs and attention on numba's thread pool, its
-RMSNorms and rotary + KV write as one numba call each (kernels_numba.cpu_glue), and torch's remaining
-ops (activation, sampling) on one thread. Torch's OpenMP threads spin for a while after every parallel
-op (GNU OpenMP's default wait policy), and on a machine with as many threads as cores a spinning one
-takes the core a kernel thread needs: measured, 24 [8, 896] x [896, 9728] GEMMs took 75 ms alone and
-~150 ms with a small torch op after each; with torch on one thread, 78 ms.
+A small step (at most kernels_numba.cpu_linear.MAX_ROWS rows: decodes, short chunks) runs inside a
+`CpuStep.scope(num_rows)`: its GEMMs (CpuStep.linear, kernels_numba.cpu_linear, which streams the weight
+once where torch's float32 GEMM packs it first from 4 rows on) and attention on numba's thread pool, its
+RMSNorms and rotary + KV write as one numba call each (kernels_numba.cpu_glue, chosen in
+pagedattn/layers/ops.py), and torch's remaining ops (activation, sampling) on one thread. Torch's OpenMP
+threads spin for a while after every parallel op (GNU OpenMP's default wait policy), and on a machine
+with as many threads as cores a spinning one takes the core a kernel thread needs: measured, 24
+[8, 896] x [896, 9728] GEMMs took 75 ms alone and ~150 ms with a small torch op after each; with torch
+on one thread, 78 ms. Larger steps (prefill) run their GEMMs through torch (docs/cpu.md).
 
 Tensors on another device go to the torch pieces. The kernels are compiled on first use and cached
 on disk (numba cache=True): the first process pays ~10 s of CPU per pool dtype, later ones about a
@@ -27,6 +27,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from kernels_numba import cpu_attention as kernels
 from kernels_numba import cpu_linear
@@ -36,19 +37,66 @@ from pagedattn.layers.torch_attention import TorchPagedBackend
 _POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+class CpuStep:
+    """The threads of a small CPU step and its GEMMs: shared by the step's ops and the attention backend.
+
+        with step.scope(num_rows):       # a forward (or LM head) of num_rows rows
+            step.small                   # True inside a small step's scope
+            step.threads()               # the kernels' thread count
+            step.linear(x, weight, bias) # x weight^T + bias: cpu_linear in a small step, else torch
+    """
+
+    def __init__(self):
+        self._threads = None         # inside a small step's scope: the kernels' thread count (torch runs on one)
+
+    @contextmanager
+    def scope(self, num_rows):
+        """At most cpu_linear.MAX_ROWS rows run their GEMMs through the kernel, on torch.get_num_threads()
+        threads, with torch set to one thread meanwhile (see the module docstring). Larger ones, and
+        scopes inside a scope, change nothing."""
+        if num_rows > cpu_linear.MAX_ROWS or self._threads is not None:
+            yield
+            return
+        threads = torch.get_num_threads()
+        self._threads = threads
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+            self._threads = None
+
+    @property
+    def small(self):
+        return self._threads is not None
+
+    def threads(self):
+        """Threads of the kernels: torch's count, or the count it had before a small step's scope."""
+        return self._threads or torch.get_num_threads()
+
+    def linear(self, x, weight, bias=None):
+        if self._threads is not None and cpu_linear.use_kernel(x, weight):
+            return cpu_linear.linear(x, weight, bias, num_threads=self._threads)
+        return F.linear(x, weight, bias)
+
+
 class CpuNumbaBackend(TorchPagedBackend):
     """Paged attention on CPU tensors with numba kernels; the call every backend has:
 
         backend.write(k, v, k_cache, v_cache, slot_mapping)
         out = backend.attend(q, k_cache, v_cache, attn_metadata)   # q [T, H, D] -> out [T, H, D]
+
+    step: the CpuStep whose threads the kernels use (default: a new one). step_scope, threads and linear
+    are the step's.
     """
 
     name = "cpu-numba"
 
-    def __init__(self):
+    def __init__(self, step=None):
         self._plan_for = None        # the metadata contents and pool geometry of the cached plan
         self._plan = None
-        self._step_threads = None    # inside a small step's scope: the kernels' thread count (torch runs on one)
+        self.step = CpuStep() if step is None else step
+        self.step_scope, self.threads, self.linear = self.step.scope, self.step.threads, self.step.linear
 
     @staticmethod
     def _runs_here(q, k_cache):
@@ -68,37 +116,6 @@ class CpuNumbaBackend(TorchPagedBackend):
             self._plan_for = key
         return self._plan
 
-    @contextmanager
-    def step_scope(self, num_rows):
-        """A forward (or LM head) of num_rows rows: at most cpu_linear.MAX_ROWS run their GEMMs through
-        the kernel, on torch.get_num_threads() threads of this backend, with torch set to one thread
-        meanwhile (see the module docstring). Larger ones, and scopes inside a scope, change nothing."""
-        if num_rows > cpu_linear.MAX_ROWS or self._step_threads is not None:
-            yield
-            return
-        threads = torch.get_num_threads()
-        self._step_threads = threads
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(threads)
-            self._step_threads = None
-
-    def threads(self):
-        """Threads of the kernels: torch's count, or the count it had before a small step's scope."""
-        return self._step_threads or torch.get_num_threads()
-
-    def cpu_glue(self, x):
-        """RMSNorm and rotary + KV write of a small step's float32 CPU tensors: one numba call each
-        (kernels_numba.cpu_glue) instead of torch's several small ops."""
-        return self._step_threads is not None and x.device.type == "cpu" and x.dtype == torch.float32
-
-    def linear(self, x, weight, bias=None):
-        if self._step_threads is not None and cpu_linear.use_kernel(x, weight):
-            return cpu_linear.linear(x, weight, bias, num_threads=self._step_threads)
-        return super().linear(x, weight, bias)
-
     def write(self, k, v, k_cache, v_cache, slot_mapping):
         if k_cache.dtype != torch.float32 or not self._runs_here(k, k_cache):
             return super().write(k, v, k_cache, v_cache, slot_mapping)
@@ -114,14 +131,14 @@ class CpuNumbaBackend(TorchPagedBackend):
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
         return kernels.attention(q, k_cache, v_cache, self.plan(attn_metadata, k_cache), scale, out,
-                                 self.threads(), numba_threads=self._step_threads is not None)
+                                 self.step.threads(), numba_threads=self.step.small)
 
     def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out):
         """q, out: [Np, H, D]; sequence s owns rows cu_seqlens_q[s]:cu_seqlens_q[s+1]."""
         if not self._runs_here(q, k_cache):
             return super().prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out)
         kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out,
-                                        self.threads())
+                                        self.step.threads())
 
     def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len=None):
         """q, out: [num_decodes, H, D]; each query sees its sequence's context_len tokens.
@@ -129,4 +146,4 @@ class CpuNumbaBackend(TorchPagedBackend):
         if not self._runs_here(q, k_cache):
             return super().decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len)
         kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
-                                       self.threads())
+                                       self.step.threads())

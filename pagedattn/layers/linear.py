@@ -19,6 +19,9 @@ Loading: `weight_loader(param, loaded, shard_id=None)` copies this rank's part o
 into `param` (`shard_id` names the part of a merged layer: "q"/"k"/"v", or 0/1 for gate/up). `loaded` is a
 torch tensor or a safetensors slice; both are indexed with [a:b] / [:, a:b], so from a safetensors file a
 rank reads only its own bytes. Parameters are created uninitialised (torch.empty): the loader fills them.
+
+Every GEMM is the model's ops table's `linear` (pagedattn/layers/ops.py: torch's, or in a small float32
+CPU step kernels_numba/cpu_linear.py), passed at construction as `ops`.
 """
 import torch
 import torch.distributed as dist
@@ -36,11 +39,6 @@ def _param(*shape):
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def _gemm(backend, x, weight, bias=None):
-    """x weight^T + bias through the model's attention backend (its `linear`), or torch without one."""
-    return F.linear(x, weight, bias) if backend is None else backend.linear(x, weight, bias)
-
-
 def _copy(dst, src, name=""):
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"{name}: slice of shape {tuple(src.shape)} does not fit {tuple(dst.shape)}")
@@ -50,25 +48,21 @@ def _copy(dst, src, name=""):
 class LinearBase(nn.Module):
     """y = x W^T + b on this rank's [output_size, input_size] weight (already divided by tp_size)."""
 
-    def __init__(self, input_size, output_size, bias, tp_rank, tp_size):
+    def __init__(self, input_size, output_size, bias, tp_rank, tp_size, ops):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size, self.ops = tp_rank, tp_size, ops
         self.weight = _param(output_size, input_size)
         self.bias = _param(output_size) if bias else None
-        self.backend = None        # the model's attention backend, whose `linear` runs the GEMM (None: torch)
-
-    def gemm(self, x, bias):
-        return _gemm(self.backend, x, self.weight, bias)
 
     def forward(self, x):                                                     # (T, in) -> (T, out)
-        return self.gemm(x, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
     """input_size -> output_size / tp_size features of the output (no communication)."""
 
-    def __init__(self, input_size, output_size, bias=False, tp_rank=0, tp_size=1):
-        super().__init__(input_size, divide(output_size, tp_size, "output_size"), bias, tp_rank, tp_size)
+    def __init__(self, input_size, output_size, bias, tp_rank, tp_size, ops):
+        super().__init__(input_size, divide(output_size, tp_size, "output_size"), bias, tp_rank, tp_size, ops)
 
     def _rank_rows(self, loaded, size):
         return loaded[self.tp_rank * size:(self.tp_rank + 1) * size]
@@ -80,9 +74,9 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Column-parallel weights of `output_sizes` stacked into one GEMM; shard_id i is the i-th weight."""
 
-    def __init__(self, input_size, output_sizes, bias=False, tp_rank=0, tp_size=1):
+    def __init__(self, input_size, output_sizes, bias, tp_rank, tp_size, ops):
         self.output_sizes = [divide(n, tp_size, "output size") for n in output_sizes]   # per rank
-        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size, ops)
 
     def weight_loader(self, param, loaded, shard_id):
         size, offset = self.output_sizes[shard_id], sum(self.output_sizes[:shard_id])
@@ -92,11 +86,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k, v projections in one GEMM; rank r's output is [its H/P q heads | Hkv/P k heads | Hkv/P v heads]."""
 
-    def __init__(self, hidden_size, head_dim, num_heads, num_kv_heads, bias=False, tp_rank=0, tp_size=1):
+    def __init__(self, hidden_size, head_dim, num_heads, num_kv_heads, bias, tp_rank, tp_size, ops):
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp_size, "num_attention_heads")            # per rank
         self.num_kv_heads = divide(num_kv_heads, tp_size, "num_key_value_heads")
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp_rank, tp_size)
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp_rank, tp_size, ops)
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
 
     def weight_loader(self, param, loaded, shard_id):
@@ -108,8 +102,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """input_size / tp_size features of the input -> all output features, summed over ranks."""
 
-    def __init__(self, input_size, output_size, bias=False, tp_rank=0, tp_size=1):
-        super().__init__(divide(input_size, tp_size, "input_size"), output_size, bias, tp_rank, tp_size)
+    def __init__(self, input_size, output_size, bias, tp_rank, tp_size, ops):
+        super().__init__(divide(input_size, tp_size, "input_size"), output_size, bias, tp_rank, tp_size, ops)
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 1:                                                  # the bias: whole on every rank
@@ -118,7 +112,7 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, loaded[:, self.tp_rank * n:(self.tp_rank + 1) * n])
 
     def forward(self, x):                                                     # (T, in/P) -> (T, out)
-        y = self.gemm(x, self.bias if self.tp_rank == 0 else None)
+        y = self.ops.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y
@@ -127,13 +121,12 @@ class RowParallelLinear(LinearBase):
 class VocabParallelEmbedding(nn.Module):
     """Rows [tp_rank V/P, (tp_rank + 1) V/P) of the [V, hidden] embedding."""
 
-    def __init__(self, num_embeddings, embedding_dim, tp_rank=0, tp_size=1):
+    def __init__(self, num_embeddings, embedding_dim, tp_rank, tp_size, ops):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size, self.ops = tp_rank, tp_size, ops
         self.rows = divide(num_embeddings, tp_size, "vocab_size")
         self.start = tp_rank * self.rows
         self.weight = _param(self.rows, embedding_dim)
-        self.backend = None        # used by ParallelLMHead's GEMM, as LinearBase.backend
 
     def weight_loader(self, param, loaded, shard_id=None):
         _copy(param.data, loaded[self.start:self.start + self.rows])
@@ -153,7 +146,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits of this rank's vocab rows, all-gathered (rank order = vocab order)."""
 
     def forward(self, hidden):                                                # (N, hidden) -> (N, V)
-        logits = _gemm(self.backend, hidden, self.weight)                    # (N, V/P)
+        logits = self.ops.linear(hidden, self.weight, None)                  # (N, V/P)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)]

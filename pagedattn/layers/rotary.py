@@ -8,10 +8,10 @@ model's device), so float32 results equal HF's apply_rotary_pos_emb bit for bit.
 (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin), computed in float32 and rounded once to the dtype
 (HF's fp16/bf16 path rounds cos, sin and each product first: the two agree within rounding).
 
-Two ways to run it:
-  forward(positions, q, k) -> (q, k) rotated: torch ops (CPU, float32, the torch attention backend).
-  rotate_and_cache(...): one numba kernel that rotates q into a buffer and writes the rotated k and v into
-  the paged KV pool (kernels_numba/rotary.py), used by the numba backend on fp16/bf16.
+The model rotates through its ops table's one rotary + K/V write (pagedattn/layers/ops.py): the torch
+ops here (`apply_rotary`) followed by the backend's K/V write, one CUDA kernel that rotates q into a buffer
+and writes the rotated k and v into the paged pool (kernels_numba/rotary.py), or in a small float32 CPU
+step one numba call doing the same (kernels_numba/cpu_glue.py). This module owns the cos/sin cache.
 """
 import torch
 from torch import nn
@@ -33,21 +33,16 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(head_dim, max_position, theta), persistent=False)
-        self.kernel_ok = head_dim % 16 == 0            # the kernel moves 8-element pieces of each half
 
     def forward(self, positions, q, k):
         """positions: [T] int; q: [T, H, D]; k: [T, Hkv, D] (views are fine). Returns rotated (q, k), new tensors."""
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)          # (T, D/2) each
-        return _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
+        return apply_rotary(positions, q, k, self.cos_sin_cache)
 
-    def rotate_and_cache(self, positions, q, k, v, k_cache, v_cache, slot_mapping, validate=True):
-        """The numba kernel: returns q rotated into a new contiguous [T, H, D] buffer; the rotated k and v go
-        into k_cache / v_cache [num_blocks, Hkv, block_size, D] at slot_mapping [T] (-1: skipped)."""
-        from kernels_numba.rotary import rotary_embedding_and_cache
 
-        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        return rotary_embedding_and_cache(positions, q, k, v, self.cos_sin_cache, k_cache, v_cache, slot_mapping,
-                                          q_out=q_out, validate=validate)
+def apply_rotary(positions, q, k, cos_sin_cache):
+    """Torch ops: q [T, H, D], k [T, Hkv, D] rotated at positions [T] with cos_sin_cache [P, D] float32."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)                   # (T, D/2) each
+    return _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
 
 
 def _rotate(x, cos, sin):

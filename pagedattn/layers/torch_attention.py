@@ -5,7 +5,6 @@ scaled_dot_product_attention with an explicit mask (causal + context length), in
 (it sizes the gather on the host). The other backends (pagedattn/layers/attention.py, cpu_attention.py)
 subclass it and fall back to its pieces for inputs their kernels do not cover.
 """
-import contextlib
 import math
 
 import torch
@@ -138,22 +137,6 @@ class TorchPagedBackend:
     def copy_blocks(self, k_caches, v_caches, block_copies):
         """Copy-on-write: block_copies [C, 2] rows (src, dst), copied in every layer's K and V pool."""
         copy_blocks(k_caches, v_caches, block_copies)
-
-    def fused(self, x):
-        """Whether the numba glue kernels run on tensor x: never with torch ops."""
-        return False
-
-    def linear(self, x, weight, bias=None):
-        """The linear layers' GEMM, y = x weight^T + bias: torch's here."""
-        return F.linear(x, weight, bias)
-
-    def step_scope(self, num_rows):
-        """Context around a forward of num_rows rows (the CPU backend runs small ones on its own threads)."""
-        return contextlib.nullcontext()
-
-    def cpu_glue(self, x):
-        """Whether the numba CPU glue kernels (kernels_numba.cpu_glue) run on tensor x: not here."""
-        return False
 
     def can_capture(self, dtype, head_dim, block_size):
         """Whether a decode step through this backend can be recorded in a CUDA graph: no, the gather

@@ -15,12 +15,13 @@ A decoder layer, and the kernels of a decode step with the numba backend on fp16
     x, residual = post_attention_layernorm(x, residual)                                     1 kernel
     x = down_proj(silu_and_mul(gate_up_proj(x)))    gate and up in one GEMM                 3
 
-With the torch backend, on CPU or in float32 the same layers run as torch ops with the same math.
+Which kernel runs each op is decided once, when the model is built, from the backend, the device and the
+dtype: the model's ops table (pagedattn/layers/ops.py), handed to every layer at construction. With the
+torch backend, on CPU or in float32 the same layers run as torch ops with the same math.
 Tensor parallelism: built for rank tp_rank of tp_size (pagedattn/layers/linear.py); the checkpoint stays
 Hugging Face's (q_proj / k_proj / v_proj and gate_proj / up_proj are merged at load time:
 `packed_modules_mapping`, pagedattn/models/loader.py).
 """
-import contextlib
 from dataclasses import MISSING, dataclass, fields
 
 import torch
@@ -28,9 +29,7 @@ from torch import nn
 
 from pagedattn.errors import ModelLoadError
 from pagedattn.layers.activation import SiluAndMul
-from pagedattn.layers.attention import get_backend
 from pagedattn.layers.linear import (
-    LinearBase,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -38,6 +37,7 @@ from pagedattn.layers.linear import (
     VocabParallelEmbedding,
 )
 from pagedattn.layers.norm import RMSNorm
+from pagedattn.layers.ops import make_ops
 from pagedattn.layers.rotary import RotaryEmbedding
 
 
@@ -120,87 +120,78 @@ def checkpoint_shapes(config):
 
 
 class Qwen2Attention(nn.Module):
-    def __init__(self, config, rotary_emb, tp_rank=0, tp_size=1):
+    def __init__(self, config, rotary_emb, ops, tp_rank=0, tp_size=1):
         super().__init__()
         D = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, D, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=True, tp_rank=tp_rank, tp_size=tp_size)
+                                          config.num_key_value_heads, True, tp_rank, tp_size, ops)
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, D
-        self.o_proj = RowParallelLinear(config.num_attention_heads * D, config.hidden_size, bias=False,
-                                        tp_rank=tp_rank, tp_size=tp_size)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * D, config.hidden_size, False, tp_rank, tp_size,
+                                        ops)
         self.rotary_emb = rotary_emb                     # shared by every layer (one cos/sin cache)
+        self.ops = ops
 
-    def forward(self, positions, x, k_cache, v_cache, attn_metadata, backend):
+    def forward(self, positions, x, k_cache, v_cache, attn_metadata):
         T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim    # x: (T, hidden)
         qkv = self.qkv_proj(x)                                              # (T, (H + 2 Hkv) D)
-        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)     # views into qkv
-        if self.rotary_emb.kernel_ok and backend.fused(qkv):
-            # one kernel: q rotated into a contiguous buffer, k rotated and v copied into the pool
-            q = self.rotary_emb.rotate_and_cache(positions, q, k, v, k_cache, v_cache, attn_metadata.slot_mapping,
-                                                 validate=backend.validate)          # (T, H, D)
-        elif backend.cpu_glue(qkv) and k_cache.dtype == torch.float32:
-            from kernels_numba.cpu_glue import rotary_cache          # the same, one numba call on the CPU
-            q = rotary_cache(positions, qkv, H, Hkv, D, self.rotary_emb.cos_sin_cache, k_cache, v_cache,
-                             attn_metadata.slot_mapping)
-        else:
-            q, k = self.rotary_emb(positions, q, k)
-            backend.write(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
-        o = backend.attend(q, k_cache, v_cache, attn_metadata)              # (T, H, D)
+        # q rotated; k rotated and v written into this layer's pool at the step's slots
+        q = self.ops.rotary_and_cache_write(positions, qkv, H, Hkv, D, self.rotary_emb.cos_sin_cache,
+                                            k_cache, v_cache, attn_metadata.slot_mapping)   # (T, H, D)
+        o = self.ops.attention(q, k_cache, v_cache, attn_metadata)          # (T, H, D)
         return self.o_proj(o.view(T, H * D))                                # (T, hidden)
 
 
 class Qwen2MLP(nn.Module):
-    def __init__(self, config, tp_rank=0, tp_size=1):
+    def __init__(self, config, ops, tp_rank=0, tp_size=1):
         super().__init__()
         I = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [I, I], bias=False,
-                                                       tp_rank=tp_rank, tp_size=tp_size)
-        self.act_fn = SiluAndMul(I // tp_size)
-        self.down_proj = RowParallelLinear(I, config.hidden_size, bias=False, tp_rank=tp_rank, tp_size=tp_size)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [I, I], False, tp_rank, tp_size, ops)
+        self.act_fn = SiluAndMul(ops)
+        self.down_proj = RowParallelLinear(I, config.hidden_size, False, tp_rank, tp_size, ops)
 
     def forward(self, x):                                                   # SwiGLU: (T, hidden) -> (T, hidden)
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))           # via (T, 2 I/P) and (T, I/P)
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, config, rotary_emb, tp_rank=0, tp_size=1):
+    def __init__(self, config, rotary_emb, ops, tp_rank=0, tp_size=1):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Qwen2Attention(config, rotary_emb, tp_rank, tp_size)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = Qwen2MLP(config, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = Qwen2Attention(config, rotary_emb, ops, tp_rank, tp_size)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = Qwen2MLP(config, ops, tp_rank, tp_size)
 
-    def forward(self, positions, x, residual, k_cache, v_cache, attn_metadata, backend):
+    def forward(self, positions, x, residual, k_cache, v_cache, attn_metadata):
         """x: (T, hidden), the previous layer's output; residual: the residual stream before it (None in
         the first layer, whose input x is the embedding). Returns this layer's (output, residual stream)."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, k_cache, v_cache, attn_metadata, backend)
+        x = self.self_attn(positions, x, k_cache, v_cache, attn_metadata)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, config, tp_rank=0, tp_size=1):
+    def __init__(self, config, ops, tp_rank=0, tp_size=1):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size, ops)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
-        self.layers = nn.ModuleList([Qwen2DecoderLayer(config, self.rotary_emb, tp_rank, tp_size)
+        self.layers = nn.ModuleList([Qwen2DecoderLayer(config, self.rotary_emb, ops, tp_rank, tp_size)
                                      for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
 class Qwen2ForCausalLM(nn.Module):
     """Qwen2 on the paged KV cache (rank tp_rank of tp_size under tensor parallelism).
 
-    config: Qwen2Config. attn_backend: a backend object, or "auto" / "torch" / "numba" (resolved for the
-    device of the first forward's inputs; see pagedattn.layers.attention.get_backend). The backend also
-    decides where the glue kernels run (its `fused(x)`) and runs the linear layers' GEMMs (its `linear`):
-    assigning model.attn_backend hands it to every norm, activation, linear layer and the LM head.
-    Parameters are created uninitialised: load them (pagedattn.models.loader.load_model).
+    config: Qwen2Config. attn_backend: a backend object, or "auto" / "torch" / "numba" / "cpu" (see
+    pagedattn.layers.attention.get_backend). The model is built for the current default device and dtype
+    (pagedattn.models.loader.build_model sets both): with them the backend's choices are made once, into the
+    ops table `model.ops` (pagedattn.layers.ops) that every layer gets at construction; `model.attn_backend`
+    is the resolved backend. Parameters are created uninitialised: load them
+    (pagedattn.models.loader.load_model).
     """
 
     # checkpoint name -> (parameter name, shard id) for the weights merged at load time
@@ -212,22 +203,13 @@ class Qwen2ForCausalLM(nn.Module):
     def __init__(self, config, attn_backend="auto", tp_rank=0, tp_size=1):
         super().__init__()
         self.config, self.tp_rank, self.tp_size = config, tp_rank, tp_size
-        self.model = Qwen2Model(config, tp_rank, tp_size)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.ops = make_ops(attn_backend, torch.empty(0).device, torch.get_default_dtype(), config.hidden_size,
+                            config.intermediate_size // tp_size, config.head_dim)
+        self.attn_backend = self.ops.backend
+        self.model = Qwen2Model(config, self.ops, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size, self.ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.attn_backend = attn_backend
-
-    @property
-    def attn_backend(self):
-        return self._attn_backend
-
-    @attn_backend.setter
-    def attn_backend(self, backend):
-        self._attn_backend = backend
-        for m in self.modules():
-            if isinstance(m, (RMSNorm, SiluAndMul, LinearBase, ParallelLMHead)):
-                m.backend = None if isinstance(backend, str) else backend
 
     def forward(self, input_ids, positions, kv_cache, attn_metadata):
         """One step.
@@ -236,18 +218,14 @@ class Qwen2ForCausalLM(nn.Module):
         kv_cache: KVCache with one pool per layer (written at attn_metadata.slot_mapping).
         attn_metadata: AttentionMetadata of the step. Returns the final-normed hidden states [T, hidden].
         """
-        if isinstance(self.attn_backend, str):
-            self.attn_backend = get_backend(self.attn_backend, input_ids.device)
-        backend = self.attn_backend
-        with backend.step_scope(input_ids.shape[0]):
+        with self.ops.step_scope(input_ids.shape[0]):
             x, residual = self.model.embed_tokens(input_ids), None              # (T, hidden)
             for i, layer in enumerate(self.model.layers):
                 x, residual = layer(positions, x, residual, kv_cache.k_caches[i], kv_cache.v_caches[i],
-                                    attn_metadata, backend)
+                                    attn_metadata)
             return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden):
         """hidden: [N, hidden] (usually the last token of each sequence) -> [N, vocab] float32."""
-        backend = self.attn_backend
-        with contextlib.nullcontext() if isinstance(backend, str) else backend.step_scope(hidden.shape[0]):
+        with self.ops.step_scope(hidden.shape[0]):
             return self.lm_head(hidden).float()
