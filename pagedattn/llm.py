@@ -33,7 +33,10 @@ class LLM:
     tensor_parallel_size: P > 1 shards the model over P ranks (see docs/tensor_parallel.md): this process
     is rank 0 and starts P - 1 worker processes (spawn; NCCL on cuda:0..P-1, gloo on CPU). They stop on
     close(), at the end of a `with LLM(...)` block, at interpreter exit, and after a failed step. Scripts
-    that use it need the `if __name__ == "__main__":` guard that spawn requires.
+    that use it need the `if __name__ == "__main__":` guard that spawn requires. Under torchrun (P =
+    WORLD_SIZE ranks, on one host or several) no process is started: rank 0's LLM(...) returns and drives
+    the others, and on every other rank LLM(...) runs the worker loop and exits the process when rank 0
+    closes (with an error if rank 0 or a peer fails), so one script runs on every rank.
     """
 
     def __init__(self, model=None, device="auto", dtype="auto", tensor_parallel_size=1, **kwargs):

@@ -13,6 +13,10 @@ The tiny Qwen2 (tests/helpers.py: 6 query heads, 2 KV heads, vocab 128, intermed
 - A worker killed mid-life, or one that raises, makes generate raise TensorParallelError in the
   parent within seconds (no hang; the worker's traceback in the message), leaving no child process.
 - close() / Ctrl-C stop the workers: no child process remains.
+- Beam search at TP=2 gives TP=1's beams; an engine idle for longer than the workers' wait timeout keeps
+  them (rank 0's heartbeat).
+
+Launches by torchrun (the ranks on several hosts) are tests/test_torchrun.py's.
 """
 import multiprocessing
 import os
@@ -114,6 +118,45 @@ def test_async_scheduling_at_tp2(tiny_checkpoint):  # noqa: F811
     expected = run_workload(LLM(tiny_checkpoint, **ENGINE_ARGS))
     with LLM(tiny_checkpoint, tensor_parallel_size=TP, async_scheduling=True, **ENGINE_ARGS) as llm:
         assert run_workload(llm) == expected
+
+
+BEAM_PROMPTS = [[5, 6, 7], list(range(3, 30)), [9], [11, 12] * 9]
+
+
+def test_beam_search_at_tp2_equals_tp1(tiny_checkpoint):  # noqa: F811
+    """Beam rows take their top-2W log-probabilities from the all-gathered logits on every rank (the workers
+    compute them too: lm_head's all-gather is a collective), and the forks' copy-on-write copies reach
+    every rank: TP=2 gives TP=1's beams, token for token. Cumulative log-probabilities differ by the
+    all-reduce's rounding only."""
+    from pagedattn.sampling_params import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True)
+    expected = LLM(tiny_checkpoint, **ENGINE_ARGS).beam_search(BEAM_PROMPTS, params, use_tqdm=False)
+    with LLM(tiny_checkpoint, tensor_parallel_size=TP, **ENGINE_ARGS) as llm:
+        got = llm.beam_search(BEAM_PROMPTS, params, use_tqdm=False)
+        assert llm.metrics()["kv_cache_usage"] == 0
+    for i, (e, g) in enumerate(zip(expected, got)):
+        assert len(e.sequences) == len(g.sequences) == params.beam_width
+        for b, (se, sg) in enumerate(zip(e.sequences, g.sequences)):
+            assert se.output_token_ids == sg.output_token_ids, f"prompt {i} beam {b}"
+            assert sg.cumulative_logprob == pytest.approx(se.cumulative_logprob, rel=1e-5, abs=1e-5)
+
+
+def test_idle_engine_keeps_its_workers(tiny_checkpoint, monkeypatch):  # noqa: F811
+    """A worker waits for rank 0's next message at most CTRL_TIMEOUT_S; an engine left idle longer (a server
+    without requests) keeps its workers because rank 0 sends a heartbeat every HEARTBEAT_S. Here the
+    timeout is 3 s and the engine idles for 5 s between two requests."""
+    from pagedattn.distributed import worker
+
+    monkeypatch.setattr(worker, "CTRL_TIMEOUT_S", 3)
+    monkeypatch.setattr(worker, "HEARTBEAT_S", 0.3)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(tiny_checkpoint, tensor_parallel_size=TP, **ENGINE_ARGS) as llm:
+        first = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+        time.sleep(5)
+        assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids == first
+        (pid,) = llm.engine.executor.pids
+        assert not is_gone(pid)
 
 
 def test_worker_failure_raises_in_parent(tiny_checkpoint):  # noqa: F811

@@ -2,7 +2,8 @@
 
 parallel.py: the process group and the checks; the sharded layers themselves are pagedattn/layers/linear.py,
     loaded rank by rank by pagedattn.models.loader.load_model(..., tp_rank, tp_size).
-worker.py: the ranks' devices, thread counts and process groups, the pool size they agree on, and
+worker.py: the ranks' devices, thread counts and process groups, torchrun's placement of this process
+    (torchrun_launch), the control group's timeout and heartbeat, the pool size the ranks agree on, and
     TensorParallelError. The worker loop and the step's wire format are pagedattn/engine/executor.py's
     (distributed imports nothing of the engine).
 """

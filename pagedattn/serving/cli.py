@@ -3,6 +3,8 @@
     python -m pagedattn serve                                  # the bundled model, 127.0.0.1:8000
     python -m pagedattn serve --model path/to/qwen2_dir --device cuda --port 8001 --api-key secret
     python -m pagedattn serve --model DIR --device cuda --data-parallel-size 2 --api-server-count 4
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \
+        -m pagedattn serve --model DIR --device cuda --tensor-parallel-size 16    # docs/tensor_parallel.md
 
 The engine runs in an engine-core process of its own and the HTTP side (tokenizing, detokenizing, SSE) in
 one or more API processes that share the port (pagedattn.serving.launcher, docs/engine_core.md);
@@ -89,6 +91,7 @@ def main(argv=None):
     import uvicorn
 
     from pagedattn import LLM
+    from pagedattn.distributed.worker import torchrun_launch
     from pagedattn.errors import InvalidRequestError
     from pagedattn.serving.api_server import build_app, uvicorn_config
     from pagedattn.serving.async_llm import AsyncLLM
@@ -102,6 +105,15 @@ def main(argv=None):
         raise SystemExit(f"--switch-interval-ms must be > 0, got {a.switch_interval_ms}")
     if a.stream_interval < 1:
         raise SystemExit(f"--stream-interval must be >= 1, got {a.stream_interval}")
+    launch = torchrun_launch()
+    if launch is not None:          # launched by torchrun: rank 0 serves, every other rank is a TP worker
+        if a.data_parallel_size != 1 or a.engine_core_addresses or a.tensor_parallel_size != launch.world_size:
+            raise SystemExit(f"under torchrun, serve runs one engine over all {launch.world_size} ranks: pass "
+                             f"--tensor-parallel-size {launch.world_size}, no --data-parallel-size or "
+                             "--engine-core-address")
+        if launch.rank != 0:
+            from pagedattn.serving.launcher import ServeConfig
+            LLM(**ServeConfig.from_args(a).engine_kwargs())     # the worker loop; exits when rank 0 stops
     if not a.in_process:
         from pagedattn.serving.launcher import ServeConfig, serve
 
