@@ -16,6 +16,9 @@ The tiny Qwen2 (tests/helpers.py: 6 query heads, 2 KV heads, vocab 128, intermed
 - Beam search at TP=2 gives TP=1's beams; an engine idle for longer than the workers' wait timeout keeps
   them (rank 0's heartbeat).
 
+- The fused all-reduce + residual add + RMSNorm (pagedattn/distributed/allreduce_norm.py) equals the
+  unfused path on two gloo ranks.
+
 Launches by torchrun (the ranks on several hosts) are tests/test_torchrun.py's.
 """
 import multiprocessing
@@ -185,6 +188,57 @@ def test_worker_exception_surfaces_in_parent(tiny_checkpoint):  # noqa: F811
         llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert time.monotonic() - t0 < 30
     assert is_gone(pid) and not multiprocessing.active_children()
+
+
+FUSED_NORM_TOKENS = [1, 2, 5, 17, 64]       # 1 and 5, 17: fewer rows than ranks, and padding
+FUSED_NORM_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _fused_norm_rank(rank, world_size, init_method):
+    """One gloo rank: the fused reduce-scatter / add-norm / all-gather against all-reduce then add-norm,
+    for every FUSED_NORM_TOKENS x FUSED_NORM_DTYPES; raises on the first difference (the parent sees it)."""
+    import torch.distributed as dist
+
+    from pagedattn.distributed.allreduce_norm import all_reduce_add_rms_norm, gather_rows, shard_rows, token_rows
+    from pagedattn.layers.ops import add_rms_norm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        hidden, eps = 96, 1e-6
+        for dtype in FUSED_NORM_DTYPES:
+            for T in FUSED_NORM_TOKENS:
+                mine = torch.Generator().manual_seed(100 * T + rank)          # this rank's partial sums
+                shared = torch.Generator().manual_seed(7 * T)                 # replicated: residual, weight
+                partial = torch.randn(T, hidden, generator=mine).to(dtype)
+                residual = (3 * torch.randn(T, hidden, generator=shared)).to(dtype)
+                weight = (1 + 0.1 * torch.randn(hidden, generator=shared)).to(dtype)
+                reduced = partial.clone()
+                dist.all_reduce(reduced)
+                want_x, want_residual = add_rms_norm(reduced, residual, weight, eps)
+                x, residual_rows = all_reduce_add_rms_norm(partial, shard_rows(residual, rank, world_size),
+                                                           weight, eps, add_rms_norm)
+                assert residual_rows.shape == (token_rows(T, world_size), hidden)
+                got_residual = gather_rows(residual_rows, T)
+                for name, got, want in (("x", x, want_x), ("residual", got_residual, want_residual)):
+                    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape)
+                    diff = (got.float() - want.float()).abs().max().item()
+                    assert torch.equal(got, want), f"{dtype} T={T} {name}: max |fused - unfused| = {diff}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fused_all_reduce_add_rms_norm_equals_unfused_on_gloo():
+    """Two gloo ranks: reduce-scatter, add + RMSNorm on each rank's rows, all-gather gives the unfused
+    all-reduce + add_rms_norm bit for bit (the same two-term sums, the same row-wise norm), in float32 and
+    bfloat16, for token counts below, at and above the rank count, padded or not; the residual stream
+    kept as rows gathers back to the unfused residual."""
+    import torch.multiprocessing as mp
+
+    from pagedattn.distributed.parallel import free_port
+
+    mp.start_processes(_fused_norm_rank, args=(TP, f"tcp://127.0.0.1:{free_port()}"), nprocs=TP, join=True,
+                       start_method="spawn")
 
 
 CTRL_C_SCRIPT = textwrap.dedent("""

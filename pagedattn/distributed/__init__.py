@@ -6,6 +6,8 @@ worker.py: the ranks' devices, thread counts and process groups, torchrun's plac
     (torchrun_launch), the control group's timeout and heartbeat, the pool size the ranks agree on, and
     TensorParallelError. The worker loop and the step's wire format are pagedattn/engine/executor.py's
     (distributed imports nothing of the engine).
+allreduce_norm.py: a row-parallel layer's all-reduce fused with the residual add and RMSNorm that follow
+    (reduce-scatter over tokens, the add-norm on each rank's rows, all-gather), equal to the unfused path.
 """
 from pagedattn.distributed.parallel import check_tensor_parallel_size
 

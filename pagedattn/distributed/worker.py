@@ -7,9 +7,9 @@ Rank 0 is the process that owns the scheduler (LLMEngine with a MultiprocExecuto
 either processes it starts itself with torch.multiprocessing (spawn, one host), or, when the script was
 launched by torchrun (`torchrun_launch()` finds RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
 in the environment), the launcher's other ranks on any number of hosts, which join the process group
-torchrun set up (init_method "env://") and run the same worker loop. Every rank builds `ModelRunner(config, rank, P)`, which loads only its
-shard; the ranks agree on the KV pool size (the smallest any rank can hold: one all-reduce MIN), and then
-each step is
+torchrun set up (init_method "env://") and run the same worker loop. Every rank builds
+`ModelRunner(config, rank, P)`, which loads only its shard; the ranks agree on the KV pool size (the
+smallest any rank can hold: one all-reduce MIN), and then each step is
 
     rank 0: broadcast(header), broadcast(StepInputs data)       on the control group (its own gloo group)
     every rank: runner.execute(step): forward on its shard (2 all-reduces per layer on the model's group:

@@ -270,7 +270,8 @@ def run_torchrun_worker(config, launch):
     check_tensor_parallel_size(read_config(config.model), launch.world_size)
     device = rank_device(config.device_type, launch.local_rank)
     if config.device_type == "cuda" and torch.cuda.device_count() <= launch.local_rank:
-        raise TensorParallelError(f"rank {launch.rank} runs on {device}, but {torch.cuda.device_count()} GPUs are visible")
+        raise TensorParallelError(f"rank {launch.rank} runs on {device}, but {torch.cuda.device_count()} GPUs "
+                                  "are visible")
     if config.device_type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(launch.local_world_size))
     owns_group = not dist.is_initialized()

@@ -3,8 +3,8 @@
     python -m pagedattn serve                                  # the bundled model, 127.0.0.1:8000
     python -m pagedattn serve --model path/to/qwen2_dir --device cuda --port 8001 --api-key secret
     python -m pagedattn serve --model DIR --device cuda --data-parallel-size 2 --api-server-count 4
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \
-        -m pagedattn serve --model DIR --device cuda --tensor-parallel-size 16    # docs/tensor_parallel.md
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \\
+        -m pagedattn serve --model DIR --device cuda --tensor-parallel-size 4     # docs/tensor_parallel.md
 
 The engine runs in an engine-core process of its own and the HTTP side (tokenizing, detokenizing, SSE) in
 one or more API processes that share the port (pagedattn.serving.launcher, docs/engine_core.md);
