@@ -12,9 +12,12 @@ and exits the process when rank 0 closes. The script checks that nothing after L
   SIGKILLed while rank 0 generates -> rank 0 raises TensorParallelError and both torchruns exit non-zero;
   rank 0 SIGKILLed -> the worker rank raises TensorParallelError and exits non-zero. Within a bounded wait,
   no process left behind.
+- slow: `torchrun --standalone --nproc-per-node 2 -m pagedattn serve --tensor-parallel-size 2`: rank 0 serves
+  a completion; SIGTERM to torchrun ends every process of the launch.
 """
 import json
 import os
+import urllib.request
 import signal
 import socket
 import subprocess
@@ -58,6 +61,41 @@ RANK_SCRIPT = textwrap.dedent(f"""
 def tp1_ids(checkpoint):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return [o.outputs[0].token_ids for o in LLM(checkpoint, **ENGINE_ARGS).generate(PROMPTS, params, use_tqdm=False)]
+
+
+def descendants(pid):
+    """Pids of the live (non-zombie) processes below `pid` (torchrun starts its ranks in sessions of their
+    own, so a process group does not hold them)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()          # state, ppid, ...
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(proc, known=()):
+    """SIGKILL a torchrun, everything below it, and the pids in `known` (seen below it earlier)."""
+    pids = set(known)
+    if proc.poll() is None:
+        pids |= set(descendants(proc.pid))
+        proc.kill()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
 def free_port():
@@ -118,10 +156,14 @@ class Launch:
         return "\n".join(text)
 
     def kill_all(self):
+        ranks = []
+        for rank in (0, 1):
+            try:
+                ranks.append(self.rank_pid(rank))
+            except FileNotFoundError:
+                pass
         for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            kill_tree(p, ranks)
         for log in self.logs:
             log.close()
 
@@ -207,3 +249,52 @@ def test_tensor_parallel_size_must_equal_world_size(tiny_checkpoint, monkeypatch
         monkeypatch.setenv(k, v)
     with pytest.raises(InvalidRequestError, match="WORLD_SIZE=4"):
         LLM(tiny_checkpoint, tensor_parallel_size=2, **ENGINE_ARGS)
+
+
+@pytest.mark.slow
+def test_serve_under_torchrun(tiny_checkpoint, tmp_path):  # noqa: F811
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path]), "OMP_NUM_THREADS": "1"}
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "pagedattn", "serve", "--model", tiny_checkpoint, "--device", "cpu",
+                             "--tensor-parallel-size", "2", "--port", str(port), "--num-blocks", "64",
+                             "--block-size", "8", "--max-model-len", "128"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True)
+
+    def output():
+        log.seek(0)
+        return log.read()[-6000:]
+
+    below = []
+    try:
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while True:
+            below = descendants(proc.pid) or below
+            assert proc.poll() is None, f"torchrun exited early\n{output()}"
+            assert time.monotonic() < deadline, f"no server after {EXIT_WAIT_S} s\n{output()}"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
+            name = json.load(r)["data"][0]["id"]
+        body = json.dumps({"model": name, "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answer = json.load(r)
+        assert answer["usage"]["completion_tokens"] == 8, answer
+        below = descendants(proc.pid)
+        assert len(below) >= 3, output()      # rank 0 (the server, its engine core and API processes), rank 1
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=EXIT_WAIT_S)
+        deadline = time.monotonic() + 30
+        while not all(is_gone(pid) for pid in below) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(is_gone(pid) for pid in below), output()
+    finally:
+        kill_tree(proc, below)
+        log.close()
