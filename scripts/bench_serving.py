@@ -2,14 +2,14 @@
 in-process one, at saturation and at light load, beside offline LLM.generate on the same requests, in one run.
 
 Servers (--servers, in this order; one row per server and load):
-  mp<N>    `python -m pagedattn.serving.launcher ... --api-server-count N`: one engine core process and N API
+  mp<N>    `python -m pagedattn serve ... --api-server-count N`: one engine core process and N API
            processes on one port (docs/engine_core.md)
-  inproc   `python -m pagedattn serve`: AsyncLLM's engine thread inside the HTTP process
+  inproc   `python -m pagedattn serve --in-process`: AsyncLLM's engine thread inside the HTTP process
 Every server runs with the offline run's engine settings (prefix caching off in both: the loads replay
 prompts), --stream-interval 1 by default; its log goes to <out>/server_<name>.log.
 
 Loads (--loads):
-  chat   the issue's user load (needs a tokenizer): --chat-requests streamed /v1/chat/completions calls,
+  chat   a chat user load (needs a tokenizer): --chat-requests streamed /v1/chat/completions calls,
          temperature 0.8, top_p 0.95, max_tokens 256, varied short user messages (chat_messages: templates x
          topics x asks, deterministic), --concurrency streams at once (closed loop: a stream that finishes
          sends the next request)
@@ -33,7 +33,7 @@ requests (chat: the messages through the tokenizer's chat template, as the serve
 step: 256 sequences (100-token prompts, ignore_eos) stepped by hand, the median wall time of the steps
 after every prompt is in (the engine's step period at that batch: what an ITL compares to).
 
-Goals (issue: served >= 0.9x offline at 256 streams, ITL p50 <= 1.2x the offline decode step, TTFT p50
+Goals (served >= 0.9x offline at 256 streams, ITL p50 <= 1.2x the offline decode step, TTFT p50
 at light load <= 25 ms) are checked per row in the `goals` list of the JSON and the markdown.
 
     python scripts/bench_serving.py --out OUT                          # the bundled model, GPU defaults
@@ -307,15 +307,16 @@ def free_port():
 
 
 def server_command(name, model_dir, port, engine_args):
-    """The command line of server `name`: mpN (the launcher, N API servers) or inproc (`pagedattn serve`)."""
-    common = ["--model", model_dir, "--port", str(port), "--served-model-name", "bench", "--log-level", "warning",
-              *engine_args]
+    """The command line of server `name`: mpN (`pagedattn serve`: the engine core in its own process, N API
+    servers) or inproc (`pagedattn serve --in-process`: the engine on a thread of the HTTP process)."""
+    cmd = [sys.executable, "-m", "pagedattn", "serve", "--model", model_dir, "--port", str(port),
+           "--served-model-name", "bench", "--log-level", "warning", *engine_args]
     if name == "inproc":
-        return [sys.executable, "-m", "pagedattn", "serve", *common]
+        return cmd + ["--in-process"]
     m = re.fullmatch(r"mp(\d+)", name)
     if not m:
-        raise ValueError(f"unknown server {name!r}: mp<N> (the launcher with N API servers) or inproc")
-    return [sys.executable, "-m", "pagedattn.serving.launcher", *common, "--api-server-count", m.group(1)]
+        raise ValueError(f"unknown server {name!r}: mp<N> (the engine core and N API servers) or inproc")
+    return cmd + ["--api-server-count", m.group(1)]
 
 
 def start_server(name, model_dir, engine_args, log_path, timeout_s):
@@ -482,7 +483,7 @@ def resolve_model(model, smoke):
 
 
 def goal_lines(rows, step_ms):
-    """Each goal of the issue against the rows that measure it: (text, met)."""
+    """Each serving goal against the rows that measure it: (text, met)."""
     lines = []
     for r in rows:
         if r["server"] == "offline" or r.get("skipped"):
@@ -640,7 +641,7 @@ if __name__ == "__main__":
     ap.add_argument("--out", required=True, help="directory for bench_serving.{json,md} and the server logs")
     ap.add_argument("--model", default="bundled", help="bundled | random (Qwen2.5-0.5B shapes) | a Qwen2 directory")
     ap.add_argument("--servers", type=_names, default=None,
-                    help="comma-separated, run in this order: mp<N> (launcher, N API servers) | inproc "
+                    help="comma-separated, run in this order: mp<N> (engine core + N API servers) | inproc "
                          "(default mp1,mp2,mp4,inproc; --smoke: mp2,inproc)")
     ap.add_argument("--loads", type=_names, default=("chat", "nano", "light"), help="chat,nano,light")
     ap.add_argument("--device", default="auto")

@@ -54,8 +54,9 @@ def test_chat_messages_are_varied_and_deterministic():
 
 def test_server_commands():
     mp4 = bench_serving.server_command("mp4", "M", 123, ["--device", "cpu"])
-    assert mp4[1:3] == ["-m", "pagedattn.serving.launcher"] and mp4[-2:] == ["--api-server-count", "4"]
-    assert bench_serving.server_command("inproc", "M", 123, [])[1:4] == ["-m", "pagedattn", "serve"]
+    assert mp4[1:4] == ["-m", "pagedattn", "serve"] and mp4[-2:] == ["--api-server-count", "4"]
+    inproc = bench_serving.server_command("inproc", "M", 123, [])
+    assert inproc[1:4] == ["-m", "pagedattn", "serve"] and inproc[-1] == "--in-process"
     with pytest.raises(ValueError):
         bench_serving.server_command("mpx", "M", 123, [])
 

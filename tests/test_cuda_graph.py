@@ -32,7 +32,7 @@ def test_ladder():
 def make_step(bs=4):
     """A mixed step: a 6-token prefill chunk starting at 3, and two decodes (one with an in-flight token)."""
     bm = BlockManager(32, bs)
-    p = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=2**63 + 5)
+    p = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=2**63 - 5)         # near the top of the allowed range
     a = Sequence(0, "a", list(range(10, 20)), 10, p, key=p.seed)
     b = Sequence(1, "b", [1, 2, 3, 4, 5], 3, p, index=2, key=7)
     c = Sequence(2, "c", [9, 8, 7], 2, SamplingParams(temperature=0), key=11)
