@@ -97,8 +97,10 @@ def join_group(rank, world_size, init_method, device, ctrl_timeout_s=None):
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-def agree_num_blocks(runner, ctrl):
-    """The KV pool size every rank can hold: the minimum of each rank's own estimate."""
-    n = torch.tensor([runner.available_blocks()], dtype=torch.int64)
-    dist.all_reduce(n, op=dist.ReduceOp.MIN, group=ctrl)
+def agree_num_blocks(runner):
+    """The KV pool size every rank can hold: the minimum of each rank's own estimate. On the model's group
+    (its long TIMEOUT_S), not the control group: the ranks get here when each has loaded its shard, and
+    one may load minutes after another (a slower disk on another host)."""
+    n = torch.tensor([runner.available_blocks()], dtype=torch.int64, device=runner.device)
+    dist.all_reduce(n, op=dist.ReduceOp.MIN)
     return int(n.item())

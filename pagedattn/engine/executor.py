@@ -103,7 +103,7 @@ class MultiprocExecutor:
                 torch.set_num_threads(cpu_threads_per_rank(ranks_here))
             self.ctrl = join_group(0, P, init_method, device, ctrl_timeout)
             self.runner = ModelRunner(config, 0, P, device)
-            self.num_blocks = agree_num_blocks(self.runner, self.ctrl)
+            self.num_blocks = agree_num_blocks(self.runner)
             self.runner.allocate_kv_cache(self.num_blocks)
         except BaseException as e:
             self.fail(e)
@@ -229,7 +229,7 @@ def serve_steps(rank, world_size, config, device, ctrl):
     """A worker's life after joining the group: build the ModelRunner, agree on the pool, then run every
     step rank 0 broadcasts until OP_STOP."""
     runner = ModelRunner(config, rank, world_size, device)
-    runner.allocate_kv_cache(agree_num_blocks(runner, ctrl))
+    runner.allocate_kv_cache(agree_num_blocks(runner))
     while True:
         op, step = recv(ctrl)
         if op == OP_STOP:
