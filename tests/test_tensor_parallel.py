@@ -241,6 +241,17 @@ def test_fused_all_reduce_add_rms_norm_equals_unfused_on_gloo():
                        start_method="spawn")
 
 
+@pytest.mark.slow
+def test_bench_allreduce_norm_runs_on_gloo():
+    """scripts/bench_allreduce_norm.py (the GPU timing of the fused step) on two CPU ranks, tiny shapes: it
+    checks the fused path against the unfused one before timing, and reports both."""
+    from scripts.bench_allreduce_norm import main
+
+    rows = main(device="cpu", hidden=64, tokens=(1, 5), dtype="float32", iters=2)
+    assert [r["tokens"] for r in rows] == [1, 5]
+    assert all(r["equal"] and r["unfused_us"] > 0 and r["fused_us"] > 0 for r in rows), rows
+
+
 CTRL_C_SCRIPT = textwrap.dedent("""
     import faulthandler, signal, sys
     from pagedattn import LLM, SamplingParams
