@@ -1,14 +1,16 @@
 """numba.cuda kernels of pagedattn, by family.
 
     paged_attention.py             decode attention: the kernel the engine runs (v10), its launch plan,
-                                   the torch entry point paged_attention(...) and VERSIONS (v1-v10)
+                                   the torch entry point paged_attention(...); imports no journey file
+    decode_journey.py              the decode journey's VERSIONS (v1-v10) and the entry points that run
+                                   any one of them (tests, benches)
     decode_journey_cuda_core.py    the decode journey on CUDA cores: v1 naive -> v4 GQA CTAs, 128-bit
-                                   loads, split-KV
+                                   loads, split-KV (and v4's split plan, launch and merge kernel)
     decode_journey_tensor_core.py  the decode journey on tensor cores: v5 mma.sync -> v9 cp.async ring
                                    launched by occupancy
-    attention_parts.py             the decode pieces written once and shared by the journey and v10:
-                                   q fragments, the mma step, the warps' merge, the cp.async ring,
-                                   split plans, the split-KV merges
+    attention_parts.py             the decode pieces v10 is built from, written once (v5-v9 use them
+                                   too): the entry points' checks and LaunchArgs, q fragments, the mma
+                                   step, the warps' merge, the cp.async ring, v10's split-KV merge
     paged_prefill.py               prefill attention over the paged pool (v1-v3) and its entry point
     cache_ops.py                   reshape_and_cache (write K/V at their slots), copy_blocks
     common.py                      device intrinsics: packed fp16/bf16 math, 128-bit loads and stores,

@@ -1,13 +1,14 @@
-"""The pieces the decode kernels share, each written once: the journey (decode_journey_*.py) and the
-production kernel (paged_attention.py) are built from them.
+"""The pieces the decode kernels share, each written once: the production kernel (paged_attention.py)
+is built from them, and so is the journey (decode_journey_*.py), whose own pieces (v4's split-KV
+launch and merge kernel) are in decode_journey_cuda_core.py.
 
 Host side
     LaunchArgs                  raw-bit views of a launch's tensors plus its geometry
-    converters(is_bf16)         (16 bits -> f32, pair -> 2 x f32, f32 -> 16 bits, pair fma)
-    split_plan(...)             v4/v5's split-KV plan: about TARGET_CTAS CTAs
-    launch_split_kv(...)        grid (KV heads, sequences, splits), then the merge kernel when split
-    make_merge(...)             the merge kernel of v4-v9: one CTA per (sequence, head), a thread per dim
     ring_bytes(...)             shared memory of a cp.async ring
+    check_supported(...), check_args(...), check_block_tables(...)
+                                the entry points' checks (geometry; shapes, dtypes, devices; values)
+    launch_args(...)            LaunchArgs of raw-bit arrays (the low-level launchers)
+    torch_launch_args(...)      (LaunchArgs, out) of checked torch tensors (the torch entry points)
 
 Device side (numba device functions, inlined; each factory is cached per compile-time shape)
     lane_roles(tid)             (warp, lane, g, t) of a thread
@@ -32,45 +33,30 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, uint32
 
-from kernels_numba.bridge import allow_dynamic_smem, disk_cached
+from kernels_numba import bridge
 from kernels_numba.common import (
     FULL_MASK,
-    bf16_to_f32,
-    bf16x2_to_f32,
     cp_async16,
     cp_async_commit,
     cp_async_wait,
-    f16_to_f32,
-    f16x2_to_f32,
     f32_bits,
     f32_from_bits,
-    f32_to_bf16,
-    f32_to_f16,
     f32x2_to_bf16x2,
     f32x2_to_f16x2,
-    fma_bf16x2,
-    fma_f16x2,
     load_u32x4,
     mma_m16n8k16_bf16,
     mma_m16n8k16_f16,
     warp_max,
     warp_sum,
 )
+from kernels_numba.errors import KernelLaunchError
 
 LOG2E = 1.4426950408889634
 NEG_INF = float32(-math.inf)
 CHUNK = 16  # tokens of one mma step: one k-slice of P V, two n-tiles of Q K^T
-NUM_WARPS = 4  # warps per CTA of v4-v8
-MIN_PARTITION = 256  # v4/v5: below this a split costs more (merge, launch tail) than it gains
-TARGET_CTAS = 4 * 132  # v4/v5: enough CTAs for a few waves on the H200's 132 SMs
 MAX_SPLITS = 128  # production: partitions per context a merge takes (its weights live in shared memory)
-
-
-def converters(is_bf16):
-    """(one 16-bit -> f32, pair -> (f32, f32), f32 -> 16 bits, pair fma) for the pool dtype."""
-    if is_bf16:
-        return bf16_to_f32, bf16x2_to_f32, f32_to_bf16, fma_bf16x2
-    return f16_to_f32, f16x2_to_f32, f32_to_f16, fma_f16x2
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 
 
 def pairs(x16):
@@ -116,68 +102,149 @@ class LaunchArgs:
             self.k32, self.v32 = self.k32_4d.reshape(-1), self.v32_4d.reshape(-1)
 
 
-# ----------------------------------------------------------------------------------------------
-# split-KV on the host: v4/v5's plan, the launch, the merge kernel
-
-
-def split_plan(num_seqs, num_kv_heads, max_context_len, chunk):
-    """(num_splits, partition_size) for v4/v5: about TARGET_CTAS CTAs, partitions of at least
-    MIN_PARTITION tokens, a multiple of the chunk size."""
-    base = max(1, num_seqs * num_kv_heads)
-    splits = max(1, min(-(-TARGET_CTAS // base), -(-max_context_len // MIN_PARTITION)))
-    part = -(-max_context_len // splits)
-    part = -(-part // chunk) * chunk
-    splits = -(-max_context_len // part)
-    return splits, part
-
-
-@disk_cached
-@lru_cache(maxsize=None)
-def make_merge(head_dim, is_bf16):
-    """v4-v9's merge kernel: grid (S, H), blockDim = D; part_acc [S, H, splits, D] and part_ml
-    [S, H, splits, 2] (max, sum) of each partition -> out [S, H, D] 16-bit."""
-    store = converters(is_bf16)[2]
-
-    @cuda.jit
-    def merge_splits(part_acc, part_ml, context_lens, out, partition):
-        s = cuda.blockIdx.x
-        h = cuda.blockIdx.y
-        d = cuda.threadIdx.x
-        n = (context_lens[s] + partition - 1) // partition
-        mx = NEG_INF
-        for i in range(n):
-            mx = max(mx, part_ml[s, h, i, 0])
-        num = float32(0.0)
-        den = float32(0.0)
-        for i in range(n):
-            f = math.exp2(part_ml[s, h, i, 0] - mx)
-            num += part_acc[s, h, i, d] * f
-            den += part_ml[s, h, i, 1] * f
-        out[s, h, d] = store(num / den)
-
-    return merge_splits
-
-
-def launch_split_kv(a, stream, kernel, q, splits, partition, sharedmem=0, warps=NUM_WARPS):
-    """v4-v9's launch: grid (KV heads, sequences, splits) of CTAs of `warps` warps (with `sharedmem`
-    bytes of dynamic shared memory), then, when the context is split, the merge of the partitions'
-    (max, sum, accumulator) into the output."""
-    if splits == 1:
-        part_acc = part_ml = a.scratch((1, 1, 1, 1))  # unused
-    else:
-        part_acc = a.scratch((a.num_seqs, a.num_heads, splits, a.head_dim))
-        part_ml = a.scratch((a.num_seqs, a.num_heads, splits, 2))
-    args = (q, a.k32, a.v32, a.block_tables, a.context_lens, a.out16, part_acc, part_ml, a.scale, partition)
-    allow_dynamic_smem(kernel, args, sharedmem)
-    kernel[(a.num_kv_heads, a.num_seqs, splits), warps * 32, stream, sharedmem](*args)
-    if splits > 1:
-        merge = make_merge(a.head_dim, a.is_bf16)
-        merge[(a.num_seqs, a.num_heads), a.head_dim, stream](part_acc, part_ml, a.context_lens, a.out16, partition)
-
-
-def ring_bytes(head_dim, stages, warps=NUM_WARPS):
+def ring_bytes(head_dim, stages, warps):
     """A cp.async ring: warps x stages x one 16-token chunk of K and V."""
     return warps * stages * 2 * CHUNK * head_dim * 2
+
+
+# ----------------------------------------------------------------------------------------------
+# the entry points' arguments: the checks, then LaunchArgs from raw arrays or torch tensors
+
+
+def check_supported(num_heads, num_kv_heads, head_dim, block_size):
+    """Raise KernelLaunchError for a geometry no version supports."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise KernelLaunchError(f"head_dim={head_dim} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise KernelLaunchError(
+            f"block_size={block_size} is not supported (supported: {SUPPORTED_BLOCK_SIZES})"
+        )
+    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+        raise KernelLaunchError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+
+
+def check_args(q, k_cache, v_cache, block_tables, context_lens, out):
+    """Shapes, dtypes, devices (host only, no sync). Raises KernelLaunchError."""
+    import torch
+
+    named = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                 context_lens=context_lens)
+    if out is not None:
+        named["out"] = out
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise KernelLaunchError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_contiguous():
+            raise KernelLaunchError(f"{name} must be contiguous")
+    if q.dim() != 3:
+        raise KernelLaunchError(f"q must be [num_seqs, num_heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise KernelLaunchError(
+            f"k_cache and v_cache must both be [num_blocks, num_kv_heads, block_size, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, block_size, kv_dim = k_cache.shape
+    if kv_dim != head_dim:
+        raise KernelLaunchError(f"q head_dim={head_dim} but the pool has head_dim={kv_dim}")
+    check_supported(num_heads, num_kv_heads, head_dim, block_size)
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise KernelLaunchError(f"q must be float16 or bfloat16, got {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise KernelLaunchError(f"k_cache/v_cache dtype ({k_cache.dtype}/{v_cache.dtype}) must equal q's ({q.dtype})")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise KernelLaunchError(
+            f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks], got "
+            f"{block_tables.dtype} {tuple(block_tables.shape)}"
+        )
+    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (num_seqs,):
+        raise KernelLaunchError(
+            f"context_lens must be int32 [num_seqs={num_seqs}], got {context_lens.dtype} {tuple(context_lens.shape)}"
+        )
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise KernelLaunchError(f"out must be {q.dtype} {tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
+    devices = {t.device for t in named.values()}
+    if len(devices) != 1:
+        raise KernelLaunchError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    device = q.device
+    if device.type != "cuda" and not (bridge.SIMULATOR and device.type == "cpu"):
+        raise KernelLaunchError(f"tensors must be on a CUDA device, got {device}")
+    if num_seqs == 0 or block_tables.shape[1] == 0:
+        raise KernelLaunchError("num_seqs and max_blocks must be >= 1")
+
+
+def check_block_tables(block_tables, context_lens, num_blocks, block_size, max_context_len):
+    """Value checks (one device->host sync): 1 <= context_len <= max_context_len, and every
+    block-table entry a sequence will read lies in [0, num_blocks). Raises KernelLaunchError."""
+    import torch
+
+    lens = context_lens.long()
+    max_blocks = block_tables.shape[1]
+    used = torch.arange(max_blocks, device=lens.device)[None, :] < (lens[:, None] + block_size - 1) // block_size
+    bad_entry = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    flags = torch.stack([(lens < 1).any(), (lens > max_context_len).any(), bad_entry.any()]).tolist()
+    if flags[0]:
+        raise KernelLaunchError("every context_len must be >= 1")
+    if flags[1]:
+        raise KernelLaunchError(
+            f"a context_len exceeds {max_context_len} (max_context_len, or max_blocks * block_size)"
+        )
+    if flags[2]:
+        s, b = [int(x) for x in bad_entry.nonzero()[0]]
+        raise KernelLaunchError(
+            f"block_tables[{s}, {b}] = {int(block_tables[s, b])} is outside the pool [0, {num_blocks})"
+        )
+
+
+def launch_args(q, k_cache, v_cache, block_tables, context_lens, out, scale=None, is_bf16=False,
+                max_context_len=None, stream=0, scratch=None):
+    """LaunchArgs of raw-bit arrays (the low-level launchers' arguments; the geometry is checked,
+    the values are not): see paged_attention.launch."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    check_supported(num_heads, k_cache.shape[1], head_dim, k_cache.shape[2])
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * k_cache.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    if scratch is None:
+        def scratch(shape, dtype=np.float32, zero=False):
+            if bridge.SIMULATOR:
+                return np.zeros(shape, dtype=dtype)
+            if zero:
+                return cuda.to_device(np.zeros(shape, dtype=dtype), stream=stream)
+            return cuda.device_array(shape, dtype=dtype, stream=stream)
+    return LaunchArgs(q, k_cache, v_cache, block_tables, context_lens, out, scale, is_bf16, int(max_context_len),
+                      scratch)
+
+
+def torch_launch_args(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, validate=True,
+                      max_context_len=None):
+    """(LaunchArgs, out) for torch tensors (the torch entry points' arguments, see
+    paged_attention.paged_attention): checked by check_args, and with validate by check_block_tables
+    (skipped inside a CUDA-graph capture); out allocated when None."""
+    import torch
+
+    check_args(q, k_cache, v_cache, block_tables, context_lens, out)
+    num_blocks, _, block_size, head_dim = k_cache.shape
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * block_size
+    if out is None:
+        out = torch.empty_like(q)
+    if validate and not bridge.capturing():
+        check_block_tables(block_tables, context_lens, num_blocks, block_size, max_context_len)
+    device = q.device
+    view = bridge.cached_view
+
+    def scratch(shape, dtype=np.float32, zero=False):
+        return bridge.scratch(device, shape, dtype, zero)
+
+    args = LaunchArgs(view(q, "int16"), view(k_cache, "int16"), view(v_cache, "int16"), view(block_tables),
+                      view(context_lens), view(out, "int16"), 1.0 / math.sqrt(head_dim) if scale is None else scale,
+                      q.dtype == torch.bfloat16, int(max_context_len), scratch,
+                      q32=view(q, "int32"), k32_4d=view(k_cache, "int32"), v32_4d=view(v_cache, "int32"),
+                      k32=view(k_cache, "int32", flat=True), v32=view(v_cache, "int32", flat=True),
+                      out32=view(out, "int32"), num_sms=bridge.num_sms(device))
+    return args, out
 
 
 # ----------------------------------------------------------------------------------------------

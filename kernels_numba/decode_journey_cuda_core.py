@@ -25,24 +25,41 @@ v4: what it takes on a memory-bound H200: one CTA of 4 warps per (sequence, KV h
 The tensor-core era (v5-v9) continues in decode_journey_tensor_core.py; the kernel the engine runs
 is in paged_attention.py. Each version: make_vN(...) builds the kernel for one compile-time shape,
 launch_vN(args, stream) launches it from attention_parts.LaunchArgs. Run one through
-paged_attention.paged_attention(..., version=N) or paged_attention.launch(N, ...); every version is
-tested (tests/test_paged_attention_cuda.py) and timed (scripts/bench_kernels.py).
+decode_journey.paged_attention(..., version=N) or decode_journey.launch(N, ...); every version is
+tested (tests/test_paged_attention_cuda.py) and timed (scripts/bench_kernels.py). The host pieces
+only the journey uses are here too: converters, v4's split-KV plan, its launch and merge kernel
+(v5-v9 reuse them).
 """
 import math
 from functools import lru_cache
 
 from numba import cuda, float32, uint32
 
-from kernels_numba.attention_parts import (
-    LOG2E,
-    NEG_INF,
-    NUM_WARPS,
-    converters,
-    launch_split_kv,
-    split_plan,
+from kernels_numba.attention_parts import LOG2E, NEG_INF
+from kernels_numba.bridge import allow_dynamic_smem, disk_cached
+from kernels_numba.common import (
+    FULL_MASK,
+    bf16_to_f32,
+    bf16x2_to_f32,
+    f16_to_f32,
+    f16x2_to_f32,
+    f32_to_bf16,
+    f32_to_f16,
+    fma_bf16x2,
+    fma_f16x2,
+    load_u32x4,
 )
-from kernels_numba.bridge import disk_cached
-from kernels_numba.common import FULL_MASK, load_u32x4
+
+NUM_WARPS = 4  # warps per CTA of v4-v8
+MIN_PARTITION = 256  # v4/v5: below this a split costs more (merge, launch tail) than it gains
+TARGET_CTAS = 4 * 132  # v4/v5: enough CTAs for a few waves on the H200's 132 SMs
+
+
+def converters(is_bf16):
+    """(one 16-bit -> f32, pair -> (f32, f32), f32 -> 16 bits, pair fma) for the pool dtype."""
+    if is_bf16:
+        return bf16_to_f32, bf16x2_to_f32, f32_to_bf16, fma_bf16x2
+    return f16_to_f32, f16x2_to_f32, f32_to_f16, fma_f16x2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,6 +279,65 @@ def launch_v3(a, stream):
     kernel[(a.num_seqs, a.num_heads), a.head_dim, stream](
         a.q32, a.k32_4d, a.v32_4d, a.block_tables, a.context_lens, a.out16, a.scale
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# split-KV on the host: v4/v5's plan, the launch, the merge kernel
+
+
+def split_plan(num_seqs, num_kv_heads, max_context_len, chunk):
+    """(num_splits, partition_size) for v4/v5: about TARGET_CTAS CTAs, partitions of at least
+    MIN_PARTITION tokens, a multiple of the chunk size."""
+    base = max(1, num_seqs * num_kv_heads)
+    splits = max(1, min(-(-TARGET_CTAS // base), -(-max_context_len // MIN_PARTITION)))
+    part = -(-max_context_len // splits)
+    part = -(-part // chunk) * chunk
+    splits = -(-max_context_len // part)
+    return splits, part
+
+
+@disk_cached
+@lru_cache(maxsize=None)
+def make_merge(head_dim, is_bf16):
+    """v4-v9's merge kernel: grid (S, H), blockDim = D; part_acc [S, H, splits, D] and part_ml
+    [S, H, splits, 2] (max, sum) of each partition -> out [S, H, D] 16-bit."""
+    store = converters(is_bf16)[2]
+
+    @cuda.jit
+    def merge_splits(part_acc, part_ml, context_lens, out, partition):
+        s = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        d = cuda.threadIdx.x
+        n = (context_lens[s] + partition - 1) // partition
+        mx = NEG_INF
+        for i in range(n):
+            mx = max(mx, part_ml[s, h, i, 0])
+        num = float32(0.0)
+        den = float32(0.0)
+        for i in range(n):
+            f = math.exp2(part_ml[s, h, i, 0] - mx)
+            num += part_acc[s, h, i, d] * f
+            den += part_ml[s, h, i, 1] * f
+        out[s, h, d] = store(num / den)
+
+    return merge_splits
+
+
+def launch_split_kv(a, stream, kernel, q, splits, partition, sharedmem=0, warps=NUM_WARPS):
+    """v4-v9's launch: grid (KV heads, sequences, splits) of CTAs of `warps` warps (with `sharedmem`
+    bytes of dynamic shared memory), then, when the context is split, the merge of the partitions'
+    (max, sum, accumulator) into the output."""
+    if splits == 1:
+        part_acc = part_ml = a.scratch((1, 1, 1, 1))  # unused
+    else:
+        part_acc = a.scratch((a.num_seqs, a.num_heads, splits, a.head_dim))
+        part_ml = a.scratch((a.num_seqs, a.num_heads, splits, 2))
+    args = (q, a.k32, a.v32, a.block_tables, a.context_lens, a.out16, part_acc, part_ml, a.scale, partition)
+    allow_dynamic_smem(kernel, args, sharedmem)
+    kernel[(a.num_kv_heads, a.num_seqs, splits), warps * 32, stream, sharedmem](*args)
+    if splits > 1:
+        merge = make_merge(a.head_dim, a.is_bf16)
+        merge[(a.num_seqs, a.num_heads), a.head_dim, stream](part_acc, part_ml, a.context_lens, a.out16, partition)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 Same function as decode_journey_cuda_core.py (v1-v4): one query token per sequence over its paged
 history, GQA, fp32 accumulation; from v5 on the arithmetic is mma.sync.m16n8k16 with the group's
-query heads as the mma's rows. The pieces these versions share (q fragments, the mma step, the
-warps' merge, the cp.async ring, split-KV and its merge kernel) are in attention_parts.py.
+query heads as the mma's rows. The pieces these versions share with v10 (q fragments, the mma
+step, the warps' merge, the cp.async ring) are in attention_parts.py; v4's split-KV launch and its
+merge kernel, which v10 replaced, in decode_journey_cuda_core.py.
 
 v5: v4's grid, loads and split-KV, with the arithmetic on tensor cores: per warp and 16-token
     step, S = Q K^T and O += P V are mma.sync.m16n8k16 (fp16/bf16 in, fp32 accumulate) with
@@ -44,20 +45,16 @@ from numba import cuda, float32, uint32
 from kernels_numba.attention_parts import (
     CHUNK,
     LOG2E,
-    NUM_WARPS,
-    converters,
     lane_roles,
-    launch_split_kv,
     make_mma_step,
     make_ring,
     make_warp_merge,
     make_warp_start,
     ring_bytes,
-    split_plan,
 )
 from kernels_numba.bridge import SIMULATOR, disk_cached
 from kernels_numba.common import load_u32x4
-from kernels_numba.decode_journey_cuda_core import launch_v4
+from kernels_numba.decode_journey_cuda_core import NUM_WARPS, converters, launch_split_kv, launch_v4, split_plan
 
 V5_MAX_GROUP = 16  # heads per KV head that fit the mma's 16 rows; larger groups run v4
 

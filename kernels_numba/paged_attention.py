@@ -5,7 +5,7 @@ through its block table in the shared pool (layout [num_blocks, num_kv_heads, bl
 head_dim]). GQA: query head h reads KV head h // (num_heads // num_kv_heads). fp32 accumulation,
 scale 1/sqrt(head_dim), one launch for sequences of different lengths.
 
-v10 (version=None) is v9's kernel (decode_journey_tensor_core.py) standing on its own, for every
+v10 is v9's kernel (decode_journey_tensor_core.py) standing on its own, for every
 supported shape, with a split-KV merge that stays cheap however many partitions there are:
   * a CTA of `warps` warps owns a partition of one sequence's context for one head group (the
     KV head's query heads, in blocks of at most 16: the mma's rows); each warp streams its
@@ -27,16 +27,14 @@ supported shape, with a split-KV merge that stays cheap however many partitions 
         (the fused merge would put all of a head group's records on one SM).
 A sequence of a ragged batch whose context fits one partition writes its output directly.
 
-Entry points:
-    paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, version=None,
-                    out=None, validate=True, max_context_len=None, plan=None)   torch tensors on CUDA
-    launch(version, q, k_cache, v_cache, block_tables, context_lens, out, scale, ...)
+Entry points (this file stands alone: the journey's versions are in decode_journey.py):
+    paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None,
+                    validate=True, max_context_len=None, plan=None)   torch tensors on CUDA
+    launch(q, k_cache, v_cache, block_tables, context_lens, out, scale, ...)
                                     raw-bit numba device arrays, or numpy under the simulator
     decode_plan(...)                the launch plan of v10 for a shape (DecodePlan)
-    VERSIONS                        {1..4: decode_journey_cuda_core, 5..9: decode_journey_tensor_core,
-                                    10: this file}: `version=N` runs any of them (tests, benches)
+    launch_v10(args, stream, plan=None)   v10 on attention_parts.LaunchArgs (the journey's entry 10)
 """
-import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -47,21 +45,18 @@ from kernels_numba import bridge
 from kernels_numba.attention_parts import (
     CHUNK,
     MAX_SPLITS,
-    LaunchArgs,
+    launch_args,
     make_ring,
     make_split_merge,
     make_warp_merge,
     merge_smem_words,
     record_words,
     ring_bytes,
+    torch_launch_args,
 )
 from kernels_numba.common import f32_bits, f32x2_to_bf16x2, f32x2_to_f16x2
-from kernels_numba.decode_journey_cuda_core import VERSIONS as CUDA_CORE_VERSIONS
-from kernels_numba.decode_journey_tensor_core import VERSIONS as TENSOR_CORE_VERSIONS
 from kernels_numba.errors import KernelLaunchError
 
-SUPPORTED_HEAD_DIMS = (64, 128)
-SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 MAX_HEADS_PER_CTA = 16  # the mma's 16 rows; a larger group is cut into head blocks
 STAGES = 3  # ring stages per warp: 2 chunks in flight (deeper rings measured <= 5% better, docs/tune_splits.md)
 WARPS_PER_SM = 8  # about 8 warps per SM stream the pool as fast as 16 (docs/tune_splits.md)
@@ -252,39 +247,13 @@ def launch_v10(a, stream, plan=None):
                                                                        plan.partition, plan.splits)
 
 
-PRODUCTION_VERSION = 10
-VERSIONS = {**CUDA_CORE_VERSIONS, **TENSOR_CORE_VERSIONS, PRODUCTION_VERSION: launch_v10}
-
-
 # ----------------------------------------------------------------------------------------------
 # entry points
 
 
-def check_supported(num_heads, num_kv_heads, head_dim, block_size):
-    """Raise KernelLaunchError for a geometry no version supports."""
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise KernelLaunchError(f"head_dim={head_dim} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
-    if block_size not in SUPPORTED_BLOCK_SIZES:
-        raise KernelLaunchError(
-            f"block_size={block_size} is not supported (supported: {SUPPORTED_BLOCK_SIZES})"
-        )
-    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
-        raise KernelLaunchError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-
-
-def _run(version, args, stream, plan=None):
-    if version is not None and version not in VERSIONS:
-        raise KernelLaunchError(f"version={version!r} is not one of {sorted(VERSIONS)}")
-    if plan is not None:
-        if version not in (None, PRODUCTION_VERSION):
-            raise KernelLaunchError(f"a plan is for version {PRODUCTION_VERSION}, not {version}")
-        return launch_v10(args, stream, plan)
-    VERSIONS[PRODUCTION_VERSION if version is None else version](args, stream)
-
-
-def launch(version, q, k_cache, v_cache, block_tables, context_lens, out, scale=None,
-           is_bf16=False, max_context_len=None, stream=0, scratch=None, plan=None):
-    """Low-level launcher: raw-bit arrays, no validation of values (version None: v10).
+def launch(q, k_cache, v_cache, block_tables, context_lens, out, scale=None, is_bf16=False, max_context_len=None,
+           stream=0, scratch=None, plan=None):
+    """Low-level launcher of v10: raw-bit arrays, no validation of values.
 
     q, out: [num_seqs, num_heads, head_dim] uint16/int16 holding fp16 or bf16 bits
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] uint16/int16 bits
@@ -293,24 +262,11 @@ def launch(version, q, k_cache, v_cache, block_tables, context_lens, out, scale=
     is_bf16: the bits are bf16 (else fp16). max_context_len: >= every context length
     (default max_blocks * block_size); it sizes scratch buffers and the split plans.
     scratch(shape, dtype=np.float32, zero=False) -> array (default: numpy under the simulator,
-    numba device arrays otherwise). plan: a DecodePlan for v10 instead of decode_plan's.
+    numba device arrays otherwise). plan: a DecodePlan instead of decode_plan's.
     """
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    check_supported(num_heads, k_cache.shape[1], head_dim, k_cache.shape[2])
-    if max_context_len is None:
-        max_context_len = block_tables.shape[1] * k_cache.shape[2]
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    if scratch is None:
-        def scratch(shape, dtype=np.float32, zero=False):
-            if bridge.SIMULATOR:
-                return np.zeros(shape, dtype=dtype)
-            if zero:
-                return cuda.to_device(np.zeros(shape, dtype=dtype), stream=stream)
-            return cuda.device_array(shape, dtype=dtype, stream=stream)
-    args = LaunchArgs(q, k_cache, v_cache, block_tables, context_lens, out, scale, is_bf16, int(max_context_len),
-                      scratch)
-    _run(version, args, stream, plan)
+    args = launch_args(q, k_cache, v_cache, block_tables, context_lens, out, scale, is_bf16, max_context_len,
+                       stream, scratch)
+    launch_v10(args, stream, plan)
     return out
 
 
@@ -319,123 +275,28 @@ def clear_caches():
     bridge.clear_caches()
 
 
-def _validate(q, k_cache, v_cache, block_tables, context_lens, out, version):
-    """Shapes, dtypes, devices (host only, no sync). Raises KernelLaunchError."""
-    import torch
-
-    if version is not None and version not in VERSIONS:
-        raise KernelLaunchError(f"version={version!r} is not one of {sorted(VERSIONS)}")
-    named = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
-                 context_lens=context_lens)
-    if out is not None:
-        named["out"] = out
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor):
-            raise KernelLaunchError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_contiguous():
-            raise KernelLaunchError(f"{name} must be contiguous")
-    if q.dim() != 3:
-        raise KernelLaunchError(f"q must be [num_seqs, num_heads, head_dim], got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise KernelLaunchError(
-            f"k_cache and v_cache must both be [num_blocks, num_kv_heads, block_size, head_dim], "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    num_seqs, num_heads, head_dim = q.shape
-    num_blocks, num_kv_heads, block_size, kv_dim = k_cache.shape
-    if kv_dim != head_dim:
-        raise KernelLaunchError(f"q head_dim={head_dim} but the pool has head_dim={kv_dim}")
-    check_supported(num_heads, num_kv_heads, head_dim, block_size)
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise KernelLaunchError(f"q must be float16 or bfloat16, got {q.dtype}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise KernelLaunchError(f"k_cache/v_cache dtype ({k_cache.dtype}/{v_cache.dtype}) must equal q's ({q.dtype})")
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise KernelLaunchError(
-            f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks], got "
-            f"{block_tables.dtype} {tuple(block_tables.shape)}"
-        )
-    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (num_seqs,):
-        raise KernelLaunchError(
-            f"context_lens must be int32 [num_seqs={num_seqs}], got {context_lens.dtype} {tuple(context_lens.shape)}"
-        )
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
-        raise KernelLaunchError(f"out must be {q.dtype} {tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
-    devices = {t.device for t in named.values()}
-    if len(devices) != 1:
-        raise KernelLaunchError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    device = q.device
-    if device.type != "cuda" and not (bridge.SIMULATOR and device.type == "cpu"):
-        raise KernelLaunchError(f"tensors must be on a CUDA device, got {device}")
-    if num_seqs == 0 or block_tables.shape[1] == 0:
-        raise KernelLaunchError("num_seqs and max_blocks must be >= 1")
-
-
-def check_block_tables(block_tables, context_lens, num_blocks, block_size, max_context_len):
-    """Value checks (one device->host sync): 1 <= context_len <= max_context_len, and every
-    block-table entry a sequence will read lies in [0, num_blocks). Raises KernelLaunchError."""
-    import torch
-
-    lens = context_lens.long()
-    max_blocks = block_tables.shape[1]
-    used = torch.arange(max_blocks, device=lens.device)[None, :] < (lens[:, None] + block_size - 1) // block_size
-    bad_entry = used & ((block_tables < 0) | (block_tables >= num_blocks))
-    flags = torch.stack([(lens < 1).any(), (lens > max_context_len).any(), bad_entry.any()]).tolist()
-    if flags[0]:
-        raise KernelLaunchError("every context_len must be >= 1")
-    if flags[1]:
-        raise KernelLaunchError(
-            f"a context_len exceeds {max_context_len} (max_context_len, or max_blocks * block_size)"
-        )
-    if flags[2]:
-        s, b = [int(x) for x in bad_entry.nonzero()[0]]
-        raise KernelLaunchError(
-            f"block_tables[{s}, {b}] = {int(block_tables[s, b])} is outside the pool [0, {num_blocks})"
-        )
-
-
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, version=None,
-                    out=None, validate=True, max_context_len=None, plan=None):
-    """Decode attention over the paged KV pool, launched on torch's current CUDA stream.
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, validate=True,
+                    max_context_len=None, plan=None):
+    """Decode attention over the paged KV pool (v10), launched on torch's current CUDA stream.
 
     q: [num_seqs, num_heads, head_dim] float16/bfloat16, one query token per sequence
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim], q's dtype
     block_tables: [num_seqs, max_blocks] int32 physical block ids (entries past a sequence's
         last block are never read)
     context_lens: [num_seqs] int32, tokens each query attends to (>= 1, the new one included)
-    scale: softmax scale, default 1/sqrt(head_dim). version: 1..10 (VERSIONS); None: v10.
+    scale: softmax scale, default 1/sqrt(head_dim).
     out: optional [num_seqs, num_heads, head_dim] in q's dtype, written in place.
     validate: also check context lengths and block-table entries against the pool (one
         device->host sync, ~0.1 ms; skipped automatically inside CUDA-graph capture).
     max_context_len: an upper bound on context_lens (default max_blocks * block_size); the split
         plans are chosen from it (fixed for a captured graph), so a tight bound helps short batches.
-    plan: a DecodePlan for v10 instead of decode_plan's (scripts/tune_splits.py).
+    plan: a DecodePlan instead of decode_plan's (scripts/tune_splits.py).
     Supported: head_dim 64/128, block_size 8/16/32, any num_heads % num_kv_heads == 0.
     Returns out: [num_seqs, num_heads, head_dim], q's dtype. Under NUMBA_ENABLE_CUDASIM=1 the
     tensors are CPU tensors and the kernels run in numba's simulator.
     """
-    import torch
-
-    _validate(q, k_cache, v_cache, block_tables, context_lens, out, version)
-    num_blocks, _, block_size, head_dim = k_cache.shape
-    if max_context_len is None:
-        max_context_len = block_tables.shape[1] * block_size
-    if out is None:
-        out = torch.empty_like(q)
-    if validate and not bridge.capturing():
-        check_block_tables(block_tables, context_lens, num_blocks, block_size, max_context_len)
-    device = q.device
-    view = bridge.cached_view
-
-    def scratch(shape, dtype=np.float32, zero=False):
-        return bridge.scratch(device, shape, dtype, zero)
-
-    args = LaunchArgs(view(q, "int16"), view(k_cache, "int16"), view(v_cache, "int16"), view(block_tables),
-                      view(context_lens), view(out, "int16"), 1.0 / math.sqrt(head_dim) if scale is None else scale,
-                      q.dtype == torch.bfloat16, int(max_context_len), scratch,
-                      q32=view(q, "int32"), k32_4d=view(k_cache, "int32"), v32_4d=view(v_cache, "int32"),
-                      k32=view(k_cache, "int32", flat=True), v32=view(v_cache, "int32", flat=True),
-                      out32=view(out, "int32"), num_sms=bridge.num_sms(device))
-    with bridge.device_guard(device):
-        _run(version, args, bridge.torch_stream(device), plan)
+    args, out = torch_launch_args(q, k_cache, v_cache, block_tables, context_lens, scale, out, validate,
+                                  max_context_len)
+    with bridge.device_guard(q.device):
+        launch_v10(args, bridge.torch_stream(q.device), plan)
     return out

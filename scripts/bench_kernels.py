@@ -5,8 +5,8 @@ heads, 2 KV heads, head_dim 64, fp16, block 16, shuffled block tables):
   * the grid B in {1, 8, 32, 64, 128, 256} x ctx in {512, 2048, 8192}, long and ragged points
     (B=1 x 4000, B=3 x 5000, B=1 x 32768, batches of mixed lengths) and the target concurrency
     rows (1, 2, 4, 8 sequences at ctx 512);
-  * at each point, first every version of kernels_numba.paged_attention, SDPA on a dense cache
-    (enable_gqa; ragged: padded to the longest, with a key mask) and FlexAttention over torch's
+  * at each point, first every version of the decode journey (kernels_numba/decode_journey.py), SDPA
+    on a dense cache (enable_gqa; ragged: padded to the longest, with a key mask) and FlexAttention over torch's
     paged-attention helper are checked against an fp32 reference; then each is timed by CUDA-graph
     replay (scripts/benchlib.graph_time_us) rotating over enough KV sets that the 60 MB L2 cannot
     serve them;
@@ -21,6 +21,7 @@ heads, 2 KV heads, head_dim 64, fp16, block 16, shuffled block tables):
 import argparse
 import math
 import time
+from functools import partial
 
 import torch
 
@@ -102,12 +103,17 @@ class Problem:
     def ours(self, version, out, plan=None):
         """A callable(i): our kernel `version` on set i into `out`, no validation (what is timed).
         plan: a DecodePlan forced on v10 (scripts/tune_splits.py)."""
-        from kernels_numba import paged_attention as pa
+        from kernels_numba import decode_journey, paged_attention as pa
+
+        if plan is None:
+            attend = partial(decode_journey.paged_attention, version=version)
+        else:  # the shipped kernel (v10) under a forced plan
+            attend = partial(pa.paged_attention, plan=plan)
 
         def run(i):
             s = self.sets[i]
-            return pa.paged_attention(self.q, s["k"], s["v"], s["bt"], self.lens, version=version, out=out,
-                                      validate=False, max_context_len=self.ctx, plan=plan)
+            return attend(self.q, s["k"], s["v"], s["bt"], self.lens, out=out, validate=False,
+                          max_context_len=self.ctx)
 
         return run
 
@@ -181,7 +187,7 @@ def points(quick=False):
 
 def run_point(label, lens, versions, copy_gbs, want_flex, notes, time_it=True, device="cuda"):
     """One row: every kernel checked against the fp32 reference, then (time_it) timed."""
-    from kernels_numba import paged_attention as pa
+    from kernels_numba import decode_journey
     from scripts import benchlib
 
     num_sets = benchlib.num_sets_for(2 * sum(lens) * NUM_KV_HEADS * HEAD_DIM * 2) if time_it else 2
@@ -195,8 +201,8 @@ def run_point(label, lens, versions, copy_gbs, want_flex, notes, time_it=True, d
         if version <= 2 and sum(lens) > SLOW_VERSION_MAX_TOKENS:
             continue
         s = prob.sets[0]
-        pa.paged_attention(prob.q, s["k"], s["v"], s["bt"], prob.lens, version=version, out=out,
-                           max_context_len=prob.ctx)  # validated call (block tables too)
+        decode_journey.paged_attention(prob.q, s["k"], s["v"], s["bt"], prob.lens, version=version, out=out,
+                                       max_context_len=prob.ctx)  # validated call (block tables too)
         row["err"][f"v{version}"] = check_close(out, ref, f"v{version} at {label}")
         calls[f"v{version}"] = prob.ours(version, out)
     row["err"]["sdpa"] = check_close(prob.sdpa(0), ref, f"sdpa at {label}")
@@ -285,24 +291,24 @@ def plot(rows, versions, path):
 
 def host_overhead_us(version, validate):
     """Wall time per paged_attention call from Python (no graph), B=8 x 512."""
-    from kernels_numba import paged_attention as pa
+    from kernels_numba import decode_journey
     from scripts import benchlib
 
     prob = Problem([512] * 8, 1)
     s = prob.sets[0]
     out = torch.empty_like(prob.q)
-    return benchlib.host_time_us(lambda: pa.paged_attention(prob.q, s["k"], s["v"], s["bt"], prob.lens,
-                                                            version=version, out=out, validate=validate))
+    return benchlib.host_time_us(lambda: decode_journey.paged_attention(prob.q, s["k"], s["v"], s["bt"], prob.lens,
+                                                                        version=version, out=out, validate=validate))
 
 
 def main(out_dir=None, quick=False, versions=None, flex=True, check=False, device="cuda", only=None, todo=None):
     """The whole run; returns the grid rows. check: validate every version at every point without
     timing (device="cpu": in the CUDA simulator). only: labels of the points to run (default all);
     todo: (label, context lengths) points instead of the run's own."""
-    from kernels_numba import bridge, paged_attention as pa
+    from kernels_numba import bridge, decode_journey
     from scripts import benchlib
 
-    versions = sorted(versions or pa.VERSIONS)
+    versions = sorted(versions or decode_journey.VERSIONS)
     time_it = not check
     copy_gbs = benchlib.copy_bandwidth_gbs() if time_it else None
     print(benchlib.env_line() + (f" | copy bandwidth {copy_gbs:.0f} GB/s" if time_it else " | check only"),

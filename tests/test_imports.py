@@ -11,6 +11,8 @@ import kernels_numba
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_MODULES = sorted(f"kernels_numba.{m.name}" for m in pkgutil.iter_modules(kernels_numba.__path__))
+# a family's journey (its numbered versions) imports the shipped kernel's entry, never the reverse
+JOURNEY_MODULES = [m for m in KERNEL_MODULES if "journey" in m]
 
 # module -> package prefixes it must not load (directly or through anything it imports)
 LOWER_LAYERS = {
@@ -58,12 +60,15 @@ def loaded_by(modules):
 def test_every_kernel_module_is_found():
     assert {"kernels_numba.paged_attention", "kernels_numba.sampling", "kernels_numba.cpu_attention",
             "kernels_numba.errors"} <= set(KERNEL_MODULES)
+    assert {"kernels_numba.decode_journey", "kernels_numba.decode_journey_cuda_core"} <= set(JOURNEY_MODULES)
 
 
 def test_imports_point_down():
-    """Each kernel module loads no pagedattn module; each runtime module loads none of the layers above it."""
+    """Each kernel module loads no pagedattn module and a shipped kernel no journey module; each runtime
+    module loads none of the layers above it."""
     loaded = loaded_by(KERNEL_MODULES + list(LOWER_LAYERS))
-    forbidden = {**{m: ["pagedattn"] for m in KERNEL_MODULES}, **LOWER_LAYERS}
+    forbidden = {**{m: ["pagedattn"] + ([] if m in JOURNEY_MODULES else JOURNEY_MODULES) for m in KERNEL_MODULES},
+                 **LOWER_LAYERS}
     wrong = {}
     for module, prefixes in forbidden.items():
         got = loaded[module]

@@ -17,14 +17,14 @@ import torch
 from numba import cuda
 
 from kernels_numba import attention_parts as parts
-from kernels_numba import common, paged_attention as pa
+from kernels_numba import common, decode_journey as journey, paged_attention as pa
 from kernels_numba import decode_journey_cuda_core as cuda_core
 from kernels_numba import decode_journey_tensor_core as tensor_core
 from pagedattn.errors import KernelLaunchError
 from reference.attention import paged_decode_attention
 
 HAS_GPU = torch.cuda.is_available()
-VERSIONS = sorted(pa.VERSIONS)
+VERSIONS = sorted(journey.VERSIONS)
 
 # (name, num_heads, num_kv_heads, head_dim, block_size, dtype, context_lens)
 TINY_CASES = [
@@ -91,7 +91,7 @@ def _version_cases():
     eras and the production kernel) by default, for the rest under `slow`."""
     for case in TINY_CASES:
         for version in VERSIONS:
-            slow = case is not TINY_CASES[0] and version not in (3, 8, pa.PRODUCTION_VERSION)
+            slow = case is not TINY_CASES[0] and version not in (3, 8, journey.PRODUCTION_VERSION)
             yield pytest.param(version, case, id=f"{case[0]}-v{version}", marks=[pytest.mark.slow] if slow else [])
 
 
@@ -103,7 +103,7 @@ def test_version_matches_reference(version, case):
         rng, num_heads, num_kv_heads, head_dim, block_size, dtype, lens
     )
     out16 = np.full(q16.shape, 0x7E00, dtype=np.uint16)  # NaN bits: unwritten outputs fail
-    pa.launch(version, q16, k16, v16, block_tables, context_lens, out16, is_bf16=(dtype == "bf16"))
+    journey.launch(version, q16, k16, v16, block_tables, context_lens, out16, is_bf16=(dtype == "bf16"))
     out = _bits_to_f64(out16, dtype)
     err = np.abs(out - ref)
     assert np.isfinite(out).all(), f"v{version}: NaN/inf in output (read past a sequence's end?)"
@@ -115,15 +115,15 @@ def test_version_matches_reference(version, case):
 def test_split_kv_matches_reference(monkeypatch, version):
     """Force several partitions on tiny lengths so the split + merge path runs in CI (by default the
     first split version of each era, v4 and v9; v10's splits have their own tests below)."""
-    monkeypatch.setattr(parts, "MIN_PARTITION", 16)
+    monkeypatch.setattr(cuda_core, "MIN_PARTITION", 16)
     monkeypatch.setattr(tensor_core, "V6_MIN_PARTITION", 16)
     chunk = cuda_core.v4_geometry(64, 8)[3]
-    assert parts.split_plan(3, 2, 48, chunk) == (3, 16)
+    assert cuda_core.split_plan(3, 2, 48, chunk) == (3, 16)
     assert tensor_core.split_plan_waves(3, 2, 48, 32, 396)[0] == 2  # 32-token steps: 2 partitions
     rng = np.random.default_rng(7)
     q16, k16, v16, block_tables, context_lens, ref = make_problem(rng, 4, 2, 64, 8, np.float16, [1, 20, 47])
     out16 = np.full(q16.shape, 0x7E00, dtype=np.uint16)
-    pa.launch(version, q16, k16, v16, block_tables, context_lens, out16, max_context_len=48)
+    journey.launch(version, q16, k16, v16, block_tables, context_lens, out16, max_context_len=48)
     err = np.abs(_bits_to_f64(out16, np.float16) - ref)
     assert err.max() <= _tolerance(np.float16), f"max err {err.max():.3g}, mean {err.mean():.3g}"
 
@@ -141,7 +141,7 @@ def test_partitions_match_reference(monkeypatch, version, warps):
     lens = [1, part + 6, 3 * part + 8, 2 * part]
     q16, k16, v16, block_tables, context_lens, ref = make_problem(rng, 4, 2, 64, 16, np.float16, lens)
     out16 = np.full(q16.shape, 0x7E00, dtype=np.uint16)
-    pa.launch(version, q16, k16, v16, block_tables, context_lens, out16, max_context_len=4 * part)
+    journey.launch(version, q16, k16, v16, block_tables, context_lens, out16, max_context_len=4 * part)
     err = np.abs(_bits_to_f64(out16, np.float16) - ref)
     assert np.isfinite(err).all() and err.max() <= _tolerance(np.float16), f"max err {err.max():.3g}"
 
@@ -171,11 +171,11 @@ def test_wave_plan_fills_whole_waves():
 
 def test_split_plan_fills_the_gpu():
     # one long sequence: many partitions; a big batch: none
-    assert parts.split_plan(1, 2, 8192, 16)[0] == 8192 // parts.MIN_PARTITION
-    assert parts.split_plan(256, 2, 512, 16)[0] == 2
-    assert parts.split_plan(256, 2, 256, 16)[0] == 1
+    assert cuda_core.split_plan(1, 2, 8192, 16)[0] == 8192 // cuda_core.MIN_PARTITION
+    assert cuda_core.split_plan(256, 2, 512, 16)[0] == 2
+    assert cuda_core.split_plan(256, 2, 256, 16)[0] == 1
     for args in [(1, 2, 8192), (8, 2, 2048), (64, 2, 513), (3, 1, 100)]:
-        splits, part = parts.split_plan(*args, 16)
+        splits, part = cuda_core.split_plan(*args, 16)
         assert part % 16 == 0 and (splits - 1) * part < args[2] <= splits * part
 
 
@@ -298,7 +298,6 @@ BAD_ARGUMENTS = [
                                                                   device=_device()))),
     ("context_len_zero", lambda: _bad(context_lens=torch.tensor([0, 3], dtype=torch.int32, device=_device()))),
     ("context_too_long", lambda: _bad(context_lens=torch.tensor([33, 3], dtype=torch.int32, device=_device()))),
-    ("unknown_version", lambda: dict(_bad(), version=max(pa.VERSIONS) + 1)),
     ("not_contiguous", lambda: _bad(q=torch.zeros(4, 2, 64, dtype=torch.float16, device=_device()).transpose(0, 1))),
 ]
 
@@ -309,12 +308,17 @@ def test_bad_arguments_raise_before_launch(make_args):
         pa.paged_attention(**make_args())
 
 
+def test_unknown_version_raises_before_launch():
+    with pytest.raises(KernelLaunchError, match="version=11"):
+        journey.paged_attention(**_bad(), version=max(journey.VERSIONS) + 1)
+
+
 def test_unused_table_entries_are_not_validated():
     # only the blocks a sequence reads must be in the pool: padding past its end may hold anything
     q, k, v, bt, lens = _torch_problem()
     bt = bt.clone()
     bt[0, 1] = 10_000  # sequence 0 has 5 tokens: one block
-    pa.paged_attention(q, k, v, bt, lens, version=1)
+    journey.paged_attention(q, k, v, bt, lens, version=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -490,7 +494,7 @@ def test_gpu_version_within_twice_sdpa_error(version, case):
     ref = paged_decode_attention(q, k, v, bt, lens)
     sdpa_err = _sdpa_error(q, k, v, bt, lens, ref)
     out = torch.full_like(q, float("nan"))
-    pa.paged_attention(q, k, v, bt, lens, version=version, out=out)
+    journey.paged_attention(q, k, v, bt, lens, version=version, out=out)
     torch.cuda.synchronize()
     err = np.abs(out.double().cpu().numpy() - ref)
     # floor: a quarter of an output ulp at |o| = 0.5, in case SDPA happens to round luckily
