@@ -11,7 +11,9 @@
     attention_parts.py             the decode pieces v10 is built from, written once (v5-v9 use them
                                    too): the entry points' checks and LaunchArgs, q fragments, the mma
                                    step, the warps' merge, the cp.async ring, v10's split-KV merge
-    paged_prefill.py               prefill attention over the paged pool (v1-v3) and its entry point
+    paged_prefill_fa2.py           prefill attention the engine runs (v4-v6, FlashAttention-2 structure)
+    paged_prefill.py               the prefill journey (v1-v3) and its entry point
+    prefill_parts.py               the host checks both prefill files share (neither imports the other)
     cache_ops.py                   reshape_and_cache (write K/V at their slots), copy_blocks
     common.py                      device intrinsics: packed fp16/bf16 math, 128-bit loads and stores,
                                    cp.async, ldmatrix, mma.sync, ex2, warp reductions (each with a

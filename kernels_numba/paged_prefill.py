@@ -52,18 +52,15 @@ from numba import cuda, float32
 from kernels_numba import bridge, common
 from kernels_numba.bridge import torch_stream
 from kernels_numba.errors import KernelLaunchError
-from kernels_numba.paged_prefill_fa2 import check_args, check_values
+from kernels_numba.prefill_parts import BLOCK_SIZES, DTYPES, HEAD_DIMS, check_args, check_values
 
 THREADS = 128
 V1_BN = 32  # v1: keys per KV tile
-HEAD_DIMS = (64, 128)
-BLOCK_SIZES = (8, 16, 32)
-DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 NEG_INF = np.float32(-np.inf)
 
 
 @cuda.jit(device=True, inline=True)
-def find_tile(cu_seqlens_q, num_seqs, bq, t):
+def find_tile(t, cu_seqlens_q, num_seqs, bq):
     """CTA t of the 1-D grid -> (sequence, q tile): each sequence's ceil(q_len / bq) tiles in turn, its last
     (heaviest: the longest causal range) first; (-1, 0) past the last tile (the grid is an upper bound)."""
     for i in range(num_seqs):
@@ -74,7 +71,7 @@ def find_tile(cu_seqlens_q, num_seqs, bq, t):
     return -1, 0
 
 
-def tile_rows(head_dim, version):
+def tile_rows(version, head_dim):
     """BM: query-head rows per CTA. v1: 64 at d=64, 32 at d=128 (48 KiB of static shared
     memory); v2, v3: 64 (4 warps x 16 rows of mma)."""
     if version == 1:
@@ -82,9 +79,9 @@ def tile_rows(head_dim, version):
     return 64
 
 
-def queries_per_tile(head_dim, group, version):
+def queries_per_tile(version, head_dim, group):
     """BQ: queries per CTA, all `group` heads of each."""
-    return tile_rows(head_dim, version) // group
+    return tile_rows(version, head_dim) // group
 
 
 _KERNELS = {}
@@ -94,7 +91,7 @@ def _build_v1(head_dim, kind):
     """v1, compile-time specialised for one head_dim and storage type ("f16" / "bf16")."""
     D = head_dim
     BN = V1_BN
-    BM = tile_rows(D, 1)
+    BM = tile_rows(1, D)
     TM = BM // 16  # rows per thread
     TN = BN // 8  # keys per thread in S
     TD = D // 8  # dims per thread in O
@@ -160,7 +157,7 @@ def _build_v1(head_dim, kind):
         bq = BM // group  # queries per tile
 
         # ---- which (sequence, q tile) is this CTA: scan the chunk lengths
-        s, tile = find_tile(cu_seqlens_q, context_lens.shape[0], bq, cuda.blockIdx.x)
+        s, tile = find_tile(cuda.blockIdx.x, cu_seqlens_q, context_lens.shape[0], bq)
         if s < 0:
             return  # past the last tile: the grid is an upper bound
         q_start = cu_seqlens_q[s]
@@ -303,7 +300,7 @@ def _build_v2(head_dim, kind, fixed_block_size=0, fast_exp=False):
     exp = ex2 if fast_exp else math.exp
     # scores are kept in the exponent's base: log2(e) folded into the scale for ex2
     SCALE_MUL = np.float32(1.4426950408889634 if fast_exp else 1.0)
-    BM = tile_rows(D, 2)  # 4 warps x 16 rows
+    BM = tile_rows(2, D)  # 4 warps x 16 rows
     BN = 64  # keys per KV tile
     NT = BN // 8  # n-tiles of S per warp
     KS = D // 16  # k-steps of S = Q K^T
@@ -344,7 +341,7 @@ def _build_v2(head_dim, kind, fixed_block_size=0, fast_exp=False):
         group = num_heads // num_kv_heads
         bq = BM // group
 
-        s, tile = find_tile(cu_seqlens_q, context_lens.shape[0], bq, cuda.blockIdx.x)
+        s, tile = find_tile(cuda.blockIdx.x, cu_seqlens_q, context_lens.shape[0], bq)
         if s < 0:
             return
         q_start = cu_seqlens_q[s]
@@ -513,7 +510,7 @@ SPECIALISED_ON_BLOCK_SIZE = (3,)
 DEFAULT_VERSION = 3  # the fastest, validated on the H200 (docs/prefill.md)
 
 
-def get_kernel(head_dim, kind, version=DEFAULT_VERSION, block_size=16):
+def get_kernel(version, head_dim, kind, block_size):
     """The kernel of `version` for (head_dim, "f16" | "bf16"[, block_size]), built once (compiled
     on first launch)."""
     if version in SPECIALISED_ON_BLOCK_SIZE:
@@ -527,9 +524,9 @@ def get_kernel(head_dim, kind, version=DEFAULT_VERSION, block_size=16):
     return _KERNELS[key]
 
 
-def num_tiles_bound(total_q, num_seqs, head_dim, group, version=DEFAULT_VERSION):
+def num_tiles_bound(total_q, num_seqs, group, version, head_dim):
     """Grid x: an upper bound of sum_s ceil(q_len_s / BQ) that needs no host sync."""
-    bq = queries_per_tile(head_dim, group, version)
+    bq = queries_per_tile(version, head_dim, group)
     return (total_q + bq - 1) // bq + num_seqs
 
 
@@ -548,8 +545,8 @@ def launch_paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, contex
     if total_q == 0 or num_seqs == 0:
         return
     group = num_heads // num_kv_heads
-    grid = (num_tiles_bound(total_q, num_seqs, head_dim, group, version), num_kv_heads)
-    get_kernel(head_dim, kind, version, block_size)[grid, THREADS, stream](
+    grid = (num_tiles_bound(total_q, num_seqs, group, version, head_dim), num_kv_heads)
+    get_kernel(version, head_dim, kind, block_size)[grid, THREADS, stream](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         num_heads, num_kv_heads, block_size, np.float32(scale),
     )
@@ -588,9 +585,9 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     version = DEFAULT_VERSION if version is None else version
     if version not in VERSIONS:
         raise KernelLaunchError(f"version must be one of {sorted(VERSIONS)}, got {version!r}")
-    if group > tile_rows(head_dim, version):
+    if group > tile_rows(version, head_dim):
         raise KernelLaunchError(
-            f"GQA group num_heads/num_kv_heads={group} must be <= {tile_rows(head_dim, version)} for v{version}")
+            f"GQA group num_heads/num_kv_heads={group} must be <= {tile_rows(version, head_dim)} for v{version}")
     if validate:
         check_values(block_tables, cu_seqlens_q, context_lens, total_q, num_blocks, block_size)
     if total_q == 0 or num_seqs == 0:

@@ -260,7 +260,7 @@ kernels = {
     "v10_8_warps": pa.make_decode_kernel(64, 16, 7, False, 8),
     "v10_merge": pa.make_merge_kernel(64, 7, False),
     "v8": tc.make_v8(64, 16, 7, False),
-    "prefill_v3": pp.get_kernel(64, "f16", 3, 16),
+    "prefill_v3": pp.get_kernel(3, 64, "f16", 16),
     "reshape_and_cache": cache_ops._reshape_and_cache_kernel,
 }
 sig = (types.int32[::1],)

@@ -64,7 +64,7 @@ for version in sorted(paged_prefill.VERSIONS):
             name = f"prefill_v{version}_d{head_dim}_{kind}"
             if name not in wanted:
                 continue
-            kernel = paged_prefill.get_kernel(head_dim, kind, version, block_size=16)
+            kernel = paged_prefill.get_kernel(version, head_dim, kind, 16)
             sig = (u32, u32, u32, i32_2d, i32, i32, u32, types.int64, types.int64, types.int64, types.float32)
             ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
             out[name] = stats(ptx)
