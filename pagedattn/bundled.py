@@ -14,6 +14,9 @@ itself) can read:
         tokenizer.json, tokenizer_config.json, chat_template.jinja, ...,
         pagedattn_bundled.json         # written last: the GGUF sha256 it came from
 
+    <cache>/qwen2.5-coder-0.5b-instruct.gguf    # the joined GGUF itself, kept: the CPU's quantized path
+                                                # reads its blocks (`bundled_gguf_path()`)
+
 <cache> is $PAGEDATTN_CACHE_DIR, else ~/.cache/pagedattn. The directory is built under a temporary
 name and renamed into place, so a half-written one is never used; once the marker is there, later
 calls return at once without re-hashing the 491 MB. The conversion runs under an exclusive file lock
@@ -206,6 +209,38 @@ def _conversion_lock(root):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def gguf_cache_path(root):
+    """Where the joined GGUF is kept in the cache directory `root`: beside the converted directory."""
+    return os.path.join(root, MODEL_NAME + ".gguf")
+
+
+def _have_gguf(path):
+    """The joined file is there (it is renamed into place only after its pieces' hashes checked out)."""
+    return os.path.isfile(path) and os.path.getsize(path) == GGUF_SIZE
+
+
+def bundled_gguf_path(cache_dir=None):
+    """The bundled model's joined GGUF file in the cache, joined once (pieces and whole hashed first) when
+    missing, e.g. in a cache converted before the file was kept. Same lock as bundled_model_path."""
+    root = os.fspath(cache_dir) if cache_dir else cache_root()
+    target = gguf_cache_path(root)
+    if _have_gguf(target):
+        return target
+    os.makedirs(root, exist_ok=True)
+    with _conversion_lock(root):
+        if not _have_gguf(target):
+            _say(f"pagedattn: joining the bundled GGUF file once ({GGUF_SIZE / 1e6:.0f} MB, hashed): {target}")
+            paths = verify_parts()
+            tmp = target + f".tmp-{os.getpid()}"
+            try:
+                join_parts(paths, tmp)
+                os.replace(tmp, target)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+    return target
+
+
 def bundled_model_path(cache_dir=None):
     """The converted bundled model's directory, converting it on first use (about a minute on 2 cores).
 
@@ -239,6 +274,8 @@ def bundled_model_path(cache_dir=None):
             out_dir = os.path.join(tmp, "model")
             os.makedirs(out_dir)
             convert_gguf(gguf_dir, "model.gguf", out_dir)      # says [3/4] and [4/4]
+            if os.path.getsize(os.path.join(gguf_dir, "model.gguf")) == GGUF_SIZE:   # kept for the quantized path
+                os.replace(os.path.join(gguf_dir, "model.gguf"), gguf_cache_path(root))
             shutil.rmtree(gguf_dir)
             marker = {"gguf_sha256": GGUF_SHA256, "dtype": "float32", "source": [p[0] + "==" + VERSION for p in PARTS],
                       "conversion_seconds": round(time.perf_counter() - start, 1)}

@@ -46,6 +46,12 @@ class EngineConfig:
         bundled model in float32); set num_blocks to choose the size yourself.
     tensor_parallel_size: ranks the model is sharded over (NCCL on cuda:0..P-1, gloo on CPU).
     seed: the engine-level seed unseeded requests take their random keys from.
+    weights: "auto", "quantized" or "float32". "quantized": the model's matrices stay the GGUF file's
+        blocks (CPU, float32 activations, one rank; ~0.5 GB for the bundled model instead of 2.5 GB):
+        the bundled model's GGUF, or the one *.gguf file in the model directory. "float32": the
+        safetensors checkpoint (the bundled one dequantized). "auto": quantized on the CPU (float32,
+        one rank) for the bundled model (model=None) or a directory holding a .gguf file, else float32.
+        with_model_path resolves it to "quantized" or "float32" and sets gguf_file.
     """
 
     model: str | None = None
@@ -65,6 +71,8 @@ class EngineConfig:
     cpu_kv_cache_max_gib: float = 1.0
     tensor_parallel_size: int = 1
     seed: int = 0
+    weights: str = "auto"
+    gguf_file: str | None = None             # resolved by with_model_path on the quantized path
 
     def __post_init__(self):
         if not isinstance(self.device, (str, torch.device)):
@@ -109,6 +117,13 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.weights not in ("auto", "quantized", "float32"):
+            raise InvalidRequestError(f"weights must be 'auto', 'quantized' or 'float32', got {self.weights!r}")
+        if self.weights == "quantized" and (kind != "cpu" or self.dtype != torch.float32
+                                            or self.tensor_parallel_size > 1):
+            raise InvalidRequestError(f"weights='quantized' (the GGUF blocks) runs on the CPU in float32 on one rank, "
+                                      f"not device={self.device!r}, dtype={str(self.dtype).replace('torch.', '')}, "
+                                      f"tensor_parallel_size={self.tensor_parallel_size}: use weights='float32'")
         if self.tensor_parallel_size > 1 and kind == "cuda" and self.device not in ("cuda", "cuda:0"):
             raise InvalidRequestError(f"tensor_parallel_size={self.tensor_parallel_size} runs rank r on cuda:r: "
                                       f"device must be 'auto', 'cuda' or 'cuda:0', got {self.device!r}")
@@ -117,14 +132,38 @@ class EngineConfig:
     def device_type(self):
         return torch.device(self.device).type
 
+    @property
+    def can_quantize(self):
+        """The quantized path's conditions besides the file: CPU, float32, one rank."""
+        return self.device_type == "cpu" and self.dtype == torch.float32 and self.tensor_parallel_size == 1
+
     def with_model_path(self, path):
-        """A copy whose `model` is a resolved directory (the bundled one converted on first use)."""
+        """A copy whose `model` is a resolved directory (the bundled one converted on first use) and whose
+        `weights` is "quantized" (with its gguf_file) or "float32". InvalidRequestError naming `weights`
+        when "quantized" was asked for a checkpoint without a GGUF file."""
         from dataclasses import replace
 
+        from pagedattn import bundled
+        from pagedattn.models.gguf_weights import find_gguf
+
+        if self.weights in ("quantized", "float32") and self.gguf_file is not None:
+            return replace(self, model=os.fspath(path))                # resolved already
+        gguf = None
         if path is None:
-            from pagedattn.bundled import bundled_model_path
-            path = bundled_model_path()
-        return replace(self, model=os.fspath(path))
+            path = bundled.bundled_model_path()
+            if self.weights == "quantized" or (self.weights == "auto" and self.can_quantize):
+                gguf = bundled.bundled_gguf_path()
+        elif self.weights != "float32":
+            path = os.fspath(path)
+            gguf = find_gguf(path)
+            if gguf is None and self.weights == "quantized" and bundled.is_converted(path):
+                gguf = bundled.bundled_gguf_path(os.path.dirname(os.path.abspath(path)))
+        if self.weights == "quantized" and gguf is None:
+            raise InvalidRequestError(f"weights='quantized' needs a GGUF file: {path!r} holds no *.gguf "
+                                      "(use weights='float32')")
+        quantized = gguf is not None and (self.weights == "quantized" or self.can_quantize)
+        return replace(self, model=os.fspath(path), weights="quantized" if quantized else "float32",
+                       gguf_file=gguf if quantized else None)
 
 
 def activation_reserve_bytes(config, model_config):

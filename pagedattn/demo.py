@@ -170,8 +170,11 @@ def main(prompts=None, max_tokens=192, temperature=0.0, model=None, device="auto
     load_s = time.perf_counter() - t0
     cache = engine.kv_cache
     backend = engine.model.attn_backend
+    m = llm.metrics()
+    weights = (f"weights: the GGUF file's quantized blocks, {m['model_weight_bytes'] / 2**20:.0f} MiB"
+               if m["weights"] == "quantized" else f"weights: {m['model_weight_bytes'] / 2**20:.0f} MiB")
     write(f"model: {engine.model_path} on {engine.config.device} "
-          f"({str(cache.dtype).replace('torch.', '')}), attention backend {getattr(backend, 'name', backend)}, "
+          f"({str(cache.dtype).replace('torch.', '')}), {weights}, attention backend {getattr(backend, 'name', backend)}, "
           f"KV pool {engine.num_blocks} blocks x {cache.block_size} tokens "
           f"({engine.num_blocks * cache.bytes_per_block / 2**20:.0f} MiB); loaded in {load_s:.1f} s\n")
 

@@ -30,6 +30,12 @@ class LLM:
     EngineConfig's (device, dtype, block_size, num_blocks, max_model_len, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, attn_backend, enforce_eager, async_scheduling, seed, ...).
 
+    weights: "auto" (default), "quantized" or "float32". On the CPU the bundled model (and a directory
+    holding a .gguf file) runs its GGUF file's quantized blocks, ~0.5 GB read per token instead of the
+    float32 copy's 2 GB (docs/cpu.md); "float32" runs the safetensors checkpoint. "quantized" on a GPU,
+    in float16/bfloat16, with tensor parallelism or for a checkpoint without a GGUF file raises
+    InvalidRequestError.
+
     tensor_parallel_size: P > 1 shards the model over P ranks (see docs/tensor_parallel.md): this process
     is rank 0 and starts P - 1 worker processes (spawn; NCCL on cuda:0..P-1, gloo on CPU). They stop on
     close(), at the end of a `with LLM(...)` block, at interpreter exit, and after a failed step. Scripts
@@ -63,8 +69,13 @@ class LLM:
         return self.engine.tokenizer
 
     def metrics(self):
-        """Engine metrics: KV usage, fragmentation, prefix-cache hit rate, preemptions, throughput..."""
-        return self.engine.metrics()
+        """Engine metrics: KV usage, fragmentation, prefix-cache hit rate, preemptions, throughput..., and
+        the model's: `weights` ("quantized" / "float32") and `model_weight_bytes` (rank 0's weights; the
+        GGUF blocks as in the file on the quantized path)."""
+        from pagedattn.engine.metrics import model_weight_bytes
+
+        return {**self.engine.metrics(), "weights": self.engine.config.weights,
+                "model_weight_bytes": model_weight_bytes(self.engine.model)}
 
     @staticmethod
     def _as_prompt_list(prompts):

@@ -3,10 +3,13 @@
 Request: time to first token (TTFT = first token time - arrival), inter-token latency (ITL, the
 gaps between consecutive tokens of one sequence), token counts, prefix-cache hit, preemptions.
 Engine: KV usage, internal fragmentation, prefix-cache hit rate (tokens), preemptions,
-running/waiting counts, throughput (generated tokens / seconds spent in steps).
+running/waiting counts, throughput (generated tokens / seconds spent in steps). Model: the bytes its
+weights hold (`model_weight_bytes`).
 """
 import time
 from dataclasses import asdict, dataclass
+
+import torch
 
 
 @dataclass
@@ -82,6 +85,22 @@ class EngineStats:
             "mean_ttft_s": mean(self.ttfts),
             "mean_itl_s": mean(self.itls),
         }
+
+
+def model_weight_bytes(model):
+    """Bytes of the model's weights: its tensors (each shared one once) plus the GGUF blocks of the layers
+    that hold them (QuantWeight.nbytes, the file's bytes). Buffers (the rotary cos/sin cache) excluded."""
+    seen, total = set(), 0
+    for module in model.modules():
+        for value in list(module._parameters.values()) + [module.__dict__.get("weight")]:
+            if value is None or id(value) in seen:
+                continue
+            seen.add(id(value))
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+            elif hasattr(value, "nbytes"):
+                total += value.nbytes
+    return total
 
 
 now = time.perf_counter

@@ -21,7 +21,10 @@ torch tensor or a safetensors slice; both are indexed with [a:b] / [:, a:b], so 
 rank reads only its own bytes. Parameters are created uninitialised (torch.empty): the loader fills them.
 
 Every GEMM is the model's ops table's `linear` (pagedattn/layers/ops.py: torch's, or in a small float32
-CPU step kernels_numba/cpu_linear.py), passed at construction as `ops`.
+CPU step kernels_numba/cpu_linear.py), passed at construction as `ops`. A model loaded from a GGUF file
+(pagedattn/models/loader.py: load_gguf_model) holds its matrices as GGUF blocks instead: each layer's
+`weight` is a pagedattn.models.gguf_weights.QuantWeight (a fused layer's parts in output order), the bias
+stays a float32 Parameter, and the table's `linear` / `embedding` read the blocks.
 """
 import torch
 import torch.distributed as dist
@@ -133,7 +136,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids):                                                   # (T,) int -> (T, hidden)
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return self.ops.embedding(ids, self.weight)                      # F.embedding, or GGUF rows
         local = ids - self.start
         inside = (local >= 0) & (local < self.rows)                           # (T,)
         x = F.embedding(local.clamp(0, self.rows - 1), self.weight)

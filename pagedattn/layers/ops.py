@@ -9,6 +9,7 @@
     ops.attention(q, k_cache, v_cache, attn_metadata) -> out [T, H, D] (the backend's `attend`)
     ops.silu_and_mul(x)                              -> silu(gate) * up      x [T, 2 I] -> [T, I]
     ops.linear(x, weight, bias)                      -> x weight^T + bias
+    ops.embedding(ids, weight)                       -> rows ids of the table weight [V, E]
     ops.step_scope(num_rows)                         a context around a forward of num_rows rows
     ops.backend                                      the attention backend (copy_blocks, can_capture)
 
@@ -22,6 +23,11 @@ call per op; which kernel runs is decided here, once, from the backend, the devi
     CpuNumbaBackend     float32: kernels_numba.cpu_glue in a small step,         kernels_numba.cpu_linear in a
                         torch ops + the backend's K/V write in a large one       small step, torch otherwise
     any other           torch ops + the backend's K/V write                      torch
+
+weights="quantized" (float32 CPU models loaded from a GGUF file, pagedattn/models/loader.py: load_gguf_model):
+the same glue, while `linear`, the LM head and `embedding` read the GGUF blocks the layers hold
+(pagedattn.models.gguf_weights.QuantWeight, kernels_numba/cpu_quant.py) on the step's threads; a layer
+still holding a float32 tensor goes to the float32 linear above.
 
 Every variant has the same math and the same roundings (Hugging Face's; reference/layers.py).
 """
@@ -50,6 +56,7 @@ class Ops:
     linear: Callable
     step_scope: Callable
     backend: Any
+    embedding: Callable = F.embedding
 
 
 # ---- torch ops: every device and dtype ----------------------------------------------------------
@@ -173,17 +180,52 @@ def torch_ops(backend):
                silu_and_mul=silu_and_mul, linear=torch_linear, step_scope=no_scope, backend=backend)
 
 
-def make_ops(backend, device, dtype, hidden_size, intermediate_size, head_dim):
+# ---- GGUF blocks (weights="quantized") ---------------------------------------------------------
+def quantized_linear(threads, float_linear, x, weight, bias=None):
+    """x weight^T + bias where weight is a QuantWeight (its blocks, on `threads()` threads); a float32
+    tensor goes to float_linear."""
+    if isinstance(weight, torch.Tensor):
+        return float_linear(x, weight, bias)
+    return weight(x, bias, num_threads=threads())
+
+
+def quantized_embedding(threads, ids, weight):
+    if isinstance(weight, torch.Tensor):
+        return F.embedding(ids, weight)
+    return weight.embedding(ids, num_threads=threads())
+
+
+def quantize_ops(ops, device, dtype):
+    """Switch the table `ops` (in place: every layer holds this one object) to layers holding GGUF blocks:
+    `linear` and `embedding` read QuantWeights, the rest stays as chosen for float32 on the CPU. Done once,
+    when a model is built for a GGUF file (pagedattn/models/loader.py: load_gguf_model). Returns ops."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"quantized weights run on the CPU in float32, not on {device} in {dtype}")
+    step = getattr(ops.backend, "step", None)
+    threads = step.threads if step is not None else torch.get_num_threads
+    ops.linear = partial(quantized_linear, threads, ops.linear)
+    ops.embedding = partial(quantized_embedding, threads)
+    return ops
+
+
+def make_ops(backend, device, dtype, hidden_size, intermediate_size, head_dim, weights="float32"):
     """The ops table of a model on `device` in `dtype`.
 
     backend: "auto" / "torch" / "numba" / "cpu" or a backend object (pagedattn.layers.attention.get_backend).
     hidden_size: the normed width; intermediate_size: this rank's MLP width I (SiLU-and-mul's output);
     head_dim: D. The widths decide whether the glue kernels cover the layers (16-byte pieces).
+    weights: "float32" (tensors) or "quantized" (the layers hold GGUF blocks: CPU, float32 only).
     """
     backend = get_backend(backend, device)
     device, dtype = torch.device(device), getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if isinstance(backend, NumbaBackend) and backend.glue_kernels_for(device, dtype):
-        return _numba_ops(backend, hidden_size, intermediate_size, head_dim)
-    if CpuNumbaBackend is not None and isinstance(backend, CpuNumbaBackend):
-        return _cpu_ops(backend, device, dtype)
-    return torch_ops(backend)
+        ops = _numba_ops(backend, hidden_size, intermediate_size, head_dim)
+    elif CpuNumbaBackend is not None and isinstance(backend, CpuNumbaBackend):
+        ops = _cpu_ops(backend, device, dtype)
+    else:
+        ops = torch_ops(backend)
+    if weights == "quantized":
+        return quantize_ops(ops, device, dtype)
+    if weights != "float32":
+        raise ValueError(f"weights must be 'float32' or 'quantized', got {weights!r}")
+    return ops

@@ -91,35 +91,109 @@ class GGUFTensor:
         return cpu_quant.dequantize(self.data, self.fmt).reshape(self.shape)
 
 
+# GGUF metadata value types -> struct format of one value (8: string, 9: array, handled apart)
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+# ggml tensor type ids of the formats read here
+_TYPES = {0: "F32", 1: "F16", 8: "Q8_0", 6: "Q5_0", 14: "Q6_K", 12: "Q4_K"}
+
+
+class _Header:
+    """A GGUF file's header read with struct from its bytes: the metadata values are skipped (only
+    general.alignment is kept), the tensor infos kept. The gguf package's reader builds a Python object
+    for each of the tokenizer's ~300k metadata strings (~15 s); this walks past them in well under a second."""
+
+    def __init__(self, buf):
+        self.buf, self.pos = buf, 0
+        if bytes(buf[:4]) != b"GGUF":
+            raise ValueError("not a GGUF file (no GGUF magic)")
+        self.pos = 4
+        version, n_tensors, n_kv = self.unpack("<IQQ")
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is not supported (2 and later are)")
+        self.alignment = 32
+        for _ in range(n_kv):
+            key, vtype = self.string(), self.unpack("<I")[0]
+            value = self.value(vtype)
+            if key == "general.alignment":
+                self.alignment = int(value)
+        self.tensors = []                  # (name, type id, dims innermost-first, offset in the data section)
+        for _ in range(n_tensors):
+            name = self.string()
+            (n_dims,) = self.unpack("<I")
+            dims = self.unpack(f"<{n_dims}Q")
+            ttype, offset = self.unpack("<IQ")
+            self.tensors.append((name, ttype, dims, offset))
+        self.data_start = -(-self.pos // self.alignment) * self.alignment
+
+    def unpack(self, fmt):
+        import struct
+
+        values = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return values
+
+    def string(self):
+        (n,) = self.unpack("<Q")
+        self.pos += n
+        return bytes(self.buf[self.pos - n:self.pos]).decode("utf-8")
+
+    def value(self, vtype):
+        """The value (scalars; None for strings and arrays, which are skipped)."""
+        import struct
+
+        if vtype in _SCALAR:
+            return self.unpack("<" + _SCALAR[vtype])[0]
+        if vtype == 8:
+            (n,) = self.unpack("<Q")
+            self.pos += n
+            return None
+        if vtype == 9:
+            itype, count = self.unpack("<IQ")
+            if itype in _SCALAR:
+                self.pos += count * struct.calcsize("<" + _SCALAR[itype])
+            else:
+                for _ in range(count):
+                    self.value(itype)
+            return None
+        raise ValueError(f"metadata value type {vtype} is unknown")
+
+
 def read_gguf(path):
     """{GGUF name: GGUFTensor} of every tensor in the GGUF file at `path`, memory-mapped.
 
     Raises ModelLoadError when the file cannot be read or holds a tensor type this loader has no
     kernel for."""
-    from gguf import GGMLQuantizationType, GGUFReader
-
     if not os.path.isfile(path):
         raise ModelLoadError(f"GGUF file {path!r} does not exist")
     try:
-        reader = GGUFReader(path, "r")
-    except Exception as e:       # the reader raises ValueError / struct errors on a damaged header
+        mapped = np.memmap(path, np.uint8, mode="r")
+        header = _Header(mapped)
+    except Exception as e:       # struct errors / ValueError on a damaged or truncated header
         raise ModelLoadError(f"cannot read GGUF file {path!r}: {e}") from e
     tensors = {}
-    for t in reader.tensors:
-        fmt = t.tensor_type.name
-        shape = tuple(int(d) for d in reversed(t.shape))            # innermost-first -> torch's order
-        if fmt in cpu_quant.FORMATS:
-            data = t.data.reshape(-1, t.data.shape[-1])              # [N, bytes_per_row], no copy
-            if (data.shape[0],) + (cpu_quant.row_values(fmt, data.shape[1]),) != (int(np.prod(shape[:-1])), shape[-1]):
-                raise ModelLoadError(f"GGUF tensor {t.name!r}: {data.shape} bytes do not hold shape {shape}")
-        elif t.tensor_type == GGMLQuantizationType.F32:
-            data = np.array(t.data, np.float32).reshape(shape)                # small: norms, biases
-        elif t.tensor_type == GGMLQuantizationType.F16:
-            data, fmt = np.asarray(t.data, np.float16).astype(np.float32).reshape(shape), "F32"
-        else:
-            raise ModelLoadError(f"GGUF tensor {t.name!r} is {fmt}: supported are "
+    for name, ttype, dims, offset in header.tensors:
+        fmt = _TYPES.get(ttype)
+        if fmt is None:
+            raise ModelLoadError(f"GGUF tensor {name!r} has ggml type {ttype}: supported are "
                                  f"{sorted(cpu_quant.FORMATS)}, F32 and F16")
-        tensors[t.name] = GGUFTensor(t.name, fmt, shape, data)
+        shape = tuple(int(d) for d in reversed(dims))               # innermost-first -> torch's order
+        rows, K = int(np.prod(shape[:-1])), shape[-1]
+        if fmt in cpu_quant.FORMATS:
+            _, qk, block_bytes = cpu_quant.FORMATS[fmt]
+            if K % qk:
+                raise ModelLoadError(f"GGUF tensor {name!r}: rows of {K} values are not whole {fmt} blocks")
+            row_bytes = K // qk * block_bytes
+        else:
+            row_bytes = K * (4 if fmt == "F32" else 2)
+        a = header.data_start + offset
+        if a + rows * row_bytes > mapped.shape[0]:
+            raise ModelLoadError(f"GGUF tensor {name!r}: its bytes run past the end of {path!r} (truncated?)")
+        data = mapped[a:a + rows * row_bytes].reshape(rows, row_bytes)        # [N, bytes_per_row], no copy
+        if fmt == "F32":
+            data = np.array(data.view(np.float32)).reshape(shape)            # small: norms, biases
+        elif fmt == "F16":
+            data, fmt = data.view(np.float16).astype(np.float32).reshape(shape), "F32"
+        tensors[name] = GGUFTensor(name, fmt, shape, data)
     return tensors
 
 
@@ -155,3 +229,64 @@ def embedding(ids, table, num_threads=None):
     if not table.quantized:
         return torch.from_numpy(table.data)[torch.as_tensor(ids, dtype=torch.long)]
     return cpu_quant.embedding(ids, table.data, table.fmt, num_threads=num_threads)
+
+
+class QuantWeight:
+    """A layer's weight [N, K] kept as GGUF blocks: one or more GGUFTensors stacked along the output rows.
+
+    The model fuses q/k/v (and gate/up) into one layer where the GGUF stores them apart, in different
+    formats (q Q5_0, v Q8_0): a fused layer holds its parts in output order and concatenates their
+    outputs. Held by the linear layers, the embedding and the LM head in place of a float32 Parameter
+    (pagedattn/models/loader.py: load_gguf_model); the ops table (pagedattn/layers/ops.py) calls it.
+
+        w = QuantWeight([q, k, v])           # shape (Nq + Nk + Nv, K)
+        y = w(x, bias)                       # x float32 [M, K] -> [M, N]
+        rows = w.embedding(ids)              # one part only: rows of the table
+    """
+
+    def __init__(self, parts):
+        parts = list(parts)
+        if not parts or any(p.fmt not in cpu_quant.FORMATS or len(p.shape) != 2 for p in parts):
+            raise ModelLoadError(f"QuantWeight takes quantized matrices, got {[(p.name, p.fmt) for p in parts]}")
+        K = parts[0].shape[1]
+        if any(p.shape[1] != K for p in parts):
+            raise ModelLoadError(f"parts {[p.name for p in parts]} have different input widths")
+        self.parts = parts
+        self.shape = (sum(p.shape[0] for p in parts), K)
+        self.offsets = [0]
+        for p in parts:
+            self.offsets.append(self.offsets[-1] + p.shape[0])
+
+    @property
+    def nbytes(self):
+        """The blocks' bytes (as in the file)."""
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x, bias=None, num_threads=None):
+        """x float32 [M, K] -> x W^T (+ bias [N]) float32 [M, N]; each part's slice of bias added by its kernel."""
+        if len(self.parts) == 1:
+            return quant_linear(x, self.parts[0], bias, num_threads)
+        outs = [quant_linear(x, p, None if bias is None else bias[a:b], num_threads)
+                for p, a, b in zip(self.parts, self.offsets, self.offsets[1:])]
+        return torch.cat(outs, dim=-1)                                          # (M, N)
+
+    def embedding(self, ids, num_threads=None):
+        """float32 [T, K]: rows ids (int [T]) of a one-part table."""
+        if len(self.parts) != 1:
+            raise ModelLoadError("an embedding table is one GGUF tensor")
+        return embedding(ids, self.parts[0], num_threads)
+
+    def dequantize(self):
+        """float32 torch tensor [N, K] (a copy): the values the blocks stand for."""
+        return torch.cat([torch.from_numpy(p.dequantize()) for p in self.parts])
+
+    def __repr__(self):
+        return f"QuantWeight({', '.join(f'{p.name} {p.fmt} {p.shape}' for p in self.parts)})"
+
+
+def find_gguf(path):
+    """The one *.gguf file in the checkpoint directory `path`, or None (none there, or several)."""
+    if not os.path.isdir(path):
+        return None
+    files = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    return os.path.join(path, files[0]) if len(files) == 1 else None

@@ -13,6 +13,12 @@ The checkpoint stays in HF's layout; the model's layout differs in two ways, res
 
 Each checkpoint tensor is opened as a safetensors slice and handed to its layer's `weight_loader`, which
 reads only the rows (or columns) its rank keeps, so a rank never holds more than its shard.
+
+`load_gguf_model(path, gguf_file)` builds the same model from a GGUF file (config and tokenizer from the
+directory `path`) without a float32 copy: every quantized matrix stays as its memory-mapped blocks, a
+QuantWeight in place of the layer's Parameter (q/k/v and gate/up as the parts of their fused layer, in
+output order), and the ops table reads them (pagedattn/layers/ops.py: quantize_ops). Norms and biases
+(F32 in the file) load as above. CPU, float32 activations, one rank.
 """
 import contextlib
 import glob
@@ -142,3 +148,55 @@ def load_model(path, device="cpu", dtype=torch.float32, attn_backend="auto", tp_
                                          f"the config expects {expected[name]}")
             load_weights(model, slices)
     return model.eval().requires_grad_(False), config  # inference only: no autograd graphs
+
+
+def load_gguf_model(path, gguf_file=None, attn_backend="auto"):
+    """Qwen2ForCausalLM on the CPU whose matrices are the GGUF file's blocks (no float32 copy).
+
+    path: directory with config.json (and the tokenizer). gguf_file: the GGUF file (default: the one
+    *.gguf in path). attn_backend: as load_model's. Every tensor's name and shape is checked against the
+    config. Returns (model in eval mode, Qwen2Config); its resident size grows to about the file's as
+    the kernels touch the blocks (pagedattn.engine.metrics.model_weight_bytes counts them).
+    """
+    from pagedattn.layers.ops import quantize_ops
+    from pagedattn.models.gguf_weights import QuantWeight, find_gguf, hf_name, read_gguf
+
+    path = os.fspath(path)
+    config = read_config(path)
+    gguf_file = gguf_file or find_gguf(path)
+    if gguf_file is None:
+        raise ModelLoadError(f"no GGUF file for {path!r}: put one *.gguf file in the directory")
+    tensors = {hf_name(name): t for name, t in read_gguf(gguf_file).items()}
+    expected = checkpoint_shapes(config)
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ModelLoadError(f"tensor {name!r} is missing from {gguf_file!r}")
+        if tensors[name].shape != shape:
+            raise ModelLoadError(f"tensor {name!r} in {gguf_file!r} has shape {tensors[name].shape}, "
+                                 f"the config expects {shape}")
+    # Parameters come from torch.empty: the float32 matrices are never written, so never made resident.
+    model = build_model(config, "cpu", torch.float32, attn_backend)
+    quantize_ops(model.ops, "cpu", torch.float32)
+    plain, fused = {}, {}                        # fused: module -> {shard id: GGUFTensor}
+    for name in expected:
+        t = tensors[name]
+        if not t.quantized:
+            plain[name] = torch.from_numpy(t.data)                   # norms, biases (float32)
+            continue
+        module, param, shard = _target(model, name)
+        if param is not getattr(module, "weight", None):
+            raise ModelLoadError(f"tensor {name!r} is {t.fmt}: only weight matrices may be quantized")
+        fused.setdefault(module, {})[shard] = t
+    load_weights(model, plain)
+    order = {"q": 0, "k": 1, "v": 2}
+    for module, parts in fused.items():
+        weight = QuantWeight([parts[s] for s in sorted(parts, key=lambda s: order.get(s, s or 0))])
+        if weight.shape != tuple(module.weight.shape):
+            raise ModelLoadError(f"GGUF parts {weight} do not fill {tuple(module.weight.shape)}")
+        tied = config.tie_word_embeddings and module is model.model.embed_tokens
+        del module.weight                        # the unused float32 Parameter
+        module.weight = weight
+        if tied:
+            del model.lm_head.weight
+            model.lm_head.weight = weight
+    return model.eval().requires_grad_(False), config

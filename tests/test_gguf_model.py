@@ -1,0 +1,209 @@
+"""The model on the GGUF file's quantized blocks (weights="quantized"): choosing the path, loading it,
+its layers against the float32 checkpoint's on real tensors, and the engine's output against HF
+transformers on the converted (dequantized) checkpoint."""
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import bundled_model_dir, tiny_checkpoint  # noqa: F401 (session fixtures)
+from pagedattn import bundled
+from pagedattn.config import EngineConfig
+from pagedattn.errors import InvalidRequestError, ModelLoadError
+
+
+@pytest.fixture(scope="session")
+def bundled_gguf(bundled_model_dir):  # noqa: F811
+    """The joined bundled GGUF beside the converted directory (joined once where missing)."""
+    target = bundled.gguf_cache_path(os.path.dirname(bundled_model_dir))
+    if bundled.missing_pieces() and not os.path.isfile(target):
+        pytest.skip("the bundled GGUF file is not in the cache and its pieces are not installed")
+    return bundled.bundled_gguf_path(os.path.dirname(bundled_model_dir))
+
+
+@pytest.fixture(scope="module")
+def quant_model(bundled_model_dir, bundled_gguf):  # noqa: F811
+    from pagedattn.layers.cpu_attention import CpuNumbaBackend
+    from pagedattn.models.loader import load_gguf_model
+
+    return load_gguf_model(bundled_model_dir, bundled_gguf, CpuNumbaBackend())
+
+
+# ---------------------------------------------------------------- weights=: validation and resolution
+
+def test_weights_must_be_a_known_value():
+    with pytest.raises(InvalidRequestError, match="weights"):
+        EngineConfig(model="x", device="cpu", weights="int8")
+
+
+@pytest.mark.parametrize("kwargs", [{"dtype": "float16"}, {"dtype": "bfloat16"}, {"tensor_parallel_size": 2}])
+def test_quantized_needs_float32_on_one_rank(kwargs):
+    with pytest.raises(InvalidRequestError, match="weights='quantized'"):
+        EngineConfig(model="x", device="cpu", weights="quantized", **kwargs)
+
+
+def test_quantized_on_a_gpu_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)      # the config's check only; nothing runs
+    with pytest.raises(InvalidRequestError, match="weights='quantized'.*device='cuda'"):
+        EngineConfig(model="x", device="cuda", weights="quantized")
+
+
+def test_quantized_needs_a_gguf_file(tiny_checkpoint):  # noqa: F811
+    config = EngineConfig(model=tiny_checkpoint, device="cpu", weights="quantized")
+    with pytest.raises(InvalidRequestError, match="weights='quantized' needs a GGUF file"):
+        config.with_model_path(tiny_checkpoint)
+    # "auto" on a checkpoint without one: the float32 path, nothing raised
+    auto = EngineConfig(model=tiny_checkpoint, device="cpu").with_model_path(tiny_checkpoint)
+    assert auto.weights == "float32" and auto.gguf_file is None
+
+
+def test_bundled_model_is_quantized_by_default_on_the_cpu(bundled_model_dir, bundled_gguf, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", os.path.dirname(bundled_model_dir))
+    config = EngineConfig(device="cpu").with_model_path(None)
+    assert (config.model, config.weights, config.gguf_file) == (bundled_model_dir, "quantized", bundled_gguf)
+    f32 = EngineConfig(device="cpu", weights="float32").with_model_path(None)
+    assert (f32.weights, f32.gguf_file) == ("float32", None)
+    # the converted directory given by path: float32 unless asked, then its GGUF beside it
+    assert EngineConfig(device="cpu").with_model_path(bundled_model_dir).weights == "float32"
+    asked = EngineConfig(device="cpu", weights="quantized").with_model_path(bundled_model_dir)
+    assert asked.gguf_file == bundled_gguf
+
+
+def test_kept_gguf_is_joined_when_missing(tmp_path, monkeypatch):
+    """An old cache without the joined file: it is joined once from the checked pieces; later calls use it."""
+    pieces = [tmp_path / f"p{k}" for k in range(2)]
+    for k, p in enumerate(pieces):
+        p.write_bytes(bytes([k]) * 100)
+    calls = []
+    monkeypatch.setattr(bundled, "verify_parts", lambda: calls.append(1) or [str(p) for p in pieces])
+    monkeypatch.setattr(bundled, "GGUF_SIZE", 200)
+    path = bundled.bundled_gguf_path(tmp_path / "cache")
+    assert path == bundled.gguf_cache_path(str(tmp_path / "cache"))
+    assert open(path, "rb").read() == bytes([0]) * 100 + bytes([1]) * 100
+    assert bundled.bundled_gguf_path(tmp_path / "cache") == path and calls == [1]
+
+
+# ---------------------------------------------------------------- the quantized layers on real tensors
+
+def test_layers_hold_the_gguf_blocks(quant_model):
+    from pagedattn.models.gguf_weights import QuantWeight
+
+    model, config = quant_model
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert [p.name for p in attn.qkv_proj.weight.parts] == ["blk.0.attn_q.weight", "blk.0.attn_k.weight",
+                                                            "blk.0.attn_v.weight"]
+    assert [p.name for p in mlp.gate_up_proj.weight.parts] == ["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"]
+    for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, model.model.embed_tokens,
+                   model.lm_head):
+        assert isinstance(module.weight, QuantWeight) and "weight" not in module._parameters
+    assert model.lm_head.weight.parts[0].fmt == "Q8_0" and model.model.embed_tokens.weight.parts[0].fmt == "Q5_0"
+    assert isinstance(attn.qkv_proj.bias, torch.nn.Parameter)                # biases stay float32
+
+
+def test_fused_weights_are_the_checkpoints_bit_for_bit(quant_model, bundled_model_dir):  # noqa: F811
+    """Layer 5's fused q/k/v and gate/up dequantize to the converted checkpoint's tensors stacked in
+    the order the float32 path loads them (QKVParallelLinear / MergedColumnParallelLinear)."""
+    from safetensors import safe_open
+
+    model, _ = quant_model
+    layer = model.model.layers[5]
+    p = "model.layers.5."
+    with safe_open(os.path.join(bundled_model_dir, "model.safetensors"), "pt") as f:
+        qkv = torch.cat([f.get_tensor(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        qkv_bias = torch.cat([f.get_tensor(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        gate_up = torch.cat([f.get_tensor(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+        down = f.get_tensor(p + "mlp.down_proj.weight")
+    assert torch.equal(layer.self_attn.qkv_proj.weight.dequantize(), qkv)
+    assert torch.equal(layer.self_attn.qkv_proj.bias, qkv_bias)
+    assert torch.equal(layer.mlp.gate_up_proj.weight.dequantize(), gate_up)
+    assert torch.equal(layer.mlp.down_proj.weight.dequantize(), down)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 23])
+def test_quantized_layers_match_the_float32_layers(quant_model, rows):
+    """Each quantized layer of layer 3 against F.linear on its dequantized weight: equal up to the order
+    of the float32 sums (tolerance: 8 float32 ulps of the sum of |x w| terms, K values summed)."""
+    model, _ = quant_model
+    layer = model.model.layers[3]
+    g = torch.Generator().manual_seed(rows)
+    for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                   layer.mlp.down_proj):
+        w = module.weight.dequantize()
+        x = torch.randn(rows, w.shape[1], generator=g)
+        with model.ops.step_scope(rows):
+            ours = module(x)
+        ref = F.linear(x.double(), w.double(), None if module.bias is None else module.bias.double())
+        bound = 8 * np.finfo(np.float32).eps * (x.double().abs() @ w.double().abs().T) + 1e-30
+        err = (ours.double() - ref).abs()
+        assert (err <= bound).all(), f"{module.weight}: max error {err.max():.2e}, bound there {bound.max():.2e}"
+
+
+def test_embedding_rows_are_the_tables(quant_model, bundled_model_dir):  # noqa: F811
+    from safetensors import safe_open
+
+    model, config = quant_model
+    ids = torch.tensor([0, 1, 151643, config.vocab_size - 1, 872, 872])
+    with safe_open(os.path.join(bundled_model_dir, "model.safetensors"), "pt") as f:
+        table = f.get_slice("model.embed_tokens.weight")
+        want = torch.stack([table[i:i + 1][0] for i in ids.tolist()])
+    assert torch.equal(model.model.embed_tokens(ids), want)
+
+
+def test_weight_bytes_are_the_files(quant_model, bundled_gguf):
+    from pagedattn.engine.metrics import model_weight_bytes
+
+    model, _ = quant_model
+    size = os.path.getsize(bundled_gguf)
+    assert 0.95 * size < model_weight_bytes(model) < size                  # the blocks, not a float32 copy
+
+
+def test_a_missing_tensor_is_named(tmp_path, bundled_model_dir, bundled_gguf, monkeypatch):  # noqa: F811
+    from pagedattn.models import gguf_weights, loader
+
+    read = gguf_weights.read_gguf
+    monkeypatch.setattr(gguf_weights, "read_gguf",
+                        lambda path: {k: v for k, v in read(path).items() if k != "blk.7.ffn_up.weight"})
+    with pytest.raises(ModelLoadError, match="model.layers.7.mlp.up_proj.weight"):
+        loader.load_gguf_model(bundled_model_dir, bundled_gguf)
+
+
+# ---------------------------------------------------------------- the engine on the blocks
+
+def test_seeded_sampling_is_reproducible(bundled_model_dir, bundled_gguf):  # noqa: F811
+    from pagedattn import LLM, SamplingParams
+
+    llm = LLM(bundled_model_dir, device="cpu", weights="quantized", num_blocks=16, max_model_len=256)
+    assert llm.metrics()["weights"] == "quantized"
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=3, seed=7, n=2)
+    a, b = (llm.generate(["def fib(n):"], params, use_tqdm=False)[0] for _ in range(2))
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert all(len(c.token_ids) == 3 for c in a.outputs)
+
+
+@pytest.mark.slow
+def test_greedy_matches_hf_generate(bundled_model_dir, bundled_gguf):  # noqa: F811
+    """32 greedy tokens of LLM(device="cpu") on the GGUF blocks identical to HF generate(do_sample=False)
+    on the converted float32 checkpoint, on the chat prompts of tests/test_bundled_model.py decoded
+    together (the 5-row decode steps run the block kernels, the prefill the dequantized tiles)."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedattn import LLM, SamplingParams
+    from test_bundled_model import MAX_NEW_TOKENS, PROMPTS
+
+    llm = LLM(bundled_model_dir, device="cpu", weights="quantized", num_blocks=64, max_model_len=512)
+    tok = llm.get_tokenizer()
+    prompts = [list(map(int, tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False))) for p in PROMPTS]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(bundled_model_dir, dtype=torch.float32).eval()
+    for p, (ids, out) in enumerate(zip(prompts, outs)):
+        with torch.no_grad():
+            seq = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=MAX_NEW_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id)
+        hf_tokens = seq[0, len(ids):].tolist()
+        n = len(hf_tokens)
+        assert n >= 16, "answers should be long enough to compare"
+        ours = list(out.outputs[0].token_ids)
+        assert ours[:n] == hf_tokens, f"prompt {p}: ours {tok.decode(ours[:n])!r}\nhf {tok.decode(hf_tokens)!r}"
