@@ -227,7 +227,9 @@ class CoreClient:
             raise
 
     def _handshake(self, timeout):
-        """Say Hello to every core and wait for each one's Ready (a local process that exits first fails it)."""
+        """Say Hello to every core and wait for each one's Ready and first metrics snapshot (the core sends
+        both at once), so engine_metrics() has every core's figures from the start (a local process that
+        exits first fails it)."""
         for core in self._cores:
             core.dealer.send(self._encoder.encode(ec.Hello(self._identity)))
         deadline = now() + timeout
@@ -242,11 +244,12 @@ class CoreClient:
                 msg = self._decoder.decode(sock.recv())
                 if isinstance(msg, ec.Ready):
                     core.info = msg.info
-                    pending.pop(id(sock), None)
                 elif isinstance(msg, ec.Stats):
                     core.snapshot = msg.metrics
                 elif isinstance(msg, ec.Dead):
                     raise EngineDeadError(f"engine core {msg.rank} failed to start: {msg.reason}")
+                if core.info is not None and core.snapshot:
+                    pending.pop(id(sock), None)
             for core in pending.values():
                 if core.process is not None and not core.process.is_alive():
                     raise EngineDeadError(f"engine core {core.rank} exited while starting "
