@@ -32,13 +32,15 @@ from typing import NamedTuple
 from pagedattn.errors import BlockManagerError, OutOfBlocksError
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int] | bytes) -> int:
     """Chain hash of one full block: depends on the block's tokens and on every block before it.
+    token_ids: the block's ids, or their bytes as little-endian int64 (what callers hashing many blocks
+    pass: one conversion for all of them).
 
     SHA-256 rather than Python's hash(): prompts come from users, and a crafted collision of the
     parent hashes could otherwise make two different prefixes share KV."""
     h = hashlib.sha256(b"root" if parent_hash is None else parent_hash.to_bytes(32, "little"))
-    h.update(array("q", token_ids).tobytes())  # token ids as int64
+    h.update(token_ids if isinstance(token_ids, bytes) else array("q", token_ids).tobytes())  # int64 ids
     return int.from_bytes(h.digest(), "little")
 
 
@@ -244,30 +246,38 @@ class BlockManager:
             self.num_hit_tokens += len(hits) * self.block_size
         return len(hits) * self.block_size
 
-    def commit_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+    def commit_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_tokens: int | None = None) -> None:
         """Register the sequence's blocks that are now full under their chain hash.
 
-        token_ids: every token of seq_id whose KV is in the cache. Idempotent. A block that is
-        already hashed (a hit, or shared with share_prefix) keeps its hash; a block whose hash
-        another block already holds (the same content computed twice) stays unregistered."""
+        token_ids: the sequence's tokens; the first num_tokens of them (default all) have their KV in
+        the cache. Idempotent, and incremental: blocks committed before are not hashed again, so each
+        block is hashed once, when it fills. A block that is already hashed (a hit, or shared with
+        share_prefix) keeps its hash; a block whose hash another block already holds (the same content
+        computed twice) stays unregistered."""
         table = self._table(seq_id)
-        if len(token_ids) > len(table) * self.block_size:
-            raise BlockManagerError(f"{len(token_ids)} tokens exceed the {len(table)} blocks of {seq_id!r}")
+        num_tokens = len(token_ids) if num_tokens is None else num_tokens
+        if num_tokens > len(table) * self.block_size:
+            raise BlockManagerError(f"{num_tokens} tokens exceed the {len(table)} blocks of {seq_id!r}")
         if not self.enable_prefix_caching:
             return
         hashes = self.seq_hashes.setdefault(seq_id, [])
-        bs = self.block_size
-        for i in range(len(hashes), len(token_ids) // bs):
-            parent = hashes[-1] if hashes else None
-            key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))
-            h = hash_block_tokens(*key)
+        bs, first, last = self.block_size, len(hashes), num_tokens // self.block_size
+        if first >= last:
+            return
+        raw = array("q", token_ids[first * bs:last * bs]).tobytes()  # the new full blocks as int64 bytes
+        width = 8 * bs
+        parent = hashes[-1] if hashes else None
+        for i in range(first, last):
+            h = hash_block_tokens(parent, raw[(i - first) * width:(i - first + 1) * width])
             block = table[i]
             if block in self.block_hash:
-                if self.block_key[block] != key:
+                if self.block_key[block] != (parent, tuple(token_ids[i * bs:(i + 1) * bs])):
                     raise BlockManagerError(f"block {block} of {seq_id!r} is cached with other tokens")
             elif h not in self.cached_blocks:
+                key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))
                 self.block_hash[block], self.block_key[block], self.cached_blocks[h] = h, key, block
             hashes.append(h)
+            parent = h
 
     # ---- invariants ----------------------------------------------------------------------------
 
@@ -329,10 +339,10 @@ class BlockManager:
             return []
         bs, hits, parent = self.block_size, [], None
         for i in range((len(token_ids) - 1) // bs):  # full blocks before the last token's block
-            key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))
-            h = hash_block_tokens(*key)
+            tokens = token_ids[i * bs:(i + 1) * bs]
+            h = hash_block_tokens(parent, tokens)
             block = self.cached_blocks.get(h)
-            if block is None or self.block_key[block] != key or block in hits:
+            if block is None or self.block_key[block] != (parent, tuple(tokens)) or block in hits:
                 break
             hits.append(block)
             parent = h

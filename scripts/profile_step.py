@@ -10,6 +10,9 @@ the same way. Per step:
   * GPU ms and kernels: torch.profiler around a few steps, CUDA kernel events summed per name (the
     kernels inside CUDA-graph replays appear one by one); kernels per layer = kernels per step /
     num_hidden_layers; the top kernels by GPU time;
+  * the prefill step's host phases (scripts/profile_host.py's `phases`): schedule, pack, runner (the
+    executor's execute: the runner's host work and the launches of the forward, which the GPU may still
+    be running when it returns), update, process (waits for the sampled tokens);
   * memory floor: the bytes a decode step must read — every weight once (the embedding only for
     the batch's rows) plus the KV cache of every sequence — over the copy bandwidth measured in the
     same run; "x floor" = GPU ms / floor ms.
@@ -31,6 +34,7 @@ if __name__ == "__main__":          # run as a file: make `scripts.` importable
 import torch  # noqa: E402
 
 from scripts import benchlib  # noqa: E402
+from scripts.profile_host import phases  # noqa: E402
 
 SAMPLED = dict(temperature=0.8, top_p=0.95)
 
@@ -138,21 +142,23 @@ def profile_prefill(llm, cfg, num_seqs, prompt_len, params, copy_gbs, itemsize, 
 
     def timed():
         before = llm.metrics()["num_computed_tokens"]
-        wall = wall_ms_per_step(llm, 1)
-        return wall, llm.metrics()["num_computed_tokens"] - before
+        with phases(llm.engine) as timer:
+            wall = wall_ms_per_step(llm, 1)
+        return wall, llm.metrics()["num_computed_tokens"] - before, timer.now
 
     prefill_step("warm", llm.engine.step)           # compiles the prefill kernels
-    wall, tokens = prefill_step("wall", timed)      # tokens < num_seqs * prompt_len if the budget splits it
+    wall, tokens, host = prefill_step("wall", timed)  # tokens < num_seqs * prompt_len if the budget splits it
     prof = prefill_step("prof", lambda: benchlib.kernel_times(llm.engine.step, 1))
     floor = weight_bytes_per_step(cfg, tokens, itemsize) + kv_bytes_per_step(cfg, [tokens], itemsize)
     row, top_rows = summarize("prefill", num_seqs, wall, prof, 1, cfg, floor, copy_gbs, top)
     row["tok_s"] = tokens / wall * 1e3                                             # prompt tokens per second
     row["prefill_tokens"] = tokens
+    row.update({f"{k}_ms": 1e3 * v for k, v in host.items()})   # the engine's phases in that step()
     return row, top_rows
 
 
 COLUMNS = ["step", "batch", "wall_ms", "gpu_ms", "host_ms", "copies_ms", "kernels", "kernels_per_layer", "floor_ms",
-           "x_floor", "tok_s", "prefill_tokens"]
+           "x_floor", "tok_s", "prefill_tokens", "schedule_ms", "pack_ms", "runner_ms", "update_ms", "process_ms"]
 
 
 def markdown(rows, tops, meta):

@@ -166,7 +166,7 @@ class Scheduler:
                 # blocks whose tokens are all computed and known (an in-flight token is not yet known)
                 full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
                 if full > bm.num_committed_blocks(seq.seq_id):
-                    bm.commit_full_blocks(seq.seq_id, seq.token_ids[:full * self.block_size])
+                    bm.commit_full_blocks(seq.seq_id, seq.token_ids, full * self.block_size)
 
     # ---- blocks ---------------------------------------------------------------------------------
     def _can_admit(self, seq):

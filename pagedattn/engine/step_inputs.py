@@ -114,17 +114,16 @@ def build_step_inputs(sched_out, block_manager, sample_rows, beam_rows, beam_k):
     beam_k: candidates per beam row. The sampling row of a sequence is its last token of the step.
     """
     bs = block_manager.block_size
-    tables, q_lens, starts, ids, srcs = [], [], [], [], []
+    tables, q_lens, starts, pieces, inflight = [], [], [], [], []
     last_row = {}
     offset = 0
     for seq, n in sched_out.scheduled:
         start = seq.num_computed_tokens
         known = seq.token_ids[start:start + n]                      # (the in-flight token is not there)
-        ids.extend(known)
-        srcs.extend([-1] * len(known))
+        pieces.append(known)
         if len(known) < n:                                          # decode of an in-flight token
-            ids.append(0)
-            srcs.append(seq.inflight_row)
+            pieces.append((0,))
+            inflight.append((offset + n - 1, seq.inflight_row))
         starts.append(start)
         q_lens.append(n)
         tables.append(block_manager.sequence_blocks[seq.seq_id])                 # read only
@@ -150,8 +149,11 @@ def build_step_inputs(sched_out, block_manager, sample_rows, beam_rows, beam_k):
     lay = layout(header)
     step = StepInputs(header, np.zeros(lay["_size"][1], dtype=np.int32))
     f = step.fields()
-    f["input_ids"][:] = ids
-    f["input_src"][:] = srcs
+    f["input_ids"][:] = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int32, count=T)
+    f["input_src"][:] = -1
+    if inflight:
+        rows, src = zip(*inflight)
+        f["input_src"][list(rows)] = src
     f["positions"][:] = positions
     f["slot_mapping"][:] = slots_for(table_np, seq_of_token, positions, bs)
     f["context_lens"][:] = ctx
