@@ -29,6 +29,11 @@ Every torch entry point of kernels_numba launches through these helpers:
                                       when first made (kernels that need it zero leave it zero)
     num_sms(device)                   streaming multiprocessors of the device (132 on an H200)
     allow_dynamic_smem(kernel, args, nbytes)  lets a kernel take more than 48 KiB of dynamic shared memory
+    owner(token)                      context manager: the cached views and scratch buffers made or
+                                      reused inside belong (also) to `token`, e.g. one engine
+    release(token)                    `token` gives up its share: an entry no owner holds any more is
+                                      dropped, with the tensor it kept alive (an engine's close);
+                                      entries made outside any owner stay until clear_caches
     clear_caches()                    drop the cached views and scratch buffers
     disk_cached(factory)              decorator for a kernel factory: the kernels it builds keep their
                                       compiled code (cubin) in numba's on-disk cache, so the next
@@ -41,6 +46,7 @@ Every torch entry point of kernels_numba launches through these helpers:
 Tensors stay torch's: nothing here copies data or synchronises the device.
 """
 import contextlib
+import contextvars
 import functools
 import hashlib
 import os
@@ -55,9 +61,10 @@ _MAX_CACHED = 256
 _MAX_ADDRESS_VIEWS = 4096
 
 _STREAMS = {}  # torch stream handle -> numba external stream
-_VIEWS = {}  # (data_ptr, shape, dtype, device, view) -> (numba view, tensor kept alive)
+_VIEWS = {}  # (data_ptr, shape, dtype, device, view) -> (numba view, tensor kept alive, owners)
 _ADDRESS_VIEWS = {}  # (device, address, length, type) -> numba device array (not keeping the tensor alive)
-_SCRATCH = {}  # (device, stream, shape, dtype, zero) -> (numba view, tensor)
+_SCRATCH = {}  # (device, stream, shape, dtype, zero) -> (numba view, tensor, owners)
+_OWNER = contextvars.ContextVar("kernels_numba_cache_owner", default=None)  # see owner()
 _SMS = {}  # device index -> SM count
 _DYNAMIC_SMEM = set()  # (kernel, device, argument kinds) that have opted in to > 48 KiB
 _DISK_CACHED = []  # kernels whose compiled code goes to the disk cache
@@ -149,7 +156,8 @@ def cached_view(t, dtype=None, flat=False):
     if hit is None:
         if len(_VIEWS) >= _MAX_CACHED:
             _VIEWS.pop(next(iter(_VIEWS)))
-        hit = _VIEWS[key] = (as_array(t, dtype, flat), t)
+        hit = _VIEWS[key] = (as_array(t, dtype, flat), t, set())
+    hit[2].add(_OWNER.get())
     return hit[0]
 
 
@@ -204,7 +212,8 @@ def scratch(device, shape, dtype=np.float32, zero=False):
     if hit is None:
         tdtype = {"<f4": torch.float32, "<i4": torch.int32, "<u4": torch.int32}[dtype.str]
         t = (torch.zeros if zero else torch.empty)(tuple(shape), dtype=tdtype, device=device)
-        hit = _SCRATCH[key] = (as_array(t, "uint32" if dtype.str == "<u4" else None), t)
+        hit = _SCRATCH[key] = (as_array(t, "uint32" if dtype.str == "<u4" else None), t, set())
+    hit[2].add(_OWNER.get())
     return hit[0]
 
 
@@ -239,6 +248,39 @@ def allow_dynamic_smem(kernel, args, nbytes):
     attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     driver.cuKernelSetAttribute(attr, SMEM_PER_CTA_MAX, cufunc.handle, cufunc.device.id)
     _DYNAMIC_SMEM.add(key)
+
+
+@contextlib.contextmanager
+def owner(token):
+    """Inside the block, every cached view and scratch buffer made or reused is (also) `token`'s.
+
+    Why owners: a captured CUDA graph keeps the raw addresses of the scratch buffers and views its
+    kernels used, and two engines on one stream share scratch of the same shape. So nothing is freed
+    while any owner may still replay it; release(token) frees what only `token` held. token: any
+    hashable object that does not itself keep the owner alive (an engine keeps a plain object())."""
+    reset = _OWNER.set(token)
+    try:
+        yield token
+    finally:
+        _OWNER.reset(reset)
+
+
+def release(token):
+    """`token` gives up its share of the cached views and scratch buffers; those no owner holds any
+    more are dropped (their tensors are freed once nothing else holds them). Returns how many."""
+    dropped = 0
+    for cache in (_VIEWS, _SCRATCH):
+        for key, (_, _, owners) in list(cache.items()):
+            owners.discard(token)
+            if not owners:
+                del cache[key]
+                dropped += 1
+    return dropped
+
+
+def cached_tensors():
+    """The tensors the caches keep alive now (views' tensors and scratch buffers): for tests."""
+    return [hit[1] for cache in (_VIEWS, _SCRATCH) for hit in cache.values()]
 
 
 def clear_caches():

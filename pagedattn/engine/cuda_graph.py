@@ -18,6 +18,8 @@ The captured step begins by reading the ids of in-flight tokens from the shared 
 (input_src >= 0) and ends by writing its own sampled tokens into that buffer, so consecutive steps chain
 on the device (asynchronous scheduling) without the host in between.
 """
+import weakref
+
 import numpy as np
 import torch
 
@@ -74,11 +76,12 @@ class CudaGraphRunner:
     """Captures `runner.run_step` for each ladder size; `run` replays the right one.
 
     runner: the ModelRunner (its model, KV cache, shared sampled-token buffers); max_num_seqs and the
-    block-table width fix the buffers. `capture()` takes a few seconds; the graphs share one memory pool.
+    block-table width fix the buffers. `capture()` takes a few seconds; the graphs share one memory pool,
+    freed with them when the runner drops this object (it holds the runner weakly).
     """
 
     def __init__(self, runner, max_num_seqs, width):
-        self.runner = runner
+        self._runner = weakref.ref(runner)        # the runner owns the graphs: no cycle keeps either alive
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.width = width
         size = layout(decode_header(self.sizes[-1], width))["_size"][1]
@@ -88,6 +91,10 @@ class CudaGraphRunner:
         self.graphs = {}
         self.logits = {}                          # batch -> the graph's logits [batch, V] (read after a replay)
         self.pool = None
+
+    @property
+    def runner(self):
+        return self._runner()
 
     def can_run(self, step):
         return step.pure_decode and padded_batch_size(step.num_seqs, self.sizes) is not None \

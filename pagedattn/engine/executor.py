@@ -3,7 +3,7 @@
     executor = make_executor(config)      # UniprocExecutor, or MultiprocExecutor when tensor_parallel_size > 1
     executor.num_blocks                   # the KV pool every rank holds (block ids mean the same everywhere)
     result = executor.execute(step)       # launched; result.wait() -> the sampled tokens on the host
-    executor.shutdown()
+    executor.shutdown()                   # gives the runner back: weights, KV pool, graphs, kernel scratch
 
 UniprocExecutor owns one ModelRunner. MultiprocExecutor is rank 0 of a tensor-parallel group: it starts
 ranks 1..P-1 (each runs worker_main below) or, under torchrun, joins the ranks torchrun started; it owns
@@ -48,23 +48,50 @@ def make_executor(config):
     return MultiprocExecutor(config, launch)
 
 
+def kernel_cache_owner():
+    """A context manager that makes the numba kernels' cached views and scratch buffers this block's
+    (kernels_numba.bridge.owner), and a release function for them: (owner_cm, release). Without the
+    numba kernels both do nothing."""
+    token = object()               # plain: the caches' owner sets must not keep the executor alive
+    try:
+        from kernels_numba import bridge
+    except ImportError:
+        import contextlib
+        return lambda: contextlib.nullcontext(), lambda: None
+    return (lambda: bridge.owner(token)), (lambda: bridge.release(token))
+
+
+class ClosedError(RuntimeError):
+    """A step asked of an executor after shutdown() gave its model back."""
+
+
 class UniprocExecutor:
+    """One ModelRunner in this process. shutdown() drops it (weights, KV pool, CUDA graphs and their pool,
+    staging buffers) and this engine's share of the kernels' cached views and scratch buffers, so the memory
+    goes back as soon as nothing else holds the runner (docs/memory.md)."""
+
     world_size = 1
 
     def __init__(self, config):
+        self.owned, self.release_caches = kernel_cache_owner()
         self.runner = ModelRunner(config)
         self.runner.allocate_kv_cache(self.runner.available_blocks())
         self.model_config = self.runner.model_config
         self.num_blocks = self.runner.kv_cache.num_blocks
 
     def execute(self, step):
-        return self.runner.execute(step)
+        if self.runner is None:
+            raise ClosedError("the engine is closed: its model and KV pool were released")
+        with self.owned():
+            return self.runner.execute(step)
 
     def check_alive(self):
         pass
 
     def shutdown(self):
-        pass
+        """Give everything back; idempotent."""
+        self.runner = None
+        self.release_caches()
 
 
 class MultiprocExecutor:
@@ -86,6 +113,8 @@ class MultiprocExecutor:
             raise TensorParallelError("a torch.distributed default process group already exists in this process; "
                                       "tensor_parallel_size > 1 creates its own (or launch with torchrun)")
         self.owns_group = not dist.is_initialized()
+        self.owned, self.release_caches = kernel_cache_owner()
+        self.runner = None
         self.closed, self.healthy = False, True
         self.lock, self.stopping, self.heartbeat_error = threading.Lock(), threading.Event(), None
         self.last_send = time.monotonic()
@@ -122,7 +151,8 @@ class MultiprocExecutor:
         try:
             with self.lock:            # no heartbeat between a step's broadcast and rank 0's share of it
                 send(OP_STEP, step, self.ctrl)
-                result = self.runner.execute(step)
+                with self.owned():
+                    result = self.runner.execute(step)
                 self.last_send = time.monotonic()
             return result
         except BaseException as e:
@@ -198,6 +228,8 @@ class MultiprocExecutor:
                 dist.destroy_process_group()
             except Exception:
                 pass
+        self.runner = None                    # rank 0's model, KV pool and graphs (see UniprocExecutor)
+        self.release_caches()
 
 
 # ---- the step on the wire -------------------------------------------------------------------------

@@ -123,6 +123,10 @@ class LLMEngine:
         return self.executor.runner.kv_cache
 
     def shutdown(self):
+        """Stop the workers and give back the model, the KV pool, the CUDA graphs and this engine's kernel
+        scratch (LLM.close, the end of `with LLM(...)`, and a collected LLM call it); idempotent. The
+        engine keeps its requests' bookkeeping; a step after it raises."""
+        self.pending = None                # the step in flight's pinned buffers and event
         self.executor.shutdown()
 
     # ---- requests -------------------------------------------------------------------------------
