@@ -39,6 +39,12 @@ v3 = v2 with the block size compiled in (the per-tile block-table lookups' 64-bi
     runtime value are long division sequences; a power-of-two constant is a shift and a mask)
     and exponentials as ex2.approx with log2(e) folded into the scale.
 
+This file is the journey's first era: prefill_journey.py numbers these with v4-v6 (the engine's
+kernel, paged_prefill_fa2.py, which imports nothing of this file) and runs any of them:
+    paged_prefill(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None,
+                  out=None, validate=False)          version 1-3 on torch tensors
+    launch_paged_prefill(version, q, ...)            raw-bit numba device arrays
+
 Supported: fp16 and bf16 q/K/V, head_dim 64 and 128, block_size 8/16/32, any GQA ratio
 G <= BM (G = 1 is MHA). Under NUMBA_ENABLE_CUDASIM=1 every version runs in the simulator (v2/v3
 with a numpy fallback of the warp's mma).
@@ -505,9 +511,8 @@ def _build_v3(head_dim, kind, block_size):
     return _build_v2(head_dim, kind, fixed_block_size=block_size, fast_exp=True)
 
 
-VERSIONS = {1: _build_v1, 2: _build_v2, 3: _build_v3}
+BUILDERS = {1: _build_v1, 2: _build_v2, 3: _build_v3}
 SPECIALISED_ON_BLOCK_SIZE = (3,)
-DEFAULT_VERSION = 3  # the fastest, validated on the H200 (docs/prefill.md)
 
 
 def get_kernel(version, head_dim, kind, block_size):
@@ -515,10 +520,10 @@ def get_kernel(version, head_dim, kind, block_size):
     on first launch)."""
     if version in SPECIALISED_ON_BLOCK_SIZE:
         key = (version, head_dim, kind, block_size)
-        build = lambda: VERSIONS[version](head_dim, kind, block_size)  # noqa: E731
+        build = lambda: BUILDERS[version](head_dim, kind, block_size)  # noqa: E731
     else:
         key = (version, head_dim, kind)
-        build = lambda: VERSIONS[version](head_dim, kind)  # noqa: E731
+        build = lambda: BUILDERS[version](head_dim, kind)  # noqa: E731
     if key not in _KERNELS:
         _KERNELS[key] = bridge.enable_disk_cache(build(), ("kernels_numba.paged_prefill",) + key)
     return _KERNELS[key]
@@ -530,10 +535,9 @@ def num_tiles_bound(total_q, num_seqs, group, version, head_dim):
     return (total_q + bq - 1) // bq + num_seqs
 
 
-def launch_paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-                         num_heads, num_kv_heads, head_dim, block_size, scale, kind="f16", stream=0,
-                         version=DEFAULT_VERSION):
-    """Launch on raw arrays, no checks.
+def launch_paged_prefill(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+                         num_heads, num_kv_heads, head_dim, block_size, scale, kind="f16", stream=0):
+    """Launch version `version` (1-3) on raw arrays, no checks.
 
     q, out: 1-D uint32 views of [total_q, num_heads, head_dim] (pairs of halves), 16-byte aligned
     k_cache, v_cache: 1-D uint32 views of [num_blocks, num_kv_heads, block_size, head_dim]
@@ -563,9 +567,9 @@ def _flat_words(name, t):
     return bridge.as_array(t, "uint32", flat=True)
 
 
-def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
-                  version=None, validate=False):
-    """Causal prefill attention over the paged pool (new K/V already written).
+def paged_prefill(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
+                  validate=False):
+    """Causal prefill attention over the paged pool (new K/V already written), version `version` (1-3).
 
     q: [total_q, num_heads, head_dim] float16/bfloat16, the chunks of num_seqs sequences packed
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim], q's dtype, contiguous
@@ -573,7 +577,6 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     cu_seqlens_q: [num_seqs + 1] int32, sequence s owns q[cu[s]:cu[s+1]] (each >= 1 token)
     context_lens: [num_seqs] int32, tokens in the pool for s after the write (prefix + chunk)
     scale: softmax scale (default 1/sqrt(head_dim)); out: optional [total_q, num_heads, head_dim]
-    version: kernel version (VERSIONS; default DEFAULT_VERSION)
     validate: verify the metadata on the host (one sync): context_len >= q_len, block ids
         inside the pool, enough table columns. Off by default (the kernel is graph-capturable).
     Returns out [total_q, num_heads, head_dim] in q's dtype. Runs on torch's current stream.
@@ -582,9 +585,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     total_q, num_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     num_seqs = context_lens.shape[0]
-    version = DEFAULT_VERSION if version is None else version
-    if version not in VERSIONS:
-        raise KernelLaunchError(f"version must be one of {sorted(VERSIONS)}, got {version!r}")
+    if version not in BUILDERS:
+        raise KernelLaunchError(f"version must be one of {sorted(BUILDERS)}, got {version!r}")
     if group > tile_rows(version, head_dim):
         raise KernelLaunchError(
             f"GQA group num_heads/num_kv_heads={group} must be <= {tile_rows(version, head_dim)} for v{version}")
@@ -599,10 +601,10 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     target = out if out.is_contiguous() and out.data_ptr() % 16 == 0 else torch.empty_like(q_c)
     stream = torch_stream()
     launch_paged_prefill(
-        _flat_words("q", q_c), _flat_words("k_cache", k_cache), _flat_words("v_cache", v_cache),
+        version, _flat_words("q", q_c), _flat_words("k_cache", k_cache), _flat_words("v_cache", v_cache),
         bridge.as_array(block_tables.contiguous()), bridge.as_array(cu_seqlens_q.contiguous()),
         bridge.as_array(context_lens.contiguous()), _flat_words("out", target),
-        num_heads, num_kv_heads, head_dim, block_size, scale, DTYPES[q.dtype], stream, version,
+        num_heads, num_kv_heads, head_dim, block_size, scale, DTYPES[q.dtype], stream,
     )
     if target is not out:
         out.copy_(target)

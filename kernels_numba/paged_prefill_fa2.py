@@ -1,6 +1,6 @@
 """Paged prefill v4+: the FlashAttention-2 structure in numba.
 
-Same contract as kernels_numba/paged_prefill.py (v1-v3): q [total_q, H, D] packs the chunks
+Same contract as the journey's first era, kernels_numba/paged_prefill.py (v1-v3): q [total_q, H, D] packs the chunks
 of num_seqs sequences (cu_seqlens_q); their K/V are already in the pool; query i of a chunk of
 q_len sits at position context_len - q_len + i and sees positions 0..that position (the cached
 prefix and its own chunk). Unused pool slots may hold anything (NaN in the tests): no position
@@ -101,6 +101,13 @@ Supported: fp16 and bf16, head_dim 64 and 128, block_size 8/16/32, any GQA group
 (MHA included). Under NUMBA_ENABLE_CUDASIM=1 the kernels run in the simulator: cp.async
 copies at issue, and ldmatrix, mma and the shuffles go through warp-collective fallbacks that
 follow the fragment layouts above element by element.
+
+Entry points (this file stands alone: the journey's versions are in prefill_journey.py):
+    paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
+                  validate=False, max_context_len=None, splits=None, stages=None)
+                                    v6 (VERSION) on torch tensors: the engine's kernel
+    launch_torch(version, q, ...)   a kernel of KERNEL_VERSIONS on torch tensors (the journey's v4, v5)
+    launch(version, q, ...)         raw-bit numba device arrays, or numpy under the simulator
 
 Intrinsics: ldmatrix_x4, ldmatrix_x4_trans and store_u32x4 come from common.py; the simulator mma
 vectorised over the warp (30x faster than common's fallback there) is defined here.
@@ -632,9 +639,10 @@ def split_plan(num_ctas, max_context_len, num_sms):
     return max(1, min(fit, MAX_SPLITS, longest))
 
 
-VERSIONS = (4, 5, 6)
+VERSION = 6  # the version the engine runs: v5's kernel and the split plan
+KERNEL_VERSIONS = (4, 5, 6)  # the kernels this file builds (v4, v5 are v6's building blocks)
 SPLITS_KV = (6,)
-DEFAULT_VERSION = 6
+
 
 def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse,
            num_heads, num_kv_heads, head_dim, block_size, scale, kind, splits=1, stream=0, stages=None):
@@ -678,8 +686,8 @@ def _words(name, t, cached=False):
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
-                  version=None, validate=False, max_context_len=None, splits=None, stages=None):
-    """Causal prefill attention over the paged pool (new K/V already written), v4+.
+                  validate=False, max_context_len=None, splits=None, stages=None):
+    """Causal prefill attention over the paged pool (new K/V already written): v6, the engine's kernel.
 
     q: [total_q, num_heads, head_dim] float16/bfloat16, the chunks of num_seqs sequences packed
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim], q's dtype, contiguous
@@ -687,22 +695,28 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     cu_seqlens_q: [num_seqs + 1] int32, sequence s owns q[cu[s]:cu[s+1]] (each >= 1 token)
     context_lens: [num_seqs] int32, tokens in the pool for s after the write (prefix + chunk)
     scale: softmax scale (default 1/sqrt(head_dim)); out: optional [total_q, num_heads, head_dim]
-    version: 4, 5 or 6 (default DEFAULT_VERSION)
     validate: also check the metadata values on the host (one sync; skipped inside CUDA-graph
-        capture). Off by default, as in paged_prefill.paged_prefill.
-    max_context_len: an upper bound of context_lens for v6's split plan (default max_blocks * block_size)
-    splits: force v6's number of KV parts (tests); None: split_plan
+        capture). Off by default.
+    max_context_len: an upper bound of context_lens for the split plan (default max_blocks * block_size)
+    splits: force the number of KV parts (tests); None: split_plan
     stages: override the ring's number of stages (2; bench sweeps, tests)
     Returns out [total_q, num_heads, head_dim] in q's dtype. Runs on torch's current stream; with
     validate=False (or while capturing) there is no host sync.
     """
+    return launch_torch(VERSION, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, validate,
+                        max_context_len, splits, stages)
+
+
+def launch_torch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
+                 validate=False, max_context_len=None, splits=None, stages=None):
+    """The kernel of `version` (KERNEL_VERSIONS) on torch tensors: paged_prefill's arguments after
+    the version. paged_prefill runs VERSION; the journey (prefill_journey.py) runs v4 and v5 here."""
     out, group = check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, HEAD_DIMS, BLOCK_SIZES)
     total_q, num_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     num_seqs = context_lens.shape[0]
-    version = DEFAULT_VERSION if version is None else version
-    if version not in VERSIONS:
-        raise KernelLaunchError(f"version must be one of {list(VERSIONS)}, got {version!r}")
+    if version not in KERNEL_VERSIONS:
+        raise KernelLaunchError(f"version must be one of {list(KERNEL_VERSIONS)}, got {version!r}")
     if group > tile_rows(version, head_dim):
         raise KernelLaunchError(f"GQA group {group} must be <= {tile_rows(version, head_dim)} rows for v{version}")
     if validate and not bridge.capturing():

@@ -29,10 +29,9 @@ SHAPES = [
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 14, 2, 64, 16, torch.float16
 UNIT_ROUNDOFF = 2.0**-11  # fp16
 
-# kernel label -> (module name, version); v3 is the best of the first journey (paged_prefill.py)
-KERNELS = {"v3": ("paged_prefill", 3), "v4": ("paged_prefill_fa2", 4), "v5": ("paged_prefill_fa2", 5),
-           "v6": ("paged_prefill_fa2", 6)}
-DEFAULT = "v6"
+# kernel label -> version of the journey (kernels_numba/prefill_journey.py); v3 is the best of the first era
+KERNELS = {"v3": 3, "v4": 4, "v5": 5, "v6": 6}
+DEFAULT = "v6"  # the engine's kernel (prefill_journey.PRODUCTION_VERSION)
 
 # predicted µs per shape, written before the first GPU run of v4-v6 (docs/prefill.md says why)
 PREDICTED_US = {
@@ -104,9 +103,11 @@ def reference(x):
 
 def parse_variant(text):
     """"v6:splits=2,stages=3" -> ("v6", {"splits": 2, "stages": 3}): a v4+ kernel with launch
-    overrides (paged_prefill_fa2.paged_prefill's splits= and stages=)."""
+    overrides (prefill_journey.paged_prefill's splits= and stages=)."""
     label, _, rest = text.partition(":")
-    if KERNELS.get(label, ("",))[0] != "paged_prefill_fa2":
+    from kernels_numba.prefill_journey import FA2_VERSIONS
+
+    if KERNELS.get(label) not in FA2_VERSIONS:
         raise ValueError(f"variants are of v4+ kernels, got {label!r}")
     extra = {}
     for item in filter(None, rest.split(",")):
@@ -120,14 +121,13 @@ def parse_variant(text):
 def kernel_call(label, **extra):
     """fn(x, out) launching kernel `label` on input set x (no host sync: capturable); extra:
     launch overrides of a v4+ kernel (splits=, stages=)."""
-    import importlib
+    from kernels_numba.prefill_journey import entry
 
-    module_name, version = KERNELS[label]
-    module = importlib.import_module(f"kernels_numba.{module_name}")
+    run = entry(KERNELS[label])
 
     def call(x, out):
-        module.paged_prefill(x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["cu"], x["context_lens"],
-                             out=out, version=version, validate=False, **extra)
+        run(x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["cu"], x["context_lens"], out=out,
+            validate=False, **extra)
 
     return call
 

@@ -12,7 +12,9 @@ import kernels_numba
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_MODULES = sorted(f"kernels_numba.{m.name}" for m in pkgutil.iter_modules(kernels_numba.__path__))
 # a family's journey (its numbered versions) imports the shipped kernel's entry, never the reverse
-JOURNEY_MODULES = [m for m in KERNEL_MODULES if "journey" in m]
+JOURNEY_MODULES = [m for m in KERNEL_MODULES if "journey" in m] + [
+    "kernels_numba.paged_prefill",  # the prefill journey's first era (v1-v3)
+]
 
 # module -> package prefixes it must not load (directly or through anything it imports)
 LOWER_LAYERS = {
@@ -60,7 +62,8 @@ def loaded_by(modules):
 def test_every_kernel_module_is_found():
     assert {"kernels_numba.paged_attention", "kernels_numba.sampling", "kernels_numba.cpu_attention",
             "kernels_numba.errors"} <= set(KERNEL_MODULES)
-    assert {"kernels_numba.decode_journey", "kernels_numba.decode_journey_cuda_core"} <= set(JOURNEY_MODULES)
+    assert {"kernels_numba.decode_journey", "kernels_numba.decode_journey_cuda_core", "kernels_numba.prefill_journey",
+            "kernels_numba.paged_prefill"} <= set(JOURNEY_MODULES) & set(KERNEL_MODULES)
 
 
 def test_imports_point_down():

@@ -303,7 +303,7 @@ _WARM_SCRIPT = r"""
 import json, time
 t0 = time.perf_counter()
 import torch
-from kernels_numba import bridge, cache_ops, paged_attention as pa, paged_prefill as pp
+from kernels_numba import bridge, cache_ops, paged_attention as pa, paged_prefill_fa2 as pf
 g = torch.Generator(device="cuda").manual_seed(0)
 for (batch, heads, kv_heads, dim, ctx) in [(1, 14, 2, 64, 8192), (8, 14, 2, 64, 2048), (64, 14, 2, 64, 512),
                                            (256, 14, 2, 64, 512), (4, 28, 4, 128, 1024)]:
@@ -315,7 +315,7 @@ for (batch, heads, kv_heads, dim, ctx) in [(1, 14, 2, 64, 8192), (8, 14, 2, 64, 
     pa.paged_attention(q, k, k, bt, lens, max_context_len=ctx)
     cache_ops.reshape_and_cache(q[:, :kv_heads], q[:, :kv_heads], k, k, torch.arange(batch, device="cuda"))
     cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    pp.paged_prefill(q, k, k, bt, cu, lens)
+    pf.paged_prefill(q, k, k, bt, cu, lens)
 torch.cuda.synchronize()
 hits, misses = bridge.disk_cache_stats()
 print(json.dumps(dict(seconds=time.perf_counter() - t0, hits=hits, misses=misses)))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kernels_numba import decode_journey as journey, paged_attention as pa
-from kernels_numba import paged_prefill as pp
+from kernels_numba import prefill_journey
 from test_paged_attention_cuda import _bits_to_f64, _tolerance, make_problem
 from test_paged_prefill_cuda import make_batch
 from reference.attention import paged_prefill_attention
@@ -98,7 +98,7 @@ def draw_prefill_case(seed, large):
 def check_prefill(seed, large):
     case = draw_prefill_case(seed, large)
     q, k_cache, v_cache, tables, cu, ctx = make_batch(*case, seed=seed)
-    out = pp.paged_prefill(q, k_cache, v_cache, tables, cu, ctx)
+    out = prefill_journey.paged_prefill(q, k_cache, v_cache, tables, cu, ctx, version=3)
     ref = paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx)
     got = out.double().cpu().numpy()
     err = np.abs(got - ref)

@@ -5,12 +5,13 @@ CUDA thread, so every case here is a few CTAs); the `gpu` tests run realistic sh
 and hold the kernel to torch's own fp16/bf16 attention error.
 """
 import math
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 
-from kernels_numba import paged_prefill as pp
+from kernels_numba import prefill_journey as journey
 from pagedattn.errors import KernelLaunchError
 from reference.attention import gather_paged_kv, paged_prefill_attention
 
@@ -80,7 +81,9 @@ def check_against_reference(out, ref, dtype, tol=None):
     return err
 
 
-VERSIONS = sorted(pp.VERSIONS)
+# the first era, v1-v3 (paged_prefill.py); v4-v6 are tested in test_prefill_fa2.py
+VERSIONS = [v for v in sorted(journey.VERSIONS) if v not in journey.FA2_VERSIONS]
+LAST = VERSIONS[-1]
 
 
 def case_id(c):
@@ -99,7 +102,7 @@ def _prefill_cases():
 @pytest.mark.parametrize("version, case", _prefill_cases())
 def test_paged_prefill_matches_reference(version, case):
     q, k, v, bt, cu, ctx = make_batch(*case, seed=1)
-    out = pp.paged_prefill(q, k, v, bt, cu, ctx, version=version, validate=True)
+    out = journey.paged_prefill(q, k, v, bt, cu, ctx, version=version, validate=True)
     ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
     assert out.shape == q.shape and out.dtype == q.dtype
     check_against_reference(out, ref, q.dtype, sim_tolerance(ref, v, q.dtype, version))
@@ -110,7 +113,7 @@ def test_paged_prefill_matches_reference(version, case):
 def test_paged_prefill_scale_and_out(version):
     q, k, v, bt, cu, ctx = make_batch(4, 2, 64, 8, torch.float16, [6, 3], [2, 11], seed=2)
     out = torch.full_like(q, float("nan"))
-    result = pp.paged_prefill(q, k, v, bt, cu, ctx, scale=0.3, out=out, version=version)
+    result = journey.paged_prefill(q, k, v, bt, cu, ctx, scale=0.3, out=out, version=version)
     assert result is out
     ref = paged_prefill_attention(q, k, v, bt, cu, ctx, scale=0.3)
     check_against_reference(out, ref, q.dtype, sim_tolerance(ref, v, q.dtype, version))
@@ -118,20 +121,21 @@ def test_paged_prefill_scale_and_out(version):
 
 def test_paged_prefill_rejects_bad_arguments():
     q, k, v, bt, cu, ctx = make_batch(4, 2, 64, 8, torch.float16, [3], [2], seed=3)
+    run = partial(journey.paged_prefill, version=LAST)  # the first era's host checks
     with pytest.raises(KernelLaunchError, match="head_dim"):
-        pp.paged_prefill(q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous(), bt, cu, ctx)
+        run(q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous(), bt, cu, ctx)
     with pytest.raises(KernelLaunchError, match="q.dtype"):
-        pp.paged_prefill(q.float(), k.float(), v.float(), bt, cu, ctx)
+        run(q.float(), k.float(), v.float(), bt, cu, ctx)
     with pytest.raises(KernelLaunchError, match="cu_seqlens_q"):
-        pp.paged_prefill(q, k, v, bt, cu[:1], ctx)
+        run(q, k, v, bt, cu[:1], ctx)
     with pytest.raises(KernelLaunchError, match="num_kv_heads"):
-        pp.paged_prefill(q[:, :3].contiguous(), k, v, bt, cu, ctx)
+        run(q[:, :3].contiguous(), k, v, bt, cu, ctx)
     with pytest.raises(KernelLaunchError, match="context_lens"):
-        pp.paged_prefill(q, k, v, bt, cu, torch.tensor([2], dtype=torch.int32, device=DEVICE), validate=True)
+        run(q, k, v, bt, cu, torch.tensor([2], dtype=torch.int32, device=DEVICE), validate=True)
     with pytest.raises(KernelLaunchError, match="block_tables"):
-        pp.paged_prefill(q, k, v, bt.long(), cu, ctx)
+        run(q, k, v, bt.long(), cu, ctx)
     with pytest.raises(KernelLaunchError, match="version"):
-        pp.paged_prefill(q, k, v, bt, cu, ctx, version=99)
+        journey.paged_prefill(q, k, v, bt, cu, ctx, version=99)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,7 +177,7 @@ def test_gpu_paged_prefill_vs_sdpa_error(case):
     # floor: one unit in the last place of the largest output (both round their result once)
     tol = 2 * base + 2 * UNIT_ROUNDOFF[q.dtype] * float(np.abs(ref).max())
     for version in VERSIONS:
-        out = pp.paged_prefill(q, k, v, bt, cu, ctx, version=version, validate=True)
+        out = journey.paged_prefill(q, k, v, bt, cu, ctx, version=version, validate=True)
         torch.cuda.synchronize()
         err = check_against_reference(out, ref, q.dtype, tol=tol)
         print(f"v{version}: max err {err.max():.3g} (SDPA {base:.3g}), mean {err.mean():.3g}")
@@ -185,13 +189,13 @@ def test_gpu_paged_prefill_in_cuda_graph():
     out = torch.empty_like(q)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        pp.paged_prefill(q, k, v, bt, cu, ctx, out=out)  # compile outside the capture
+        journey.paged_prefill(q, k, v, bt, cu, ctx, out=out, version=LAST)  # compile outside the capture
     torch.cuda.synchronize()
     out.zero_()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        pp.paged_prefill(q, k, v, bt, cu, ctx, out=out)
+        journey.paged_prefill(q, k, v, bt, cu, ctx, out=out, version=LAST)
     graph.replay()
     torch.cuda.synchronize()
     ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
-    check_against_reference(out, ref, q.dtype, sim_tolerance(ref, v, q.dtype, pp.DEFAULT_VERSION))
+    check_against_reference(out, ref, q.dtype, sim_tolerance(ref, v, q.dtype, LAST))

@@ -34,7 +34,7 @@ _SCRIPT = r"""
 import json, re
 from numba import cuda
 from numba.core import types
-from kernels_numba import cache_ops, paged_prefill
+from kernels_numba import cache_ops, paged_prefill, prefill_journey
 
 def stats(ptx):
     ops = re.findall(r"^\s*(?:@!?%p\d+\s+)?([a-z][a-z0-9_.]*)", ptx, re.M)
@@ -58,7 +58,7 @@ import sys
 ptx_dir, wanted = sys.argv[1], set(json.loads(sys.argv[2]))
 out = {}
 u32, i32_2d, i32 = types.uint32[::1], types.int32[:, ::1], types.int32[::1]
-for version in sorted(paged_prefill.VERSIONS):
+for version in sorted(v for v in prefill_journey.VERSIONS if v not in prefill_journey.FA2_VERSIONS):  # v1-v3
     for head_dim in paged_prefill.HEAD_DIMS:
         for kind in ("f16", "bf16"):
             name = f"prefill_v{version}_d{head_dim}_{kind}"

@@ -1,4 +1,5 @@
-"""Paged prefill v4+ (kernels_numba/paged_prefill_fa2.py): layouts, simulator, codegen, GPU.
+"""Paged prefill v4-v6 (kernels_numba/paged_prefill_fa2.py, run through prefill_journey.py): layouts, simulator,
+codegen, GPU.
 
 * The simulator fallbacks of ldmatrix and mma.sync are checked against the PTX ISA's fragment
   layouts written out independently here, so a layout mistake in the kernel fails on the CPU.
@@ -24,7 +25,7 @@ import pytest
 import torch
 from numba import cuda
 
-from kernels_numba import paged_prefill_fa2 as fa
+from kernels_numba import paged_prefill_fa2 as fa, prefill_journey as journey
 from pagedattn.errors import KernelLaunchError
 from reference.attention import gather_paged_kv, paged_prefill_attention
 from helpers import compile_in_subprocess
@@ -32,6 +33,7 @@ from helpers import compile_in_subprocess
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+VERSIONS = journey.FA2_VERSIONS  # v4-v6; v1-v3 are tested in test_paged_prefill_cuda.py
 
 
 def make_batch(num_heads, num_kv_heads, head_dim, block_size, dtype, q_lens, cached_lens, seed=0, device=DEVICE):
@@ -182,7 +184,7 @@ def case_id(c):
 
 def run_case(version, splits, shape, seed=1):
     q, k, v, bt, cu, ctx = make_batch(*shape, seed=seed)
-    out = fa.paged_prefill(q, k, v, bt, cu, ctx, version=version, splits=splits)
+    out = journey.paged_prefill(q, k, v, bt, cu, ctx, version=version, splits=splits)
     ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
     assert out.shape == q.shape and out.dtype == q.dtype
     return check(out, ref, tolerance(ref, v, q.dtype))
@@ -193,7 +195,7 @@ def test_matches_reference(case):
     run_case(*case)
 
 
-ALL_CASES = [(version, None, shape) for version in fa.VERSIONS for shape in SLOW_SHAPES] + [
+ALL_CASES = [(version, None, shape) for version in VERSIONS for shape in SLOW_SHAPES] + [
     (6, splits, shape) for splits in (3, 5) for shape in SLOW_SHAPES[:3]]
 # The simulator takes the matrix's three smaller shapes (seconds each); the three with ~100-query chunks
 # over 4-16 heads run minutes each there, so they run on the GPU, with the rest (test_gpu_full_matrix)
@@ -223,14 +225,14 @@ def test_fuzz_random_lengths(seed):
     cached = [int(x) for x in rng.integers(0, 90, num_seqs)]
     shape = (num_kv_heads * group, num_kv_heads, [64, 128][seed % 2], [8, 16, 32][seed % 3],
              [torch.float16, torch.bfloat16][seed % 2], q_lens, cached)
-    version = fa.VERSIONS[seed % len(fa.VERSIONS)]
-    run_case(version, int(rng.integers(2, 4)) if version in fa.SPLITS_KV else None, shape, seed=seed)
+    version = VERSIONS[seed % len(VERSIONS)]
+    run_case(version, int(rng.integers(2, 4)) if version in journey.SPLITS_KV else None, shape, seed=seed)
 
 
 def test_scale_and_out_argument():
     q, k, v, bt, cu, ctx = make_batch(2, 1, 64, 16, torch.float16, [3], [5], seed=2)
     out = torch.full_like(q, float("nan"))
-    assert fa.paged_prefill(q, k, v, bt, cu, ctx, scale=0.3, out=out, version=4) is out
+    assert journey.paged_prefill(q, k, v, bt, cu, ctx, scale=0.3, out=out, version=4) is out
     ref = paged_prefill_attention(q, k, v, bt, cu, ctx, scale=0.3)
     check(out, ref, tolerance(ref, v, q.dtype))
 
@@ -254,9 +256,11 @@ def test_rejects_bad_arguments():
     with pytest.raises(KernelLaunchError, match="block_tables"):
         fa.paged_prefill(q, k, v, bt.long(), cu, ctx)
     with pytest.raises(KernelLaunchError, match="version"):
-        fa.paged_prefill(q, k, v, bt, cu, ctx, version=3)
+        fa.launch_torch(3, q, k, v, bt, cu, ctx)  # the first era's kernels are not built here
+    with pytest.raises(KernelLaunchError, match="version"):
+        journey.paged_prefill(q, k, v, bt, cu, ctx, version=7)
     with pytest.raises(KernelLaunchError, match="splits"):
-        fa.paged_prefill(q, k, v, bt, cu, ctx, version=4, splits=2)
+        journey.paged_prefill(q, k, v, bt, cu, ctx, version=4, splits=2)
 
 
 def test_find_tile_starts_the_heaviest_tiles_first():
@@ -459,7 +463,7 @@ def test_gpu_vs_sdpa_error(shape):
     # floor: one unit in the last place of the largest output (both round their result once)
     tol = 2 * base + 2 * UNIT_ROUNDOFF[q.dtype] * float(np.abs(ref).max())
     for version, splits in [(4, None), (5, None), (6, None), (6, 2), (6, 7), (6, 16)]:
-        out = fa.paged_prefill(q, k, v, bt, cu, ctx, version=version, splits=splits)
+        out = journey.paged_prefill(q, k, v, bt, cu, ctx, version=version, splits=splits)
         torch.cuda.synchronize()
         err = check(out, ref, tol)
         print(f"v{version} splits={splits}: max err {err.max():.3g} (SDPA {base:.3g}), mean {err.mean():.3g}")
@@ -478,9 +482,9 @@ def test_gpu_fuzz(seed):
     q, k, v, bt, cu, ctx = make_batch(*shape, seed=seed)
     ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
     tol = tolerance(ref, v, q.dtype)
-    for version in fa.VERSIONS:
-        check(fa.paged_prefill(q, k, v, bt, cu, ctx, version=version, splits=None), ref, tol)
-    check(fa.paged_prefill(q, k, v, bt, cu, ctx, version=6, splits=int(rng.integers(2, 12))), ref, tol)
+    for version in VERSIONS:
+        check(journey.paged_prefill(q, k, v, bt, cu, ctx, version=version, splits=None), ref, tol)
+    check(fa.paged_prefill(q, k, v, bt, cu, ctx, splits=int(rng.integers(2, 12))), ref, tol)
 
 
 @pytest.mark.gpu

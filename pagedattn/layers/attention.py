@@ -171,9 +171,8 @@ class NumbaBackend(TorchPagedBackend):
         self.validate = validate
         self.cache_ops = self._load("kernels_numba.cache_ops")
         self.paged_attention = self._load("kernels_numba.paged_attention")
-        # prefill: v4+ (the FlashAttention-2 structure, kernels_numba/paged_prefill_fa2.py); the v1-v3 journey
-        # in kernels_numba/paged_prefill.py has the same entry point
-        self.paged_prefill = self._load("kernels_numba.paged_prefill_fa2") or self._load("kernels_numba.paged_prefill")
+        # prefill: the shipped kernel (v6, kernels_numba/paged_prefill_fa2.py); the journey is not a fallback
+        self.paged_prefill = self._load("kernels_numba.paged_prefill_fa2")
         missing = [n for n, m in (("cache_ops", self.cache_ops), ("paged_attention", self.paged_attention),
                                   ("paged_prefill", self.paged_prefill)) if m is None]
         self.fallbacks = missing

@@ -1,0 +1,49 @@
+"""The prefill journey's versions side by side: {version: entry} and the entry point that runs any one.
+
+v1-v3: the first era (paged_prefill.py): v1 fp32 FMA on CUDA cores from shared-memory tiles;
+    v2 adds tensor cores (mma.sync m16n8k16, Q and P in registers); v3 adds the block size as a
+    compile-time constant and the softmax on ex2.approx.
+v4-v6: the FlashAttention-2 structure (paged_prefill_fa2.py, which stands alone): v4 adds the
+    cp.async ring of swizzled K/V tiles, ldmatrix fragments and heaviest-tile-first scheduling;
+    v5 adds 128 rows per CTA at d=64; v6, the kernel the engine runs, adds split-KV when the
+    grid is short.
+
+Every version takes the same arguments in the same order (torch tensors):
+    VERSIONS[n](q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
+                validate=False)
+and v4-v6 also take max_context_len=, splits= (v6 only) and stages=. The entry point
+    paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
+                  version=6, validate=False, **options)
+runs version `version` with those arguments. Every version is tested (tests/test_paged_prefill_cuda.py,
+tests/test_prefill_fa2.py) and timed (scripts/bench_prefill.py).
+"""
+from functools import partial
+
+from kernels_numba import paged_prefill as first_era
+from kernels_numba import paged_prefill_fa2 as fa2
+from kernels_numba.errors import KernelLaunchError
+
+PRODUCTION_VERSION = fa2.VERSION
+VERSIONS = {
+    **{v: partial(first_era.paged_prefill, v) for v in sorted(first_era.BUILDERS)},
+    **{v: partial(fa2.launch_torch, v) for v in fa2.KERNEL_VERSIONS if v != PRODUCTION_VERSION},
+    PRODUCTION_VERSION: fa2.paged_prefill,
+}
+FA2_VERSIONS = fa2.KERNEL_VERSIONS  # the versions that take max_context_len=, splits= and stages=
+SPLITS_KV = fa2.SPLITS_KV  # the versions that split the KV range
+
+
+def entry(version):
+    """VERSIONS[version]; KernelLaunchError for a version the journey does not have."""
+    if version not in VERSIONS:
+        raise KernelLaunchError(f"version={version!r} is not one of {sorted(VERSIONS)}")
+    return VERSIONS[version]
+
+
+def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
+                  version=PRODUCTION_VERSION, validate=False, **options):
+    """Version `version` (1..6) on torch tensors, on torch's current CUDA stream. The arguments are
+    paged_prefill_fa2.paged_prefill's; options (max_context_len=, splits=, stages=) reach v4-v6 only.
+    Returns out [total_q, num_heads, head_dim] in q's dtype."""
+    return entry(version)(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=scale, out=out,
+                          validate=validate, **options)
