@@ -16,6 +16,8 @@ exact at --threads 1). Loading is not timed.
     python scripts/bench_cpu.py --out OUT                 # 2 threads, 3 repeats (~10 min on 2 cores)
     python scripts/bench_cpu.py --threads 4 --repeats 5 --out OUT
     python scripts/bench_cpu.py --profile --out OUT       # where a decode step's milliseconds go
+    python scripts/bench_cpu.py --decode --repeats 5 --out OUT   # one prompt's decode tok/s: the GGUF
+                                                          # blocks, float32, HF, llama.cpp if it imports
 
 Writes OUT/bench_cpu.json and .md (benchlib.save); --profile writes OUT/profile_cpu.json and .md: per
 piece of a decode step (scheduling, packing, each layer's GEMMs, norms, rotary, the attention write and
@@ -28,6 +30,103 @@ import os
 import statistics
 import sys
 import time
+
+DECODE_TOKENS = 64
+
+
+def decode_ours(llm, prompt, tokens):
+    """(decode tok/s after the first token, token ids) of one greedy streamed request."""
+    from pagedattn import SamplingParams
+
+    stamps, ids = [], []
+    for out in llm.stream([prompt], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)):
+        for t in out.outputs[0].delta_token_ids:
+            stamps.append(time.perf_counter())
+            ids.append(t)
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), ids
+
+
+def decode_hf(hf, prompt, tokens):
+    """HF generate: (tokens - 1) / (time of `tokens` tokens - time of 1 token), and the token ids."""
+    ids = torch.tensor([prompt])
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=tokens)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=1, **{**kw, "min_new_tokens": 1})
+        t1 = time.perf_counter()
+        seq = hf.generate(ids, max_new_tokens=tokens, **kw)
+        t2 = time.perf_counter()
+    return (tokens - 1) / ((t2 - t1) - (t1 - t0)), seq[0, len(prompt):].tolist()
+
+
+def decode_llama_cpp(llama, prompt, tokens):
+    """llama-cpp-python streaming the same prompt's completion: decode tok/s after the first token."""
+    llama.reset()
+    stamps, ids = [], []
+    for tok in llama.generate(prompt, temp=0.0, top_k=1, reset=True):
+        stamps.append(time.perf_counter())
+        ids.append(tok)
+        if len(ids) == tokens:
+            break
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), ids
+
+
+def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS):
+    """One chat prompt, greedy, `tokens` tokens: decode tok/s after the first token of the bundled model on
+    its GGUF blocks (weights="quantized"), on the float32 checkpoint, HF generate (float32), and llama.cpp on
+    the same GGUF file when llama_cpp imports; the systems alternate within each of `repeats` rounds after one
+    warm-up each; the table gives the median and the range."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedattn import LLM
+    from pagedattn.bundled import bundled_gguf_path, bundled_model_path
+    from pagedattn.engine.metrics import model_weight_bytes
+
+    torch.set_num_threads(threads)
+    path, gguf = bundled_model_path(), bundled_gguf_path()
+    engine_args = dict(device="cpu", max_model_len=1024, max_num_seqs=4, num_blocks=128, enable_prefix_caching=False)
+    systems = {}
+    quant = LLM(path, weights="quantized", **engine_args)
+    f32 = LLM(path, weights="float32", **engine_args)
+    tok = quant.get_tokenizer()
+    prompt = chat(tok, ONE_PROMPT)
+    systems["pagedattn, GGUF blocks"] = (lambda: decode_ours(quant, prompt, tokens), model_weight_bytes(quant.engine.model))
+    systems["pagedattn, float32"] = (lambda: decode_ours(f32, prompt, tokens), model_weight_bytes(f32.engine.model))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    systems["HF generate, float32"] = (lambda: decode_hf(hf, prompt, tokens),
+                                       sum(p.numel() * 4 for p in hf.parameters()))
+    try:
+        import llama_cpp
+    except ImportError:
+        llama_cpp = None
+        print("llama_cpp does not import: llama.cpp left out (docs/cpu.md says how to build it)")
+    if llama_cpp is not None:
+        llama = llama_cpp.Llama(gguf, n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
+        systems[f"llama.cpp {llama_cpp.__version__}"] = (lambda: decode_llama_cpp(llama, prompt, tokens),
+                                                          os.path.getsize(gguf))
+    print(benchlib.env_line())
+    rates = {name: [] for name in systems}
+    ids = {}
+    for r in range(repeats + 1):                  # round 0: warm-up, not counted
+        for name, (run, _) in systems.items():
+            rate, ids[name] = run()
+            if r:
+                rates[name].append(rate)
+        if r:
+            print(f"  round {r}/{repeats}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in rates.items()), flush=True)
+    first = ids["pagedattn, GGUF blocks"]
+    rows = [{"system": name, "weight bytes": f"{size / 2**20:.0f} MiB",
+             "decode tok/s (median)": statistics.median(rates[name]),
+             "range": f"{min(rates[name]):.1f}-{max(rates[name]):.1f}",
+             "same tokens as GGUF blocks": sum(a == b for a, b in zip(first, ids[name])) == len(first)}
+            for name, (_, size) in systems.items()]
+    table = benchlib.markdown_table(rows, list(rows[0]))
+    print(table)
+    meta = {"threads": threads, "repeats": repeats, "tokens": tokens, "prompt tokens": len(prompt),
+            "load average": os.getloadavg()}
+    print("\n".join(benchlib.save(out, "bench_cpu_decode", rows, meta, table)))
+    return rows
+
 
 if __name__ == "__main__":          # run as a file: make `scripts.` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -275,8 +374,12 @@ if __name__ == "__main__":
     ap.add_argument("--model", default=None, help="HF Qwen2 directory with a tokenizer (default: the bundled model)")
     ap.add_argument("--profile", action="store_true", help="the decode-step breakdown instead of the HF comparison")
     ap.add_argument("--steps", type=int, default=30, help="--profile: decode steps timed per case")
+    ap.add_argument("--decode", action="store_true", help="one prompt's decode tok/s: GGUF blocks, float32, HF, "
+                                                          "llama.cpp (when llama_cpp imports)")
     a = ap.parse_args()
     if a.profile:
         main_profile(a.out, a.threads, a.model, a.steps)
+    elif a.decode:
+        main_decode(a.out, a.threads, a.repeats)
     else:
         main(a.out, a.threads, a.repeats, a.model)

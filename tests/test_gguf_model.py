@@ -85,6 +85,24 @@ def test_kept_gguf_is_joined_when_missing(tmp_path, monkeypatch):
     assert bundled.bundled_gguf_path(tmp_path / "cache") == path and calls == [1]
 
 
+def test_conversion_keeps_the_joined_gguf(tmp_path, monkeypatch):
+    """The first conversion moves the joined file beside the converted directory instead of deleting it."""
+    from test_bundled_model import fake_convert, make_fake_parts
+
+    contents = [bytes([k]) * (50 + k) for k in range(6)]
+    table, sha, distribution = make_fake_parts(tmp_path / "site", contents)
+    monkeypatch.setattr(bundled, "_distribution", distribution)
+    monkeypatch.setattr(bundled, "PARTS", table)
+    monkeypatch.setattr(bundled, "GGUF_SHA256", sha)
+    monkeypatch.setattr(bundled, "GGUF_SIZE", sum(map(len, contents)))
+    monkeypatch.setattr(bundled, "convert_gguf", fake_convert)
+    bundled.bundled_model_path(tmp_path / "cache")
+    kept = bundled.gguf_cache_path(str(tmp_path / "cache"))
+    assert open(kept, "rb").read() == b"".join(contents)
+    monkeypatch.setattr(bundled, "verify_parts", lambda *a: pytest.fail("re-joined a kept file"))
+    assert bundled.bundled_gguf_path(tmp_path / "cache") == kept
+
+
 # ---------------------------------------------------------------- the quantized layers on real tensors
 
 def test_layers_hold_the_gguf_blocks(quant_model):
