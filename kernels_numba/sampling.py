@@ -15,13 +15,17 @@ The rule (reference/sampling.py writes it out in numpy; the three implementation
     Also returned: the raw log-probability log_softmax(l)[token] (vLLM's "raw logprobs").
 
 CUDA: no sort, no global atomics; the row is read in groups of 4 tokens (one 16-byte load of float32
-or one 8-byte load of fp16/bf16 when V % 4 == 0, and one Philox call for all 4). Two paths:
-split path (the default, SPLIT_ROWS): each pass is a kernel over split_chunks(N, V) CTAs per row (64 at
+or one 8-byte load of fp16/bf16 when V % 4 == 0, and one Philox call for all 4). The versions
+(sampling_journey.py holds {version: entry} and runs any one; this file ships v2):
+    v1: one CTA per row: the hot kernel (passes 1-3) and the fallback kernel.
+    v2: adds rows split over several CTAs: the split path below (the engine's), whose last kernel is
+        v1's fallback kernel run on the merged partials.
+split path (v2): each pass is a kernel over split_chunks(N, V) CTAs per row (64 at
     N = 1, 1 from N = 264 on), the next kernel merging the row's partials; pass 2 draws noise only
     for tokens that could beat the raw argmax's score, and top_k with top_p bounds Z_k from below
     before it falls back to a selection (make_split_kernels says how and why both are exact); the
     last kernel decides every row and runs the one-CTA fallback below for the rows left undecided.
-one-CTA path (chunks = 0): one CTA per row, the passes below in one hot kernel.
+one-CTA path (v1): one CTA per row, the passes below in one hot kernel.
 hot kernel (two CTAs of 448 threads per SM, 72 registers):
     pass 1  raw max, logsumexp (online) and argmax.                       greedy rows end here.
     pass 2  m = max x; the Gumbel argmax j over all tokens and Z = sum of weights. A token whose
@@ -39,12 +43,12 @@ fallback kernel (launched after it; returns at once for the rows that ended):
 
 Entry points:
     sample_cuda(logits, temperature, top_k, top_p, seed, index, position, out_tokens, out_logprobs)
-        torch CUDA tensors (CPU tensors under the simulator); launches on torch's current stream with
-        no host sync and no allocation (after a first call per batch size), so it can be captured in
-        a CUDA graph.
+        v2 on torch CUDA tensors (CPU tensors under the simulator); launches on torch's current stream
+        with no host sync and no allocation (after a first call per batch size), so it can be captured
+        in a CUDA graph. The engine's entry (pagedattn/layers/sampler.py).
     sample_cpu(...)     the same arguments as CPU tensors: numba @njit, one row after the other.
-    launch_split(words, ...), launch(words, ...)   the two paths on numba device arrays (numpy under
-        the simulator), no checks.
+    launch_split(words, ...), launch(words, ...)   v2 and v1 on numba device arrays (numpy under the
+        simulator), no checks; torch_launch_args and run_on_stream build their arguments from torch.
     philox, det_log, det_exp, gumbel, weight, ...: the rule's scalar functions compiled for the CPU
     (GPU holds the device versions).
 """
@@ -91,7 +95,6 @@ EXP_SHIFT, EXP_MASK, MANT_MASK, ONE_BITS = np.uint32(23), np.uint32(0xFF), np.ui
 U_SHIFT = np.uint32(9)
 
 THREADS = 448           # per CTA of the hot kernel, one CTA per row: two CTAs per SM at <= 72 registers
-SPLIT_ROWS = True       # rows over several CTAs (make_split_kernels); False restores one CTA per row
 TARGET_CTAS = 264       # the split aims at two CTAs per SM of an H200 (132 SMs) ...
 MAX_CHUNKS = 64         # ... with at most this many CTAs per row
 FALLBACK_THREADS = 384  # per CTA of the fallback kernel (at 512 its 128 registers spill)
@@ -1248,7 +1251,7 @@ _PARAMS = (("temperature", "float32"), ("top_k", "int32"), ("top_p", "float32"),
            ("index", "int32"), ("position", "int32"))
 
 
-def _check(logits, params, out_tokens, out_logprobs, on_cpu):
+def check_args(logits, params, out_tokens, out_logprobs, on_cpu):
     import torch
 
     from kernels_numba.errors import KernelLaunchError
@@ -1280,13 +1283,43 @@ def _check(logits, params, out_tokens, out_logprobs, on_cpu):
             raise KernelLaunchError(f"{name} is on {t.device}, logits on {logits.device}")
 
 
+def torch_launch_args(logits, temperature, top_k, top_p, seed, index, position, out_tokens, out_logprobs, chunks):
+    """The launchers' arguments for torch tensors (checked by the caller): (words, vocab, kind, vec, args),
+    args = the parameters' and outputs' views and the scratch of `chunks` CTAs per row (0: the one-CTA
+    path's). Shared by sample_cuda and the journey's v1 (sampling_journey.py)."""
+    import torch
+
+    n, vocab = logits.shape
+    kind = _KINDS[str(logits.dtype)]
+    align = 16 if kind == "f32" else 8
+    vec = vocab % 4 == 0 and logits.data_ptr() % align == 0
+    words = as_array(logits.view(torch.int32 if kind == "f32" else (torch.int64 if vec else torch.int16)), flat=True)
+    # the engine passes the same small static buffers step after step: their views are cached
+    params = (temperature, top_k, top_p, seed, index, position)
+    args = [cached_view(t) for t in params] + [cached_view(out_tokens), cached_view(out_logprobs)]
+    args += list(_state(logits.device, n, chunks))
+    return words, vocab, kind, vec, args
+
+
+def run_on_stream(device, go):
+    """go() under the simulator, else go(stream=) on torch's current stream of `device` (made current)."""
+    import torch
+
+    if SIMULATOR:
+        go()
+    elif torch.cuda.current_device() != device.index:
+        with torch.cuda.device(device):
+            go(stream=torch_stream(device))
+    else:
+        go(stream=torch_stream(device))
+
+
 def sample_cuda(logits, temperature, top_k, top_p, seed, index, position, out_tokens, out_logprobs,
                 threads=THREADS, fallback_threads=FALLBACK_THREADS, nbins_log2=NBINS_LOG2, chunks=None):
-    """Sample one token per row on the GPU, on torch's current stream: no host sync, no allocation,
-    launch configuration fixed by (N, V, dtype), so a CUDA graph can capture it.
+    """Sample one token per row on the GPU (v2, the split path), on torch's current stream: no host sync,
+    no allocation, launch configuration fixed by (N, V, dtype), so a CUDA graph can capture it.
 
-    chunks: CTAs per row of the split path; None: split_chunks(N, V, threads) when SPLIT_ROWS, else 0;
-    0: the one-CTA path (hot and fallback kernels).
+    chunks: CTAs per row (>= 1; tests and benches force it); None: split_chunks(N, V, threads).
 
     logits [N, V] float32/float16/bfloat16; temperature [N] float32 (<= 0: greedy); top_k [N] int32
     (<= 0 or >= V: off); top_p [N] float32 (>= 1: off); seed [N] int64 (the 64-bit key); index [N]
@@ -1294,36 +1327,21 @@ def sample_cuda(logits, temperature, top_k, top_p, seed, index, position, out_to
     out_tokens [N] int32, out_logprobs [N] float32 (written). All contiguous, on one CUDA device
     (CPU under the simulator). Returns (out_tokens, out_logprobs).
     """
-    import torch
-
     params = (temperature, top_k, top_p, seed, index, position)
-    _check(logits, params, out_tokens, out_logprobs, on_cpu=False)
+    check_args(logits, params, out_tokens, out_logprobs, on_cpu=False)
     n, vocab = logits.shape
     if n == 0:
         return out_tokens, out_logprobs
-    kind = _KINDS[str(logits.dtype)]
-    align = 16 if kind == "f32" else 8
-    vec = vocab % 4 == 0 and logits.data_ptr() % align == 0
-    words = as_array(logits.view(torch.int32 if kind == "f32" else (torch.int64 if vec else torch.int16)), flat=True)
     if chunks is None:
-        chunks = split_chunks(n, vocab, threads) if SPLIT_ROWS else 0
-    # the engine passes the same small static buffers step after step: their views are cached
-    args = [cached_view(t) for t in params] + [cached_view(out_tokens), cached_view(out_logprobs)]
-    args += list(_state(logits.device, n, chunks))
+        chunks = split_chunks(n, vocab, threads)
+    if chunks < 1:
+        from kernels_numba.errors import KernelLaunchError
+
+        raise KernelLaunchError(f"chunks={chunks}: the split path runs >= 1 CTA per row "
+                                "(the one-CTA path is the journey's v1, sampling_journey.py)")
+    words, vocab, kind, vec, args = torch_launch_args(logits, *params, out_tokens, out_logprobs, chunks)
     config = dict(threads=threads, fallback_threads=fallback_threads, nbins_log2=nbins_log2)
-    if chunks:
-        def go(**kw):
-            launch_split(words, vocab, kind, vec, chunks, *args, **kw, **config)
-    else:
-        def go(**kw):
-            launch(words, vocab, kind, vec, *args, **kw, **config)
-    if SIMULATOR:
-        go()
-    elif torch.cuda.current_device() != logits.device.index:
-        with torch.cuda.device(logits.device):
-            go(stream=torch_stream(logits.device))
-    else:
-        go(stream=torch_stream(logits.device))
+    run_on_stream(logits.device, lambda **kw: launch_split(words, vocab, kind, vec, chunks, *args, **kw, **config))
     return out_tokens, out_logprobs
 
 
@@ -1331,7 +1349,7 @@ def sample_cpu(logits, temperature, top_k, top_p, seed, index, position, out_tok
     """The same as sample_cuda for CPU tensors (compiled by numba @njit, cached on disk; one row at a
     time). Returns (out_tokens, out_logprobs)."""
     params = tuple(t.contiguous() for t in (temperature, top_k, top_p, seed, index, position))
-    _check(logits.contiguous(), params, out_tokens, out_logprobs, on_cpu=True)
+    check_args(logits.contiguous(), params, out_tokens, out_logprobs, on_cpu=True)
     if logits.shape[0] == 0:
         return out_tokens, out_logprobs
     x = logits.detach().float().contiguous().numpy()     # fp16/bf16 widen exactly

@@ -4,8 +4,8 @@
 
 Rows are "model-like" (a few hundred tokens well above a broad randn floor, as a trained model's logits
 look) or flat randn (the worst case for top-p: the nucleus holds most of the vocabulary). Each kind runs
-on the split path (the default: split_chunks(N, V) CTAs per row, column "chunks") and on the one-CTA path
-(chunks 0, SPLIT_ROWS = False). Timed by CUDA-graph replay over 4 rotated logits sets (L2 cannot serve
+every version of kernels_numba/sampling_journey.py: v2, the split path (the engine's: split_chunks(N, V)
+CTAs per row, column "chunks"), and v1, the one-CTA path (chunks 0). Timed by CUDA-graph replay over 4 rotated logits sets (L2 cannot serve
 them at N = 256); GB/s is one pass over the logits. Every configuration is checked against the CPU
 implementation of the same rule first (same tokens). "predicted" is the estimate docs/sampling.md made
 before the split path was measured.
@@ -46,8 +46,9 @@ def logits_set(n, flat, k, seed):
 
 
 def main(out=None, rows=(1, 8, 256), one_cta=True):
-    """rows: the batch sizes; one_cta: also time the one-CTA path (chunks 0) beside the split path."""
-    from kernels_numba.sampling import sample_cuda, split_chunks
+    """rows: the batch sizes; one_cta: also time v1, the one-CTA path (chunks 0), beside v2, the split path."""
+    from kernels_numba.sampling import split_chunks
+    from kernels_numba.sampling_journey import entry
     from pagedattn.layers.sampler import SamplingTensors, sample
     from pagedattn.sampling_params import SamplingParams
 
@@ -66,8 +67,9 @@ def main(out=None, rows=(1, 8, 256), one_cta=True):
                         run = lambda i: torch.argmax(sets[i % 4], dim=-1)      # noqa: E731
                     else:
                         def run(i, chunks=chunks):
-                            sample_cuda(sets[i % 4], st.temperature, st.top_k, st.top_p, st.seed, st.index,
-                                        st.position, tok, lp, chunks=chunks)
+                            version, options = (2, dict(chunks=chunks)) if chunks else (1, {})
+                            entry(version)(sets[i % 4], st.temperature, st.top_k, st.top_p, st.seed, st.index,
+                                           st.position, tok, lp, **options)
                         run(0)
                         assert torch.equal(cpu_tok, tok.cpu()), \
                             f"{name}, chunks {chunks}: GPU tokens differ from the CPU rule"

@@ -63,7 +63,7 @@ def test_every_kernel_module_is_found():
     assert {"kernels_numba.paged_attention", "kernels_numba.sampling", "kernels_numba.cpu_attention",
             "kernels_numba.errors"} <= set(KERNEL_MODULES)
     assert {"kernels_numba.decode_journey", "kernels_numba.decode_journey_cuda_core", "kernels_numba.prefill_journey",
-            "kernels_numba.paged_prefill"} <= set(JOURNEY_MODULES) & set(KERNEL_MODULES)
+            "kernels_numba.paged_prefill", "kernels_numba.sampling_journey"} <= set(JOURNEY_MODULES) & set(KERNEL_MODULES)
 
 
 def test_imports_point_down():

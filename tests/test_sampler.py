@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import reference.sampling as ref
-from kernels_numba import sampling as ks
+from kernels_numba import sampling as ks, sampling_journey as journey
 from pagedattn.layers.sampler import SamplingTensors, sample
 from pagedattn.sampling_params import SamplingParams
 
@@ -234,10 +234,18 @@ def test_cpu_version_half_logits(dtype):
     check_against_reference(tokens.numpy(), logprobs.numpy().astype(np.float64), want_t, want_lp, str(dtype))
 
 
+def sample_path(logits, *args, chunks=None, **options):
+    """The journey's kernels by chunks: 0 -> v1 (one CTA per row), else v2 (the split path) with
+    chunks CTAs per row (None: its plan). Arguments as sampling.sample_cuda's."""
+    if chunks == 0:
+        return journey.sample(logits, *args, version=1, **options)
+    return journey.sample(logits, *args, version=2, chunks=chunks, **options)
+
+
 # vocab, dtype, rows, chunks: V % 4 == 0 reads 16-byte (f32) or 8-byte (fp16/bf16) words, otherwise
 # one element per load; chunks 0 is the one-CTA path. The simulator takes seconds per fallback row, so
-# the default run takes one case of the split path (the engine's); the one-CTA path (SPLIT_ROWS = False)
-# runs in the slow set
+# the default run takes one case of the split path (v2, the engine's); the one-CTA path (v1) runs in the
+# slow set
 SIM_CASES = [(96, torch.float32, 6, 3),
              pytest.param(98, torch.bfloat16, 4, 0, marks=pytest.mark.slow),
              pytest.param(97, torch.float32, 9, 7, marks=pytest.mark.slow),
@@ -260,8 +268,8 @@ def test_kernels_in_simulator_equal_reference(vocab, dtype, n, chunks):
     rows["logits"] = logits.float().numpy()
     want_t, want_lp = run_reference(rows)
     tokens, logprobs = torch.empty(n, dtype=torch.int32), torch.empty(n)
-    ks.sample_cuda(logits, st.temperature, st.top_k, st.top_p, st.seed, st.index, st.position, tokens,
-                   logprobs, **SIM, chunks=chunks)
+    sample_path(logits, st.temperature, st.top_k, st.top_p, st.seed, st.index, st.position, tokens,
+                logprobs, **SIM, chunks=chunks)
     check_against_reference(tokens.numpy(), logprobs.numpy().astype(np.float64), want_t, want_lp, "kernels")
 
 
@@ -308,8 +316,8 @@ def test_kernel_boundary_cases_in_simulator(chunks):
     want_t, want_lp = run_reference(rows)
     logits, st = tensors(rows)
     tokens, logprobs = torch.empty(8, dtype=torch.int32), torch.empty(8)
-    ks.sample_cuda(logits, st.temperature, st.top_k, st.top_p, st.seed, st.index, st.position, tokens,
-                   logprobs, **SIM, chunks=chunks)
+    sample_path(logits, st.temperature, st.top_k, st.top_p, st.seed, st.index, st.position, tokens,
+                logprobs, **SIM, chunks=chunks)
     assert tokens.tolist() == want_t.tolist()
     assert tokens[3] == 0 and torch.isnan(logprobs[3])             # all -inf: token 0, logprob NaN
     assert tokens[4] in (0, 1)                                      # all equal, top_k 2: the lowest two
@@ -537,12 +545,12 @@ def real_batch(n=256, vocab=151936, seed=0):
 
 
 def sample_gpu(logits, st, chunks=None):
-    """ks.sample_cuda on CUDA copies of logits [N, V] and st; chunks as in sample_cuda. Returns CPU
+    """The kernels on CUDA copies of logits [N, V] and st; chunks as in sample_path. Returns CPU
     (tokens, logprobs)."""
     fields = [getattr(st, f).cuda() for f in ("temperature", "top_k", "top_p", "seed", "index", "position")]
     n = logits.shape[0]
     tokens, logprobs = torch.empty(n, dtype=torch.int32, device="cuda"), torch.empty(n, device="cuda")
-    ks.sample_cuda(logits.cuda(), *fields, tokens, logprobs, chunks=chunks)
+    sample_path(logits.cuda(), *fields, tokens, logprobs, chunks=chunks)
     return tokens.cpu(), logprobs.cpu()
 
 
