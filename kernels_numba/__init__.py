@@ -11,9 +11,17 @@
     attention_parts.py             the decode pieces v10 is built from, written once (v5-v9 use them
                                    too): the entry points' checks and LaunchArgs, q fragments, the mma
                                    step, the warps' merge, the cp.async ring, v10's split-KV merge
-    paged_prefill_fa2.py           prefill attention the engine runs (v4-v6, FlashAttention-2 structure)
-    paged_prefill.py               the prefill journey (v1-v3) and its entry point
+    paged_prefill_fa2.py           prefill attention the engine runs (v6, FlashAttention-2 structure, with
+                                   v4 and v5 as its building blocks), one entry point paged_prefill(...)
+    prefill_journey.py             the prefill journey's VERSIONS (v1-v6) and paged_prefill(..., version=N)
+    paged_prefill.py               the prefill journey's first era (v1-v3)
     prefill_parts.py               the host checks both prefill files share (neither imports the other)
+    sampling.py                    sampling the engine runs (v2: rows split over CTAs), sample_cuda(...),
+                                   and its CPU twin sample_cpu(...)
+    sampling_journey.py            the sampling journey's VERSIONS (v1 one CTA per row, v2) and sample(...)
+    rmsnorm.py, rotary.py,         the glue: RMSNorm (+ residual add), rotary + cache write, SiLU-and-mul
+      activation.py
+    cpu_*.py                       the CPU kernels (numba @njit): attention, GEMMs, quantized blocks, glue
     cache_ops.py                   reshape_and_cache (write K/V at their slots), copy_blocks
     common.py                      device intrinsics: packed fp16/bf16 math, 128-bit loads and stores,
                                    cp.async, ldmatrix, mma.sync, ex2, warp reductions (each with a
