@@ -372,26 +372,36 @@ def _alive(pid):
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+def serve_args(checkpoint, port):
+    """`serve`'s arguments for the tiny model on ENGINE's settings."""
+    return ["--model", checkpoint, "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
+            "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "32", "--port", str(port), "--served-model-name", MODEL,
+            "--log-level", "warning"]
+
+
+def wait_for_health(proc, url, timeout=240):
+    """Until the server process `proc` answers 200 on /health (it must not exit meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stderr.read()[-4000:]
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 def test_launcher_two_cores_two_api_servers_one_port(checkpoint, ref):
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagedattn.serving.launcher", "--model", checkpoint, "--device", "cpu",
-           "--dtype", "float32", "--max-model-len", "256", "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "32",
-           "--port", str(port), "--served-model-name", MODEL, "--log-level", "warning",
+    cmd = [sys.executable, "-m", "pagedattn.serving.launcher", *serve_args(checkpoint, port),
            "--data-parallel-size", "2", "--api-server-count", "2"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, proc.stderr.read()[-4000:]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_for_health(proc, url)
         children = _children(proc.pid)
         assert len(children) >= 4                           # 2 cores + 2 API servers (+ spawn's tracker)
         expected = run_all(ref, [(p, SamplingParams(temperature=0, max_tokens=16)) for p in PROMPTS[:4]])
@@ -422,23 +432,12 @@ def test_serve_command_runs_the_engine_in_its_own_process(checkpoint, ref):
     request is answered with the in-process engine's text; Ctrl-C (SIGINT to the group) stops every
     process and the command exits 0."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagedattn", "serve", "--model", checkpoint, "--device", "cpu", "--dtype", "float32",
-           "--max-model-len", "256", "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "32", "--port", str(port),
-           "--served-model-name", MODEL, "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "pagedattn", "serve", *serve_args(checkpoint, port)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, proc.stderr.read()[-4000:]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_for_health(proc, url)
         children = _children(proc.pid)
         assert len(children) >= 2                           # the engine core and the API server
         (_, comps), = run_all(ref, [(PROMPTS[0], SamplingParams(temperature=0, max_tokens=16))])

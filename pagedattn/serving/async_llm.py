@@ -175,7 +175,30 @@ class RequestStream:
         self.abort()
 
 
-class AsyncLLM:
+class StreamingFront:
+    """What every asyncio face of the engine shares (AsyncLLM here, the engine core's CoreClient): a
+    `generate` over the subclass's `add_request`, and `abort` by request id over its `_streams` dict."""
+
+    async def generate(self, prompt, params=None, request_id=None):
+        """Async iterator of the request's RequestOutputs (see add_request for the arguments); leaving
+        the loop early, or cancelling the task running it, aborts the request."""
+        stream = self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    async def abort(self, request_id):
+        """Abort a request by id (False if it is not running)."""
+        stream = self._streams.get(request_id)          # one dict read: no lock needed
+        if stream is None:
+            return False
+        stream.abort()
+        return True
+
+
+class AsyncLLM(StreamingFront):
     """An LLM (or a bare LLMEngine) driven by a background thread, with an asyncio front.
 
     llm: pagedattn.LLM or LLMEngine; the engine must not be stepped by anything else while this runs
@@ -253,25 +276,6 @@ class AsyncLLM:
             self._streams[request_id] = stream
         self._inbox.put(("add", stream))
         return stream
-
-    async def generate(self, prompt, params=None, request_id=None):
-        """Async iterator of the request's RequestOutputs (see add_request for the arguments); leaving
-        the loop early, or cancelling the task running it, aborts the request."""
-        stream = self.add_request(prompt, params, request_id)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
-
-    async def abort(self, request_id):
-        """Abort a request by id (False if it is not running)."""
-        with self._streams_lock:
-            stream = self._streams.get(request_id)
-        if stream is None:
-            return False
-        stream.abort()
-        return True
 
     def engine_metrics(self):
         """The engine's metrics() dict as of the last snapshot the engine thread took (at most

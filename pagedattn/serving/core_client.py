@@ -47,7 +47,8 @@ from pagedattn.engine.requests import InputProcessor
 from pagedattn.errors import InvalidRequestError
 from pagedattn.sampling_params import SamplingParams
 from pagedattn.serving import engine_core as ec
-from pagedattn.serving.async_llm import EngineDeadError, EngineStepError, RequestFailedError, RequestStream, _set_ready
+from pagedattn.serving.async_llm import (EngineDeadError, EngineStepError, RequestFailedError, RequestStream,
+                                         StreamingFront, _set_ready)
 
 logger = logging.getLogger("pagedattn.serving")
 now = time.perf_counter
@@ -166,7 +167,7 @@ class _Core:
             s.close(0)
 
 
-class CoreClient:
+class CoreClient(StreamingFront):
     """A client of one or more engine cores (data-parallel ranks), with AsyncLLM's interface.
 
     addresses: the cores' addresses (engine_core.core_endpoints). processes: the local core processes
@@ -300,24 +301,6 @@ class CoreClient:
             self._live[wire_id] = _Request(stream, core, wire_id, self._detok_tokenizer)
         self._send(core, ec.AddRequest(self._identity, wire_id, ids, params))
         return stream
-
-    async def generate(self, prompt, params=None, request_id=None):
-        """Async iterator of the request's RequestOutputs; leaving early, or cancelling, aborts it."""
-        stream = self.add_request(prompt, params, request_id)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
-
-    async def abort(self, request_id):
-        """Abort a request by id (False if it is not running)."""
-        with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is None:
-            return False
-        stream.abort()
-        return True
 
     def engine_metrics(self):
         """engine.metrics() summed over the cores (aggregate_metrics), from their latest snapshots."""
