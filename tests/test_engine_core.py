@@ -24,9 +24,11 @@ import time
 import httpx
 import openai
 import pytest
+from helpers import is_gone
 from serving_helpers import ServerThread, scrape, write_tiny_chat_checkpoint
 
 from pagedattn import LLM, SamplingParams
+from pagedattn.distributed.parallel import free_port
 from pagedattn.serving.api_server import build_app
 from pagedattn.serving.async_llm import AsyncLLM, EngineDeadError
 from pagedattn.serving.core_client import CoreClient, aggregate_metrics
@@ -352,24 +354,11 @@ def test_a_request_failing_to_detokenize_fails_alone(core, ref):
     assert m["num_running"] == m["num_waiting"] == 0 and m["num_free_blocks"] == NUM_BLOCKS
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _children(pid):
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:                    # a zombie is dead, only not reaped yet
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def serve_args(checkpoint, port):
@@ -395,7 +384,7 @@ def wait_for_health(proc, url, timeout=240):
 
 @pytest.mark.slow
 def test_launcher_two_cores_two_api_servers_one_port(checkpoint, ref):
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pagedattn.serving.launcher", *serve_args(checkpoint, port),
            "--data-parallel-size", "2", "--api-server-count", "2"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -422,16 +411,16 @@ def test_launcher_two_cores_two_api_servers_one_port(checkpoint, ref):
                 proc.kill()
     assert proc.returncode == 0, proc.stderr.read()[-4000:]
     deadline = time.monotonic() + 30
-    while any(_alive(p) for p in children) and time.monotonic() < deadline:
+    while not all(is_gone(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in children)
+    assert all(is_gone(p) for p in children)
 
 
 def test_serve_command_runs_the_engine_in_its_own_process(checkpoint, ref):
     """`python -m pagedattn serve` (no process flags): one engine-core process and one API process; a
     request is answered with the in-process engine's text; Ctrl-C (SIGINT to the group) stops every
     process and the command exits 0."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pagedattn", "serve", *serve_args(checkpoint, port)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -453,9 +442,9 @@ def test_serve_command_runs_the_engine_in_its_own_process(checkpoint, ref):
                 os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, proc.stderr.read()[-4000:]
     deadline = time.monotonic() + 30
-    while any(_alive(p) for p in children) and time.monotonic() < deadline:
+    while not all(is_gone(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in children)
+    assert all(is_gone(p) for p in children)
 
 
 def test_serve_in_process_refuses_process_flags():

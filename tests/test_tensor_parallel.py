@@ -32,7 +32,7 @@ import time
 
 import pytest
 import torch
-from helpers import tiny_checkpoint  # noqa: F401  (session fixture)
+from helpers import is_gone, tiny_checkpoint  # noqa: F401  (session fixture)
 
 from pagedattn import LLM, SamplingParams
 from pagedattn.distributed.worker import TensorParallelError
@@ -63,15 +63,6 @@ def run_workload(llm):
     ids += [o.outputs[0].token_ids for o in llm.generate(PROMPTS[-2:], GREEDY, use_tqdm=False)]
     ids += [c.token_ids for o in llm.generate(PROMPTS[1:3], SAMPLED, use_tqdm=False) for c in o.outputs]
     return ids
-
-
-def is_gone(pid):
-    """True when `pid` no longer runs (exited, or a zombie waiting to be reaped by someone else)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def test_invalid_tensor_parallel_size_names_the_field(tiny_checkpoint):  # noqa: F811

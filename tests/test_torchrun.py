@@ -19,14 +19,15 @@ import json
 import os
 import urllib.request
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
-from helpers import ROOT, tiny_checkpoint  # noqa: F401  (session fixture)
+from helpers import ROOT, is_gone, tiny_checkpoint  # noqa: F401  (session fixture)
+
+from pagedattn.distributed.parallel import free_port
 
 from pagedattn import LLM, SamplingParams
 
@@ -96,21 +97,6 @@ def kill_tree(proc, known=()):
         except ProcessLookupError:
             pass
     proc.wait()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def is_gone(pid):
-    """True when `pid` no longer runs (exited, or a zombie waiting to be reaped by someone else)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 class Launch:
