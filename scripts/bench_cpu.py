@@ -38,12 +38,13 @@ def decode_ours(llm, prompt, tokens):
     """(decode tok/s after the first token, token ids) of one greedy streamed request."""
     from pagedattn import SamplingParams
 
-    stamps, ids = [], []
+    stamps, cpu, ids = [], [], []
     for out in llm.stream([prompt], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)):
         for t in out.outputs[0].delta_token_ids:
             stamps.append(time.perf_counter())
+            cpu.append(time.process_time())
             ids.append(t)
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), ids
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), (cpu[-1] - cpu[0]) / (len(cpu) - 1), ids
 
 
 def decode_hf(hf, prompt, tokens):
@@ -51,24 +52,22 @@ def decode_hf(hf, prompt, tokens):
     ids = torch.tensor([prompt])
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=tokens)
     with torch.no_grad():
-        t0 = time.perf_counter()
-        hf.generate(ids, max_new_tokens=1, **{**kw, "min_new_tokens": 1})
-        t1 = time.perf_counter()
-        seq = hf.generate(ids, max_new_tokens=tokens, **kw)
-        t2 = time.perf_counter()
-    return (tokens - 1) / ((t2 - t1) - (t1 - t0)), seq[0, len(prompt):].tolist()
+        t0, c0, _ = timed(lambda: hf.generate(ids, max_new_tokens=1, **{**kw, "min_new_tokens": 1}))
+        t1, c1, seq = timed(lambda: hf.generate(ids, max_new_tokens=tokens, **kw))
+    return (tokens - 1) / (t1 - t0), (c1 - c0) / (tokens - 1), seq[0, len(prompt):].tolist()
 
 
 def decode_llama_cpp(llama, prompt, tokens):
     """llama-cpp-python streaming the same prompt's completion: decode tok/s after the first token."""
     llama.reset()
-    stamps, ids = [], []
+    stamps, cpu, ids = [], [], []
     for tok in llama.generate(prompt, temp=0.0, top_k=1, reset=True):
         stamps.append(time.perf_counter())
+        cpu.append(time.process_time())
         ids.append(tok)
         if len(ids) == tokens:
             break
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), ids
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), (cpu[-1] - cpu[0]) / (len(cpu) - 1), ids
 
 
 def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS):
@@ -105,19 +104,21 @@ def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS)
         systems[f"llama.cpp {llama_cpp.__version__}"] = (lambda: decode_llama_cpp(llama, prompt, tokens),
                                                           os.path.getsize(gguf))
     print(benchlib.env_line())
-    rates = {name: [] for name in systems}
+    rates, cpus = {name: [] for name in systems}, {name: [] for name in systems}
     ids = {}
     for r in range(repeats + 1):                  # round 0: warm-up, not counted
         for name, (run, _) in systems.items():
-            rate, ids[name] = run()
+            rate, cpu, ids[name] = run()
+            print(f"  round {r}/{repeats} ({'warm-up' if r == 0 else 'timed'}): {name} {rate:.2f} tok/s, "
+                  f"{1e3 * cpu:.0f} CPU ms/token, load average {os.getloadavg()[0]:.1f}", flush=True)
             if r:
                 rates[name].append(rate)
-        if r:
-            print(f"  round {r}/{repeats}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in rates.items()), flush=True)
+                cpus[name].append(cpu)
     first = ids["pagedattn, GGUF blocks"]
     rows = [{"system": name, "weight bytes": f"{size / 2**20:.0f} MiB",
              "decode tok/s (median)": statistics.median(rates[name]),
              "range": f"{min(rates[name]):.1f}-{max(rates[name]):.1f}",
+             "CPU ms/token (median)": 1e3 * statistics.median(cpus[name]),
              "same tokens as GGUF blocks": sum(a == b for a, b in zip(first, ids[name])) == len(first)}
             for name, (_, size) in systems.items()]
     table = benchlib.markdown_table(rows, list(rows[0]))
