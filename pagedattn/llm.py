@@ -30,11 +30,11 @@ class LLM:
     EngineConfig's (device, dtype, block_size, num_blocks, max_model_len, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, attn_backend, enforce_eager, async_scheduling, seed, ...).
 
-    weights: "auto" (default), "quantized" or "float32". On the CPU the bundled model (and a directory
-    holding a .gguf file) runs its GGUF file's quantized blocks, ~0.5 GB read per token instead of the
-    float32 copy's 2 GB (docs/cpu.md); "float32" runs the safetensors checkpoint. "quantized" on a GPU,
-    in float16/bfloat16, with tensor parallelism or for a checkpoint without a GGUF file raises
-    InvalidRequestError.
+    weights: "auto" (default: "float32" for now), "quantized" or "float32". "quantized" runs the bundled
+    model's (or a directory's one .gguf file's) quantized blocks on the CPU, ~0.5 GB of weights instead
+    of the float32 copy's 2.4 GB (docs/cpu.md); it does not yet decode faster than float32, so it is
+    asked for by name. "quantized" on a GPU, in float16/bfloat16, with tensor parallelism or for a
+    checkpoint without a GGUF file raises InvalidRequestError.
 
     tensor_parallel_size: P > 1 shards the model over P ranks (see docs/tensor_parallel.md): this process
     is rank 0 and starts P - 1 worker processes (spawn; NCCL on cuda:0..P-1, gloo on CPU). They stop on

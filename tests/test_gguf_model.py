@@ -59,10 +59,13 @@ def test_quantized_needs_a_gguf_file(tiny_checkpoint):  # noqa: F811
     assert auto.weights == "float32" and auto.gguf_file is None
 
 
-def test_bundled_model_is_quantized_by_default_on_the_cpu(bundled_model_dir, bundled_gguf, monkeypatch):  # noqa: F811
+def test_bundled_model_weights_resolve(bundled_model_dir, bundled_gguf, monkeypatch):  # noqa: F811
+    """"auto" is float32 (the block kernels are not yet faster); "quantized" takes the bundled GGUF."""
     monkeypatch.setenv("PAGEDATTN_CACHE_DIR", os.path.dirname(bundled_model_dir))
     config = EngineConfig(device="cpu").with_model_path(None)
-    assert (config.model, config.weights, config.gguf_file) == (bundled_model_dir, "quantized", bundled_gguf)
+    assert (config.model, config.weights, config.gguf_file) == (bundled_model_dir, "float32", None)
+    quantized = EngineConfig(device="cpu", weights="quantized").with_model_path(None)
+    assert (quantized.weights, quantized.gguf_file) == ("quantized", bundled_gguf)
     f32 = EngineConfig(device="cpu", weights="float32").with_model_path(None)
     assert (f32.weights, f32.gguf_file) == ("float32", None)
     # the converted directory given by path: float32 unless asked, then its GGUF beside it
