@@ -54,7 +54,9 @@ class LLM:
         self._request_ids = itertools.count()
 
     def close(self):
-        """Stop the tensor-parallel workers (a no-op at tensor_parallel_size=1); idempotent."""
+        """Give back what the engine holds — weights, KV pool, graphs, the kernels' cached views and scratch
+        (docs/memory.md) — and stop the tensor-parallel workers; idempotent. The end of a `with LLM(...)`
+        block and the LLM's collection (`del llm`) do the same; a closed LLM raises on use."""
         if self._close is not None:
             self._close()
 
