@@ -41,34 +41,9 @@ def _rows(x, w, bias, out, n0, n1):
     """out[:, n0:n1] = x @ w[n0:n1].T (+ bias[n0:n1] when bias has any element)."""
     M, K = x.shape
     has_bias = bias.shape[0] > 0
-    M4 = M - M % 4
     n = n0
     while n + 4 <= n1:
-        for m in range(0, M4, 4):
-            a0 = np.float32(0); a1 = np.float32(0); a2 = np.float32(0); a3 = np.float32(0)  # noqa: E702
-            b0 = np.float32(0); b1 = np.float32(0); b2 = np.float32(0); b3 = np.float32(0)  # noqa: E702
-            c0 = np.float32(0); c1 = np.float32(0); c2 = np.float32(0); c3 = np.float32(0)  # noqa: E702
-            d0 = np.float32(0); d1 = np.float32(0); d2 = np.float32(0); d3 = np.float32(0)  # noqa: E702
-            for k in range(K):
-                w0, w1, w2, w3 = w[n, k], w[n + 1, k], w[n + 2, k], w[n + 3, k]
-                x0, x1, x2, x3 = x[m, k], x[m + 1, k], x[m + 2, k], x[m + 3, k]
-                a0 += x0 * w0; a1 += x1 * w0; a2 += x2 * w0; a3 += x3 * w0  # noqa: E702
-                b0 += x0 * w1; b1 += x1 * w1; b2 += x2 * w1; b3 += x3 * w1  # noqa: E702
-                c0 += x0 * w2; c1 += x1 * w2; c2 += x2 * w2; c3 += x3 * w2  # noqa: E702
-                d0 += x0 * w3; d1 += x1 * w3; d2 += x2 * w3; d3 += x3 * w3  # noqa: E702
-            _store4(out, m, n, a0, a1, a2, a3, bias, has_bias)
-            _store4(out, m, n + 1, b0, b1, b2, b3, bias, has_bias)
-            _store4(out, m, n + 2, c0, c1, c2, c3, bias, has_bias)
-            _store4(out, m, n + 3, d0, d1, d2, d3, bias, has_bias)
-        for m in range(M4, M):                       # leftover input rows: one row x 4 weight rows
-            a0 = np.float32(0); b0 = np.float32(0); c0 = np.float32(0); d0 = np.float32(0)  # noqa: E702
-            for k in range(K):
-                xk = x[m, k]
-                a0 += xk * w[n, k]; b0 += xk * w[n + 1, k]; c0 += xk * w[n + 2, k]; d0 += xk * w[n + 3, k]  # noqa: E702
-            out[m, n] = a0 + (bias[n] if has_bias else np.float32(0))
-            out[m, n + 1] = b0 + (bias[n + 1] if has_bias else np.float32(0))
-            out[m, n + 2] = c0 + (bias[n + 2] if has_bias else np.float32(0))
-            out[m, n + 3] = d0 + (bias[n + 3] if has_bias else np.float32(0))
+        tile4(x, w[n], w[n + 1], w[n + 2], w[n + 3], bias, has_bias, out, n)
         n += 4
     for n in range(n, n1):                           # leftover weight rows (N % 4): one dot product each
         for m in range(M):
@@ -76,6 +51,39 @@ def _rows(x, w, bias, out, n0, n1):
             for k in range(K):
                 a0 += x[m, k] * w[n, k]
             out[m, n] = a0 + (bias[n] if has_bias else np.float32(0))
+
+
+@njit(inline="always")
+def tile4(x, w0, w1, w2, w3, bias, has_bias, out, n):
+    """out[:, n:n + 4] = x @ [w0 w1 w2 w3] (+ bias[n:n + 4]): four weight rows (float32 [K] each) held
+    while every input row passes over them, 4 rows at a time (16 sums in registers), then the leftovers."""
+    M, K = x.shape
+    M4 = M - M % 4
+    for m in range(0, M4, 4):
+        a0 = np.float32(0); a1 = np.float32(0); a2 = np.float32(0); a3 = np.float32(0)  # noqa: E702
+        b0 = np.float32(0); b1 = np.float32(0); b2 = np.float32(0); b3 = np.float32(0)  # noqa: E702
+        c0 = np.float32(0); c1 = np.float32(0); c2 = np.float32(0); c3 = np.float32(0)  # noqa: E702
+        d0 = np.float32(0); d1 = np.float32(0); d2 = np.float32(0); d3 = np.float32(0)  # noqa: E702
+        for k in range(K):
+            v0, v1, v2, v3 = w0[k], w1[k], w2[k], w3[k]
+            x0, x1, x2, x3 = x[m, k], x[m + 1, k], x[m + 2, k], x[m + 3, k]
+            a0 += x0 * v0; a1 += x1 * v0; a2 += x2 * v0; a3 += x3 * v0  # noqa: E702
+            b0 += x0 * v1; b1 += x1 * v1; b2 += x2 * v1; b3 += x3 * v1  # noqa: E702
+            c0 += x0 * v2; c1 += x1 * v2; c2 += x2 * v2; c3 += x3 * v2  # noqa: E702
+            d0 += x0 * v3; d1 += x1 * v3; d2 += x2 * v3; d3 += x3 * v3  # noqa: E702
+        _store4(out, m, n, a0, a1, a2, a3, bias, has_bias)
+        _store4(out, m, n + 1, b0, b1, b2, b3, bias, has_bias)
+        _store4(out, m, n + 2, c0, c1, c2, c3, bias, has_bias)
+        _store4(out, m, n + 3, d0, d1, d2, d3, bias, has_bias)
+    for m in range(M4, M):                           # leftover input rows: one row x 4 weight rows
+        a0 = np.float32(0); b0 = np.float32(0); c0 = np.float32(0); d0 = np.float32(0)  # noqa: E702
+        for k in range(K):
+            xk = x[m, k]
+            a0 += xk * w0[k]; b0 += xk * w1[k]; c0 += xk * w2[k]; d0 += xk * w3[k]  # noqa: E702
+        out[m, n] = a0 + (bias[n] if has_bias else np.float32(0))
+        out[m, n + 1] = b0 + (bias[n + 1] if has_bias else np.float32(0))
+        out[m, n + 2] = c0 + (bias[n + 2] if has_bias else np.float32(0))
+        out[m, n + 3] = d0 + (bias[n + 3] if has_bias else np.float32(0))
 
 
 @njit(inline="always")

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from kernels_numba.cpu_linear import tile4
 from kernels_numba.cpu_threads import numba_threads
 from kernels_numba.errors import KernelLaunchError
 
@@ -142,7 +143,6 @@ def _rows(fmt, x, w, bias, out, n0, n1, lanes):
     """out[:, n0:n1] = x @ dequant(w[n0:n1]).T (+ bias[n0:n1] when bias has any element)."""
     M, K = x.shape
     has_bias = bias.shape[0] > 0
-    M4 = M - M % 4
     wbuf = np.empty((4, K), np.float32)              # the 4 dequantized weight rows
     scale, minimum, qhbuf = _scratch(K)
     w0, w1, w2, w3 = wbuf[0], wbuf[1], wbuf[2], wbuf[3]
@@ -152,31 +152,7 @@ def _rows(fmt, x, w, bias, out, n0, n1, lanes):
         _dequant_row(fmt, w, n + 1, w1, scale, minimum, qhbuf, lanes)
         _dequant_row(fmt, w, n + 2, w2, scale, minimum, qhbuf, lanes)
         _dequant_row(fmt, w, n + 3, w3, scale, minimum, qhbuf, lanes)
-        for m in range(0, M4, 4):
-            a0 = np.float32(0); a1 = np.float32(0); a2 = np.float32(0); a3 = np.float32(0)  # noqa: E702
-            b0 = np.float32(0); b1 = np.float32(0); b2 = np.float32(0); b3 = np.float32(0)  # noqa: E702
-            c0 = np.float32(0); c1 = np.float32(0); c2 = np.float32(0); c3 = np.float32(0)  # noqa: E702
-            d0 = np.float32(0); d1 = np.float32(0); d2 = np.float32(0); d3 = np.float32(0)  # noqa: E702
-            for k in range(K):
-                v0, v1, v2, v3 = w0[k], w1[k], w2[k], w3[k]
-                x0, x1, x2, x3 = x[m, k], x[m + 1, k], x[m + 2, k], x[m + 3, k]
-                a0 += x0 * v0; a1 += x1 * v0; a2 += x2 * v0; a3 += x3 * v0  # noqa: E702
-                b0 += x0 * v1; b1 += x1 * v1; b2 += x2 * v1; b3 += x3 * v1  # noqa: E702
-                c0 += x0 * v2; c1 += x1 * v2; c2 += x2 * v2; c3 += x3 * v2  # noqa: E702
-                d0 += x0 * v3; d1 += x1 * v3; d2 += x2 * v3; d3 += x3 * v3  # noqa: E702
-            _store4(out, m, n, a0, a1, a2, a3, bias, has_bias)
-            _store4(out, m, n + 1, b0, b1, b2, b3, bias, has_bias)
-            _store4(out, m, n + 2, c0, c1, c2, c3, bias, has_bias)
-            _store4(out, m, n + 3, d0, d1, d2, d3, bias, has_bias)
-        for m in range(M4, M):                       # leftover input rows: one row x 4 weight rows
-            a0 = np.float32(0); b0 = np.float32(0); c0 = np.float32(0); d0 = np.float32(0)  # noqa: E702
-            for k in range(K):
-                xk = x[m, k]
-                a0 += xk * w0[k]; b0 += xk * w1[k]; c0 += xk * w2[k]; d0 += xk * w3[k]  # noqa: E702
-            out[m, n] = a0 + (bias[n] if has_bias else np.float32(0))
-            out[m, n + 1] = b0 + (bias[n + 1] if has_bias else np.float32(0))
-            out[m, n + 2] = c0 + (bias[n + 2] if has_bias else np.float32(0))
-            out[m, n + 3] = d0 + (bias[n + 3] if has_bias else np.float32(0))
+        tile4(x, w0, w1, w2, w3, bias, has_bias, out, n)
         n += 4
     for n in range(n, n1):                           # leftover weight rows (N % 4): one dot product each
         _dequant_row(fmt, w, n, w0, scale, minimum, qhbuf, lanes)
@@ -191,15 +167,6 @@ def _rows(fmt, x, w, bias, out, n0, n1, lanes):
 def _scratch(K):
     """A row's block scales (float32, up to one per 16 values), Q4_K's mins, Q5_0's high bits."""
     return np.empty(K // 16 + 1, np.float32), np.empty(K // 32 + 1, np.float32), np.empty(K // 32 + 1, np.uint32)
-
-
-@njit(inline="always")
-def _store4(out, m, n, s0, s1, s2, s3, bias, has_bias):
-    b = bias[n] if has_bias else np.float32(0)
-    out[m, n] = s0 + b
-    out[m + 1, n] = s1 + b
-    out[m + 2, n] = s2 + b
-    out[m + 3, n] = s3 + b
 
 
 @njit(parallel=True, cache=True, nogil=True)

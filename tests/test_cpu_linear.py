@@ -105,30 +105,30 @@ def test_use_kernel_takes_small_float32_cpu_calls():
     assert not cpu_linear.use_kernel(torch.empty(2, 8, 896), w)
 
 
-def test_backend_runs_small_steps_through_the_kernel(monkeypatch):
-    """CpuNumbaBackend.step_scope: inside a small step's scope the GEMMs go to the kernel on torch's
-    former thread count and torch runs on one thread; a large step, and any call outside a scope, stay
-    with torch; the thread count comes back (after an exception too); nested scopes change nothing."""
-    from pagedattn.layers.cpu_attention import CpuNumbaBackend
+def test_small_steps_run_through_the_kernel(monkeypatch):
+    """CpuStep.scope (the CPU ops' step scope): inside a small step's scope the GEMMs go to the kernel on
+    torch's former thread count and torch runs on one thread; a large step, and any call outside a scope,
+    stay with torch; the thread count comes back (after an exception too); nested scopes change nothing."""
+    from pagedattn.layers.cpu_attention import CpuStep
 
     calls, kernel = [], cpu_linear.linear
     monkeypatch.setattr(cpu_linear, "linear", lambda *a, **k: calls.append(k["num_threads"]) or kernel(*a, **k))
-    backend, threads = CpuNumbaBackend(), torch.get_num_threads()
+    step, threads = CpuStep(), torch.get_num_threads()
     x, w, b = torch.randn(5, 64), torch.randn(96, 64), torch.randn(96)
-    assert torch.allclose(backend.linear(x, w, b), F.linear(x, w, b)) and calls == []
-    with backend.step_scope(5):
-        assert torch.get_num_threads() == 1 and backend.threads() == threads
-        with backend.step_scope(3):
-            assert backend.threads() == threads
-        y = backend.linear(x, w, b)
+    assert torch.allclose(step.linear(x, w, b), F.linear(x, w, b)) and calls == []
+    with step.scope(5):
+        assert torch.get_num_threads() == 1 and step.threads() == threads
+        with step.scope(3):
+            assert step.threads() == threads
+        y = step.linear(x, w, b)
         assert torch.get_num_threads() == 1
     assert calls == [threads] and torch.allclose(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     assert torch.get_num_threads() == threads
-    with backend.step_scope(cpu_linear.MAX_ROWS + 1):
+    with step.scope(cpu_linear.MAX_ROWS + 1):
         assert torch.get_num_threads() == threads
-        backend.linear(torch.randn(cpu_linear.MAX_ROWS + 1, 64), w)
+        step.linear(torch.randn(cpu_linear.MAX_ROWS + 1, 64), w)
     assert calls == [threads]
     with pytest.raises(RuntimeError):
-        with backend.step_scope(2):
+        with step.scope(2):
             raise RuntimeError("a failing step")
-    assert torch.get_num_threads() == threads and backend.threads() == threads
+    assert torch.get_num_threads() == threads and step.threads() == threads

@@ -86,8 +86,7 @@ class CpuNumbaBackend(TorchPagedBackend):
         backend.write(k, v, k_cache, v_cache, slot_mapping)
         out = backend.attend(q, k_cache, v_cache, attn_metadata)   # q [T, H, D] -> out [T, H, D]
 
-    step: the CpuStep whose threads the kernels use (default: a new one). step_scope, threads and linear
-    are the step's.
+    step: the CpuStep whose threads the kernels use (default: a new one).
     """
 
     name = "cpu-numba"
@@ -96,7 +95,6 @@ class CpuNumbaBackend(TorchPagedBackend):
         self._plan_for = None        # the metadata contents and pool geometry of the cached plan
         self._plan = None
         self.step = CpuStep() if step is None else step
-        self.step_scope, self.threads, self.linear = self.step.scope, self.step.threads, self.step.linear
 
     @staticmethod
     def _runs_here(q, k_cache):
