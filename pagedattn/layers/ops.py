@@ -196,9 +196,9 @@ def quantized_embedding(threads, ids, weight):
 
 
 def quantize_ops(ops, device, dtype):
-    """Switch the table `ops` (in place: every layer holds this one object) to layers holding GGUF blocks:
-    `linear` and `embedding` read QuantWeights, the rest stays as chosen for float32 on the CPU. Done once,
-    when a model is built for a GGUF file (pagedattn/models/loader.py: load_gguf_model). Returns ops."""
+    """The table `ops` (float32 on the CPU) made for layers holding GGUF blocks: `linear` and `embedding`
+    read QuantWeights, the rest stays. make_ops calls it when a model is built with weights="quantized"
+    (pagedattn/models/loader.py: load_gguf_model). Returns ops."""
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         raise ValueError(f"quantized weights run on the CPU in float32, not on {device} in {dtype}")
     step = getattr(ops.backend, "step", None)

@@ -108,10 +108,12 @@ def _default_dtype(dtype):
         torch.set_default_dtype(old)
 
 
-def build_model(config, device="cpu", dtype=torch.float32, attn_backend="auto", tp_rank=0, tp_size=1):
-    """An unloaded Qwen2ForCausalLM (rank tp_rank of tp_size) with uninitialised parameters on `device`."""
+def build_model(config, device="cpu", dtype=torch.float32, attn_backend="auto", tp_rank=0, tp_size=1,
+                weights="float32"):
+    """An unloaded Qwen2ForCausalLM (rank tp_rank of tp_size) with uninitialised parameters on `device`;
+    weights: "float32" (tensors) or "quantized" (its layers will hold GGUF blocks: its ops table says so)."""
     with _default_dtype(dtype), torch.device(device):
-        return Qwen2ForCausalLM(config, attn_backend, tp_rank, tp_size)
+        return Qwen2ForCausalLM(config, attn_backend, tp_rank, tp_size, weights=weights)
 
 
 def load_model(path, device="cpu", dtype=torch.float32, attn_backend="auto", tp_rank=0, tp_size=1):
@@ -158,7 +160,6 @@ def load_gguf_model(path, gguf_file=None, attn_backend="auto"):
     config. Returns (model in eval mode, Qwen2Config); its resident size grows to about the file's as
     the kernels touch the blocks (pagedattn.engine.metrics.model_weight_bytes counts them).
     """
-    from pagedattn.layers.ops import quantize_ops
     from pagedattn.models.gguf_weights import QuantWeight, find_gguf, hf_name, read_gguf
 
     path = os.fspath(path)
@@ -175,8 +176,7 @@ def load_gguf_model(path, gguf_file=None, attn_backend="auto"):
             raise ModelLoadError(f"tensor {name!r} in {gguf_file!r} has shape {tensors[name].shape}, "
                                  f"the config expects {shape}")
     # Parameters come from torch.empty: the float32 matrices are never written, so never made resident.
-    model = build_model(config, "cpu", torch.float32, attn_backend)
-    quantize_ops(model.ops, "cpu", torch.float32)
+    model = build_model(config, "cpu", torch.float32, attn_backend, weights="quantized")
     plain, fused = {}, {}                        # fused: module -> {shard id: GGUFTensor}
     for name in expected:
         t = tensors[name]

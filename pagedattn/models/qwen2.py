@@ -200,11 +200,11 @@ class Qwen2ForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, attn_backend="auto", tp_rank=0, tp_size=1):
+    def __init__(self, config, attn_backend="auto", tp_rank=0, tp_size=1, weights="float32"):
         super().__init__()
         self.config, self.tp_rank, self.tp_size = config, tp_rank, tp_size
         self.ops = make_ops(attn_backend, torch.empty(0).device, torch.get_default_dtype(), config.hidden_size,
-                            config.intermediate_size // tp_size, config.head_dim)
+                            config.intermediate_size // tp_size, config.head_dim, weights=weights)
         self.attn_backend = self.ops.backend
         self.model = Qwen2Model(config, self.ops, tp_rank, tp_size)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size, self.ops)
