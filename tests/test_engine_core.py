@@ -24,7 +24,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers import is_gone
+from helpers import ROOT, is_gone
 from serving_helpers import ServerThread, scrape, write_tiny_chat_checkpoint
 
 from pagedattn import LLM, SamplingParams
@@ -38,7 +38,6 @@ MODEL = "tiny-chat"
 NUM_BLOCKS = 48
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=256, num_blocks=NUM_BLOCKS, max_num_seqs=32)
 PROMPTS = ["def fib(n):", "The paged KV cache", "Hello world! How are you", "SELECT name FROM", [5, 17, 301, 42]]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")

@@ -46,8 +46,8 @@ def parse_args(argv=None):
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="send a stream's tokens once at least this many are waiting (first and last at once)")
     ap.add_argument("--switch-interval-ms", type=float, default=1.0,
-                    help="the interpreter's thread switch interval (Python's default: 5 ms): how long the engine "
-                         "thread may wait for the GIL while the HTTP thread is busy")
+                    help="--in-process only: the interpreter's thread switch interval (Python's default: 5 ms): how "
+                         "long the engine thread may wait for the GIL while the HTTP thread is busy")
     ap.add_argument("--log-level", default="info", help="uvicorn's: critical | error | warning | info | debug")
     proc = ap.add_argument_group("processes", "how the server is spread over processes (docs/engine_core.md)")
     proc.add_argument("--data-parallel-size", type=int, default=1,
