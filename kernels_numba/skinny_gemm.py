@@ -1,0 +1,490 @@
+"""Skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]^T with 1 <= M <= 16 rows, in numba.cuda.
+
+At decode a step multiplies a handful of activation rows by every weight of the model once: the time is
+the time to stream W from HBM, so the kernel is built to read each weight byte exactly once, 16 bytes per
+load, with enough loads in flight to fill the H200's memory pipes. fp16/bf16 weights and activations
+(carried as raw 16-bit bits, kernels_numba/common.py), fp32 accumulation.
+
+Layout of the work
+------------------
+* A *tile* is 16 weight rows (8 gate + 8 up rows when SiLU-and-mul is fused). One warp owns a tile for
+  a range of K and computes the 16 x M block of dot products on the tensor cores (mma.sync m16n8k16,
+  A = 16 weight rows x 16 k, B = 16 k x 8 activation rows, C/D fp32). The dot product's k order is free,
+  so each lane reads its A fragment as ONE 16-byte load per row (LDG.E.128): lane (g, t) reads the halves
+  k0 + 8t .. 8t + 8 of weight rows g and g + 8, a 32-k step of the warp covers 64 contiguous bytes of 16
+  rows, and the halves split into two mma's (words 0, 1 and words 2, 3 of the load). The B fragment uses
+  the same k order: the lane reads the same 8 halves of activation row g (and g + 8 when M > 8) from
+  shared memory, one 16-byte load. Rows of x beyond M are zeros; M <= 8 uses one mma per 16 k, M > 8 two.
+* Each lane issues the loads of 4 steps (8 x 16 bytes) before it multiplies: 4 KB in flight per warp.
+* A CTA is 4 warps. It stages the activation rows of its K range in shared memory once (zeros past M and
+  past K), then each warp walks over tiles (bx * 4 + w, then every 4 * gridDim.x tiles) for that K range.
+* Split-K: grid (G, S). With S = 1 the warp applies the epilogue and stores y from its fragments. With
+  S > 1 each warp writes its fp32 partial sums to part[s, m, row], and a second small kernel adds the S
+  partials of every output in the fixed order s = 0, 1, ..., S-1 and applies the epilogue: no atomics, the
+  same bits on every run. A split covers at most 32 steps (1,024 k: the staged rows fit 33 KB of shared
+  memory at M = 16); small N gets more splits so that enough warps stream (plan()).
+
+Fused variants (compile-time flags; the plain GEMM is the reference path)
+----------------------------------------------------------------------
+    NORM   prologue: every CTA normalises its rows itself,  z = x  or  z = round(residual + x)  (ADD),
+           staged = round(w * round(z / sqrt(mean(z^2) + eps)))   (kernels_numba/rmsnorm.py's roundings);
+           the CTAs of column 0 also store z to residual_out over their K range (residual_out must not be
+           `residual`: other CTAs still read it).
+    BIAS   y = round(acc + bias)                    (one rounding, as a GEMM with a bias epilogue)
+    SILU   W = [gate; up] (2 I rows); y[:, j] = round(round(silu(round(acc_g))) * round(acc_u)), the
+           roundings of the unfused GEMM (output rounded) followed by activation.silu_and_mul.
+    RESID  y = round(round(acc) + r)                 the residual add after the GEMM (r: [M, N])
+
+Rounding differences from the unfused torch path: the sum over K is the tensor cores' fp32 accumulation in
+this kernel's k order (cuBLAS has its own order), and with a bias cuBLAS rounds acc + bias once like this
+kernel while torch on the CPU may round acc first; the norm prologue's sum of squares has its own order
+(rmsnorm.py's kernel too). Everything else rounds where the unfused ops round.
+
+Limits: K % 8 == 0 (16-byte pieces; a clear error otherwise), every row 16-byte aligned, W contiguous.
+
+Entry point: skinny_linear(x, weight, ...) (torch tensors; torch's current stream; capturable in a CUDA
+graph). plan(M, N, K, silu) gives the launch shape.
+"""
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, uint32
+
+from kernels_numba import bridge
+from kernels_numba.bridge import words
+from kernels_numba.common import (bf16_to_f32, check_tensor, f16_to_f32, f32_to_bf16, f32_to_f16, load_u32x4,
+                                  mma_m16n8k16_bf16, mma_m16n8k16_f16, pack2, store_u32x4, torch_stream, unpack2,
+                                  warp_sum)
+from kernels_numba.errors import KernelLaunchError
+
+MAX_ROWS = 16            # activation rows (M) the kernel takes
+WARPS = 4                # warps per CTA
+THREADS = 32 * WARPS
+UNROLL = 4               # steps (32 k each) whose loads a lane issues before it multiplies
+MAX_STEPS = 32           # steps per split: the staged rows are 32 * 32 = 1024 halves long
+ROW_WORDS = MAX_STEPS * 16 + 4   # a staged row in 32-bit words, padded 4 words against bank conflicts
+SPLIT_TARGET = 132 * 8   # (tile, split) pairs that keep enough loads in flight (4 KB per warp)
+GRID_TARGET = 132 * 16   # warps the grid aims at (16 per SM of the H200)
+REDUCE_THREADS = 128
+
+
+# ----------------------------------------------------------------------------------------------
+# device helpers
+
+
+@cuda.jit(device=True)
+def _to_f32(u, bf16):
+    if bf16:
+        return bf16_to_f32(u)
+    return f16_to_f32(u)
+
+
+@cuda.jit(device=True)
+def _round(v, bf16):
+    """v rounded to fp16/bf16 and back to float32."""
+    if bf16:
+        return bf16_to_f32(f32_to_bf16(v))
+    return f16_to_f32(f32_to_f16(v))
+
+
+@cuda.jit(device=True)
+def _bits(v, bf16):
+    if bf16:
+        return f32_to_bf16(v)
+    return f32_to_f16(v)
+
+
+@cuda.jit(device=True)
+def _load_or_zero(arr, i, ok):
+    if ok:
+        return load_u32x4(arr, i)
+    z = uint32(0)
+    return z, z, z, z
+
+
+@cuda.jit(device=True)
+def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, bf16):
+    if bf16:
+        return mma_m16n8k16_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+    return mma_m16n8k16_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+
+@cuda.jit(device=True)
+def _add_pair(r, x, bf16):
+    r0, r1 = unpack2(r, bf16)
+    x0, x1 = unpack2(x, bf16)
+    return pack2(r0 + x0, r1 + x1, bf16)
+
+
+@cuda.jit(device=True)
+def _square_pair(z, bf16):
+    lo, hi = unpack2(z, bf16)
+    return lo * lo + hi * hi
+
+
+@cuda.jit(device=True)
+def _norm_pair(z, w, inv, bf16):
+    lo, hi = unpack2(z, bf16)
+    n0, n1 = unpack2(pack2(lo * inv, hi * inv, bf16), bf16)     # cast back to the dtype before the weight
+    g0, g1 = unpack2(w, bf16)
+    return pack2(n0 * g0, n1 * g1, bf16)
+
+
+@cuda.jit(device=True)
+def _silu(g):
+    return g / (float32(1.0) + float32(math.exp(-g)))
+
+
+def _make_epilogue(BF16, BIAS, SILU, RESID):
+    """store(out, m, j, acc, acc_up, bias, res, n_out, half_rows): output j of row m from the fp32 sum(s)."""
+
+    @cuda.jit(device=True)
+    def store(out, m, j, acc, acc_up, bias, res, n_out, half_rows):
+        if SILU:
+            if BIAS:
+                acc += _to_f32(bias[j], BF16)
+                acc_up += _to_f32(bias[half_rows + j], BF16)
+            g = _round(acc, BF16)
+            u = _round(acc_up, BF16)
+            y = _round(_silu(g), BF16) * u
+        else:
+            if BIAS:
+                acc += _to_f32(bias[j], BF16)
+            y = acc
+            if RESID:
+                y = _round(y, BF16) + _to_f32(res[m * n_out + j], BF16)
+        out[m * n_out + j] = _bits(y, BF16)
+
+    return store
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernels
+
+
+@bridge.disk_cached
+@lru_cache(maxsize=None)
+def make_gemm_kernel(is_bf16, two_groups, norm, add, bias, silu, resid, split):
+    """The main kernel. is_bf16: dtype; two_groups: M > 8 (two mma per 16 k); norm/add: RMSNorm prologue
+    (add: with the residual add); bias/silu/resid: epilogues; split: write fp32 partials instead (S > 1)."""
+    BF16, MG, NORM, ADD, SPLIT = is_bf16, 2 if two_groups else 1, norm, add, split
+    MP = 8 * MG                                       # staged activation rows
+    store = _make_epilogue(is_bf16, bias, silu, resid)
+    SILU = silu
+
+    @cuda.jit(device=True)
+    def step(p0, p1, p2, p3, q0, q1, q2, q3, xs, xo, d0, d1, d2, d3, e0, e1, e2, e3):
+        # one 32-k step: the lane's 16-byte pieces p (row g) and q (row g + 8) times the staged activation
+        # rows g (and g + 8) at word xo. Words 0, 1 of a piece are the mma's k 2t.. and 2t+8..; words 2, 3
+        # a second mma: the same k order for A and B, so the sum is the dot product.
+        v0, v1, v2, v3 = load_u32x4(xs, xo)
+        d0, d1, d2, d3 = _mma(p0, q0, p1, q1, v0, v1, d0, d1, d2, d3, BF16)
+        d0, d1, d2, d3 = _mma(p2, q2, p3, q3, v2, v3, d0, d1, d2, d3, BF16)
+        if MG == 2:
+            y0, y1, y2, y3 = load_u32x4(xs, xo + 8 * ROW_WORDS)
+            e0, e1, e2, e3 = _mma(p0, q0, p1, q1, y0, y1, e0, e1, e2, e3, BF16)
+            e0, e1, e2, e3 = _mma(p2, q2, p3, q3, y2, y3, e0, e1, e2, e3, BF16)
+        return d0, d1, d2, d3, e0, e1, e2, e3
+
+    @cuda.jit
+    def skinny_gemm_kernel(x, x_stride, w, out, part, bias, res, nres, nres_stride, gamma, res_out, eps,
+                           M, N, K, tiles, steps_per_split, n_out):
+        # x: M rows of K halves as words (row m at m * x_stride); w: N rows of K halves as words, contiguous;
+        # out: [M, n_out] halves (int16 bits); part: [S, M, N] float32 (SPLIT); bias: [N] halves;
+        # res: [M, n_out] halves (RESID); nres: residual stream rows (ADD, stride nres_stride words);
+        # gamma: the norm weight [K] as words; res_out: [M, K] halves as words (ADD; row stride K / 2).
+        # N: weight rows; tiles: 16-row tiles (8 outputs each with SILU); n_out: output columns.
+        xs = cuda.shared.array(MP * ROW_WORDS, uint32)
+        inv = cuda.shared.array(MAX_ROWS, float32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        t = lane % 4
+        split_id = cuda.blockIdx.y
+        chunks = K // 8                                 # 16-byte pieces of a row
+        c_lo = split_id * steps_per_split * 4           # this split's pieces: [c_lo, c_hi)
+        c_hi = min(chunks, c_lo + steps_per_split * 4)
+        kw = K // 2                                     # a weight row in words
+
+        # ---- prologue: the activation rows of [c_lo, c_hi) into shared memory (normed with NORM) ----------
+        if NORM:
+            for m in range(warp, M, WARPS):             # a warp per row: sum of squares over all of K
+                ss = float32(0.0)
+                for c in range(lane, chunks, 32):
+                    z0, z1, z2, z3 = load_u32x4(x, m * x_stride + 4 * c)
+                    if ADD:
+                        r0, r1, r2, r3 = load_u32x4(nres, m * nres_stride + 4 * c)
+                        z0, z1 = _add_pair(r0, z0, BF16), _add_pair(r1, z1, BF16)
+                        z2, z3 = _add_pair(r2, z2, BF16), _add_pair(r3, z3, BF16)
+                    ss += _square_pair(z0, BF16) + _square_pair(z1, BF16) + _square_pair(z2, BF16) \
+                        + _square_pair(z3, BF16)
+                ss = warp_sum(ss)
+                if lane == 0:
+                    inv[m] = float32(1.0) / float32(math.sqrt(ss / float32(K) + eps))
+            cuda.syncthreads()
+        span = steps_per_split * 4                      # staged pieces per row
+        for i in range(tid, MP * span, THREADS):
+            m = i // span
+            c = c_lo + i % span
+            z = uint32(0)
+            z0, z1, z2, z3 = z, z, z, z
+            if m < M and c < c_hi:
+                z0, z1, z2, z3 = load_u32x4(x, m * x_stride + 4 * c)
+                if NORM:
+                    if ADD:
+                        r0, r1, r2, r3 = load_u32x4(nres, m * nres_stride + 4 * c)
+                        z0, z1 = _add_pair(r0, z0, BF16), _add_pair(r1, z1, BF16)
+                        z2, z3 = _add_pair(r2, z2, BF16), _add_pair(r3, z3, BF16)
+                        if cuda.blockIdx.x == 0:        # one CTA per split stores the new residual
+                            store_u32x4(res_out, m * kw + 4 * c, z0, z1, z2, z3)
+                    q = inv[m]
+                    g0, g1, g2, g3 = load_u32x4(gamma, 4 * c)
+                    z0, z1 = _norm_pair(z0, g0, q, BF16), _norm_pair(z1, g1, q, BF16)
+                    z2, z3 = _norm_pair(z2, g2, q, BF16), _norm_pair(z3, g3, q, BF16)
+            store_u32x4(xs, m * ROW_WORDS + 4 * (i % span), z0, z1, z2, z3)
+        cuda.syncthreads()
+
+        # ---- the warp's tiles: 16 weight rows x this split's k, on the tensor cores ----------------------
+        half_rows = N // 2                              # SILU: up row j is w row half_rows + j
+        for tile in range(cuda.blockIdx.x * WARPS + warp, tiles, cuda.gridDim.x * WARPS):
+            if SILU:                                    # rows g: gate 8 tile + g; rows g + 8: its up row
+                j = 8 * tile + g
+                row_a, row_b = j, half_rows + j
+                ok_a = j < half_rows
+                ok_b = ok_a
+            else:
+                row_a, row_b = 16 * tile + g, 16 * tile + g + 8
+                ok_a, ok_b = row_a < N, row_b < N
+            base_a, base_b = row_a * kw, row_b * kw
+            d0, d1, d2, d3 = float32(0.0), float32(0.0), float32(0.0), float32(0.0)
+            e0, e1, e2, e3 = float32(0.0), float32(0.0), float32(0.0), float32(0.0)
+            for s0 in range(0, steps_per_split, UNROLL):
+                # issue the 8 weight loads of 4 steps first (piece c of rows a and b; zeros past K or N)
+                c = c_lo + 4 * s0 + t
+                a00, a01, a02, a03 = _load_or_zero(w, base_a + 4 * c, ok_a and c < c_hi)
+                b00, b01, b02, b03 = _load_or_zero(w, base_b + 4 * c, ok_b and c < c_hi)
+                a10, a11, a12, a13 = _load_or_zero(w, base_a + 4 * c + 16, ok_a and c + 4 < c_hi)
+                b10, b11, b12, b13 = _load_or_zero(w, base_b + 4 * c + 16, ok_b and c + 4 < c_hi)
+                a20, a21, a22, a23 = _load_or_zero(w, base_a + 4 * c + 32, ok_a and c + 8 < c_hi)
+                b20, b21, b22, b23 = _load_or_zero(w, base_b + 4 * c + 32, ok_b and c + 8 < c_hi)
+                a30, a31, a32, a33 = _load_or_zero(w, base_a + 4 * c + 48, ok_a and c + 12 < c_hi)
+                b30, b31, b32, b33 = _load_or_zero(w, base_b + 4 * c + 48, ok_b and c + 12 < c_hi)
+                xo = g * ROW_WORDS + 4 * (4 * s0 + t)   # the same 8 halves of activation row g
+                d0, d1, d2, d3, e0, e1, e2, e3 = step(a00, a01, a02, a03, b00, b01, b02, b03, xs, xo,
+                                                      d0, d1, d2, d3, e0, e1, e2, e3)
+                d0, d1, d2, d3, e0, e1, e2, e3 = step(a10, a11, a12, a13, b10, b11, b12, b13, xs, xo + 16,
+                                                      d0, d1, d2, d3, e0, e1, e2, e3)
+                d0, d1, d2, d3, e0, e1, e2, e3 = step(a20, a21, a22, a23, b20, b21, b22, b23, xs, xo + 32,
+                                                      d0, d1, d2, d3, e0, e1, e2, e3)
+                d0, d1, d2, d3, e0, e1, e2, e3 = step(a30, a31, a32, a33, b30, b31, b32, b33, xs, xo + 48,
+                                                      d0, d1, d2, d3, e0, e1, e2, e3)
+            # lane (g, t) holds D[g, 2t], D[g, 2t+1], D[g+8, 2t], D[g+8, 2t+1]: weight row x activation row
+            for grp in range(MG):
+                if grp == 0:
+                    f0, f1, f2, f3 = d0, d1, d2, d3
+                else:
+                    f0, f1, f2, f3 = e0, e1, e2, e3
+                m0 = 8 * grp + 2 * t
+                for h in range(2):
+                    m = m0 + h
+                    fa = f0 if h == 0 else f1           # row a (gate)
+                    fb = f2 if h == 0 else f3           # row b (up)
+                    if m < M:
+                        if SPLIT:
+                            pb = (split_id * M + m) * N
+                            if ok_a:
+                                part[pb + row_a] = fa
+                            if ok_b:
+                                part[pb + row_b] = fb
+                        elif SILU:
+                            if ok_a:
+                                store(out, m, row_a, fa, fb, bias, res, n_out, half_rows)
+                        else:
+                            if ok_a:
+                                store(out, m, row_a, fa, fa, bias, res, n_out, half_rows)
+                            if ok_b:
+                                store(out, m, row_b, fb, fb, bias, res, n_out, half_rows)
+
+    return skinny_gemm_kernel
+
+
+@bridge.disk_cached
+@lru_cache(maxsize=None)
+def make_reduce_kernel(is_bf16, bias, silu, resid):
+    """Split-K's second pass: y[m, j] from sum over s = 0..S-1 (in that order) of part[s, m, row]."""
+    BF16, SILU = is_bf16, silu
+    store = _make_epilogue(is_bf16, bias, silu, resid)
+
+    @cuda.jit
+    def skinny_reduce_kernel(part, splits, out, bias, res, M, N, n_out):
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if i >= M * n_out:
+            return
+        m = i // n_out
+        j = i % n_out
+        half_rows = N // 2
+        acc = float32(0.0)
+        acc_up = float32(0.0)
+        for s in range(splits):
+            pb = (s * M + m) * N
+            acc += part[pb + j]
+            if SILU:
+                acc_up += part[pb + half_rows + j]
+        store(out, m, j, acc, acc_up, bias, res, n_out, half_rows)
+
+    return skinny_reduce_kernel
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+
+
+def plan(M, N, K, silu=False, steps_per_split=None, num_sms=132):
+    """Launch shape (tiles, steps_per_split, splits, grid_x) of y[M, N] = x W^T for W [N, K].
+
+    A split spans steps_per_split steps of 32 k (a multiple of UNROLL, at most MAX_STEPS). Unless given,
+    it is the longest such span that still yields SPLIT_TARGET (tile, split) pairs, or the shortest
+    (UNROLL steps) when the tiles are too few for that. grid_x: CTAs per split, sized so that the grid has
+    about GRID_TARGET warps, each walking over tiles_per_warp tiles (never more CTAs than tiles need).
+    """
+    tiles = -(-(N // 2) // 8) if silu else -(-N // 16)
+    steps = -(-K // 32)
+    if steps_per_split is None:
+        steps_per_split = UNROLL
+        for sps in range(min(MAX_STEPS, -(-steps // UNROLL) * UNROLL), UNROLL - 1, -UNROLL):
+            if tiles * -(-steps // sps) >= SPLIT_TARGET * num_sms // 132:
+                steps_per_split = sps
+                break
+    splits = -(-steps // steps_per_split)
+    warps_wanted = max(1, GRID_TARGET * num_sms // 132 // splits)          # per split
+    tiles_per_warp = max(1, tiles // warps_wanted)
+    grid_x = -(-tiles // (WARPS * tiles_per_warp))
+    return tiles, steps_per_split, splits, grid_x
+
+
+def _check_rows(name, t, rows, width, dtype):
+    check_tensor(name, t, 2, (dtype,))
+    if tuple(t.shape) != (rows, width):
+        raise KernelLaunchError(f"{name} must be [{rows}, {width}], got {tuple(t.shape)}")
+    if t.stride(1) != 1 or (rows > 1 and (t.stride(0) * t.element_size()) % 16) or t.data_ptr() % 16:
+        raise KernelLaunchError(f"{name} rows must be contiguous, 16-byte aligned and 16 bytes apart, "
+                                f"strides {t.stride()}")
+
+
+def _check_vector(name, t, size, dtype):
+    check_tensor(name, t, 1, (dtype,))
+    if t.shape[0] != size or t.stride(0) != 1 or t.data_ptr() % 16:
+        raise KernelLaunchError(f"{name} must be a contiguous, 16-byte aligned [{size}], got {tuple(t.shape)}")
+
+
+def _halves(t):
+    """1-D 16-bit view of a contiguous fp16/bf16 tensor (one element per entry). Under the simulator a
+    FakeCUDAArray over the tensor's memory: a plain numpy argument would be copied in and back out, and
+    the same buffer passed twice (a dummy argument) would be written back twice."""
+    if not bridge.SIMULATOR:
+        return bridge.as_array(t, "int16", flat=True)
+    import torch
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    return FakeCUDAArray(t.reshape(-1).view(torch.int16).numpy().view(np.uint16))
+
+
+def _row_words(t):
+    return t.stride(0) // 2 if t.shape[0] > 1 else 0
+
+
+def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, norm_weight=None, eps=None,
+                  norm_residual=None, residual_out=None, steps_per_split=None, validate=True):
+    """y = x weight^T (+ bias) for a few rows, with the optional fused prologue and epilogues.
+
+    x: [M, K] float16/bfloat16, 1 <= M <= 16, K % 8 == 0, rows 16-byte aligned (strided rows allowed)
+    weight: [N, K] x's dtype, contiguous. bias: optional [N] x's dtype.
+    silu: weight is [gate; up] (N = 2 I): out = silu(gate) * up, [M, I].
+    residual: optional [M, N] x's dtype, contiguous: out = round(round(x W^T) + residual) (not with silu).
+    norm_weight, eps: RMSNorm prologue: x is normed (per row, over K) before the product.
+    norm_residual, residual_out: with the prologue, z = round(norm_residual + x) is normed instead, and z
+        is written to residual_out ([M, K], contiguous, a buffer other than norm_residual).
+    out: optional [M, N or I] contiguous output (may be `residual`).
+    steps_per_split: force the split-K span (steps of 32 k; a multiple of 4, <= 32); None: plan().
+    Returns out. Runs on torch's current stream (capturable in a CUDA graph: the split-K partials live in a
+    persistent scratch buffer per shape).
+    """
+    import torch
+
+    dtypes = (torch.float16, torch.bfloat16)
+    norm = norm_weight is not None
+    add = norm_residual is not None
+    if validate:
+        check_tensor("x", x, 2, dtypes)
+        check_tensor("weight", weight, 2, (x.dtype,))
+    M, K = x.shape
+    N = weight.shape[0]
+    n_out = N // 2 if silu else N
+    if validate:
+        if not 1 <= M <= MAX_ROWS:
+            raise KernelLaunchError(f"x must have 1 to {MAX_ROWS} rows, got {M}")
+        if K % 8:
+            raise KernelLaunchError(f"K={K} must be a multiple of 8 (16-byte pieces of every row)")
+        _check_rows("x", x, M, K, x.dtype)
+        if weight.shape[1] != K or not weight.is_contiguous() or weight.data_ptr() % 16:
+            raise KernelLaunchError(f"weight must be a contiguous, 16-byte aligned [N, {K}], got "
+                                    f"{tuple(weight.shape)} strides {weight.stride()}")
+        if silu and N % 2:
+            raise KernelLaunchError(f"weight must have an even number of rows [gate; up] with silu, got {N}")
+        if silu and residual is not None:
+            raise KernelLaunchError("residual is not supported with silu")
+        if bias is not None:
+            _check_vector("bias", bias, N, x.dtype)
+        if residual is not None:
+            check_tensor("residual", residual, 2, (x.dtype,))
+            if tuple(residual.shape) != (M, n_out) or not residual.is_contiguous():
+                raise KernelLaunchError(f"residual must be a contiguous [{M}, {n_out}], got {tuple(residual.shape)}")
+        if out is not None:
+            check_tensor("out", out, 2, (x.dtype,))
+            if tuple(out.shape) != (M, n_out) or not out.is_contiguous():
+                raise KernelLaunchError(f"out must be a contiguous [{M}, {n_out}], got {tuple(out.shape)}")
+        if norm:
+            _check_vector("norm_weight", norm_weight, K, x.dtype)
+            if eps is None or not eps > 0:
+                raise KernelLaunchError(f"eps must be > 0 with norm_weight, got {eps}")
+        elif add or residual_out is not None or eps is not None:
+            raise KernelLaunchError("norm_residual, residual_out and eps need norm_weight")
+        if add:
+            _check_rows("norm_residual", norm_residual, M, K, x.dtype)
+            if residual_out is None:
+                raise KernelLaunchError("residual_out is needed with norm_residual")
+            _check_rows("residual_out", residual_out, M, K, x.dtype)
+            if not residual_out.is_contiguous() or residual_out.data_ptr() == norm_residual.data_ptr():
+                raise KernelLaunchError("residual_out must be contiguous and not norm_residual itself "
+                                        "(other CTAs still read norm_residual)")
+        if steps_per_split is not None and (steps_per_split % UNROLL or not UNROLL <= steps_per_split <= MAX_STEPS):
+            raise KernelLaunchError(f"steps_per_split must be a multiple of {UNROLL} in [{UNROLL}, {MAX_STEPS}], "
+                                    f"got {steps_per_split}")
+    if out is None:
+        out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
+    tiles, sps, splits, grid_x = plan(M, N, K, silu, steps_per_split, bridge.num_sms(x.device))
+    is_bf16 = x.dtype == torch.bfloat16
+    split = splits > 1
+    stream = torch_stream()
+    out16 = _halves(out)
+    w_words = words(weight)
+    x_words = words(x)
+    bias16 = _halves(bias) if bias is not None else out16
+    res16 = _halves(residual) if residual is not None else out16
+    nres = words(norm_residual) if add else x_words
+    gamma = words(norm_weight) if norm else x_words
+    res_out = words(residual_out) if add else x_words
+    part = bridge.scratch(x.device, (splits * M * N if split else 1,))
+    kernel = make_gemm_kernel(is_bf16, M > 8, norm, add, bias is not None and not split, silu,
+                              residual is not None and not split, split)
+    kernel[(grid_x, splits), THREADS, stream](
+        x_words, _row_words(x), w_words, out16, part, bias16, res16, nres,
+        _row_words(norm_residual) if add else 0, gamma, res_out, np.float32(eps if norm else 0.0),
+        M, N, K, tiles, sps, n_out)
+    if split:
+        reduce = make_reduce_kernel(is_bf16, bias is not None, silu, residual is not None)
+        reduce[-(-(M * n_out) // REDUCE_THREADS), REDUCE_THREADS, stream](part, splits, out16, bias16, res16,
+                                                                         M, N, n_out)
+    return out
