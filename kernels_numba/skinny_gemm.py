@@ -170,6 +170,7 @@ def make_gemm_kernel(is_bf16, two_groups, norm, add, bias, silu, resid, split):
     (add: with the residual add); bias/silu/resid: epilogues; split: write fp32 partials instead (S > 1)."""
     BF16, MG, NORM, ADD, SPLIT = is_bf16, 2 if two_groups else 1, norm, add, split
     MP = 8 * MG                                       # staged activation rows
+    SMEM_WORDS = MP * ROW_WORDS
     store = _make_epilogue(is_bf16, bias, silu, resid)
     SILU = silu
 
@@ -195,7 +196,7 @@ def make_gemm_kernel(is_bf16, two_groups, norm, add, bias, silu, resid, split):
         # res: [M, n_out] halves (RESID); nres: residual stream rows (ADD, stride nres_stride words);
         # gamma: the norm weight [K] as words; res_out: [M, K] halves as words (ADD; row stride K / 2).
         # N: weight rows; tiles: 16-row tiles (8 outputs each with SILU); n_out: output columns.
-        xs = cuda.shared.array(MP * ROW_WORDS, uint32)
+        xs = cuda.shared.array(SMEM_WORDS, uint32)
         inv = cuda.shared.array(MAX_ROWS, float32)
         tid = cuda.threadIdx.x
         warp = tid // 32

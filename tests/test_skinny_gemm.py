@@ -1,0 +1,326 @@
+"""The skinny decode GEMM (kernels_numba/skinny_gemm.py) against reference/skinny.py.
+
+Without a GPU the kernels run in numba's CUDA simulator (tests/conftest.py): every lane's 16-byte loads,
+the staged activation rows, the mma fragments (emulated from every lane's registers), split-K's partials
+and the second pass, on small ragged shapes (M in {1, 3, 16}; N not a multiple of the 16-row tile; K not a
+multiple of the 32-k step; several K splits). The `gpu` tests run Qwen2-0.5B's and 7B's shapes against
+torch and check that replays give the same bits.
+
+Tolerance: the product's reference is float64; the kernel sums K products in float32 on the tensor cores in
+its own order, an error of at most about K * 2^-23 * sum_k |x_k w_k| (the scale reference/skinny.py returns;
+2^-23: the tensor cores may truncate instead of round), and then rounds once to the output dtype: so
+|got - want| <= 1 unit in the last place of want + K 2^-23 scale. A missing or doubled term, a swapped
+half or a wrong row moves an output by about one |x_k w_k| ~ scale / K, hundreds of times that bound.
+The fused epilogues round where the unfused path rounds, so given the kernel's own plain output they are
+checked against the unfused ops applied to it: the residual add exactly, SiLU-and-mul within one unit
+(expf's last bit).
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import compile_in_subprocess
+from kernels_numba import skinny_gemm as sg
+from pagedattn.errors import KernelLaunchError
+from reference import layers as ref_layers
+from reference import skinny as ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # cpu: numba's CUDA simulator (conftest)
+DTYPES = [torch.float16, torch.bfloat16]
+NAME = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+TINY = {torch.float16: 2.0 ** -24, torch.bfloat16: 2.0 ** -133}
+F32_SUM = 2.0 ** -23                      # per term of a float32 sum (rounding or truncation)
+
+# (M, N, K, steps_per_split): N = 40 is 2.5 tiles; K = 72 ends inside a 32-k step; K = 264 is 9 steps:
+# 3 splits of 4 steps, or one split of 12 (the last step and the unrolled steps past it are masked)
+PLAIN_CASES = [(1, 40, 72, None), (3, 40, 72, None), (16, 24, 264, 4), (3, 24, 264, 12)]
+
+
+def randn(*shape, seed=0, scale=1.0, dtype=torch.float16):
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=g)).to(dtype).to(DEVICE)
+
+
+def assert_close(got, want, scale, K, dtype, what, ulps=1):
+    """|got - want| <= ulps units in the last place of want + the float32 summation bound K 2^-23 scale."""
+    got = got.double().cpu().numpy()
+    want = np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    err = np.abs(got - want)
+    bound = ulps * ULP[dtype] * np.abs(want) + TINY[dtype] + K * F32_SUM * np.asarray(scale)
+    bad = ~(err <= bound)
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.size} outside the bound; max err {err.max():.3e}, "
+                           f"mean err {err.mean():.3e}, worst (index, got, want): "
+                           f"{[(tuple(i), got[tuple(i)], want[tuple(i)]) for i in np.argwhere(bad)[:4]]}")
+
+
+def case(M, N, K, dtype, seed=1):
+    """x [M, K] and a weight [N, K] with the scale of a trained layer's (dot products of order 1)."""
+    return randn(M, K, seed=seed, dtype=dtype), randn(N, K, seed=seed + 1, scale=K ** -0.5, dtype=dtype)
+
+
+# ---- the plain GEMM ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M, N, K, sps", PLAIN_CASES)
+def test_plain_gemm_matches_float64(dtype, M, N, K, sps):
+    x, w = case(M, N, K, dtype)
+    y = sg.skinny_linear(x, w, steps_per_split=sps)
+    want, scale = ref.linear(x, w, NAME[dtype])
+    assert y.shape == (M, N) and y.dtype == dtype
+    assert_close(y, want, scale, K, dtype, f"y, plan {sg.plan(M, N, K, steps_per_split=sps)}")
+
+
+def test_strided_rows_of_x():
+    """x read as rows of a wider buffer (e.g. a slice of a merged output)."""
+    wide = randn(3, 80, seed=3)
+    x, w = wide[:, :72], randn(40, 72, seed=4, scale=72 ** -0.5)
+    want, scale = ref.linear(x, w, "float16")
+    assert_close(sg.skinny_linear(x, w), want, scale, 72, torch.float16, "strided x")
+
+
+# ---- epilogues -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sps", [4, 12])                       # 3 splits (second pass) and 1 (in the warp)
+def test_bias_epilogue(dtype, sps):
+    M, N, K = 3, 40, 264
+    x, w = case(M, N, K, dtype, seed=5)
+    bias = randn(N, seed=7, dtype=dtype)
+    want, scale = ref.linear(x, w, NAME[dtype], bias=bias)
+    assert_close(sg.skinny_linear(x, w, bias, steps_per_split=sps), want, scale, K, dtype, "y + bias")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sps", [4, 12])
+def test_residual_epilogue_rounds_like_the_unfused_add(dtype, sps):
+    """round(round(acc) + r): the plain kernel's output plus r, rounded once, bit for bit; out may be r."""
+    M, N, K = 3, 40, 264
+    x, w = case(M, N, K, dtype, seed=8)
+    r = randn(M, N, seed=9, scale=4.0, dtype=dtype)
+    plain = sg.skinny_linear(x, w, steps_per_split=sps)
+    want = ref_layers.round_to(ref_layers._f32(plain) + ref_layers._f32(r), NAME[dtype])
+    got = sg.skinny_linear(x, w, residual=r.clone(), steps_per_split=sps)
+    assert np.array_equal(got.float().cpu().numpy(), want)
+    in_place = r.clone()
+    assert sg.skinny_linear(x, w, residual=in_place, out=in_place, steps_per_split=sps) is in_place
+    assert np.array_equal(in_place.float().cpu().numpy(), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M, inter, K, sps", [(3, 20, 72, None), (16, 12, 264, 4)])
+@pytest.mark.filterwarnings("ignore:overflow encountered")       # the simulator's exp of a large -g
+def test_silu_epilogue(dtype, M, inter, K, sps):
+    """weight = [gate; up]: against float64 with the unfused roundings, and against silu_and_mul's
+    reference applied to the plain kernel's own [M, 2 I] output (the same sums: within expf's last bit)."""
+    x, w = case(M, 2 * inter, K, dtype, seed=10)
+    got = sg.skinny_linear(x, w, silu=True, steps_per_split=sps)
+    assert got.shape == (M, inter)
+    plain = sg.skinny_linear(x, w, steps_per_split=sps)
+    chained = ref_layers.silu_and_mul(plain, NAME[dtype])
+    g = plain[:, :inter].double().cpu().numpy()
+    err = np.abs(got.double().cpu().numpy() - chained)
+    assert (err <= ULP[dtype] * np.abs(chained) + TINY[dtype]).all(), f"vs the unfused chain: max err {err.max()}"
+    want, scale_g, scale_u = ref.silu_mul_linear(x, w, NAME[dtype])
+    # a gate one unit off (summation order) moves silu(g) * up by |silu'(g) up| units of g
+    slack = (ULP[dtype] * np.abs(g) + K * F32_SUM * scale_g) * 1.1 * np.abs(ref_layers._f32(plain[:, inter:]))
+    assert_close(got, want, scale_u + slack / (K * F32_SUM), K, dtype, "silu(gate) * up", ulps=2)
+
+
+# ---- RMSNorm prologue ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("M, N, K, sps", [(3, 40, 264, 4), (16, 24, 72, None)])
+def test_norm_prologue(dtype, add, M, N, K, sps):
+    """Every CTA norms its rows (the sum of squares over all K, its own K range staged); with add, the new
+    residual (one exact rounding) is stored once over all of K."""
+    x, w = case(M, N, K, dtype, seed=11)
+    gamma = (1 + randn(K, seed=12, scale=0.1, dtype=torch.float32)).to(dtype)
+    r = randn(M, K, seed=13, scale=3.0, dtype=dtype) if add else None
+    r_out = torch.full((M, K), float("nan"), dtype=dtype, device=DEVICE) if add else None
+    bias = randn(N, seed=14, dtype=dtype)
+    got = sg.skinny_linear(x, w, bias, norm_weight=gamma, eps=1e-6, norm_residual=r, residual_out=r_out,
+                           steps_per_split=sps)
+    want, scale, normed, new_res = ref.norm_linear(x, gamma, 1e-6, w, NAME[dtype], norm_residual=r, bias=bias)
+    # the kernel's normed x may be one unit off the reference's (its own order of the sum of squares)
+    scale_x = ref.gemm(ULP[dtype] * np.abs(normed), w)[1]
+    assert_close(got, want, scale + scale_x / (K * F32_SUM), K, dtype, "norm then linear")
+    if add:
+        assert np.array_equal(r_out.float().cpu().numpy(), new_res), "residual_out is round(residual + x)"
+
+
+# ---- the plan and the checks -----------------------------------------------------------------------
+QWEN_SHAPES = {  # (N, K, silu) of Qwen2-0.5B's and 7B's decode GEMMs
+    "0.5B qkv": (1152, 896, False), "0.5B o": (896, 896, False), "0.5B gate_up": (9728, 896, True),
+    "0.5B down": (896, 4864, False), "0.5B lm_head": (151936, 896, False),
+    "7B qkv": (4608, 3584, False), "7B o": (3584, 3584, False), "7B gate_up": (37888, 3584, True),
+    "7B down": (3584, 18944, False), "7B lm_head": (152064, 3584, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(QWEN_SHAPES))
+def test_plan_covers_every_tile_and_k_once(name):
+    N, K, silu = QWEN_SHAPES[name]
+    tiles, sps, splits, grid_x = sg.plan(16, N, K, silu)
+    assert tiles * (8 if silu else 16) >= (N // 2 if silu else N) > (tiles - 1) * (8 if silu else 16)
+    assert sps % sg.UNROLL == 0 and sg.UNROLL <= sps <= sg.MAX_STEPS
+    assert (splits - 1) * sps * 32 < K <= splits * sps * 32, "every split has k to do and all of K is covered"
+    assert grid_x * sg.WARPS >= min(tiles, -(-tiles // max(1, tiles // (sg.GRID_TARGET // splits))))
+    assert tiles * splits >= min(sg.SPLIT_TARGET, tiles * -(-K // 32 // sg.UNROLL)) or sps == sg.UNROLL
+
+
+def test_launch_errors_name_the_field():
+    x, w = case(2, 16, 64, torch.float16)
+    cases = [
+        (lambda: sg.skinny_linear(randn(2, 60), randn(16, 60)), "multiple of 8"),
+        (lambda: sg.skinny_linear(randn(17, 64), w), "1 to 16 rows"),
+        (lambda: sg.skinny_linear(x, w.to(torch.bfloat16)), "weight.dtype"),
+        (lambda: sg.skinny_linear(x, randn(16, 72)), r"weight must be a contiguous"),
+        (lambda: sg.skinny_linear(x, w, randn(15)), "bias"),
+        (lambda: sg.skinny_linear(x, w, silu=True, residual=randn(2, 8)), "residual is not supported"),
+        (lambda: sg.skinny_linear(x, w, residual=randn(3, 16)), "residual must be"),
+        (lambda: sg.skinny_linear(x, w, out=randn(2, 8)), "out must be"),
+        (lambda: sg.skinny_linear(x, w, norm_weight=randn(64)), "eps"),
+        (lambda: sg.skinny_linear(x, w, eps=1e-6), "need norm_weight"),
+        (lambda: sg.skinny_linear(x, w, norm_weight=randn(64), eps=1e-6, norm_residual=randn(2, 64)),
+         "residual_out is needed"),
+        (lambda: sg.skinny_linear(x, w, steps_per_split=6), "steps_per_split"),
+    ]
+    r = randn(2, 64)
+    cases.append((lambda: sg.skinny_linear(x, w, norm_weight=randn(64), eps=1e-6, norm_residual=r, residual_out=r),
+                  "not norm_residual itself"))
+    for call, message in cases:
+        with pytest.raises(KernelLaunchError, match=message):
+            call()
+
+
+# ---- code generation: the real kernels compiled for sm_90 -------------------------------------------
+_SCRIPT = r"""
+import json, re, sys, types as _pytypes
+import numba.cuda.dispatcher as _dispatcher
+_dispatcher.get_current_device = lambda: _pytypes.SimpleNamespace(compute_capability=(9, 0))
+from numba import cuda, types
+from kernels_numba import skinny_gemm as sg
+u32, i16, f32, i64 = types.uint32[::1], types.int16[::1], types.float32[::1], types.int64
+SIG = (u32, i64, u32, i16, f32, i16, i16, u32, i64, u32, u32, types.float32, i64, i64, i64, i64, i64, i64)
+RSIG = (f32, i64, i16, i16, i16, i64, i64, i64)
+out = {}
+for name, flags in json.loads(sys.argv[1]).items():
+    if name.startswith("reduce"):
+        ptx, _ = cuda.compile_ptx(sg.make_reduce_kernel(*flags).py_func, RSIG, cc=(9, 0))
+    else:
+        ptx, _ = cuda.compile_ptx(sg.make_gemm_kernel(*flags).py_func, SIG, cc=(9, 0))
+    open(f"{sys.argv[2]}/{name}.ptx", "w").write(ptx)
+    ops = re.findall(r"^\s*(?:@!?%p\d+\s+)?([a-z][a-z0-9_.]*)", ptx, re.M)
+    count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))
+    out[name] = {"ld_global_v4": count("ld.global.v4"), "mma": count("mma.sync.aligned.m16n8k16"),
+                 "ld_shared_v4": count("ld.shared.v4"), "shfl": count("shfl.sync"), "atomic": count("atom."),
+                 "f64_ops": sum(1 for o in ops if ".f64" in o),
+                 "local": bool(re.search(r"\.local\b|ld\.local|st\.local", ptx))}
+print(json.dumps(out))
+"""
+
+# name: make_gemm_kernel(is_bf16, two_groups, norm, add, bias, silu, resid, split) / make_reduce_kernel(...)
+CODEGEN = {
+    "plain_f16": (False, False, False, False, False, False, False, False),
+    "norm_add_split_bf16_m16": (True, True, True, True, False, False, False, True),
+    "silu_bias_f16": (False, False, False, False, True, True, False, False),
+    "resid_bf16": (True, False, False, False, False, False, True, False),
+    "reduce_silu_bias_bf16": (True, True, True, False),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    tmp = tempfile.mkdtemp(prefix="pa_skinny_ptx_")
+    stdout = compile_in_subprocess(_SCRIPT, json.dumps(CODEGEN), tmp, timeout=900)
+    yield json.loads(stdout.strip().splitlines()[-1]), tmp
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.parametrize("name", sorted(CODEGEN))
+def test_ptx_has_wide_loads_mma_and_no_fp64(compiled, name):
+    s = compiled[0][name]
+    assert s["f64_ops"] == 0, f"{name}: {s['f64_ops']} fp64 instructions"
+    assert not s["local"], f"{name}: local memory (a register array spilled)"
+    assert s["atomic"] == 0, f"{name}: atomics (the sums must not depend on arrival order)"
+    if name.startswith("reduce"):
+        return
+    # 4 steps of 2 rows: 8 16-byte weight loads per unrolled iteration (+ the staging of x)
+    assert s["ld_global_v4"] >= 9, s
+    groups = 2 if "m16" in name else 1
+    assert s["mma"] == 8 * groups, s                          # 4 steps x 2 halves of a piece x M groups
+    assert s["ld_shared_v4"] >= 4 * groups, s
+    assert s["shfl"] == (5 if "norm" in name else 0), s      # the norm's sum of squares only
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not installed")
+@pytest.mark.parametrize("name", ["plain_f16", "norm_add_split_bf16_m16"])
+def test_ptxas_no_spills(compiled, name):
+    ptx = open(os.path.join(compiled[1], name + ".ptx")).read()
+    m = re.search(r"release (\d+)\.(\d+)", subprocess.run(["ptxas", "--version"], capture_output=True,
+                                                          text=True).stdout)
+    if m:  # NVVM may write a newer PTX ISA than this ptxas reads; the kernel uses nothing new
+        ptx = re.sub(r"^\.version \d+\.\d+", f".version {int(m.group(1)) - 4}.{m.group(2)}", ptx, flags=re.M)
+    src = os.path.join(compiled[1], name + ".fixed.ptx")
+    open(src, "w").write(ptx)
+    proc = subprocess.run(["ptxas", "-arch=sm_90", "-v", src, "-o", os.devnull], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = proc.stderr + proc.stdout
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 128, report   # >= 16 warps per SM
+
+
+# ---- on the GPU: real shapes ---------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(QWEN_SHAPES))
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_gpu_real_shapes_match_float64_and_repeat_bit_for_bit(name, M):
+    """The same bound as the simulator's tests, the float64 reference computed on the GPU (the 7B LM
+    head is 0.5 G weights); then two more calls give the same bits (no arrival-order sums)."""
+    N, K, silu = QWEN_SHAPES[name]
+    dtype = torch.bfloat16 if "7B" in name else torch.float16
+    x, w = case(M, N, K, dtype, seed=21)
+    got = sg.skinny_linear(x, w, silu=silu)
+    wd = w.double()
+    acc, scale = x.double() @ wd.T, x.double().abs() @ wd.abs().T                  # (M, N)
+    del wd
+    if silu:
+        inter = N // 2
+        rnd = lambda v: v.to(dtype).double()
+        g, u = rnd(acc[:, :inter]), rnd(acc[:, inter:])
+        want = rnd(rnd(g * torch.sigmoid(g)) * u)
+        # the gate and up sums may each be one unit off: a few units of the product
+        slack = (ULP[dtype] * g.abs() + K * F32_SUM * scale[:, :inter]) * 1.1 * u.abs() \
+            + (ULP[dtype] * u.abs() + K * F32_SUM * scale[:, inter:]) * rnd(g * torch.sigmoid(g)).abs()
+        bound = 2 * ULP[dtype] * want.abs() + TINY[dtype] + slack
+    else:
+        want = acc.to(dtype).double()
+        bound = ULP[dtype] * want.abs() + TINY[dtype] + K * F32_SUM * scale
+    err = (got.double() - want).abs()
+    assert bool((err <= bound).all()), f"{name} M={M}: max err {err.max().item():.3e}, max err/bound " \
+                                       f"{(err / bound).max().item():.3f}"
+    for _ in range(2):
+        assert torch.equal(sg.skinny_linear(x, w, silu=silu).view(torch.int16), got.view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_and_replay():
+    x, w = case(4, 896, 4864, torch.float16, seed=22)
+    out = torch.empty(4, 896, dtype=torch.float16, device="cuda")
+    sg.skinny_linear(x, w, out=out)                                       # compile, make the scratch
+    torch.cuda.synchronize()
+    want = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sg.skinny_linear(x, w, out=out)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
