@@ -185,21 +185,32 @@ else:
 
 class Config:
     """Compile-time shape of one version's kernel: MT m-tiles of 16 rows per warp, ST stages,
-    Q's fragments held in registers or read from shared memory at every KV tile."""
+    Q's fragments held in registers or read from shared memory at every KV tile, bn keys per KV
+    tile, and where a CTA finds its (sequence, q tile): find_tile's search (v4-v6) or the work
+    list a plan kernel wrote before it (v7)."""
 
-    def __init__(self, m_tiles, stages=2, q_in_smem=False):
+    def __init__(self, m_tiles, stages=2, q_in_smem=False, bn=BN, planned=False):
         self.m_tiles = m_tiles
         self.stages = stages
         self.q_in_smem = q_in_smem
+        self.bn = bn
+        self.planned = planned
 
     def key(self):
-        return (self.m_tiles, self.stages, self.q_in_smem)
+        return (self.m_tiles, self.stages, self.q_in_smem, self.bn, self.planned)
+
+
+BN_D128_V7 = 32  # v7 at d=128: 128 rows x 32 keys keeps S in 32 registers beside O's 128
 
 
 def version_config(version, head_dim, stages=None):
-    """v4: 64 rows per CTA; v5, v6: 128 at d=64 (at d=128 two m-tiles need more than 255
-    registers: O alone is 128), 64 at d=128. stages: override the ring's 2 stages (bench sweeps)."""
+    """v4: 64 rows per CTA; v5, v6: 128 at d=64, 64 at d=128 (two m-tiles of 64-key tiles need
+    more than 255 registers there: O alone is 128, S 64); v7: 128 rows at both, d=128 with tiles
+    of 32 keys, and the work list. stages: override the ring's 2 stages (bench sweeps)."""
     stages = 2 if stages is None else stages
+    if version >= 7:
+        return Config(m_tiles=2, stages=stages, q_in_smem=True, bn=BN_D128_V7 if head_dim == 128 else BN,
+                      planned=True)
     if version == 4 or head_dim == 128:
         return Config(m_tiles=1, stages=stages)
     return Config(m_tiles=2, stages=stages, q_in_smem=True)
@@ -215,7 +226,7 @@ def smem_bytes(version, head_dim, stages=None):
     fragments are re-read at every KV tile)."""
     cfg = version_config(version, head_dim, stages)
     q_tile = tile_rows(version, head_dim) * head_dim * 2 if cfg.q_in_smem else 0
-    return cfg.stages * 2 * BN * head_dim * 2 + q_tile
+    return cfg.stages * 2 * cfg.bn * head_dim * 2 + q_tile
 
 
 _KERNELS = {}
@@ -261,9 +272,9 @@ def find_tile(t, cu_seqlens_q, num_seqs, bq):
     return -1, 0
 
 
-def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem):
+def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned):
     """The kernel for one (head_dim, "f16" | "bf16", block_size) and Config."""
-    D, BS, MT, ST, Q_SMEM = head_dim, block_size, m_tiles, stages, q_in_smem
+    D, BS, MT, ST, Q_SMEM, BN, PLANNED = head_dim, block_size, m_tiles, stages, q_in_smem, bn, planned
     BM = 64 * MT  # rows per CTA
     W = D // 2  # words (pairs of halves) per row
     CPR = D // 8  # 16-byte chunks per row
@@ -275,12 +286,16 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem):
     KP = KS // 2  # ldmatrix.x4 of K per n-tile (two k-steps each)
     KK = BN // 16  # k-steps of O += P V
     DT = D // 8  # n-tiles (8 dims) of O
+    DH = DT // 2  # ... in each half of O
+    POS_TYPE = np.int32 if PLANNED else np.int64  # a row's position
     DP = DT // 2  # ldmatrix.x4.trans of V per k-step (two d-tiles each)
     TILE = BN * W  # words of a K (or V) tile
     STAGE = 2 * TILE
     RING = ST * STAGE
-    assert BM * W <= STAGE, "the Q (and O) tile fits in one stage of the ring"
     SMEM_WORDS = RING + (BM * W if Q_SMEM else 0)
+    # Q (v4) goes to the ring's last stage; O is staged at the start of shared memory
+    assert BM * W <= (SMEM_WORDS if Q_SMEM else STAGE), "the Q and O tiles fit"
+    assert PASSES >= 1 and BN % 16 == 0
     BS_SHIFT = BS.bit_length() - 1  # block_tables index: pos >> BS_SHIFT, offset: pos & (BS - 1)
     assert BS == 1 << BS_SHIFT
     mma = mma_bf16 if kind == "bf16" else mma_f16
@@ -313,13 +328,14 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem):
                 store_u32x4(ring, dst + TILE, 0, 0, 0, 0)
 
     @cuda.jit(**jit_options)
-    def kernel(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse,
+    def kernel(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse, work,
                num_heads, num_kv_heads, scale):
         # q, out: flat uint32 views of [total_q, num_heads, D]; k_cache, v_cache: flat uint32
         # views of [num_blocks, num_kv_heads, BS, D]; block_tables [num_seqs, max_blocks],
         # cu_seqlens_q [num_seqs + 1], context_lens [num_seqs] int32; part_o float32
         # [splits, total_q * num_heads, D] and part_lse float32 [splits, total_q * num_heads]
-        # (used when gridDim.z > 1); scale float32.
+        # (used when gridDim.z > 1); work int32 [3 * gridDim.x / num_kv_heads], the plan's work
+        # list (v7; any 1-element array before); scale float32.
         # ST stages of [K tile | V tile] (+ the Q tile in v5, v6); Q (v4) and O are staged in it
         ring = cuda.shared.array(0, uint32, alignment=SMEM_ALIGN)
         tid = cuda.threadIdx.x
@@ -335,7 +351,12 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem):
 
         # ---- which (sequence, q tile, KV head): heaviest first (see find_tile), heads interleaved
         head = cuda.blockIdx.x % num_kv_heads
-        s, tile = find_tile(cuda.blockIdx.x // num_kv_heads, cu_seqlens_q, context_lens.shape[0], bq)
+        if PLANNED:  # two loads from the plan's work list (build_plan)
+            item = cuda.blockIdx.x // num_kv_heads
+            s = work[item]
+            tile = work[cuda.gridDim.x // num_kv_heads + item]
+        else:
+            s, tile = find_tile(cuda.blockIdx.x // num_kv_heads, cu_seqlens_q, context_lens.shape[0], bq)
         if s < 0:
             return  # past the last tile: the grid is an upper bound
         q_start = cu_seqlens_q[s]
@@ -391,7 +412,7 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem):
         # ---- per lane: rows (warp MT + mt) 16 + fg + 8 h, their positions, Q fragments
         lrow = (lane & 7) + ((lane >> 3) & 1) * 8  # ldmatrix row of Q and V this lane addresses
         lhi = lane >> 4  # ... and its chunk offset (0 or 1)
-        pos = cuda.local.array((MT, 2), np.int64)
+        pos = cuda.local.array((MT, 2), POS_TYPE)  # v7: int32, four registers fewer
         for mt in range(MT):
             for h in range(2):
                 r = (warp * MT + mt) * 16 + fg + 8 * h
@@ -411,16 +432,23 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem):
                     qa[mt, ks, 3] = a3
 
         sc = cuda.local.array((MT, NT, 4), float32)  # S, then P, of this tile
-        o = cuda.local.array((MT, DT, 4), float32)
+        # O's d-tiles in two halves (dims 0 .. D/2 - 1, D/2 .. D - 1): each loop over O below runs
+        # over one half, short enough that the compiler unrolls it fully at MT = 2, d = 128 (one loop
+        # over all 128 accumulators stays a loop, and O moves to local memory)
+        oa = cuda.local.array((MT, DH, 4), float32)
+        ob = cuda.local.array((MT, DH, 4), float32)
         m = cuda.local.array((MT, 2), float32)  # running max per row (raw score units)
         lsum = cuda.local.array((MT, 2), float32)  # this lane's part of the row sums
         for mt in range(MT):
             for h in range(2):
                 m[mt, h] = NEG_INF
                 lsum[mt, h] = float32(0.0)
-            for dt in range(DT):
+            for dt in range(DH):
                 for e in range(4):
-                    o[mt, dt, e] = float32(0.0)
+                    oa[mt, dt, e] = float32(0.0)
+            for dt in range(DH):
+                for e in range(4):
+                    ob[mt, dt, e] = float32(0.0)
         sl = scale * float32(LOG2E)
         krow = (lane & 7) * W  # K: this lane addresses key 8 nt + lane % 8 of chunk 4 kp + lane // 8
         vrow = lrow * W  # V: key 16 kk + lrow of chunk 2 dp + lhi
@@ -491,9 +519,12 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem):
                         sc[mt, nt, 2 * h + 1] = p1
                         total += p0 + p1
                     lsum[mt, h] = lsum[mt, h] * alpha + total
-                    for dt in range(DT):
-                        o[mt, dt, 2 * h] *= alpha
-                        o[mt, dt, 2 * h + 1] *= alpha
+                    for dt in range(DH):
+                        oa[mt, dt, 2 * h] *= alpha
+                        oa[mt, dt, 2 * h + 1] *= alpha
+                    for dt in range(DH):
+                        ob[mt, dt, 2 * h] *= alpha
+                        ob[mt, dt, 2 * h + 1] *= alpha
 
             # ---- O += P V: P from the S fragments, V by ldmatrix.trans
             for kk in range(KK):
@@ -504,15 +535,24 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem):
                     pa[mt, 1] = pack(sc[mt, 2 * kk, 2], sc[mt, 2 * kk, 3])
                     pa[mt, 2] = pack(sc[mt, 2 * kk + 1, 0], sc[mt, 2 * kk + 1, 1])
                     pa[mt, 3] = pack(sc[mt, 2 * kk + 1, 2], sc[mt, 2 * kk + 1, 3])
-                for dp in range(DP):
+                for dp in range(DP // 2):  # d-tiles 2 dp, 2 dp + 1 of the first half
                     b0, b1, b2, b3 = ldmatrix_x4_trans(ring, vaddr + (((2 * dp + lhi) ^ (lane & 7)) << 2))
                     for mt in range(MT):
-                        o[mt, 2 * dp, 0], o[mt, 2 * dp, 1], o[mt, 2 * dp, 2], o[mt, 2 * dp, 3] = mma(
+                        oa[mt, 2 * dp, 0], oa[mt, 2 * dp, 1], oa[mt, 2 * dp, 2], oa[mt, 2 * dp, 3] = mma(
                             pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], b0, b1,
-                            o[mt, 2 * dp, 0], o[mt, 2 * dp, 1], o[mt, 2 * dp, 2], o[mt, 2 * dp, 3])
-                        o[mt, 2 * dp + 1, 0], o[mt, 2 * dp + 1, 1], o[mt, 2 * dp + 1, 2], o[mt, 2 * dp + 1, 3] = mma(
+                            oa[mt, 2 * dp, 0], oa[mt, 2 * dp, 1], oa[mt, 2 * dp, 2], oa[mt, 2 * dp, 3])
+                        oa[mt, 2 * dp + 1, 0], oa[mt, 2 * dp + 1, 1], oa[mt, 2 * dp + 1, 2], oa[mt, 2 * dp + 1, 3] = mma(
                             pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], b2, b3,
-                            o[mt, 2 * dp + 1, 0], o[mt, 2 * dp + 1, 1], o[mt, 2 * dp + 1, 2], o[mt, 2 * dp + 1, 3])
+                            oa[mt, 2 * dp + 1, 0], oa[mt, 2 * dp + 1, 1], oa[mt, 2 * dp + 1, 2], oa[mt, 2 * dp + 1, 3])
+                for dp in range(DP // 2):  # ... and of the second half
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(ring, vaddr + (((2 * (dp + DP // 2) + lhi) ^ (lane & 7)) << 2))
+                    for mt in range(MT):
+                        ob[mt, 2 * dp, 0], ob[mt, 2 * dp, 1], ob[mt, 2 * dp, 2], ob[mt, 2 * dp, 3] = mma(
+                            pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], b0, b1,
+                            ob[mt, 2 * dp, 0], ob[mt, 2 * dp, 1], ob[mt, 2 * dp, 2], ob[mt, 2 * dp, 3])
+                        ob[mt, 2 * dp + 1, 0], ob[mt, 2 * dp + 1, 1], ob[mt, 2 * dp + 1, 2], ob[mt, 2 * dp + 1, 3] = mma(
+                            pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], b2, b3,
+                            ob[mt, 2 * dp + 1, 0], ob[mt, 2 * dp + 1, 1], ob[mt, 2 * dp + 1, 2], ob[mt, 2 * dp + 1, 3])
 
             write = read
             read += STAGE
@@ -533,8 +573,11 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem):
                 for h in range(2):
                     r = (warp * MT + mt) * 16 + fg + 8 * h  # r & 7 == fg
                     inv = float32(1.0) / lsum[mt, h]
-                    for dt in range(DT):
-                        ring[r * W + ((dt ^ fg) << 2) + ft] = pack(o[mt, dt, 2 * h] * inv, o[mt, dt, 2 * h + 1] * inv)
+                    for dt in range(DH):
+                        ring[r * W + ((dt ^ fg) << 2) + ft] = pack(oa[mt, dt, 2 * h] * inv, oa[mt, dt, 2 * h + 1] * inv)
+                    for dt in range(DH):
+                        ring[r * W + (((dt + DH) ^ fg) << 2) + ft] = pack(ob[mt, dt, 2 * h] * inv,
+                                                                          ob[mt, dt, 2 * h + 1] * inv)
             cuda.syncthreads()
             for i in range(Q_PASSES):
                 r = row0 + RPP * i
@@ -553,9 +596,12 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem):
                         row = split * total_rows + (q_start + qi) * num_heads + head * group + r % group
                         x = lsum[mt, h]
                         inv = float32(1.0) / x if x > float32(0.0) else float32(0.0)
-                        for dt in range(DT):
-                            part_o[row * D + dt * 8 + 2 * ft] = o[mt, dt, 2 * h] * inv
-                            part_o[row * D + dt * 8 + 2 * ft + 1] = o[mt, dt, 2 * h + 1] * inv
+                        for dt in range(DH):
+                            part_o[row * D + dt * 8 + 2 * ft] = oa[mt, dt, 2 * h] * inv
+                            part_o[row * D + dt * 8 + 2 * ft + 1] = oa[mt, dt, 2 * h + 1] * inv
+                        for dt in range(DH):
+                            part_o[row * D + (dt + DH) * 8 + 2 * ft] = ob[mt, dt, 2 * h] * inv
+                            part_o[row * D + (dt + DH) * 8 + 2 * ft + 1] = ob[mt, dt, 2 * h + 1] * inv
                         if ft == 0:
                             part_lse[row] = m[mt, h] * sl + math.log2(x) if x > float32(0.0) else NEG_INF
 
@@ -615,6 +661,67 @@ def get_merge(kind):
     return _KERNELS[key]
 
 
+PLAN_THREADS = 256
+
+
+def _build_plan():
+    """v7's work list: item i of the attention grid (x // num_kv_heads) -> (sequence, q tile), in
+    find_tile's rank-major order with each rank's sequences by falling tile count, written once
+    per launch by one CTA so that no attention CTA searches.
+
+    Item (s, rank k) (s's tile n_s - 1 - k) sits at C(k) + p(s): C(k) = sum_s min(n_s, k) items
+    come before rank k, and p(s), s's place among the sequences sorted by falling n_s (ties by
+    index), is its place among the n_s > k sequences of rank k (they come first in that order)."""
+
+    @cuda.jit
+    def plan(cu_seqlens_q, bq, work):
+        # cu_seqlens_q [num_seqs + 1] int32; bq: queries per tile; work int32 [3 * bound]:
+        # [0, bound) the items' sequences (-1 past the last item), [bound, 2 bound) their q tiles,
+        # [2 bound, 3 bound) scratch for C(k)
+        bound = work.shape[0] // 3
+        num_seqs = cu_seqlens_q.shape[0] - 1
+        tid = cuda.threadIdx.x
+        most = cuda.shared.array(1, np.int32)  # the largest n_s
+        if tid == 0:
+            most[0] = 0
+        cuda.syncthreads()
+        mx = 0
+        for s in range(tid, num_seqs, PLAN_THREADS):
+            mx = max(mx, (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + bq - 1) // bq)
+        cuda.atomic.max(most, 0, mx)
+        cuda.syncthreads()
+        n_max = most[0]
+        for k in range(tid, n_max + 1, PLAN_THREADS):  # C(k); C(n_max) is the item count
+            c = 0
+            for s in range(num_seqs):
+                c += min((cu_seqlens_q[s + 1] - cu_seqlens_q[s] + bq - 1) // bq, k)
+            work[2 * bound + k] = c
+        cuda.syncthreads()  # C is in global memory: visible to the whole CTA after the barrier
+        for s in range(tid, num_seqs, PLAN_THREADS):
+            n = (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + bq - 1) // bq
+            place = 0
+            for s2 in range(num_seqs):
+                n2 = (cu_seqlens_q[s2 + 1] - cu_seqlens_q[s2] + bq - 1) // bq
+                if n2 > n or (n2 == n and s2 < s):
+                    place += 1
+            for k in range(n):
+                i = work[2 * bound + k] + place
+                work[i] = s
+                work[bound + i] = n - 1 - k
+        for i in range(work[2 * bound + n_max] + tid, bound, PLAN_THREADS):
+            work[i] = -1
+            work[bound + i] = 0
+
+    return plan
+
+
+def get_plan():
+    key = ("plan",)
+    if key not in _KERNELS:
+        _KERNELS[key] = bridge.enable_disk_cache(_build_plan(), ("kernels_numba.paged_prefill_fa2",) + key)
+    return _KERNELS[key]
+
+
 # ----------------------------------------------------------------------------------------
 # Launch plan
 
@@ -628,31 +735,41 @@ def num_tiles_bound(total_q, num_seqs, group, version, head_dim):
     return (total_q + bq - 1) // bq + num_seqs
 
 
-def split_plan(num_ctas, max_context_len, num_sms):
-    """v6: KV parts per q tile. 1 while the grid covers every SM; otherwise as many parts as fit
+def plan_words(total_q, num_seqs, group, version, head_dim):
+    """int32 words of v7's work list (sequence, q tile and C(k) per item); 1 for the versions that search."""
+    return 3 * num_tiles_bound(total_q, num_seqs, group, version, head_dim) if version in PLANNED else 1
+
+
+def split_plan(num_ctas, max_context_len, num_sms, bn=BN):
+    """v6, v7: KV parts per q tile. 1 while the grid covers every SM; otherwise as many parts as fit
     one wave of resident CTAs (LAUNCH_BOUNDS[1] per SM: a second, partial wave would cost a whole
-    part's time), each at least MIN_TILES_PER_SPLIT KV tiles long, at most MAX_SPLITS."""
+    part's time), each at least MIN_TILES_PER_SPLIT tiles of 64 keys long, at most MAX_SPLITS.
+    bn: the kernel's keys per KV tile (v7 at d=128: 32)."""
     if num_ctas >= num_sms:
         return 1
     fit = LAUNCH_BOUNDS[1] * num_sms // num_ctas
     longest = -(-max_context_len // BN) // MIN_TILES_PER_SPLIT
+    longest = min(longest, -(-max_context_len // bn))  # a part has at least one of the kernel's tiles
     return max(1, min(fit, MAX_SPLITS, longest))
 
 
-VERSION = 6  # the version the engine runs: v5's kernel and the split plan
-KERNEL_VERSIONS = (4, 5, 6)  # the kernels this file builds (v4, v5 are v6's building blocks)
-SPLITS_KV = (6,)
+VERSION = 6  # the version the engine runs: v5's kernel and the split plan (7: v7, the work list)
+KERNEL_VERSIONS = (4, 5, 6, 7)  # the kernels this file builds (v4, v5 are v6's building blocks)
+SPLITS_KV = (6, 7)
+PLANNED = (7,)  # the versions whose CTAs read a work list (build_plan) instead of searching
 
 
-def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse,
+def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse, work,
            num_heads, num_kv_heads, head_dim, block_size, scale, kind, splits=1, stream=0, stages=None):
-    """Launch on raw arrays, no checks.
+    """Launch on raw arrays, no checks (v7: the plan kernel, then attention, then the merge of a split).
 
     q, out: 1-D uint32 views of [total_q, num_heads, head_dim], 16-byte aligned
     k_cache, v_cache: 1-D uint32 views of [num_blocks, num_kv_heads, block_size, head_dim]
     block_tables [num_seqs, max_blocks], cu_seqlens_q [num_seqs + 1], context_lens [num_seqs]: int32
     part_o: float32 [splits * total_q * num_heads * head_dim], part_lse: float32
         [splits * total_q * num_heads] (any 1-element arrays when splits == 1)
+    work: int32 [plan_words(total_q, num_seqs, group, version, head_dim)] for v7 (PLANNED): the
+        work list's space; any 1-element array before
     numba device arrays (numpy in the simulator).
     """
     total_q = q.shape[0] // (num_heads * head_dim // 2)
@@ -660,9 +777,13 @@ def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     if total_q == 0 or num_seqs == 0:
         return
     group = num_heads // num_kv_heads
-    grid = (num_tiles_bound(total_q, num_seqs, group, version, head_dim) * num_kv_heads, 1, splits)
+    items = num_tiles_bound(total_q, num_seqs, group, version, head_dim)
+    grid = (items * num_kv_heads, 1, splits)
+    if version in PLANNED:
+        bq = tile_rows(version, head_dim) // group
+        get_plan()[1, PLAN_THREADS, stream](cu_seqlens_q, bq, work)
     kernel = get_kernel(version, head_dim, kind, block_size, stages)
-    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse,
+    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse, work,
             num_heads, num_kv_heads, np.float32(scale))
     nbytes = smem_bytes(version, head_dim, stages)
     bridge.allow_dynamic_smem(kernel, args, nbytes)
@@ -730,12 +851,14 @@ def launch_torch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
         splits = 1
         if version in SPLITS_KV:
             ctas = num_tiles_bound(total_q, num_seqs, group, version, head_dim) * num_kv_heads
-            splits = split_plan(ctas, max_context_len, bridge.num_sms(q.device))
+            splits = split_plan(ctas, max_context_len, bridge.num_sms(q.device),
+                                version_config(version, head_dim).bn)
     elif version not in SPLITS_KV and splits != 1:
         raise KernelLaunchError(f"splits={splits}: only v{SPLITS_KV} split the KV range")
     rows = total_q * num_heads
     part_o = torch.empty(splits * rows * head_dim if splits > 1 else 1, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(splits * rows if splits > 1 else 1, dtype=torch.float32, device=q.device)
+    work = torch.empty(plan_words(total_q, num_seqs, group, version, head_dim), dtype=torch.int32, device=q.device)
     q_c = q.contiguous()
     if q_c.data_ptr() % 16:
         q_c = q_c.clone()
@@ -743,7 +866,7 @@ def launch_torch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
     launch(version, _words("q", q_c), _words("k_cache", k_cache, cached=True), _words("v_cache", v_cache, cached=True),
            bridge.as_array(block_tables.contiguous()), bridge.as_array(cu_seqlens_q.contiguous()),
            bridge.as_array(context_lens.contiguous()), _words("out", target), bridge.as_array(part_o),
-           bridge.as_array(part_lse), num_heads, num_kv_heads, head_dim, block_size,
+           bridge.as_array(part_lse), bridge.as_array(work), num_heads, num_kv_heads, head_dim, block_size,
            scale, DTYPES[q.dtype], splits, bridge.torch_stream(q.device), stages)
     if target is not out:
         out.copy_(target)

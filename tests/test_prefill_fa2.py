@@ -1,4 +1,4 @@
-"""Paged prefill v4-v6 (kernels_numba/paged_prefill_fa2.py, run through prefill_journey.py): layouts, simulator,
+"""Paged prefill v4-v7 (kernels_numba/paged_prefill_fa2.py, run through prefill_journey.py): layouts, simulator,
 codegen, GPU.
 
 * The simulator fallbacks of ldmatrix and mma.sync are checked against the PTX ISA's fragment
@@ -33,7 +33,7 @@ from helpers import compile_in_subprocess
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
-VERSIONS = journey.FA2_VERSIONS  # v4-v6; v1-v3 are tested in test_paged_prefill_cuda.py
+VERSIONS = journey.FA2_VERSIONS  # v4-v7; v1-v3 are tested in test_paged_prefill_cuda.py
 
 
 def make_batch(num_heads, num_kv_heads, head_dim, block_size, dtype, q_lens, cached_lens, seed=0, device=DEVICE):
@@ -165,6 +165,12 @@ FAST_CASES = [
     (6, 2, (1, 1, 64, 16, torch.float16, [97], [0])),
     # head_dim 128, GQA 3, block 32
     (6, None, (3, 1, 128, 32, torch.bfloat16, [12], [21])),
+    # v7 (the work list): GQA 7, ragged short chunks (1, 19: two q tiles of 18 queries, 3) behind
+    # prefixes of 0, 20 (mid-block) and 61 (a chunk after a cached prefix crossing a KV tile)
+    (7, None, (7, 1, 64, 16, torch.float16, [1, 19, 3], [0, 20, 61])),
+    # v7 at head_dim 128 (tiles of 32 keys): GQA 4, bf16, block 8; 1-token and 33-token chunks
+    # (two q tiles of 32 queries) behind prefixes of 40 and 0
+    (7, None, (4, 1, 128, 8, torch.bfloat16, [1, 33], [40, 0])),
 ]
 
 SLOW_SHAPES = [
@@ -196,11 +202,15 @@ def test_matches_reference(case):
 
 
 ALL_CASES = [(version, None, shape) for version in VERSIONS for shape in SLOW_SHAPES] + [
-    (6, splits, shape) for splits in (3, 5) for shape in SLOW_SHAPES[:3]]
+    (version, splits, shape) for version in journey.SPLITS_KV for splits in (3, 5) for shape in SLOW_SHAPES[:3]]
 # The simulator takes the matrix's three smaller shapes (seconds each); the three with ~100-query chunks
 # over 4-16 heads run minutes each there, so they run on the GPU, with the rest (test_gpu_full_matrix)
 SIM_SHAPES = SLOW_SHAPES[1:4]
 SLOW_CASES = [c for c in ALL_CASES if c[2] in SIM_SHAPES]
+
+
+# v7 forced split at head_dim 128: 70 keys in 3 parts of one 32-key tile each (20 s in the simulator)
+SLOW_CASES.append((7, 3, (4, 1, 128, 32, torch.float16, [5], [65])))
 
 
 @pytest.mark.slow
@@ -258,7 +268,7 @@ def test_rejects_bad_arguments():
     with pytest.raises(KernelLaunchError, match="version"):
         fa.launch_torch(3, q, k, v, bt, cu, ctx)  # the first era's kernels are not built here
     with pytest.raises(KernelLaunchError, match="version"):
-        journey.paged_prefill(q, k, v, bt, cu, ctx, version=7)
+        journey.paged_prefill(q, k, v, bt, cu, ctx, version=max(journey.VERSIONS) + 1)
     with pytest.raises(KernelLaunchError, match="splits"):
         journey.paged_prefill(q, k, v, bt, cu, ctx, version=4, splits=2)
 
@@ -278,6 +288,41 @@ def test_find_tile_starts_the_heaviest_tiles_first():
     # rank 0: every sequence's last tile, then rank 1, ...; (-1, 0) past the 8 tiles
     want = [(0, 0), (1, 4), (2, 1), (1, 3), (2, 0), (1, 2), (1, 1), (1, 0), (-1, 0), (-1, 0)]
     assert [tuple(x) for x in got] == want
+
+
+def run_plan(q_lens, bq, bound):
+    """The plan kernel's work list for chunks of q_lens: [(sequence, q tile)] per item, (-1, 0) past the last."""
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    work = np.full(3 * bound, 12345, dtype=np.int32)
+    fa.get_plan()[1, fa.PLAN_THREADS](cu, bq, work)
+    return [(int(work[i]), int(work[bound + i])) for i in range(bound)]
+
+
+def test_plan_starts_the_heaviest_tiles_first():
+    # q_lens 5, 40, 17 -> 1, 5, 2 tiles of 9 queries; rank 0 is every sequence's last tile, the
+    # sequences of a rank by falling tile count (find_tile's ranks, sequences sorted)
+    got = run_plan([5, 40, 17], 9, 10)
+    want = [(1, 4), (2, 1), (0, 0), (1, 3), (2, 0), (1, 2), (1, 1), (1, 0), (-1, 0), (-1, 0)]
+    assert got == want
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_plan_covers_every_tile_once(seed):
+    # ragged lengths (many 1-token chunks, ties in tile count), more sequences than the plan's
+    # threads in the last case: every (sequence, tile) exactly once, ranks never rising, the
+    # bound's tail empty
+    rng = np.random.default_rng(seed)
+    num_seqs = [7, 40, fa.PLAN_THREADS + 13][seed]
+    q_lens = [int(x) for x in rng.choice([1, 2, 9, 18, 19, 50, 130], num_seqs)]
+    bq = [18, 9, 32][seed]
+    bound = sum(q_lens) // bq + 1 + num_seqs
+    got = run_plan(q_lens, bq, bound)
+    ntiles = [-(-n // bq) for n in q_lens]
+    items = [x for x in got if x[0] >= 0]
+    assert sorted(items) == [(s, t) for s in range(num_seqs) for t in range(ntiles[s])]
+    assert got[len(items):] == [(-1, 0)] * (bound - len(items))
+    ranks = [ntiles[s] - 1 - t for s, t in items]
+    assert ranks == sorted(ranks)
 
 
 def test_split_plan():
