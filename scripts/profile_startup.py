@@ -1,0 +1,267 @@
+"""What a user waits for before the first token, and whether the first call is the same program as later ones.
+
+Every measurement runs in a fresh process (this script re-runs itself with --child), so imports, weight
+loading, kernel compilation and graph capture are paid the way a user pays them:
+
+  startup      import; LLM(); the first token of one chat request; 64 chat prompts x 400 tokens (greedy),
+               twice. Run twice: on an empty kernel cache (a bare machine) and again on the cache the first
+               run left (every later start). Numba compilations are recorded (count, seconds, the slowest),
+               and a cProfile of LLM() + the first token is written beside the table.
+  repeat       the same 64 chat requests x 300 tokens (greedy) three times in one process, with prefix
+               caching on and off: how many requests come back token-identical call to call.
+  lifecycle    create, use and close LLM three times in one process: torch.cuda.memory_allocated() after each.
+  prefill      one prefill step of 8 x 1024 fresh tokens: wall time, cProfile of the step (where the host goes).
+
+    python scripts/profile_startup.py --model DIR --out OUT                 # all, on the GPU
+    python scripts/profile_startup.py --model DIR --out OUT --only startup --device cpu
+"""
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T_START = time.perf_counter()
+
+
+class CompileLog:
+    """numba's "numba:compile" events: (function, seconds) of every compilation in this process."""
+
+    def __init__(self):
+        from numba.core import event
+
+        log = self.entries = []
+        starts = {}
+
+        class Listener(event.Listener):
+            def on_start(self, ev):
+                starts[id(ev.data)] = time.perf_counter()
+
+            def on_end(self, ev):
+                t0 = starts.pop(id(ev.data), None)
+                disp = (ev.data or {}).get("dispatcher")
+                name = getattr(getattr(disp, "py_func", None), "__qualname__", repr(disp))
+                mod = getattr(getattr(disp, "py_func", None), "__module__", "")
+                if t0 is not None:
+                    log.append((f"{mod}.{name}", time.perf_counter() - t0))
+
+        event.register("numba:compile", Listener())
+
+    def summary(self, top=12):
+        total = sum(s for _, s in self.entries)
+        slow = sorted(self.entries, key=lambda e: -e[1])[:top]
+        return dict(compiles=len(self.entries), compile_s=round(total, 2),
+                    slowest=[(n, round(s, 2)) for n, s in slow])
+
+
+def chat_prompts(llm, n, seed=0):
+    sys.path.insert(0, ROOT)
+    from scripts.bench_serving import chat_messages
+
+    tok = llm.get_tokenizer()
+    return [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in chat_messages(n, seed)]
+
+
+def sync():
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def child_startup(args):
+    import torch  # noqa: F401
+    from pagedattn import LLM, SamplingParams
+    t_import = time.perf_counter() - T_START
+    log = CompileLog()
+    prof = cProfile.Profile()
+    prof.enable()
+    t = time.perf_counter()
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    t_llm = time.perf_counter() - t
+    prompts = chat_prompts(llm, args.requests)
+    t = time.perf_counter()
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    t_first = time.perf_counter() - t
+    prof.disable()
+    compiles_before_work = len(log.entries)
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    times = []
+    for _ in range(2):
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        sync()
+        times.append(time.perf_counter() - t)
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
+    with open(os.path.join(args.out, f"startup_{args.tag}_cprofile.txt"), "w") as f:
+        f.write(s.getvalue())
+    from kernels_numba import bridge
+    hits, misses = bridge.disk_cache_stats()
+    return dict(tag=args.tag, import_s=t_import, llm_s=t_llm, first_token_s=t_first,
+                to_first_token_s=time.perf_counter() - T_START - sum(times),
+                generate1_s=times[0], generate2_s=times[1], first_over_later=times[0] / times[1],
+                compiles_after_first_token=len(log.entries) - compiles_before_work,
+                disk_cache_hits=hits, disk_cache_misses=misses, startup_phases=getattr(llm.engine, "startup_times", None),
+                **log.summary())
+
+
+def same(a, b):
+    return sum(x.outputs[0].token_ids == y.outputs[0].token_ids for x, y in zip(a, b))
+
+
+def child_repeat(args):
+    from pagedattn import LLM, SamplingParams
+    rows = []
+    for caching in (True, False):
+        with LLM(args.model, device=args.device, dtype=args.dtype, enable_prefix_caching=caching) as llm:
+            prompts = chat_prompts(llm, args.requests)
+            params = SamplingParams(temperature=0, max_tokens=args.tokens * 3 // 4)
+            calls = [llm.generate(prompts, params, use_tqdm=False) for _ in range(3)]
+            rows.append(dict(prefix_caching=caching, call1_vs_2=same(calls[0], calls[1]),
+                             call2_vs_3=same(calls[1], calls[2]), call1_vs_3=same(calls[0], calls[2]),
+                             of=len(prompts)))
+            if caching:
+                first = calls[0]
+        if not caching:   # a fresh engine's first call against the first engine's first call
+            rows[-1]["call1_vs_other_engine_call1"] = same(first, calls[0])
+    return rows
+
+
+def child_lifecycle(args):
+    import gc
+
+    import torch
+
+    from pagedattn import LLM, SamplingParams
+    start = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    rows = []
+    def use(llm):
+        llm.generate(["def fib(n):"] * 4, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+        return llm.engine.num_blocks, torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+    for i, how in enumerate(("close", "del", "with")):
+        if how == "with":
+            with LLM(args.model, device=args.device, dtype=args.dtype) as llm:
+                blocks, peak = use(llm)
+        else:
+            llm = LLM(args.model, device=args.device, dtype=args.dtype)
+            blocks, peak = use(llm)
+            if how == "close":
+                llm.close()
+        del llm
+        gc.collect()
+        after = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        rows.append(dict(round=i, how=how, num_blocks=blocks, allocated_in_use_gib=peak / 2**30,
+                         allocated_after_gib=after / 2**30, start_gib=start / 2**30))
+    return rows
+
+
+def child_prefill(args):
+    import random
+
+    from pagedattn import LLM, SamplingParams
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_batched_tokens=8192, max_model_len=2048)
+    engine, vocab = llm.engine, llm.engine.vocab_size
+    rng = random.Random(0)
+
+    def prefill_step(tag):
+        for i in range(8):
+            engine.add_request(f"{tag}-{i}", [rng.randrange(vocab) for _ in range(1024)],
+                               SamplingParams(temperature=0, max_tokens=1))
+        sync()
+        t = time.perf_counter()
+        engine.step()
+        sync()
+        wall = time.perf_counter() - t
+        while engine.has_unfinished_requests():
+            engine.step()
+        return wall
+
+    for i in range(3):
+        prefill_step(f"warm{i}")
+    walls = [prefill_step(f"t{i}") for i in range(5)]
+    prof = cProfile.Profile()
+    prof.enable()
+    prof_wall = prefill_step("prof")
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
+    with open(os.path.join(args.out, "prefill_step_cprofile.txt"), "w") as f:
+        f.write(s.getvalue())
+    gpu_ms = None
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            prefill_step("gpu")
+        gpu_ms = sum(e.device_time_total for e in p.key_averages()) / 1e3
+    except Exception as e:  # the profiler is optional for the rest of the table
+        gpu_ms = f"profiler failed: {e}"
+    walls.sort()
+    return dict(wall_ms_median=1e3 * walls[len(walls) // 2], wall_ms_all=[1e3 * w for w in walls],
+                wall_ms_profiled=1e3 * prof_wall, gpu_ms=gpu_ms)
+
+
+CHILDREN = dict(startup=child_startup, repeat=child_repeat, lifecycle=child_lifecycle, prefill=child_prefill)
+
+
+def run_child(name, args, tag, env):
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--tag", tag, "--model", args.model,
+           "--out", args.out, "--device", args.device, "--dtype", args.dtype,
+           "--requests", str(args.requests), "--tokens", str(args.tokens)]
+    t = time.perf_counter()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    with open(os.path.join(args.out, f"{name}_{tag}.log"), "w") as f:
+        f.write(p.stdout + "\n--- stderr ---\n" + p.stderr)
+    try:
+        result = json.loads(p.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        result = dict(error=f"rc {p.returncode}: {p.stderr.strip().splitlines()[-3:] if p.stderr else ''}")
+    print(f"== {name} ({tag}) in {time.perf_counter() - t:.1f} s", flush=True)
+    print(json.dumps(result, indent=1, default=str), flush=True)
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", default="startup_out")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--only", default="startup,repeat,lifecycle,prefill")
+    ap.add_argument("--timeout", type=int, default=400)
+    ap.add_argument("--requests", type=int, default=64, help="chat requests of the workload")
+    ap.add_argument("--tokens", type=int, default=400, help="tokens per request (repeat: 3/4 of it)")
+    ap.add_argument("--child")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.child:
+        sys.path.insert(0, ROOT)
+        result = CHILDREN[args.child](args)
+        print(json.dumps(result, default=str))
+        return
+    results = {}
+    cache = tempfile.mkdtemp(prefix="numba_cache_")
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache, PAGEDATTN_KERNEL_CACHE_DIR=cache)
+    for name in args.only.split(","):
+        if name == "startup":
+            results["startup_empty"] = run_child("startup", args, "empty", env)
+            results["startup_warm"] = run_child("startup", args, "warm", env)
+            du = subprocess.run(["du", "-sh", cache], capture_output=True, text=True).stdout.split()
+            results["kernel_cache_size"] = du[0] if du else None
+        else:
+            results[name] = run_child(name, args, "warm", env)
+    with open(os.path.join(args.out, "startup.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
