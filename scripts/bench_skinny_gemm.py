@@ -1,0 +1,238 @@
+"""The skinny decode GEMM (kernels_numba/skinny_gemm.py) against cuBLAS at Qwen2-0.5B's and 7B's shapes.
+
+One GPU command: validates every shape and fused variant against torch, then times, and writes the table.
+
+    python3 scripts/bench_skinny_gemm.py --out $OUT        (from the repository root; numpy < 2.5)
+
+1. Validation, on fresh random bf16 inputs (weights scaled like a trained layer's): for every shape and
+   M in ROWS the plain GEMM, and at M in (1, 5, 16) each shape's fused variant (qkv: RMSNorm prologue with
+   the residual add + bias; o_proj and down_proj: the residual-add epilogue; gate_up: the prologue +
+   SiLU-and-mul; LM head: the prologue without add), against torch's float32 product of the same values
+   with the unfused roundings: |err| <= 1 unit in the last place + K 2^-23 sum|x w| (2 units and the
+   gate/up slack for SiLU-and-mul). Then two more calls must give the same bits (no arrival-order sums).
+2. Timing by CUDA-graph replay (benchlib.graph_time_us) with >= 4 rotated weight sets covering 3x the L2,
+   so every call streams its weights from HBM; beside it torch's F.linear (cuBLAS) the same way.
+   GB/s counts the weight bytes (x and y are < 0.1% of them); "% copy" is against torch's copy of a 1 GiB
+   buffer (read + write) measured in the same run.
+3. The SASS of the plain kernel (numba's inspect_sass, where nvdisasm is installed): LDG.E.128 and HMMA.
+
+Writes $OUT/skinny_gemm.md and $OUT/skinny_gemm.json.
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from scripts import benchlib  # noqa: E402
+
+ROWS = (1, 2, 4, 8, 16)
+VALIDATE_FUSED_ROWS = (1, 5, 16)
+# name: (N, K, fused variant); Qwen2-0.5B: hidden 896, 14 / 2 heads of 64, intermediate 4864;
+# Qwen2-7B: hidden 3584, 28 / 4 heads of 128, intermediate 18944; vocab 151936 / 152064
+SHAPES = {
+    "0.5B qkv": (1152, 896, "norm_add_bias"), "0.5B o_proj": (896, 896, "residual"),
+    "0.5B gate_up": (9728, 896, "norm_add_silu"), "0.5B down": (896, 4864, "residual"),
+    "0.5B lm_head": (151936, 896, "norm"),
+    "7B qkv": (4608, 3584, "norm_add_bias"), "7B o_proj": (3584, 3584, "residual"),
+    "7B gate_up": (37888, 3584, "norm_add_silu"), "7B down": (3584, 18944, "residual"),
+    "7B lm_head": (152064, 3584, "norm"),
+}
+DTYPE = torch.bfloat16
+ULP = 2.0 ** -7
+EPS = 1e-6
+
+
+def rnd(v):
+    return v.to(DTYPE).float()
+
+
+def torch_reference(x, w, variant, bias=None, residual=None, gamma=None, norm_residual=None):
+    """The unfused path in torch (float32 math, the dtype's roundings where the layers round).
+    Returns (y, bound): the float64 result and the elementwise tolerance."""
+    K = x.shape[1]
+    new_res = None
+    if gamma is not None:
+        z = rnd(norm_residual.float() + x.float()) if norm_residual is not None else x.float()
+        new_res = z if norm_residual is not None else None
+        inv = torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + EPS)
+        normed = rnd(rnd(z * inv) * gamma.float())
+        # the kernel's own sum of squares may put a normed value one unit off
+        x_err = ULP * normed.abs()
+        x = normed
+    else:
+        x = x.float()
+        x_err = torch.zeros_like(x)
+    wf = w.float()
+    acc = (x @ wf.T).double()                                               # (M, N)
+    scale = (x.abs() @ wf.abs().T).double() * K * 2.0 ** -23 + (x_err @ wf.abs().T).double()
+    if bias is not None:
+        acc = acc + bias.double()
+    if "silu" in variant:
+        inter = acc.shape[1] // 2
+        g, u = acc[:, :inter].to(DTYPE).double(), acc[:, inter:].to(DTYPE).double()
+        s = (g * torch.sigmoid(g)).to(DTYPE).double()
+        y = (s * u).to(DTYPE).double()
+        bound = 2 * ULP * y.abs() + (ULP * g.abs() + scale[:, :inter]) * 1.1 * u.abs() \
+            + (ULP * u.abs() + scale[:, inter:]) * s.abs()
+    else:
+        y = acc.to(DTYPE).double()
+        bound = ULP * y.abs() + scale
+        if residual is not None:
+            y = (y + residual.double()).to(DTYPE).double()
+            bound = bound + ULP * y.abs()
+    return y, bound + 2.0 ** -126, new_res
+
+
+def make_case(M, N, K, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, K, generator=g, device="cuda").to(DTYPE)
+    w = (torch.randn(N, K, generator=g, device="cuda") * K ** -0.5).to(DTYPE)
+    return x, w
+
+
+def fused_args(variant, M, N, K, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed + 7)
+    kw = {}
+    if "norm" in variant:
+        kw["norm_weight"] = (1 + 0.1 * torch.randn(K, generator=g, device="cuda")).to(DTYPE)
+        kw["eps"] = EPS
+    if "add" in variant:
+        kw["norm_residual"] = (3 * torch.randn(M, K, generator=g, device="cuda")).to(DTYPE)
+        kw["residual_out"] = torch.empty(M, K, dtype=DTYPE, device="cuda")
+    if "bias" in variant:
+        kw["bias"] = torch.randn(N, generator=g, device="cuda").to(DTYPE)
+    if variant == "residual":
+        kw["residual"] = (4 * torch.randn(M, N, generator=g, device="cuda")).to(DTYPE)
+    if "silu" in variant:
+        kw["silu"] = True
+    return kw
+
+
+def check(name, M, variant, sg):
+    """Validate one (shape, M, variant); returns the worst err / bound."""
+    N, K, _ = SHAPES[name]
+    x, w = make_case(M, N, K, seed=M * 131 + N)
+    kw = fused_args(variant, M, N, K, seed=M) if variant != "plain" else {}
+    bias = kw.pop("bias", None)
+    y = sg.skinny_linear(x, w, bias, **kw)
+    want, bound, new_res = torch_reference(x, w, variant, bias=bias, residual=kw.get("residual"),
+                                           gamma=kw.get("norm_weight"), norm_residual=kw.get("norm_residual"))
+    ratio = ((y.double() - want).abs() / bound).max().item()
+    if ratio > 1 or not torch.isfinite(y).all():
+        raise AssertionError(f"{name} M={M} {variant}: max err / bound = {ratio:.3f}")
+    if new_res is not None and not torch.equal(kw["residual_out"].float(), new_res):
+        raise AssertionError(f"{name} M={M} {variant}: residual_out is not round(residual + x)")
+    for _ in range(2):
+        if not torch.equal(sg.skinny_linear(x, w, bias, **kw).view(torch.int16), y.view(torch.int16)):
+            raise AssertionError(f"{name} M={M} {variant}: a second call gave other bits")
+    return ratio
+
+
+def sass_counts(sg):
+    """LDG.E.128 and HMMA in the SASS of the plain kernels compiled so far (None without nvdisasm)."""
+    try:
+        counts = {}
+        for key, kernel in [(k, sg.make_gemm_kernel(True, k == "m16", False, False, False, False, False, False))
+                            for k in ("m8", "m16")]:
+            sass = "\n".join(kernel.inspect_sass().values()) if kernel.signatures else ""
+            counts[key] = {"LDG.E.128": sass.count("LDG.E.128"), "HMMA.16816": sass.count("HMMA.16816"),
+                           "fp64 (DADD/DMUL/DFMA)": sum(sass.count(op) for op in ("DADD", "DMUL", "DFMA"))}
+        return counts
+    except Exception as e:  # noqa: BLE001 - no nvdisasm: say so in the table, time anyway
+        return {"unavailable": f"{type(e).__name__}: {e}"[:200]}
+
+
+def predicted_us(nbytes, splits, copy_gbs):
+    """Before measuring: the weights at 90% of the copy bandwidth, plus ~2 us of launch and first-load
+    latency per kernel in a graph (two kernels with split-K)."""
+    return nbytes / (0.9 * copy_gbs * 1e3) + 2.0 * (2 if splits > 1 else 1)
+
+
+def main(out_dir, shapes=None, rows=ROWS, quick=False):
+    from kernels_numba import skinny_gemm as sg
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_skinny_gemm.py needs a CUDA GPU")
+    shapes = list(shapes or SHAPES)
+    t0 = time.time()
+    # ---- 1. validation ----
+    worst = {}
+    for name in shapes:
+        for M in rows:
+            worst[(name, M, "plain")] = check(name, M, "plain", sg)
+        variant = SHAPES[name][2]
+        for M in VALIDATE_FUSED_ROWS:
+            worst[(name, M, variant)] = check(name, M, variant, sg)
+        print(f"validated {name}: plain M={list(rows)}, {variant} M={list(VALIDATE_FUSED_ROWS)}; worst err/bound "
+              f"{max(v for k, v in worst.items() if k[0] == name):.3f} ({time.time() - t0:.0f} s)", flush=True)
+    torch.cuda.synchronize()
+    # ---- 2. timing ----
+    copy_gbs = benchlib.copy_bandwidth_gbs()
+    print(f"copy bandwidth (read + write): {copy_gbs:,.0f} GB/s", flush=True)
+    rows_out = []
+    for name in shapes:
+        N, K, variant = SHAPES[name]
+        nbytes = N * K * 2
+        sets = benchlib.num_sets_for(nbytes)
+        ws = [torch.randn(N, K, device="cuda", dtype=DTYPE) * K ** -0.5 for _ in range(sets)]
+        for M in rows:
+            x = torch.randn(M, K, device="cuda", dtype=DTYPE)
+            n_out = N // 2 if "silu" in variant else N
+            out = torch.empty(M, N, device="cuda", dtype=DTYPE)
+            calls = max(20, sets)
+            ours = benchlib.graph_time_us(lambda i: sg.skinny_linear(x, ws[i % sets], out=out, validate=False),
+                                          calls=calls, replays=5 if quick else 10)
+            cublas = benchlib.graph_time_us(lambda i: F.linear(x, ws[i % sets]), calls=calls,
+                                            replays=5 if quick else 10)
+            row = {"shape": name, "M": M, "N": N, "K": K, "weight MB": nbytes / 1e6}
+            if M in (1, 16):                 # the fused variant (one kernel in place of GEMM + glue)
+                kw = fused_args(variant, M, N, K, seed=3)
+                bias = kw.pop("bias", None)
+                fout = torch.empty(M, n_out, device="cuda", dtype=DTYPE)
+                row["fused"] = variant
+                row["fused µs"] = benchlib.graph_time_us(
+                    lambda i: sg.skinny_linear(x, ws[i % sets], bias, out=fout, validate=False, **kw),
+                    calls=calls, replays=5 if quick else 10)
+            tiles, sps, splits, grid_x = sg.plan(M, N, K)
+            row.update({"plan (steps/split, splits, CTAs)": f"{sps}, {splits}, {grid_x * splits}",
+                        "predicted µs": predicted_us(nbytes, splits, copy_gbs),
+                        "µs": ours, "GB/s": nbytes / ours / 1e3, "% copy": 100 * nbytes / ours / 1e3 / copy_gbs,
+                        "cuBLAS µs": cublas, "cuBLAS GB/s": nbytes / cublas / 1e3,
+                        "cuBLAS % copy": 100 * nbytes / cublas / 1e3 / copy_gbs, "vs cuBLAS": cublas / ours})
+            rows_out.append(row)
+            print(f"{name:>13} M={M:2d}: {ours:8.2f} us {row['GB/s']:7.0f} GB/s ({row['% copy']:5.1f}% copy) | "
+                  f"cuBLAS {cublas:8.2f} us ({row['cuBLAS % copy']:5.1f}%) | fused {row.get('fused µs', float('nan')):.2f} us "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    sass = sass_counts(sg)
+    print("SASS of the plain kernel:", sass)
+    columns = ["shape", "M", "N", "K", "weight MB", "plan (steps/split, splits, CTAs)", "predicted µs", "µs", "GB/s",
+               "% copy", "cuBLAS µs", "cuBLAS GB/s", "cuBLAS % copy", "vs cuBLAS", "fused", "fused µs"]
+    md = "\n".join([
+        f"Skinny GEMM y[M, N] = x[M, K] W[N, K]^T, bf16, CUDA-graph replay, >= 4 rotated weight sets "
+        f"(3x the L2). Copy bandwidth measured in this run: {copy_gbs:,.0f} GB/s (read + write).",
+        "GB/s: weight bytes per second. fused: the shape's fused variant (prologue/epilogue) in one call.",
+        f"Validated first (max err / bound over all cases: {max(worst.values()):.3f}; same bits on repeat).",
+        f"SASS (plain kernel): {sass}", "", benchlib.markdown_table(rows_out, columns)])
+    meta = {"copy_gbs": copy_gbs, "validation_worst_ratio": max(worst.values()), "sass": sass,
+            "seconds": time.time() - t0}
+    paths = benchlib.save(out_dir, "skinny_gemm", rows_out, meta, markdown=md)
+    print(md)
+    print("wrote", ", ".join(paths), f"in {time.time() - t0:.0f} s")
+    return rows_out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for skinny_gemm.md / .json")
+    parser.add_argument("--shapes", nargs="*", choices=sorted(SHAPES), help="a subset of the shapes")
+    parser.add_argument("--rows", nargs="*", type=int, default=list(ROWS), help="activation rows M to time")
+    parser.add_argument("--quick", action="store_true", help="5 replays instead of 10")
+    args = parser.parse_args()
+    main(args.out, args.shapes, tuple(args.rows), args.quick)
