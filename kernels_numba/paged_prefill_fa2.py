@@ -20,6 +20,13 @@ The versions (predicted times: H200, Qwen2-0.5B layer 14/2 heads, d=64, fp16, on
         long prefix): the KV range of each tile is cut into parts, each part's CTA writes a
         normalised fp32 partial and its log2-sum-exp, a small kernel merges them
                                            1x2048: as v5; 1x(4096 cached + 256 new): ~15 us
+    v7  + a work list: a one-CTA plan kernel writes every CTA's (sequence, q tile) in v6's order,
+        so a CTA reads two words instead of searching cu_seqlens_q (find_tile walks every
+        sequence ~log(tiles) + 3 times with 64-bit divisions, per CTA: at 64 x 128 tokens that
+        search, not attention, is most of the time); 128 rows per CTA at d=128 too (KV tiles of
+        32 keys keep S at 32 registers beside O's 128); O held in two halves so the compiler
+        unrolls every loop over it; int32 row positions; Q's rows stepped, not divided (d=64)
+                             64 x 128 new: ~30 us (v6 ~296); 4 x 1024 at 28/4, d=128: ~160 us (v6 ~230)
 
 Why (written before any GPU run). 1x2048 is 7.5 GFLOP of causal attention (4 * 14 * 64 *
 2048 * 2049 / 2). v3 loads each tile synchronously (global -> registers -> shared, two barriers
@@ -36,6 +43,8 @@ only 16 q tiles x 2 KV heads: 32 CTAs of 68 tiles each on 132 SMs; v6 cuts each 
 
 Occupancy: 2 CTAs of 128 threads per SM (launch bounds: <= 255 registers; v4 uses ~212, v5
 255, no spills), 32 KB (v4) or 48 KB (v5: + the Q tile) of dynamic shared memory per CTA at d=64.
+v7 at d=128: 255 registers and ~40 bytes of spills (ptxas), 64 KB of shared memory (2 stages of
+32-key K and V tiles, 32 KB of Q).
 
 Design (every version)
 ----------------------
@@ -52,6 +61,8 @@ every sequence's last tile (its last queries see the most keys), then every sequ
 before it, and so on (find_tile: a binary search over ranks, O(num_seqs log tiles)). Blocks are
 dispatched in x order, so the heaviest CTAs start first and the light ones fill the SMs at the
 end (longest-processing-time-first), across heads and sequences; v3 orders within a sequence.
+v7 computes the same order once per launch (build_plan, one CTA; within a rank the sequences
+with more tiles first) into a work list of (sequence, q tile) per x // num_kv_heads.
 
 Pipeline per CTA (ST = 2 stages of [K tile | V tile], 64 keys each, dynamic shared memory):
     Q tile -> stage ST-1 (v4) by cp.async (zeros for rows past the chunk), commit
@@ -105,8 +116,8 @@ follow the fragment layouts above element by element.
 Entry points (this file stands alone: the journey's versions are in prefill_journey.py):
     paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
                   validate=False, max_context_len=None, splits=None, stages=None)
-                                    v6 (VERSION) on torch tensors: the engine's kernel
-    launch_torch(version, q, ...)   a kernel of KERNEL_VERSIONS on torch tensors (the journey's v4, v5)
+                                    VERSION (6) on torch tensors: the engine's kernel
+    launch_torch(version, q, ...)   a kernel of KERNEL_VERSIONS on torch tensors (the journey's others)
     launch(version, q, ...)         raw-bit numba device arrays, or numpy under the simulator
 
 Intrinsics: ldmatrix_x4, ldmatrix_x4_trans and store_u32x4 come from common.py; the simulator mma
@@ -288,6 +299,8 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned):
     DT = D // 8  # n-tiles (8 dims) of O
     DH = DT // 2  # ... in each half of O
     POS_TYPE = np.int32 if PLANNED else np.int64  # a row's position
+    # v7 at d=64: Q's rows by steps, not divisions (at d=128 ptxas then spills more: 68 B, not 40)
+    STEP_ROWS = PLANNED and D == 64
     DP = DT // 2  # ldmatrix.x4.trans of V per k-step (two d-tiles each)
     TILE = BN * W  # words of a K (or V) tile
     STAGE = 2 * TILE
@@ -393,12 +406,30 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned):
         tdst = row0 * W + ((chunk ^ (row0 & 7)) << 2)
         tsrc = (head * BS + (row0 & (BS - 1))) * W + chunk * 4
         block_words = num_kv_heads * BS * W
+        # row r = row0 + RPP i is query r // group of head-in-group r % group: v7 at d=64 steps both
+        # from row0's by RPP's (two divisions per thread instead of two per pass; the epilogue
+        # divides: keeping the steps live through the KV loop costs registers there)
+        rq0 = row0 // group
+        rh0 = row0 - rq0 * group
+        step_q = RPP // group
+        step_h = RPP - step_q * group
+        rq, rh = rq0, rh0
         for i in range(Q_PASSES):
             r = row0 + RPP * i
-            qi = q0 + r // group
+            if STEP_ROWS:
+                qi = q0 + rq
+                hr = rh
+                rq += step_q
+                rh += step_h
+                if rh >= group:
+                    rh -= group
+                    rq += 1
+            else:
+                qi = q0 + r // group
+                hr = r % group
             dst = qs + r * W + ((chunk ^ (r & 7)) << 2)
             if r < rows_used and qi < q_len:
-                src = ((q_start + qi) * num_heads + head * group + r % group) * W + chunk * 4
+                src = ((q_start + qi) * num_heads + head * group + hr) * W + chunk * 4
                 cp_async16(ring, dst, q, src)
             else:
                 store_u32x4(ring, dst, 0, 0, 0, 0)
@@ -582,9 +613,10 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned):
             for i in range(Q_PASSES):
                 r = row0 + RPP * i
                 qi = q0 + r // group
+                hr = r % group
                 if r < rows_used and qi < q_len:
                     w0, w1, w2, w3 = load_u32x4(ring, r * W + ((chunk ^ (r & 7)) << 2))
-                    dst = ((q_start + qi) * num_heads + head * group + r % group) * W + chunk * 4
+                    dst = ((q_start + qi) * num_heads + head * group + hr) * W + chunk * 4
                     store_u32x4(out, dst, w0, w1, w2, w3)
         else:
             # this part's normalised O (fp32) and log2-sum-exp per row; merged by _build_merge
@@ -808,7 +840,7 @@ def _words(name, t, cached=False):
 
 def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
                   validate=False, max_context_len=None, splits=None, stages=None):
-    """Causal prefill attention over the paged pool (new K/V already written): v6, the engine's kernel.
+    """Causal prefill attention over the paged pool (new K/V already written): VERSION, the engine's kernel.
 
     q: [total_q, num_heads, head_dim] float16/bfloat16, the chunks of num_seqs sequences packed
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim], q's dtype, contiguous

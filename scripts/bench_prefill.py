@@ -1,7 +1,7 @@
 """Paged prefill kernels (v3 and the FlashAttention-2-style v4+) vs torch SDPA on a dense causal
-prefix, Qwen2-0.5B layer shapes, in one run.
+prefix, Qwen2 layer shapes (0.5B: 14/2 heads, d=64; 7B: 28/4 heads, d=128), in one run.
 
-For each shape (num_seqs x (cached prefix + new tokens)): build a shuffled paged pool and the same
+For each shape (num_seqs x (cached prefix + new tokens), heads, head_dim): build a shuffled paged pool and the same
 K/V as a dense [B, Hkv, ctx, D] tensor, check every kernel and SDPA against a float64 reference
 (kernel error <= 2x SDPA's error + one fp16 ulp of the largest output) *before* timing anything,
 then time each by CUDA-graph replay (scripts/benchlib.graph_time_us: a graph of >= 20 calls,
@@ -10,34 +10,54 @@ runs bottom-right causal (is_causal without a prefix, torch's causal_lower_right
 enable_gqa, torch's default dispatch (flash attention on the H200). Each row also shows the
 prediction written before the GPU run (docs/prefill.md) and the default version's eager cost.
 
-    python3 scripts/bench_prefill.py [--out DIR] [--variant v6:splits=2 --variant v5:stages=3] [--reps 10]
+    python3 scripts/bench_prefill.py [--out DIR] [--kernels v3 v4 v5 v6 v7] [--variant v6:splits=2] [--reps 10]
 
-Prints a table; with --out writes bench_prefill.json and bench_prefill.md there.
+By default it times v6 and v7 (the engine's kernel and the one after it) at every shape, SDPA beside them.
+Prints a table (µs, TFLOP/s and speed vs SDPA per version); with --out writes prefill_bench.json and
+prefill_bench.md there.
 """
 import argparse
 import math
 
 import torch
 
-# (label, num_seqs, cached tokens, new tokens)
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 14, 2, 64, 16, torch.float16  # Qwen2-0.5B's layer
+LARGE = (28, 4, 128)  # Qwen2-7B's layer: query heads, KV heads, head_dim
+# (label, num_seqs, cached tokens, new tokens[, (num_heads, num_kv_heads, head_dim)]): the first four are
+# this bench's own set, the next five the short prompts and head_dim 128 shapes v7 is for
 SHAPES = [
     ("1x2048 new", 1, 0, 2048),
     ("8x512 new", 8, 0, 512),
     ("4x(1024+512)", 4, 1024, 512),
     ("1x(4096+256)", 1, 4096, 256),
+    ("64x128 new", 64, 0, 128),
+    ("16x256 new", 16, 0, 256),
+    ("4x1024 new d128", 4, 0, 1024, LARGE),
+    ("2x4096 new d128", 2, 0, 4096, LARGE),
+    ("1x8192 new", 1, 0, 8192),
 ]
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 14, 2, 64, 16, torch.float16
 UNIT_ROUNDOFF = 2.0**-11  # fp16
 
 # kernel label -> version of the journey (kernels_numba/prefill_journey.py); v3 is the best of the first era
-KERNELS = {"v3": 3, "v4": 4, "v5": 5, "v6": 6}
-DEFAULT = "v6"  # the engine's kernel (prefill_journey.PRODUCTION_VERSION)
+KERNELS = {"v3": 3, "v4": 4, "v5": 5, "v6": 6, "v7": 7}
+DEFAULT_LABELS = ("v6", "v7")  # timed unless --kernels says otherwise
+
+
+def default_label():
+    """The engine's kernel (prefill_journey.PRODUCTION_VERSION): its eager cost is measured too."""
+    from kernels_numba.prefill_journey import PRODUCTION_VERSION
+
+    return f"v{PRODUCTION_VERSION}"
 
 # predicted µs per shape, written before the first GPU run of v4-v6 (docs/prefill.md says why)
 PREDICTED_US = {
     "v4": {"1x2048 new": 50, "8x512 new": 28, "4x(1024+512)": 60, "1x(4096+256)": 45},
     "v5": {"1x2048 new": 40, "8x512 new": 22, "4x(1024+512)": 48, "1x(4096+256)": 55},
     "v6": {"1x2048 new": 40, "8x512 new": 22, "4x(1024+512)": 48, "1x(4096+256)": 15},
+    # v7, written before its first GPU run (docs/prefill.md, "v7"): the work list takes the per-CTA search
+    # away (short prompts), 128 rows per CTA at d=128 halve the shared-memory traffic per row
+    "v7": {"1x2048 new": 62, "8x512 new": 30, "4x(1024+512)": 58, "1x(4096+256)": 40, "64x128 new": 30,
+           "16x256 new": 24, "4x1024 new d128": 75, "2x4096 new d128": 340, "1x8192 new": 560},
 }
 
 
@@ -47,23 +67,25 @@ def causal_flops(num_seqs, cached, new, num_heads=NUM_HEADS, head_dim=HEAD_DIM):
     return 4 * num_heads * head_dim * keys * num_seqs
 
 
-def make_inputs(num_seqs, cached, new, seed, device="cuda"):
+def make_inputs(num_seqs, cached, new, seed, device="cuda", heads=(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)):
     """Paged pool (shuffled block table; the tail of each last block NaN) and the same K/V dense.
+    heads: (num_heads, num_kv_heads, head_dim).
 
     Returns a dict: q [B*new, H, D] packed, k_cache/v_cache [num_blocks, Hkv, bs, D],
     block_tables [B, blocks] int32, cu [B+1] int32, context_lens [B] int32, and the dense
     q_dense [B, H, new, D], k_dense/v_dense [B, Hkv, ctx, D].
     """
+    num_heads, num_kv_heads, head_dim = heads
     g = torch.Generator(device=device).manual_seed(seed)
     ctx = cached + new
     blocks_per_seq = math.ceil(ctx / BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq
-    k_dense = torch.randn(num_seqs, NUM_KV_HEADS, ctx, HEAD_DIM, device=device, generator=g).to(DTYPE)
-    v_dense = torch.randn(num_seqs, NUM_KV_HEADS, ctx, HEAD_DIM, device=device, generator=g).to(DTYPE)
-    q_dense = torch.randn(num_seqs, NUM_HEADS, new, HEAD_DIM, device=device, generator=g).to(DTYPE)
+    k_dense = torch.randn(num_seqs, num_kv_heads, ctx, head_dim, device=device, generator=g).to(DTYPE)
+    v_dense = torch.randn(num_seqs, num_kv_heads, ctx, head_dim, device=device, generator=g).to(DTYPE)
+    q_dense = torch.randn(num_seqs, num_heads, new, head_dim, device=device, generator=g).to(DTYPE)
     perm = torch.randperm(num_blocks, device=device, generator=g).to(torch.int32)
     block_tables = perm.view(num_seqs, blocks_per_seq).contiguous()
-    shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    shape = (num_blocks, num_kv_heads, BLOCK_SIZE, head_dim)
     k_cache = torch.full(shape, float("nan"), device=device, dtype=DTYPE)
     v_cache = torch.full(shape, float("nan"), device=device, dtype=DTYPE)
     pos = torch.arange(ctx, device=device)
@@ -71,7 +93,7 @@ def make_inputs(num_seqs, cached, new, seed, device="cuda"):
         blocks, offs = block_tables[s, pos // BLOCK_SIZE].long(), pos % BLOCK_SIZE
         k_cache[blocks, :, offs] = k_dense[s].transpose(0, 1)  # (ctx, Hkv, D) into [b, :, o, :]
         v_cache[blocks, :, offs] = v_dense[s].transpose(0, 1)
-    q = q_dense.permute(0, 2, 1, 3).reshape(num_seqs * new, NUM_HEADS, HEAD_DIM).contiguous()  # (B*new, H, D)
+    q = q_dense.permute(0, 2, 1, 3).reshape(num_seqs * new, num_heads, head_dim).contiguous()  # (B*new, H, D)
     cu = torch.arange(0, num_seqs + 1, device=device, dtype=torch.int32) * new
     context_lens = torch.full((num_seqs,), ctx, device=device, dtype=torch.int32)
     return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, cu=cu,
@@ -92,10 +114,10 @@ def sdpa_call(cached, new):
 def reference(x):
     """float64 bottom-right causal attention on the dense tensors: [B, H, new, D]."""
     q, k, v = x["q_dense"].double(), x["k_dense"].double(), x["v_dense"].double()
-    group = NUM_HEADS // NUM_KV_HEADS
+    group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, ctx, D)
     new, ctx = q.shape[2], k.shape[2]
-    scores = q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM)  # (B, H, new, ctx)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[3])  # (B, H, new, ctx)
     visible = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - new, ctx, device=q.device)[:, None]
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
@@ -142,7 +164,7 @@ def validate(label_calls, x, sdpa, num_seqs, new):
     for label, call in label_calls.items():
         out = torch.full_like(x["q"], float("nan"))
         call(x, out)
-        ours = out.view(num_seqs, new, NUM_HEADS, HEAD_DIM).permute(0, 2, 1, 3).double()  # (B, H, new, D)
+        ours = out.view(num_seqs, new, *x["q"].shape[1:]).permute(0, 2, 1, 3).double()  # (B, H, new, D)
         err = (ours - ref).abs().max().item()
         if not err <= tol:  # NaN fails too
             raise AssertionError(f"{label}: max err {err:.3g} > tol {tol:.3g} (SDPA err {err_sdpa:.3g})")
@@ -150,12 +172,13 @@ def validate(label_calls, x, sdpa, num_seqs, new):
     return errors
 
 
-def bench_shape(label, num_seqs, cached, new, labels, variants, reps, calls):
+def bench_shape(label, num_seqs, cached, new, labels, variants, reps, calls, heads=(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)):
     from scripts import benchlib
 
-    set_bytes = 2 * num_seqs * (cached + new) * NUM_KV_HEADS * HEAD_DIM * 2  # K and V
+    num_heads, num_kv_heads, head_dim = heads
+    set_bytes = 2 * num_seqs * (cached + new) * num_kv_heads * head_dim * 2  # K and V
     rotate = benchlib.num_sets_for(set_bytes, maximum=16)
-    sets = [make_inputs(num_seqs, cached, new, seed=i) for i in range(rotate)]
+    sets = [make_inputs(num_seqs, cached, new, seed=i, heads=heads) for i in range(rotate)]
     sdpa, how = sdpa_call(cached, new)
     label_calls = {k: kernel_call(k) for k in labels}
     for text in variants:
@@ -163,10 +186,11 @@ def bench_shape(label, num_seqs, cached, new, labels, variants, reps, calls):
         label_calls[text] = kernel_call(base, **extra)
     errors = validate(label_calls, sets[0], sdpa, num_seqs, new)
 
-    flops = causal_flops(num_seqs, cached, new)
+    flops = causal_flops(num_seqs, cached, new, num_heads, head_dim)
     outs = [torch.empty_like(s["q"]) for s in sets]
     n_calls = max(calls, rotate)
-    row = dict(shape=label, num_seqs=num_seqs, cached=cached, new=new, sdpa_mask=how, sets=rotate)
+    row = dict(shape=label, num_seqs=num_seqs, cached=cached, new=new, num_heads=num_heads,
+               num_kv_heads=num_kv_heads, head_dim=head_dim, sdpa_mask=how, sets=rotate)
     us = {}
     for k, call in label_calls.items():
         us[k] = benchlib.graph_time_us(lambda i, call=call: call(sets[i % rotate], outs[i % rotate]),
@@ -182,10 +206,13 @@ def bench_shape(label, num_seqs, cached, new, labels, variants, reps, calls):
             row[f"{k} / SDPA speed"] = us["sdpa"] / us[k]
             if label in PREDICTED_US.get(k, {}):
                 row[f"predicted us {k}"] = PREDICTED_US[k][label]
-    if DEFAULT in label_calls:
-        eager = label_calls[DEFAULT]
-        row[f"eager us {DEFAULT}"] = benchlib.host_time_us(lambda i: eager(sets[i % rotate], outs[i % rotate]),
+    default = default_label()
+    if default in label_calls:
+        eager = label_calls[default]
+        row[f"eager us {default}"] = benchlib.host_time_us(lambda i: eager(sets[i % rotate], outs[i % rotate]),
                                                            calls=50)
+    del sets, outs
+    torch.cuda.empty_cache()  # the float64 reference of the long shapes takes gigabytes
     return row
 
 
@@ -214,22 +241,25 @@ def main(out=None, labels=None, variants=(), reps=10, calls=20, shapes=None):
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_prefill needs a CUDA GPU")
-    labels = list(labels or KERNELS)
+    labels = list(labels or DEFAULT_LABELS)
     env = benchlib.env_line()
     print(env)
-    print(f"layer: {NUM_HEADS} q heads / {NUM_KV_HEADS} KV heads, d={HEAD_DIM}, {DTYPE}, block {BLOCK_SIZE}; "
-          f"CUDA-graph replay, median of {reps}")
+    print(f"layers: {NUM_HEADS}/{NUM_KV_HEADS} heads d={HEAD_DIM}, or {LARGE[0]}/{LARGE[1]} d={LARGE[2]} (d128); "
+          f"{DTYPE}, block {BLOCK_SIZE}; CUDA-graph replay, median of {reps}")
     rows = []
     for shape in shapes or SHAPES:
-        rows.append(bench_shape(*shape, labels, list(variants), reps, calls))
+        label, num_seqs, cached, new = shape[:4]
+        heads = shape[4] if len(shape) > 4 else (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
+        rows.append(bench_shape(label, num_seqs, cached, new, labels, list(variants), reps, calls, heads))
         r = rows[-1]
         timed = [k for k in r if k.startswith("us ")]
-        print(f"{r['shape']:>14}: " + "  ".join(f"{k[3:]} {r[k]:7.1f} µs" for k in timed), flush=True)
+        print(f"{r['shape']:>16}: " + "  ".join(f"{k[3:]} {r[k]:7.1f} µs" for k in timed) + "  |  "
+              + "  ".join(f"{k[3:]} {r['us sdpa'] / r[k]:.2f}x SDPA" for k in timed if k != "us sdpa"), flush=True)
     all_labels = [k[3:] for k in rows[0] if k.startswith("us ") and k != "us sdpa"]
     text = table(rows, all_labels)
     print(text)
     if out is not None:
-        for path in benchlib.save(out, "bench_prefill", rows, dict(shapes=shapes or SHAPES, variants=list(variants)),
+        for path in benchlib.save(out, "prefill_bench", rows, dict(shapes=shapes or SHAPES, variants=list(variants)),
                                   text):
             print("wrote", path)
     return rows
@@ -241,8 +271,9 @@ if __name__ == "__main__":
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=None, help="folder for bench_prefill.json / .md")
-    parser.add_argument("--kernels", nargs="*", default=None, help=f"subset of {list(KERNELS)}")
+    parser.add_argument("--out", default=None, help="folder for prefill_bench.json / .md")
+    parser.add_argument("--kernels", nargs="*", default=None,
+                        help=f"subset of {list(KERNELS)} (default: {' '.join(DEFAULT_LABELS)})")
     parser.add_argument("--variant", action="append", default=[],
                         help="also time a v4+ kernel with overrides, e.g. v6:splits=2 or v5:stages=3 (repeatable)")
     parser.add_argument("--reps", type=int, default=10, help="graph replays; the median is reported")

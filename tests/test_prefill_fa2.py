@@ -165,12 +165,12 @@ FAST_CASES = [
     (6, 2, (1, 1, 64, 16, torch.float16, [97], [0])),
     # head_dim 128, GQA 3, block 32
     (6, None, (3, 1, 128, 32, torch.bfloat16, [12], [21])),
-    # v7 (the work list): GQA 7, ragged short chunks (1, 19: two q tiles of 18 queries, 3) behind
-    # prefixes of 0, 20 (mid-block) and 61 (a chunk after a cached prefix crossing a KV tile)
-    (7, None, (7, 1, 64, 16, torch.float16, [1, 19, 3], [0, 20, 61])),
-    # v7 at head_dim 128 (tiles of 32 keys): GQA 4, bf16, block 8; 1-token and 33-token chunks
-    # (two q tiles of 32 queries) behind prefixes of 40 and 0
-    (7, None, (4, 1, 128, 8, torch.bfloat16, [1, 33], [40, 0])),
+    # v7 (the work list): GQA 7, a 1-token chunk and a 3-token chunk after a cached prefix of 61
+    # (its keys cross a KV tile; its rows step past the group's end: 16 rows a pass, 7 heads)
+    (7, None, (7, 1, 64, 16, torch.float16, [1, 3], [0, 61])),
+    # v7 at head_dim 128 (128 rows, tiles of 32 keys): GQA 4, bf16, block 8; a chunk of 18 behind a
+    # prefix of 30 (two KV tiles through the ring, the second masked)
+    (7, None, (4, 1, 128, 8, torch.bfloat16, [18], [30])),
 ]
 
 SLOW_SHAPES = [
@@ -209,8 +209,11 @@ SIM_SHAPES = SLOW_SHAPES[1:4]
 SLOW_CASES = [c for c in ALL_CASES if c[2] in SIM_SHAPES]
 
 
-# v7 forced split at head_dim 128: 70 keys in 3 parts of one 32-key tile each (20 s in the simulator)
-SLOW_CASES.append((7, 3, (4, 1, 128, 32, torch.float16, [5], [65])))
+# v7: ragged short chunks (1, 19: two q tiles of 18 queries, 3) behind prefixes of 0, 20 (mid-block)
+# and 61; at d=128 a chunk of two q tiles; a forced split at head_dim 128: 70 keys in 3 parts of one 32-key tile each (20 s each here)
+SLOW_CASES += [(7, None, (7, 1, 64, 16, torch.float16, [1, 19, 3], [0, 20, 61])),
+               (7, None, (4, 1, 128, 8, torch.bfloat16, [1, 33], [40, 0])),  # 1 token; two q tiles
+               (7, 3, (4, 1, 128, 32, torch.float16, [5], [65]))]
 
 
 @pytest.mark.slow
@@ -350,13 +353,15 @@ from numba import cuda, types
 from kernels_numba import paged_prefill_fa2 as fa
 
 u32, f32, bt, i32 = types.uint32[::1], types.float32[::1], types.int32[:, ::1], types.int32[::1]
-SIG = (u32, u32, u32, bt, i32, i32, u32, f32, f32, types.int64, types.int64, types.float32)
+SIG = (u32, u32, u32, bt, i32, i32, u32, f32, f32, i32, types.int64, types.int64, types.float32)
 MERGE_SIG = (f32, f32, u32, types.int64, types.int64)
 out = {}
 for version, head_dim, kind, block_size in json.loads(sys.argv[1]):
     name = f"v{version}_d{head_dim}_{kind}_bs{block_size}"
     if version == "merge":
         ptx, _ = cuda.compile_ptx(fa.get_merge(kind).py_func, MERGE_SIG, cc=(9, 0))
+    elif version == "plan":
+        ptx, _ = cuda.compile_ptx(fa.get_plan().py_func, (i32, types.int64, i32), cc=(9, 0))
     else:
         kernel = fa.get_kernel(version, head_dim, kind, block_size)
         ptx, _ = cuda.compile_ptx(kernel.py_func, SIG, cc=(9, 0), launch_bounds=fa.LAUNCH_BOUNDS)
@@ -379,12 +384,17 @@ for version, head_dim, kind, block_size in json.loads(sys.argv[1]):
 print("STATS" + json.dumps(out))
 """
 
-CODEGEN_FAST = [(4, 64, "f16", 16), (5, 64, "bf16", 8), ("merge", 0, "f16", 0)]
+CODEGEN_FAST = [(4, 64, "f16", 16), (5, 64, "bf16", 8), ("merge", 0, "f16", 0), (7, 128, "f16", 16),
+                ("plan", 0, "", 0)]
 CODEGEN_SLOW = [(4, 128, "bf16", 32), (5, 128, "f16", 16), (4, 64, "bf16", 8), (5, 64, "f16", 32),
-                ("merge", 0, "bf16", 0)]
+                ("merge", 0, "bf16", 0), (7, 64, "f16", 16), (7, 128, "bf16", 8)]
 # ptxas register bounds: 2 CTAs of 128 threads per SM (LAUNCH_BOUNDS) allow 255; v4 at d=64
 # measured 212 (numba 0.68 / numba-cuda 0.30.4): a rise past 232 means a regression worth a look
 REGISTER_BOUND = {(4, 64): 232}
+# v7 at d=128 (128 rows: O is 128 registers, S 32) fills the 255 and ptxas spills a few words
+# (measured: 40 bytes stored, 60-64 loaded, numba-cuda 0.30.4, ptxas 13.0); more means the budget
+# broke (one of O's loops left rolled moved O to local memory: 500+ bytes)
+SPILL_BYTES = {(7, 128): 64}
 
 
 def _name(cfg):
@@ -421,28 +431,29 @@ def check_codegen(stats, tmp, cfg):
     s = stats[_name(cfg)]
     assert not s["local"] and s["f64_ops"] == 0, s
     regs, stores, loads = _ptxas(Path(tmp) / f"{_name(cfg)}.ptx")
-    assert stores == 0 and loads == 0, f"{_name(cfg)}: {regs} registers, {stores} B spill stores, {loads} B loads"
+    spill = SPILL_BYTES.get(cfg[:2], 0)
+    assert stores <= spill and loads <= spill, f"{_name(cfg)}: {regs} registers, {stores} B spill stores, {loads} B loads"
     assert regs <= 255, regs
-    if cfg[0] == "merge":
+    if cfg[0] in ("merge", "plan"):
         return
     version, head_dim = cfg[0], cfg[1]
     assert regs <= REGISTER_BOUND.get((version, head_dim), 255), f"{_name(cfg)}: {regs} registers"
-    mt = fa.version_config(version, head_dim).m_tiles
-    q_in_smem = fa.version_config(version, head_dim).q_in_smem
-    # per KV tile and warp: S = Q K^T and O += P V are (D / 2) MT mma each
-    assert s["mma"] == head_dim * mt, s
-    # K: D/4 ldmatrix.x4 (8 n-tiles x D/32), Q: D/16 per m-tile (once, or at every tile)
-    assert s["ldmatrix"] == head_dim // 4 + (head_dim // 16) * mt, s
-    # V: D/4 ldmatrix.x4.trans (4 k-steps x D/16 pairs of d-tiles)
-    assert s["ldmatrix_trans"] == head_dim // 4, s
+    cfg_v = fa.version_config(version, head_dim)
+    mt, q_in_smem, bn = cfg_v.m_tiles, cfg_v.q_in_smem, cfg_v.bn
+    # per KV tile of bn keys and warp: S = Q K^T and O += P V are (bn / 8)(D / 16) MT mma each
+    assert s["mma"] == 2 * (bn // 8) * (head_dim // 16) * mt, s
+    # K: (bn / 8)(D / 32) ldmatrix.x4, Q: D/16 per m-tile (once, or at every tile)
+    assert s["ldmatrix"] == (bn // 8) * (head_dim // 32) + (head_dim // 16) * mt, s
+    # V: (bn / 16)(D / 16) ldmatrix.x4.trans (k-steps x pairs of d-tiles)
+    assert s["ldmatrix_trans"] == (bn // 16) * (head_dim // 16), s
     # the pool and Q only through cp.async (Q tile, prologue tile, steady-state tile), waits
     # for Q and for each tile; no scalar shared loads of fragments
-    passes = fa.BN // (fa.THREADS // (head_dim // 8))
+    passes = bn // (fa.THREADS // (head_dim // 8))
     assert s["cp_async"] >= 2 * 2 * passes, s
     assert s["cp_async_wait"] >= (1 if q_in_smem else 2), s
     assert s["ld_shared_scalar"] == 0, s
-    # every exponential of the softmax is one ex2.approx: 2 x 8 per row pair, + 1 rescale each
-    assert s["ex2"] == mt * 2 * (2 * 8 + 1), s
+    # every exponential of the softmax is one ex2.approx: 2 per n-tile and row pair, + 1 rescale each
+    assert s["ex2"] == mt * 2 * (2 * (bn // 8) + 1), s
     assert s["dynamic_smem_align16"] and s["st_global_v4"] >= 1, s
 
 
