@@ -19,9 +19,11 @@ Layout of the work
 * A CTA is 4 warps. It stages the activation rows of its K range in shared memory once (zeros past M and
   past K), then each warp walks over tiles (bx * 4 + w, then every 4 * gridDim.x tiles) for that K range.
 * Split-K: grid (G, S). With S = 1 the warp applies the epilogue and stores y from its fragments. With
-  S > 1 each warp writes its fp32 partial sums to part[s, m, row], and a second small kernel adds the S
-  partials of every output in the fixed order s = 0, 1, ..., S-1 and applies the epilogue: no atomics, the
-  same bits on every run. A split covers at most 32 steps (1,024 k: the staged rows fit 33 KB of shared
+  S > 1 each warp writes its fp32 partial sums to part[s, m, row]; then the S partials of every output are
+  added in the fixed order s = 0, 1, ..., S-1 and the epilogue applied, either by the last warp to finish
+  the tile (reduce="warp", the default: a fence, then an atomic count per tile elects it; the count only
+  decides *who* adds, never the order, so the bits are the same on every run) or by a second small kernel
+  (reduce="kernel": one more launch, no atomics at all). A split covers at most 32 steps (1,024 k: the staged rows fit 33 KB of shared
   memory at M = 16); small N gets more splits so that enough warps stream (plan()).
 
 Fused variants (compile-time flags; the plain GEMM is the reference path)
@@ -49,11 +51,11 @@ import math
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, uint32
+from numba import cuda, float32, int32, uint32
 
 from kernels_numba import bridge
 from kernels_numba.bridge import words
-from kernels_numba.common import (bf16_to_f32, check_tensor, f16_to_f32, f32_to_bf16, f32_to_f16, load_u32x4,
+from kernels_numba.common import (FULL_MASK, bf16_to_f32, check_tensor, f16_to_f32, f32_to_bf16, f32_to_f16, load_u32x4,
                                   mma_m16n8k16_bf16, mma_m16n8k16_f16, pack2, store_u32x4, torch_stream, unpack2,
                                   warp_sum)
 from kernels_numba.errors import KernelLaunchError
@@ -67,6 +69,7 @@ ROW_WORDS = MAX_STEPS * 16 + 4   # a staged row in 32-bit words, padded 4 words 
 SPLIT_TARGET = 132 * 8   # (tile, split) pairs that keep enough loads in flight (4 KB per warp)
 GRID_TARGET = 132 * 16   # warps the grid aims at (16 per SM of the H200)
 REDUCE_THREADS = 128
+SPLIT_KERNEL, SPLIT_WARP = 1, 2   # split-K's reduction: a second kernel, or the last warp of each tile
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,8 +170,10 @@ def _make_epilogue(BF16, BIAS, SILU, RESID):
 @lru_cache(maxsize=None)
 def make_gemm_kernel(is_bf16, two_groups, norm, add, bias, silu, resid, split):
     """The main kernel. is_bf16: dtype; two_groups: M > 8 (two mma per 16 k); norm/add: RMSNorm prologue
-    (add: with the residual add); bias/silu/resid: epilogues; split: write fp32 partials instead (S > 1)."""
-    BF16, MG, NORM, ADD, SPLIT = is_bf16, 2 if two_groups else 1, norm, add, split
+    (add: with the residual add); bias/silu/resid: epilogues; split: 0 (S = 1: the warp stores y),
+    SPLIT_KERNEL (write fp32 partials for make_reduce_kernel) or SPLIT_WARP (write them, and the tile's
+    last warp to finish adds them in split order and stores y)."""
+    BF16, MG, NORM, ADD, SPLIT, LAST_WARP = is_bf16, 2 if two_groups else 1, norm, add, split != 0, split == SPLIT_WARP
     MP = 8 * MG                                       # staged activation rows
     SMEM_WORDS = MP * ROW_WORDS
     store = _make_epilogue(is_bf16, bias, silu, resid)
@@ -189,10 +194,11 @@ def make_gemm_kernel(is_bf16, two_groups, norm, add, bias, silu, resid, split):
         return d0, d1, d2, d3, e0, e1, e2, e3
 
     @cuda.jit
-    def skinny_gemm_kernel(x, x_stride, w, out, part, bias, res, nres, nres_stride, gamma, res_out, eps,
-                           M, N, K, tiles, steps_per_split, n_out):
+    def skinny_gemm_kernel(x, x_stride, w, out, part, counters, bias, res, nres, nres_stride, gamma, res_out,
+                           eps, M, N, K, tiles, steps_per_split, n_out):
         # x: M rows of K halves as words (row m at m * x_stride); w: N rows of K halves as words, contiguous;
-        # out: [M, n_out] halves (int16 bits); part: [S, M, N] float32 (SPLIT); bias: [N] halves;
+        # out: [M, n_out] halves (int16 bits); part: [S, M, N] float32 (SPLIT); counters: [tiles] int32,
+        # zero (LAST_WARP: splits done per tile, set back to zero by the tile's last warp); bias: [N] halves;
         # res: [M, n_out] halves (RESID); nres: residual stream rows (ADD, stride nres_stride words);
         # gamma: the norm weight [K] as words; res_out: [M, K] halves as words (ADD; row stride K / 2).
         # N: weight rows; tiles: 16-row tiles (8 outputs each with SILU); n_out: output columns.
@@ -307,6 +313,32 @@ def make_gemm_kernel(is_bf16, two_groups, norm, add, bias, silu, resid, split):
                                 store(out, m, row_a, fa, fa, bias, res, n_out, half_rows)
                             if ok_b:
                                 store(out, m, row_b, fb, fb, bias, res, n_out, half_rows)
+            if LAST_WARP:
+                # the last of the tile's S warps adds the S partials in split order (the same bits whichever
+                # warp that is) and stores y
+                cuda.threadfence()                      # this lane's partials are visible GPU-wide ...
+                cuda.syncwarp(FULL_MASK)                # ... every lane's, before the count
+                done = int32(0)
+                if lane == 0:
+                    done = cuda.atomic.add(counters, tile, 1)
+                done = cuda.shfl_sync(FULL_MASK, done, 0)
+                if done == cuda.gridDim.y - 1:
+                    cuda.threadfence()                  # ... and the other warps' partials to this one
+                    if lane == 0:
+                        counters[tile] = 0              # as the launch found it (graph replays)
+                    per_tile = 8 if SILU else 16
+                    for i in range(lane, per_tile * M, 32):
+                        m = i // per_tile
+                        j = per_tile * tile + i % per_tile
+                        if j < n_out:
+                            acc = float32(0.0)
+                            acc_up = float32(0.0)
+                            for sp in range(cuda.gridDim.y):
+                                pb = (sp * M + m) * N
+                                acc += part[pb + j]
+                                if SILU:
+                                    acc_up += part[pb + half_rows + j]
+                            store(out, m, j, acc, acc_up, bias, res, n_out, half_rows)
 
     return skinny_gemm_kernel
 
@@ -397,7 +429,7 @@ def _row_words(t):
 
 
 def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, norm_weight=None, eps=None,
-                  norm_residual=None, residual_out=None, steps_per_split=None, validate=True):
+                  norm_residual=None, residual_out=None, steps_per_split=None, reduce="warp", validate=True):
     """y = x weight^T (+ bias) for a few rows, with the optional fused prologue and epilogues.
 
     x: [M, K] float16/bfloat16, 1 <= M <= 16, K % 8 == 0, rows 16-byte aligned (strided rows allowed)
@@ -409,6 +441,8 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
         is written to residual_out ([M, K], contiguous, a buffer other than norm_residual).
     out: optional [M, N or I] contiguous output (may be `residual`).
     steps_per_split: force the split-K span (steps of 32 k; a multiple of 4, <= 32); None: plan().
+    reduce: how split-K's partials are added (in split order either way): "warp" (the last warp of each
+        tile, after an atomic count; one kernel) or "kernel" (a second kernel).
     Returns out. Runs on torch's current stream (capturable in a CUDA graph: the split-K partials live in a
     persistent scratch buffer per shape).
     """
@@ -460,6 +494,8 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
             if not residual_out.is_contiguous() or residual_out.data_ptr() == norm_residual.data_ptr():
                 raise KernelLaunchError("residual_out must be contiguous and not norm_residual itself "
                                         "(other CTAs still read norm_residual)")
+        if reduce not in ("warp", "kernel"):
+            raise KernelLaunchError(f"reduce must be 'warp' or 'kernel', got {reduce!r}")
         if steps_per_split is not None and (steps_per_split % UNROLL or not UNROLL <= steps_per_split <= MAX_STEPS):
             raise KernelLaunchError(f"steps_per_split must be a multiple of {UNROLL} in [{UNROLL}, {MAX_STEPS}], "
                                     f"got {steps_per_split}")
@@ -467,7 +503,7 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
         out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
     tiles, sps, splits, grid_x = plan(M, N, K, silu, steps_per_split, bridge.num_sms(x.device))
     is_bf16 = x.dtype == torch.bfloat16
-    split = splits > 1
+    split = 0 if splits == 1 else SPLIT_WARP if reduce == "warp" else SPLIT_KERNEL
     stream = torch_stream()
     out16 = _halves(out)
     w_words = words(weight)
@@ -478,14 +514,16 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
     gamma = words(norm_weight) if norm else x_words
     res_out = words(residual_out) if add else x_words
     part = bridge.scratch(x.device, (splits * M * N if split else 1,))
-    kernel = make_gemm_kernel(is_bf16, M > 8, norm, add, bias is not None and not split, silu,
-                              residual is not None and not split, split)
+    counters = bridge.scratch(x.device, (tiles if split == SPLIT_WARP else 1,), np.int32, zero=True)
+    in_kernel = split != SPLIT_KERNEL                    # the epilogue runs in the GEMM kernel
+    kernel = make_gemm_kernel(is_bf16, M > 8, norm, add, bias is not None and in_kernel, silu,
+                              residual is not None and in_kernel, split)
     kernel[(grid_x, splits), THREADS, stream](
-        x_words, _row_words(x), w_words, out16, part, bias16, res16, nres,
+        x_words, _row_words(x), w_words, out16, part, counters, bias16, res16, nres,
         _row_words(norm_residual) if add else 0, gamma, res_out, np.float32(eps if norm else 0.0),
         M, N, K, tiles, sps, n_out)
-    if split:
-        reduce = make_reduce_kernel(is_bf16, bias is not None, silu, residual is not None)
-        reduce[-(-(M * n_out) // REDUCE_THREADS), REDUCE_THREADS, stream](part, splits, out16, bias16, res16,
+    if split == SPLIT_KERNEL:
+        reducer = make_reduce_kernel(is_bf16, bias is not None, silu, residual is not None)
+        reducer[-(-(M * n_out) // REDUCE_THREADS), REDUCE_THREADS, stream](part, splits, out16, bias16, res16,
                                                                          M, N, n_out)
     return out

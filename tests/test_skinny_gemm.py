@@ -67,6 +67,10 @@ def assert_close(got, want, scale, K, dtype, what, ulps=1):
                            f"{[(tuple(i), got[tuple(i)], want[tuple(i)]) for i in np.argwhere(bad)[:4]]}")
 
 
+def same_bits(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 def case(M, N, K, dtype, seed=1):
     """x [M, K] and a weight [N, K] with the scale of a trained layer's (dot products of order 1)."""
     return randn(M, K, seed=seed, dtype=dtype), randn(N, K, seed=seed + 1, scale=K ** -0.5, dtype=dtype)
@@ -102,7 +106,10 @@ def test_bias_epilogue(dtype, K, sps):
     x, w = case(M, N, K, dtype, seed=5)
     bias = randn(N, seed=7, dtype=dtype)
     want, scale = ref.linear(x, w, NAME[dtype], bias=bias)
-    assert_close(sg.skinny_linear(x, w, bias, steps_per_split=sps), want, scale, K, dtype, "y + bias")
+    y = sg.skinny_linear(x, w, bias, steps_per_split=sps)
+    assert_close(y, want, scale, K, dtype, "y + bias")
+    if sps is not None:   # split-K: the second kernel adds the same partials in the same order
+        assert same_bits(sg.skinny_linear(x, w, bias, steps_per_split=sps, reduce="kernel"), y)
 
 
 @pytest.mark.parametrize("dtype, K, sps", EPILOGUE_CASES)
@@ -116,7 +123,8 @@ def test_residual_epilogue_rounds_like_the_unfused_add(dtype, K, sps):
     got = sg.skinny_linear(x, w, residual=r.clone(), steps_per_split=sps)
     assert np.array_equal(got.float().cpu().numpy(), want)
     in_place = r.clone()
-    assert sg.skinny_linear(x, w, residual=in_place, out=in_place, steps_per_split=sps) is in_place
+    reduce = "kernel" if sps is not None else "warp"             # split-K: the second kernel's epilogue too
+    assert sg.skinny_linear(x, w, residual=in_place, out=in_place, steps_per_split=sps, reduce=reduce) is in_place
     assert np.array_equal(in_place.float().cpu().numpy(), want)
 
 
@@ -132,6 +140,8 @@ def test_silu_epilogue(dtype, M, inter, K, sps):
     assert got.shape == (M, inter)
     plain = sg.skinny_linear(x, w, steps_per_split=sps)
     chained = ref_layers.silu_and_mul(plain, NAME[dtype])
+    if sps is not None:
+        assert same_bits(sg.skinny_linear(x, w, silu=True, steps_per_split=sps, reduce="kernel"), got)
     g = plain[:, :inter].double().cpu().numpy()
     err = np.abs(got.double().cpu().numpy() - chained)
     assert (err <= ULP[dtype] * np.abs(chained) + TINY[dtype]).all(), f"vs the unfused chain: max err {err.max()}"
@@ -200,6 +210,7 @@ def test_launch_errors_name_the_field():
         (lambda: sg.skinny_linear(x, w, norm_weight=randn(64), eps=1e-6, norm_residual=randn(2, 64)),
          "residual_out is needed"),
         (lambda: sg.skinny_linear(x, w, steps_per_split=6), "steps_per_split"),
+        (lambda: sg.skinny_linear(x, w, reduce="atomic"), "reduce"),
     ]
     r = randn(2, 64)
     cases.append((lambda: sg.skinny_linear(x, w, norm_weight=randn(64), eps=1e-6, norm_residual=r, residual_out=r),
@@ -217,7 +228,8 @@ _dispatcher.get_current_device = lambda: _pytypes.SimpleNamespace(compute_capabi
 from numba import cuda, types
 from kernels_numba import skinny_gemm as sg
 u32, i16, f32, i64 = types.uint32[::1], types.int16[::1], types.float32[::1], types.int64
-SIG = (u32, i64, u32, i16, f32, i16, i16, u32, i64, u32, u32, types.float32, i64, i64, i64, i64, i64, i64)
+SIG = (u32, i64, u32, i16, f32, types.int32[::1], i16, i16, u32, i64, u32, u32, types.float32,
+       i64, i64, i64, i64, i64, i64)
 RSIG = (f32, i64, i16, i16, i16, i64, i64, i64)
 out = {}
 for name, flags in json.loads(sys.argv[1]).items():
@@ -235,16 +247,18 @@ for name, flags in json.loads(sys.argv[1]).items():
 print(json.dumps(out))
 """
 
-# name: make_gemm_kernel(is_bf16, two_groups, norm, add, bias, silu, resid, split) / make_reduce_kernel(...)
-# the default run compiles the plain kernel and the one with the most fused (prologue, M > 8, split-K)
+# name: make_gemm_kernel(is_bf16, two_groups, norm, add, bias, silu, resid, split) / make_reduce_kernel(...);
+# the default run compiles the plain kernel, the one with the most fused (prologue, bias, M > 8, split-K with
+# the last warp's reduction) and the second-pass kernel
 CODEGEN = {
-    "plain_f16": (False, False, False, False, False, False, False, False),
-    "norm_add_split_bf16_m16": (True, True, True, True, False, False, False, True),
-    "silu_bias_f16": (False, False, False, False, True, True, False, False),
-    "resid_bf16": (True, False, False, False, False, False, True, False),
+    "plain_f16": (False, False, False, False, False, False, False, 0),
+    "norm_add_split_bf16_m16": (True, True, True, True, True, False, False, sg.SPLIT_WARP),
+    "silu_bias_f16": (False, False, False, False, True, True, False, 0),
+    "resid_split_kernel_bf16": (True, False, False, False, False, False, False, sg.SPLIT_KERNEL),
+    "silu_split_f16": (False, False, False, False, False, True, True, sg.SPLIT_WARP),
     "reduce_silu_bias_bf16": (True, True, True, False),
 }
-CODEGEN_DEFAULT = ("plain_f16", "norm_add_split_bf16_m16")
+CODEGEN_DEFAULT = ("plain_f16", "norm_add_split_bf16_m16", "reduce_silu_bias_bf16")
 CODEGEN_PARAMS = [n if n in CODEGEN_DEFAULT else pytest.param(n, marks=SLOW) for n in sorted(CODEGEN)]
 
 
@@ -265,7 +279,9 @@ def test_ptx_has_wide_loads_mma_and_no_fp64(compiled, name):
     s = compiled[0][name]
     assert s["f64_ops"] == 0, f"{name}: {s['f64_ops']} fp64 instructions"
     assert not s["local"], f"{name}: local memory (a register array spilled)"
-    assert s["atomic"] == 0, f"{name}: atomics (the sums must not depend on arrival order)"
+    # atomics only to elect the tile's last warp (one count per warp and tile), never to add the sums
+    elected = CODEGEN[name][-1] == sg.SPLIT_WARP if not name.startswith("reduce") else False
+    assert s["atomic"] == (1 if elected else 0), f"{name}: {s['atomic']} atomics"
     if name.startswith("reduce"):
         return
     # 4 steps of 2 rows: 8 16-byte weight loads per unrolled iteration (+ the staging of x)
@@ -273,7 +289,8 @@ def test_ptx_has_wide_loads_mma_and_no_fp64(compiled, name):
     groups = 2 if "m16" in name else 1
     assert s["mma"] == 8 * groups, s                          # 4 steps x 2 halves of a piece x M groups
     assert s["ld_shared_v4"] >= 4 * groups, s
-    assert s["shfl"] == (5 if "norm" in name else 0), s      # the norm's sum of squares only
+    # the norm's sum of squares (5), the election's broadcast (1)
+    assert s["shfl"] == (5 if "norm" in name else 0) + (1 if elected else 0), s
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not installed")
@@ -322,8 +339,8 @@ def test_gpu_real_shapes_match_float64_and_repeat_bit_for_bit(name, M):
     err = (got.double() - want).abs()
     assert bool((err <= bound).all()), f"{name} M={M}: max err {err.max().item():.3e}, max err/bound " \
                                        f"{(err / bound).max().item():.3f}"
-    for _ in range(2):
-        assert torch.equal(sg.skinny_linear(x, w, silu=silu).view(torch.int16), got.view(torch.int16))
+    for reduce in ("warp", "kernel"):
+        assert same_bits(sg.skinny_linear(x, w, silu=silu, reduce=reduce), got)
 
 
 @pytest.mark.gpu
