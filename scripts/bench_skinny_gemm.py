@@ -137,9 +137,9 @@ def sass_counts(sg):
     """LDG.E.128 and HMMA in the SASS of the plain kernels compiled so far (None without nvdisasm)."""
     try:
         counts = {}
-        for key, kernel in [(k, sg.make_gemm_kernel(True, k == "m16", False, False, False, False, False, False))
+        for key, kernel in [(k, sg.make_gemm_kernel(True, k == "m16", False, False, False, False, False, 0))
                             for k in ("m8", "m16")]:
-            sass = "\n".join(kernel.inspect_sass().values()) if kernel.signatures else ""
+            sass = "\n".join(kernel.inspect_sass().values())     # the specialisations compiled so far
             counts[key] = {"LDG.E.128": sass.count("LDG.E.128"), "HMMA.16816": sass.count("HMMA.16816"),
                            "fp64 (DADD/DMUL/DFMA)": sum(sass.count(op) for op in ("DADD", "DMUL", "DFMA"))}
         return counts
