@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from kernels_numba.cpu_linear import tile4
+from kernels_numba.cpu_simd import (load_u16, load_u32, vb_and, vb_bits, vb_load, vb_nibbles, vb_or, vb_shl, vb_shr,
+                                     vb_sub, vb_to_f32, vf_add, vf_fma, vf_load, vf_mul, vf_splat, vf_store, vf_sum, vf_zero)
 from kernels_numba.cpu_threads import numba_threads
 from kernels_numba.errors import KernelLaunchError
 
@@ -44,6 +45,8 @@ _Q8_0, _Q5_0, _Q6_K, _Q4_K = 0, 1, 2, 3
 # 2^(e - 25) for the fp16 exponent field e: an fp16 normal is (1024 + mantissa) * 2^(e - 25)
 LANES = 32                   # values per inner loop, an argument so LLVM vectorises rather than unrolls it
 _POW2 = np.array([2.0 ** (e - 25) for e in range(32)], np.float32)
+# every fp16 bit pattern's float32 value (256 KB; a model's scales touch a few of its lines)
+_F16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
 @njit(inline="always")
@@ -138,46 +141,176 @@ def _dequant_row(fmt, w, n, out, scale, minimum, qhbuf, lanes):
                     out[dst + l] = sc * np.float32((np.int32(row[src + l]) >> shift) & 15) - mn
 
 
-@njit(fastmath=FASTMATH, cache=True, nogil=True)
-def _rows(fmt, x, w, bias, out, n0, n1, lanes):
-    """out[:, n0:n1] = x @ dequant(w[n0:n1]).T (+ bias[n0:n1] when bias has any element)."""
+# ---- the product: one pass over the blocks, 32 values (one run) at a time ----------------------------
+# A run is 32 consecutive values of a weight row that share their scales: a Q8_0 / Q5_0 block, a Q4_K
+# sub-block, two Q6_K sub-blocks of 16 (scale `lo` for values 0-15, `hi` for 16-31). Its values are
+# lo/hi * q - mn with q a small integer, so a run's share of a dot product with x is
+#     lo * (q[0:16] . x[0:16]) + hi * (q[16:32] . x[16:32]) - mn * sum(x[0:32])
+# q is unpacked in 32 byte lanes (cpu_simd), converted exactly to float32 and multiplied with x in 8-lane
+# float32 vectors; sum(x) of every run is computed once per call (xsum), and only Q4_K has an mn.
+
+@njit(inline="always")
+def _run_values(fmt, row, r):
+    """The 32 integers q of run r of the row (uint8 [bytes_per_row]) in byte lanes, read as signed."""
+    if fmt == _Q8_0:                                 # int8 as stored
+        return vb_load(row, r * 34 + 2)
+    if fmt == _Q5_0:                                 # a nibble, a fifth bit from qh, minus 16
+        p = r * 22
+        return vb_sub(vb_or(vb_nibbles(row, p + 6), vb_bits(load_u32(row, p + 2), 16)), 16)
+    if fmt == _Q6_K:                                 # 4 low bits from ql, 2 high bits from qh, minus 32
+        b, h, i = r >> 3, (r >> 2) & 1, r & 3        # super-block, its half, the run in the half
+        ql = vb_load(row, b * 210 + 64 * h + 32 * (i & 1))
+        ql = vb_and(vb_shr(ql, 4) if i >= 2 else ql, 15)
+        qh = vb_and(vb_shr(vb_load(row, b * 210 + 128 + 32 * h), 2 * i), 3)
+        return vb_sub(vb_or(ql, vb_shl(qh, 4)), 32)
+    b, s = r >> 3, r & 7                             # Q4_K: sub-blocks 2c, 2c + 1 the low, high nibbles
+    q = vb_load(row, b * 144 + 16 + 32 * (s >> 1))
+    return vb_and(vb_shr(q, 4) if s & 1 else q, 15)
+
+
+@njit(inline="always")
+def _run_scales(fmt, row, lo, hi, mn, f16):
+    """lo / hi / mn [K // 32] of every run of the row: the same float32 products reference/quant.py
+    forms (d, d * scales[s], d * sc and dmin * m); f16 is the fp16 -> float32 table (_F16)."""
+    R = lo.shape[0]
+    if fmt == _Q8_0 or fmt == _Q5_0:
+        step = 34 if fmt == _Q8_0 else 22
+        for r in range(R):
+            lo[r] = hi[r] = f16[load_u16(row, r * step)]
+    elif fmt == _Q6_K:
+        for b in range(R // 8):
+            p = b * 210
+            d = f16[load_u16(row, p + 208)]
+            for t in range(8):                       # run t: sub-blocks 2t, 2t + 1
+                lo[8 * b + t] = d * np.float32((np.int32(row[p + 192 + 2 * t]) ^ 128) - 128)
+                hi[8 * b + t] = d * np.float32((np.int32(row[p + 193 + 2 * t]) ^ 128) - 128)
+    else:
+        for b in range(R // 8):
+            p = b * 144
+            d, dmin = f16[load_u16(row, p)], f16[load_u16(row, p + 2)]
+            q = p + 4                                # the 12 packed scale bytes
+            for s in range(8):
+                if s < 4:
+                    sc = np.int32(row[q + s]) & 63
+                    m = np.int32(row[q + s + 4]) & 63
+                else:
+                    sc = (np.int32(row[q + s + 4]) & 15) | ((np.int32(row[q + s - 4]) >> 6) << 4)
+                    m = (np.int32(row[q + s + 4]) >> 4) | ((np.int32(row[q + s]) >> 6) << 4)
+                lo[8 * b + s] = hi[8 * b + s] = d * np.float32(sc)
+                mn[8 * b + s] = dmin * np.float32(m)
+
+
+@njit(inline="always")
+def _run_dot(q0, q1, q2, q3, xm, o, lo, hi, acc):
+    """acc + lo * (q[0:16] . x[o:o+16]) + hi * (q[16:32] . x[o+16:o+32]), in 8 lanes."""
+    a = vf_fma(q1, vf_load(xm, o + 8), vf_mul(q0, vf_load(xm, o)))
+    b = vf_fma(q3, vf_load(xm, o + 24), vf_mul(q2, vf_load(xm, o + 16)))
+    return vf_fma(vf_splat(hi), b, vf_fma(vf_splat(lo), a, acc))
+
+
+def _rows_of(fmt):
+    """_rows compiled for one format: fmt is a constant inside, so its branches fold away."""
+    def rows(x, xsum, w, bias, out, n0, n1, col, f16):
+        return _rows(fmt, x, xsum, w, bias, out, n0, n1, col, f16)
+    return njit(cache=True, nogil=True)(rows)
+
+
+@njit(inline="always")
+def _rows(fmt, x, xsum, w, bias, out, n0, n1, col, f16):
+    """out[:, col + n] = x @ dequant(w[n]) (+ bias[col + n] when bias has any element), n in n0..n1-1.
+
+    x float32 [M, K], xsum float32 [M, K // 32] (each run's sum of x), w uint8 [N, bytes_per_row].
+    Input rows go 4 at a time (each run's q converted once for the 4), then one at a time; every row's
+    sums are the same operations in the same order either way, so a row's result does not depend on
+    the other rows of x."""
     M, K = x.shape
+    R = K // 32
     has_bias = bias.shape[0] > 0
-    wbuf = np.empty((4, K), np.float32)              # the 4 dequantized weight rows
-    scale, minimum, qhbuf = _scratch(K)
-    w0, w1, w2, w3 = wbuf[0], wbuf[1], wbuf[2], wbuf[3]
-    n = n0
-    while n + 4 <= n1:
-        _dequant_row(fmt, w, n, w0, scale, minimum, qhbuf, lanes)
-        _dequant_row(fmt, w, n + 1, w1, scale, minimum, qhbuf, lanes)
-        _dequant_row(fmt, w, n + 2, w2, scale, minimum, qhbuf, lanes)
-        _dequant_row(fmt, w, n + 3, w3, scale, minimum, qhbuf, lanes)
-        tile4(x, w0, w1, w2, w3, bias, has_bias, out, n)
-        n += 4
-    for n in range(n, n1):                           # leftover weight rows (N % 4): one dot product each
-        _dequant_row(fmt, w, n, w0, scale, minimum, qhbuf, lanes)
-        for m in range(M):
-            a0 = np.float32(0)
-            for k in range(K):
-                a0 += x[m, k] * w0[k]
-            out[m, n] = a0 + (bias[n] if has_bias else np.float32(0))
+    lo, hi, mn = np.empty(R, np.float32), np.empty(R, np.float32), np.zeros(R, np.float32)
+    xf = x.reshape(M * K)                            # row m at m * K (one view: no per-run array views)
+    M4 = M - M % 4
+    for n in range(n0, n1):
+        row = w[n]
+        _run_scales(fmt, row, lo, hi, mn, f16)
+        for m in range(0, M4, 4):                    # 4 input rows: 4 x 8 partial sums in registers
+            a0, a1, a2, a3 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
+            for r in range(R):
+                q0, q1, q2, q3 = vb_to_f32(_run_values(fmt, row, r))
+                o = m * K + 32 * r
+                a0 = _run_dot(q0, q1, q2, q3, xf, o, lo[r], hi[r], a0)
+                a1 = _run_dot(q0, q1, q2, q3, xf, o + K, lo[r], hi[r], a1)
+                a2 = _run_dot(q0, q1, q2, q3, xf, o + 2 * K, lo[r], hi[r], a2)
+                a3 = _run_dot(q0, q1, q2, q3, xf, o + 3 * K, lo[r], hi[r], a3)
+            _store(fmt, vf_sum(a0), m, col + n, mn, xsum, bias, has_bias, out)
+            _store(fmt, vf_sum(a1), m + 1, col + n, mn, xsum, bias, has_bias, out)
+            _store(fmt, vf_sum(a2), m + 2, col + n, mn, xsum, bias, has_bias, out)
+            _store(fmt, vf_sum(a3), m + 3, col + n, mn, xsum, bias, has_bias, out)
+        for m in range(M4, M):                       # the rest (a decode step of one sequence: M = 1)
+            a0 = vf_zero()
+            for r in range(R):
+                q0, q1, q2, q3 = vb_to_f32(_run_values(fmt, row, r))
+                a0 = _run_dot(q0, q1, q2, q3, xf, m * K + 32 * r, lo[r], hi[r], a0)
+            _store(fmt, vf_sum(a0), m, col + n, mn, xsum, bias, has_bias, out)
+
+
+@njit(inline="always")
+def _store(fmt, s, m, c, mn, xsum, bias, has_bias, out):
+    """out[m, c] = s (- Q4_K's mins: sum over runs of mn * sum(x of the run)) (+ bias[c])."""
+    if fmt == _Q4_K:
+        R = mn.shape[0]
+        R8 = R - R % 8
+        xs = xsum[m]
+        t8 = vf_zero()
+        for r in range(0, R8, 8):
+            t8 = vf_fma(vf_load(mn, r), vf_load(xs, r), t8)
+        t = vf_sum(t8)
+        for r in range(R8, R):
+            t += mn[r] * xs[r]
+        s -= t
+    out[m, c] = s + (bias[c] if has_bias else np.float32(0))
+
+
+_rows_q8_0, _rows_q5_0, _rows_q6_k, _rows_q4_k = (_rows_of(f) for f in (_Q8_0, _Q5_0, _Q6_K, _Q4_K))
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _run(num_threads, fmts, parts, offsets, x, xsum, bias, out, f16):
+    """out[:, offsets[p] + n] = x @ dequant(parts[p][n]) (+ bias): the parts' output features (a fused
+    layer's, end to end) cut into one contiguous range per thread of numba's pool."""
+    N = offsets[-1]
+    per = -(-N // num_threads)
+    for t in prange(num_threads):
+        a, e = t * per, min(N, (t + 1) * per)
+        for p in range(len(parts)):
+            n0, n1 = max(a, offsets[p]), min(e, offsets[p + 1])
+            if n0 >= n1:
+                continue
+            args = (x, xsum, parts[p], bias, out, n0 - offsets[p], n1 - offsets[p], offsets[p], f16)
+            if fmts[p] == _Q8_0:
+                _rows_q8_0(*args)
+            elif fmts[p] == _Q5_0:
+                _rows_q5_0(*args)
+            elif fmts[p] == _Q6_K:
+                _rows_q6_k(*args)
+            else:
+                _rows_q4_k(*args)
+
+
+@njit(cache=True, nogil=True)
+def _run_sums(x, xsum):
+    """xsum[m, r] = sum(x[m, 32 r:32 r + 32]) in float32."""
+    xf = x.reshape(x.size)
+    for m in range(x.shape[0]):
+        for r in range(xsum.shape[1]):
+            o = m * x.shape[1] + 32 * r
+            xsum[m, r] = vf_sum(vf_add(vf_add(vf_load(xf, o), vf_load(xf, o + 8)),
+                                       vf_add(vf_load(xf, o + 16), vf_load(xf, o + 24))))
 
 
 @njit(inline="always")
 def _scratch(K):
     """A row's block scales (float32, up to one per 16 values), Q4_K's mins, Q5_0's high bits."""
     return np.empty(K // 16 + 1, np.float32), np.empty(K // 32 + 1, np.float32), np.empty(K // 32 + 1, np.uint32)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _run(num_threads, fmt, x, w, bias, out, lanes):
-    """One contiguous range of output features (multiples of 4) per thread of numba's pool."""
-    N, K = w.shape[0], x.shape[1]
-    per = (N // num_threads) // 4 * 4
-    for t in prange(num_threads):
-        n0 = t * per
-        n1 = N if t == num_threads - 1 else n0 + per
-        _rows(fmt, x, w, bias, out, n0, n1, lanes)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -214,27 +347,47 @@ def linear(x, blocks, fmt, bias=None, num_threads=None):
     weight rows at a time (this kernel's threads) and multiply with torch's GEMM.
     Raises KernelLaunchError naming the argument whose device, dtype or shape does not fit.
     """
+    return linear_parts(x, [(blocks, fmt)], bias, num_threads)
+
+
+def linear_parts(x, parts, bias=None, num_threads=None):
+    """x [M, K] @ [W_0; W_1; ...]^T (+ bias) -> float32 torch tensor [M, N_0 + N_1 + ...] in one call: a
+    fused layer whose parts are stored apart, each in its own format (q / k / v, gate / up).
+
+    parts: [(blocks, fmt), ...] as `linear` takes them, every part K values a row. bias: float32
+    [sum of N_p] or None. The rest as `linear`."""
     xa = _check(x, "x", np.float32, 2)
-    wa = _check(blocks, "blocks", np.uint8, 2)
-    K = row_values(fmt, wa.shape[1])
+    M = xa.shape[0]
+    blocks, codes, offsets = [], [], [0]
+    for wb, fmt in parts:
+        wa = _check(wb, "blocks", np.uint8, 2)
+        K = row_values(fmt, wa.shape[1])
+        if K != xa.shape[1]:
+            raise KernelLaunchError(f"blocks: rows of {K} {fmt} values do not take x's {xa.shape[1]} input features")
+        ro = wa.view()
+        ro.flags.writeable = False                   # one array type for every part (a mapped file's is read-only)
+        blocks.append(ro)
+        codes.append(_CODE[fmt])
+        offsets.append(offsets[-1] + wa.shape[0])
+    N = offsets[-1]
     ba = _NO_BIAS if bias is None else _check(bias, "bias", np.float32, 1)
-    if K != xa.shape[1]:
-        raise KernelLaunchError(f"blocks: rows of {K} {fmt} values do not take x's {xa.shape[1]} input features")
-    if bias is not None and ba.shape[0] != wa.shape[0]:
-        raise KernelLaunchError(f"bias: {ba.shape[0]} elements for {wa.shape[0]} output features")
-    M, N = xa.shape[0], wa.shape[0]
+    if bias is not None and ba.shape[0] != N:
+        raise KernelLaunchError(f"bias: {ba.shape[0]} elements for {N} output features")
     threads = num_threads or torch.get_num_threads()
+    out = torch.empty(M, N, dtype=torch.float32)
     if M > MAX_ROWS:
         xt = torch.from_numpy(xa)
-        out = torch.empty(M, N, dtype=torch.float32)
-        for n0 in range(0, N, TILE_ROWS):
-            w = dequantize(wa[n0:n0 + TILE_ROWS], fmt, threads)
-            torch.matmul(xt, torch.from_numpy(w).T, out=out[:, n0:n0 + TILE_ROWS])
+        for wa, (_, fmt), c in zip(blocks, parts, offsets):
+            for n0 in range(0, wa.shape[0], TILE_ROWS):
+                w = dequantize(wa[n0:n0 + TILE_ROWS], fmt, threads)
+                torch.matmul(xt, torch.from_numpy(w).T, out=out[:, c + n0:c + n0 + w.shape[0]])
         if bias is not None:
             out += torch.from_numpy(ba)
         return out
-    out = torch.empty(M, N, dtype=torch.float32)
-    _run(numba_threads(min(threads, N // 64)), _CODE[fmt], xa, wa, ba, out.numpy(), LANES)
+    xsum = np.empty((M, xa.shape[1] // 32), np.float32)
+    _run_sums(xa, xsum)
+    _run(numba_threads(min(threads, max(1, N // 64))), np.array(codes, np.int64), tuple(blocks),
+         np.array(offsets, np.int64), xa, xsum, ba, out.numpy(), _F16)
     return out
 
 

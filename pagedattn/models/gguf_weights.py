@@ -235,8 +235,9 @@ class QuantWeight:
     """A layer's weight [N, K] kept as GGUF blocks: one or more GGUFTensors stacked along the output rows.
 
     The model fuses q/k/v (and gate/up) into one layer where the GGUF stores them apart, in different
-    formats (q Q5_0, v Q8_0): a fused layer holds its parts in output order and concatenates their
-    outputs. Held by the linear layers, the embedding and the LM head in place of a float32 Parameter
+    formats (q Q5_0, v Q8_0): a fused layer holds its parts in output order, and one kernel call
+    (cpu_quant.linear_parts) writes every part's outputs into its columns of the result. Held by the
+    linear layers, the embedding and the LM head in place of a float32 Parameter
     (pagedattn/models/loader.py: load_gguf_model); the ops table (pagedattn/layers/ops.py) calls it.
 
         w = QuantWeight([q, k, v])           # shape (Nq + Nk + Nv, K)
@@ -263,12 +264,11 @@ class QuantWeight:
         return sum(p.nbytes for p in self.parts)
 
     def __call__(self, x, bias=None, num_threads=None):
-        """x float32 [M, K] -> x W^T (+ bias [N]) float32 [M, N]; each part's slice of bias added by its kernel."""
-        if len(self.parts) == 1:
-            return quant_linear(x, self.parts[0], bias, num_threads)
-        outs = [quant_linear(x, p, None if bias is None else bias[a:b], num_threads)
-                for p, a, b in zip(self.parts, self.offsets, self.offsets[1:])]
-        return torch.cat(outs, dim=-1)                                          # (M, N)
+        """x float32 [M, K] -> x W^T (+ bias [N]) float32 [M, N]: every part in one kernel call, each part's
+        outputs written into its columns of the one result."""
+        if bias is not None and not isinstance(bias, torch.Tensor):
+            bias = torch.from_numpy(np.asarray(getattr(bias, "data", bias)))
+        return cpu_quant.linear_parts(x, [(p.data, p.fmt) for p in self.parts], bias, num_threads=num_threads)
 
     def embedding(self, ids, num_threads=None):
         """float32 [T, K]: rows ids (int [T]) of a one-part table."""

@@ -1,0 +1,230 @@
+"""Fixed-width vectors for numba's CPU target: 8 float32 lanes and 32 byte lanes, as LLVM vector values.
+
+numba types integer arithmetic on scalars at 64 bits (`uint8 & uint8` is an int64), so a loop that
+unpacks 4-6 bit fields from bytes vectorises, if at all, in 64-bit lanes (4 per 256-bit register, plus
+a 64 -> 32-bit conversion before every float). The GGUF block kernels (kernels_numba/cpu_quant.py)
+instead say what they mean at the width they mean it, through the few operations here, each a numba
+intrinsic emitting plain LLVM vector IR:
+
+    F32x8  <8 x float>   vf_load / vf_store / vf_splat / vf_zero / vf_fma / vf_add / vf_mul / vf_sum
+    U8x32  <32 x i8>     vb_load (32 bytes), vb_nibbles (16 bytes -> low nibbles then high nibbles),
+                         vb_bits (a uint32 -> 16 in the lanes whose bit is set), vb_shr / vb_and / vb_or /
+                         vb_sub / vb_shl (byte lanes), vb_to_f32 (signed bytes -> four F32x8)
+    scalars              load_u16 / load_u32 (little-endian words at any byte offset)
+
+No target-specific instruction is named: LLVM's instruction selection maps the vector ops to what the
+compile target has (two SSE registers per vector on a generic x86-64, one AVX2 register on a recent
+one), so the kernels run on any CPU numba targets. Only vf_fma's product and sum may fuse (the
+`contract` flag, taken where the target has FMA), and vf_sum adds the lanes in one fixed order, so a
+result does not depend on the thread count or the call.
+"""
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core.extending import intrinsic, models, register_model
+
+
+class F32x8(types.Type):
+    def __init__(self):
+        super().__init__(name="F32x8")
+
+
+class U8x32(types.Type):
+    def __init__(self):
+        super().__init__(name="U8x32")
+
+
+f32x8, u8x32 = F32x8(), U8x32()
+_F8 = ir.VectorType(ir.FloatType(), 8)
+_B32 = ir.VectorType(ir.IntType(8), 32)
+_B16 = ir.VectorType(ir.IntType(8), 16)
+_I32 = ir.IntType(32)
+
+
+@register_model(F32x8)
+class _F32x8Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _F8)
+
+
+@register_model(U8x32)
+class _U8x32Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _B32)
+
+
+def _ptr(context, builder, aryty, ary, idx, vty):
+    """Pointer to element idx of the 1-D array ary, as a pointer to the vector type vty (no bounds check)."""
+    a = context.make_array(aryty)(context, builder, ary)
+    p = cgutils.get_item_pointer(context, builder, aryty, a, [idx], wraparound=False)
+    return builder.bitcast(p, vty.as_pointer())
+
+
+def _load(builder, ptr):
+    v = builder.load(ptr)
+    v.align = 1                                  # any element offset: unaligned vector load
+    return v
+
+
+def _splat(builder, value, vty):
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(_I32, vty.count),
+                                                                                  [0] * vty.count))
+
+
+# ---- F32x8 ----------------------------------------------------------------------------------------
+@intrinsic
+def vf_load(typingctx, ary, idx):
+    """ary[idx:idx + 8] of a 1-D float32 array (C-contiguous; idx + 8 <= len, unchecked)."""
+    def codegen(context, builder, sig, args):
+        return _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _F8))
+    return f32x8(ary, idx), codegen
+
+
+@intrinsic
+def vf_store(typingctx, ary, idx, v):
+    """ary[idx:idx + 8] = v."""
+    def codegen(context, builder, sig, args):
+        st = builder.store(args[2], _ptr(context, builder, sig.args[0], args[0], args[1], _F8))
+        st.align = 1
+        return context.get_dummy_value()
+    return types.none(ary, idx, v), codegen
+
+
+@intrinsic
+def vf_zero(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_F8, [0.0] * 8)
+    return f32x8(), codegen
+
+
+@intrinsic
+def vf_splat(typingctx, x):
+    """A float32 scalar in every lane."""
+    def codegen(context, builder, sig, args):
+        return _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), _F8)
+    return f32x8(x), codegen
+
+
+def _binary(name, fuse):
+    @intrinsic
+    def op(typingctx, a, b):
+        def codegen(context, builder, sig, args):
+            flags = ("contract",) if fuse else ()
+            return getattr(builder, name)(args[0], args[1], flags=flags)
+        return f32x8(a, b), codegen
+    return op
+
+
+vf_add = _binary("fadd", True)
+vf_mul = _binary("fmul", True)
+
+
+@intrinsic
+def vf_fma(typingctx, a, b, c):
+    """a * b + c lane by lane; the product and sum may fuse into one rounding where the target has FMA."""
+    def codegen(context, builder, sig, args):
+        p = builder.fmul(args[0], args[1], flags=("contract",))
+        return builder.fadd(p, args[2], flags=("contract",))
+    return f32x8(a, b, c), codegen
+
+
+@intrinsic
+def vf_sum(typingctx, v):
+    """The 8 lanes' sum, always in the order ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)): a float32."""
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        u = ir.Constant(_F8, ir.Undefined)
+        h = builder.fadd(builder.shuffle_vector(v, u, ir.Constant(ir.VectorType(_I32, 4), [0, 1, 2, 3])),
+                         builder.shuffle_vector(v, u, ir.Constant(ir.VectorType(_I32, 4), [4, 5, 6, 7])))
+        u4 = ir.Constant(ir.VectorType(ir.FloatType(), 4), ir.Undefined)
+        q = builder.fadd(builder.shuffle_vector(h, u4, ir.Constant(ir.VectorType(_I32, 2), [0, 1])),
+                         builder.shuffle_vector(h, u4, ir.Constant(ir.VectorType(_I32, 2), [2, 3])))
+        return builder.fadd(builder.extract_element(q, ir.Constant(_I32, 0)),
+                            builder.extract_element(q, ir.Constant(_I32, 1)))
+    return types.float32(v), codegen
+
+
+# ---- U8x32 ----------------------------------------------------------------------------------------
+@intrinsic
+def vb_load(typingctx, ary, idx):
+    """ary[idx:idx + 32] of a 1-D uint8 (or int8) array as 32 byte lanes."""
+    def codegen(context, builder, sig, args):
+        return _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _B32))
+    return u8x32(ary, idx), codegen
+
+
+@intrinsic
+def vb_nibbles(typingctx, ary, idx):
+    """The 16 bytes ary[idx:idx + 16] as 32 lanes: their low nibbles in lanes 0-15, high nibbles in 16-31
+    (the order of Q5_0's and Q4_K's values)."""
+    def codegen(context, builder, sig, args):
+        b = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], _B16))
+        lo = builder.and_(b, ir.Constant(_B16, [15] * 16))
+        hi = builder.lshr(b, ir.Constant(_B16, [4] * 16))
+        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+    return u8x32(ary, idx), codegen
+
+
+@intrinsic
+def vb_bits(typingctx, word, value):
+    """Lane j = `value` where bit j of the uint32 `word` is set, else 0 (Q5_0's fifth bits)."""
+    def codegen(context, builder, sig, args):
+        w = context.cast(builder, args[0], sig.args[0], types.uint32)
+        val = context.cast(builder, args[1], sig.args[1], types.uint8)
+        bytes4 = builder.bitcast(w, ir.VectorType(ir.IntType(8), 4))     # little-endian: byte k = bits 8k..8k+7
+        spread = builder.shuffle_vector(bytes4, ir.Constant(ir.VectorType(ir.IntType(8), 4), ir.Undefined),
+                                        ir.Constant(ir.VectorType(_I32, 32), [j // 8 for j in range(32)]))
+        bit = builder.and_(spread, ir.Constant(_B32, [1 << (j % 8) for j in range(32)]))
+        on = builder.icmp_unsigned("!=", bit, ir.Constant(_B32, [0] * 32))
+        return builder.select(on, _splat(builder, val, _B32), ir.Constant(_B32, [0] * 32))
+    return u8x32(word, value), codegen
+
+
+def _byte_op(name):
+    @intrinsic
+    def op(typingctx, a, b):
+        """a <op> b in byte lanes; b a U8x32 or a scalar (taken modulo 256, in every lane)."""
+        def codegen(context, builder, sig, args):
+            rhs = args[1]
+            if sig.args[1] != u8x32:
+                rhs = _splat(builder, context.cast(builder, rhs, sig.args[1], types.uint8), _B32)
+            return getattr(builder, name)(args[0], rhs)
+        return u8x32(a, b), codegen
+    return op
+
+
+vb_and = _byte_op("and_")
+vb_or = _byte_op("or_")
+vb_sub = _byte_op("sub")
+vb_shr = _byte_op("lshr")                        # logical: zeros shifted in
+vb_shl = _byte_op("shl")
+
+
+@intrinsic
+def vb_to_f32(typingctx, v):
+    """The 32 lanes read as signed bytes (-128..127), converted exactly: four F32x8 of lanes 0-7 ... 24-31."""
+    def codegen(context, builder, sig, args):
+        u = ir.Constant(_B32, ir.Undefined)
+        out = []
+        for k in range(4):
+            part = builder.shuffle_vector(args[0], u, ir.Constant(ir.VectorType(_I32, 8), list(range(8 * k, 8 * k + 8))))
+            out.append(builder.sitofp(part, _F8))
+        return context.make_tuple(builder, sig.return_type, out)
+    return types.UniTuple(f32x8, 4)(v), codegen
+
+
+# ---- scalars --------------------------------------------------------------------------------------
+def _word_loader(bits):
+    @intrinsic
+    def load(typingctx, ary, idx):
+        """The little-endian unsigned word at byte offset idx of a 1-D uint8 array (any alignment)."""
+        def codegen(context, builder, sig, args):
+            v = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], ir.IntType(bits)))
+            return builder.zext(v, ir.IntType(64)) if bits < 64 else v
+        return types.uint64(ary, idx), codegen
+    return load
+
+
+load_u16 = _word_loader(16)
+load_u32 = _word_loader(32)
