@@ -23,8 +23,9 @@ Layout of the work
   added in the fixed order s = 0, 1, ..., S-1 and the epilogue applied, either by the last warp to finish
   the tile (reduce="warp", the default: a fence, then an atomic count per tile elects it; the count only
   decides *who* adds, never the order, so the bits are the same on every run) or by a second small kernel
-  (reduce="kernel": one more launch, no atomics at all). A split covers at most 32 steps (1,024 k: the staged rows fit 33 KB of shared
-  memory at M = 16); small N gets more splits so that enough warps stream (plan()).
+  (reduce="kernel": one more launch, no atomics at all). A split covers at most 32 steps (1,024 k: the
+  staged rows fit 33 KB of shared memory at M = 16); small N gets more splits so that enough warps stream
+  (plan()).
 
 Fused variants (compile-time flags; the plain GEMM is the reference path)
 ----------------------------------------------------------------------

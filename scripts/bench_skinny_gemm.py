@@ -210,14 +210,16 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
                         "cuBLAS % copy": 100 * nbytes / cublas / 1e3 / copy_gbs, "vs cuBLAS": cublas / ours})
             rows_out.append(row)
             print(f"{name:>13} M={M:2d}: {ours:8.2f} us {row['GB/s']:7.0f} GB/s ({row['% copy']:5.1f}% copy) | "
-                  f"cuBLAS {cublas:8.2f} us ({row['cuBLAS % copy']:5.1f}%) | fused {row.get('fused µs', float('nan')):.2f} us "
+                  f"cuBLAS {cublas:8.2f} us ({row['cuBLAS % copy']:5.1f}%) | "
+                  f"fused {row.get('fused µs', float('nan')):.2f} us "
                   f"({time.time() - t0:.0f} s)", flush=True)
         del ws
         torch.cuda.empty_cache()
     sass = sass_counts(sg)
     print("SASS of the plain kernel:", sass)
-    columns = ["shape", "M", "N", "K", "weight MB", "plan (steps/split, splits, CTAs)", "predicted µs", "µs", "GB/s",
-               "% copy", "2-kernel µs", "cuBLAS µs", "cuBLAS GB/s", "cuBLAS % copy", "vs cuBLAS", "fused", "fused µs"]
+    columns = ["shape", "M", "N", "K", "weight MB", "plan (steps/split, splits, CTAs)", "predicted µs", "µs",
+               "GB/s", "% copy", "2-kernel µs", "cuBLAS µs", "cuBLAS GB/s", "cuBLAS % copy", "vs cuBLAS", "fused",
+               "fused µs"]
     md = "\n".join([
         f"Skinny GEMM y[M, N] = x[M, K] W[N, K]^T, bf16, CUDA-graph replay, >= 4 rotated weight sets "
         f"(3x the L2). Copy bandwidth measured in this run: {copy_gbs:,.0f} GB/s (read + write).",

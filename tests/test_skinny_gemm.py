@@ -112,8 +112,9 @@ def test_bias_epilogue(dtype, K, sps):
         assert same_bits(sg.skinny_linear(x, w, bias, steps_per_split=sps, reduce="kernel"), y)
 
 
-@pytest.mark.parametrize("dtype, K, sps", [(BF16, 72, None), pytest.param(F16, 136, 4, marks=SLOW),
-                                           pytest.param(BF16, 136, 4, marks=SLOW), pytest.param(F16, 72, None, marks=SLOW)])
+@pytest.mark.parametrize("dtype, K, sps", [
+    (BF16, 72, None), pytest.param(F16, 136, 4, marks=SLOW), pytest.param(BF16, 136, 4, marks=SLOW),
+    pytest.param(F16, 72, None, marks=SLOW)])
 def test_residual_epilogue_rounds_like_the_unfused_add(dtype, K, sps):
     """round(round(acc) + r): the plain kernel's output plus r, rounded once, bit for bit; out may be r."""
     M, N = 3, 40
