@@ -27,11 +27,15 @@ stream_options.include_usage and continuous_usage_stats, so each chunk says how 
 Measured on the client: TTFT (send -> first chunk with a token), ITL (a chunk's gap since the previous
 one, split evenly over the tokens it brings), e2e (send -> [DONE]), throughput (output tokens / (last
 [DONE] - first send)). After every load the server's /metrics must show every KV block free again.
+Measured on the server (Linux /proc): the CPU time the engine core(s) and the API server(s) spent during the
+load, per 1000 output tokens, and the busiest one's share of a CPU (near 1.0: that process is the limit).
 
 Offline (one LLM in this process, before any server; freed afterwards): LLM.generate on each load's
 requests (chat: the messages through the tokenizer's chat template, as the server does), and the decode
 step: 256 sequences (100-token prompts, ignore_eos) stepped by hand, the median wall time of the steps
-after every prompt is in (the engine's step period at that batch: what an ITL compares to).
+after every prompt is in (the engine's step period at that batch: what an ITL compares to); with the light
+load, the engine's own TTFT (add_request to the first streamed step output, one prompt at a time: the part
+of a served light-load TTFT that is not the server's).
 
 Goals (served >= 0.9x offline at 256 streams, ITL p50 <= 1.2x the offline decode step, TTFT p50
 at light load <= 25 ms) are checked per row in the `goals` list of the JSON and the markdown.
@@ -41,6 +45,8 @@ at light load <= 25 ms) are checked per row in the `goals` list of the JSON and 
     python scripts/bench_serving.py --model random --out OUT           # random Qwen2.5-0.5B weights: nano + light
     python scripts/bench_serving.py --smoke --out OUT                  # CPU, tiny random model, small loads
     python scripts/bench_serving.py --smoke --model DIR --out OUT      # CPU, a tiny checkpoint with a tokenizer
+    python scripts/bench_serving.py --model DIR --device cpu --fake-step-ms 2 --out OUT   # the serving stack's
+                                           # own cost on a CPU: 2 ms steps of random tokens (fake_engine.py)
 """
 import argparse
 import asyncio
@@ -354,6 +360,48 @@ def stop_server(proc):
         proc.wait()
 
 
+def server_cpu_s(root_pid):
+    """{process name: CPU seconds (user + system) so far} for the server process `root_pid` and every
+    process under it, read from /proc (Linux; {} elsewhere). The launcher names its children
+    pagedattn-core<R> and pagedattn-api<I>, which is how the rows tell the engine core from the API servers."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    stats = {}
+    try:
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        text = f.read()
+                except OSError:
+                    continue
+                name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+                stats[int(pid)] = (name, int(rest[1]), (int(rest[11]) + int(rest[12])) / tick)
+    except OSError:
+        return {}
+    tree, todo = {}, [root_pid]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            name, _, cpu = stats[pid]
+            key = name if pid != root_pid else "launcher"
+            tree[key] = tree.get(key, 0.0) + cpu
+            todo += [p for p, (_, ppid, _) in stats.items() if ppid == pid]
+    return tree
+
+
+def cpu_columns(before, after, seconds, tokens):
+    """Row columns from two server_cpu_s readings around a load: CPU ms per 1000 output tokens and the
+    busy fraction of one CPU over the load, for the engine core(s) and the API server(s) (the busiest
+    one's fraction: a process near 1.0 is the bottleneck)."""
+    row = {}
+    for kind in ("core", "api"):
+        used = {n: after[n] - before.get(n, 0.0) for n in after if n.startswith(f"pagedattn-{kind}")}
+        if used and tokens:
+            row[f"{kind}_cpu_ms_per_ktok"] = 1e6 * sum(used.values()) / tokens
+            row[f"{kind}_busy_max"] = max(used.values()) / seconds
+    return row
+
+
 def free_blocks(url):
     """(free KV blocks, pool size) from the server's /metrics."""
     import httpx
@@ -398,8 +446,29 @@ def decode_step_ms(llm, vocab_size, batch, prompt_len, max_tokens):
     return 1000 * sorted(times)[len(times) // 2]
 
 
-def offline_runs(model_dir, llm_kwargs, loads, vocab_size, batch):
-    """{load: offline row} for every load with an `offline` entry, plus the decode step (ms)."""
+def light_ttft_ms(llm, prompts):
+    """Median ms from engine.add_request to the first step output with a token, one prompt at a time (16
+    tokens each, streamed): the engine's own share of a light-load TTFT."""
+    from pagedattn import SamplingParams
+
+    engine, times = llm.engine, []
+    for i, p in enumerate(prompts):
+        t0 = time.perf_counter()
+        engine.add_request(f"light-ttft-{i}", p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                           stream=True)
+        first = None
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            if first is None and any(c.delta_token_ids for o in outs for c in o.outputs):
+                first = time.perf_counter() - t0
+        times.append(first)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def offline_runs(model_dir, llm_kwargs, loads, vocab_size, batch, fake_step_ms=None, light=None):
+    """{load: offline row} for every load with an `offline` entry, plus the decode step (ms); light: the
+    light load's prompts (then a "light" row with the engine's own TTFT p50).
+    fake_step_ms: the synthetic device (pagedattn.serving.fake_engine) instead of the model."""
     import gc
 
     import torch
@@ -407,6 +476,9 @@ def offline_runs(model_dir, llm_kwargs, loads, vocab_size, batch):
     from pagedattn import LLM, SamplingParams
 
     llm = LLM(model_dir, **llm_kwargs)
+    if fake_step_ms:
+        from pagedattn.serving.fake_engine import install_fake_executor
+        install_fake_executor(llm, fake_step_ms)
     rows = {}
     for name, load in loads.items():
         if load.get("offline") is None:
@@ -427,6 +499,11 @@ def offline_runs(model_dir, llm_kwargs, loads, vocab_size, batch):
     max_len = llm.engine.max_model_len
     step = decode_step_ms(llm, vocab_size, batch, min(100, max_len // 4), min(128, max_len // 2))
     print(f"offline decode step at {batch} sequences: {step:.3f} ms", flush=True)
+    if light is not None:
+        ttft = light_ttft_ms(llm, light)
+        print(f"offline light-load TTFT p50 (engine.step, one request at a time): {ttft:.1f} ms", flush=True)
+        rows["light"] = {"server": "offline", "load": "light", "requests": len(light), "concurrency": 1,
+                         "failed": 0, "ttft_p50_ms": ttft}
     num_blocks = llm.engine.num_blocks
     llm.close()
     del llm
@@ -444,7 +521,8 @@ def save_results(out, rows, failures, step_ms, meta, final):
     goals = goal_lines(rows, step_ms)
     columns = ["server", "load", "requests", "concurrency", "failed", "seconds", "output_tok_s", "offline_tok_s",
                "served_over_offline", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_over_decode_step",
-               "e2e_p50_ms", "e2e_p99_ms", "kv_blocks_free_after", "server_start_s", "skipped"]
+               "e2e_p50_ms", "e2e_p99_ms", "core_cpu_ms_per_ktok", "core_busy_max", "api_cpu_ms_per_ktok", "api_busy_max",
+               "kv_blocks_free_after", "server_start_s", "skipped"]
     table = benchlib.markdown_table(rows, columns)
     table += (f"\n\nOffline decode step at {meta['decode_step_batch']} sequences: {step_ms:.3f} ms. Stream interval "
               f"{meta['stream_interval']}; {meta['client_processes']} client processes."
@@ -509,10 +587,12 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
          nano_requests=256, min_len=100, max_len=1024, light_requests=20, light_prompt_len=100, max_model_len=2048,
          max_num_seqs=256,
          num_blocks=None, stream_interval=1, warmup=16, server_timeout_s=600, time_budget_s=None,
-         request_timeout_s=600.0, smoke=False, seed=0):
+         request_timeout_s=600.0, smoke=False, seed=0, fake_step_ms=None):
     """Run the benchmark; returns the table rows (also written under `out`). time_budget_s: a server row is
     skipped (and marked so) when the time spent so far plus the longest server row so far would pass it.
-    servers: default mp1, mp2, mp4, inproc (smoke: mp2, inproc)."""
+    servers: default mp1, mp2, mp4, inproc (smoke: mp2, inproc). fake_step_ms: every engine (offline and
+    served) on the synthetic device of pagedattn.serving.fake_engine: steps of that many ms, random tokens
+    (the serving stack's own overhead, measurable on a CPU)."""
     from scripts import benchlib
 
     t_start = time.monotonic()
@@ -567,16 +647,20 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
                      decode_step_batch=min(max_num_seqs, concurrency),
                      client_processes=client_processes, nano_requests=nano_requests, min_len=min_len,
                      max_len=max_len, light_requests=light_requests, light_prompt_len=light_prompt_len,
-                     stream_interval=stream_interval, smoke=smoke, seed=seed, env=benchlib.env_line())
+                     stream_interval=stream_interval, smoke=smoke, seed=seed, fake_step_ms=fake_step_ms,
+                     env=benchlib.env_line())
     pool = ClientPool(client_processes)            # started before the offline LLM: small, CUDA-free processes
     try:
         offline, step_ms, num_blocks = offline_runs(model_dir, llm_kwargs,
                                                     {k: {"offline": offline_of.get(k)} for k in specs}, vocab,
-                                                    min(max_num_seqs, concurrency))
+                                                    min(max_num_seqs, concurrency), fake_step_ms,
+                                                    lp if "light" in specs else None)
         llm_kwargs["num_blocks"] = num_blocks
         engine_args = ["--device", device, "--dtype", dtype, "--max-model-len", str(max_model_len),
                        "--max-num-seqs", str(max_num_seqs), "--num-blocks", str(num_blocks), "--no-prefix-caching",
                        "--stream-interval", str(stream_interval)]
+        if fake_step_ms:
+            engine_args += ["--fake-step-ms", str(fake_step_ms)]
         rows, failures, longest = [], {}, 0.0
         for name in servers:
             elapsed = time.monotonic() - t_start
@@ -595,14 +679,17 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
                                         warm_specs)
                     if warm["failed"]:
                         print(f"server {name} {load}: {warm['failed']} warm-up requests failed", flush=True)
+                    cpu0 = server_cpu_s(proc.pid)
                     results = pool.run(url, load_specs, conc, procs, request_timeout_s)
+                    cpu1 = server_cpu_s(proc.pid)
                     row, errors = summarize(results, load_specs)
-                    row = {"server": name, "load": load, "concurrency": conc, **row}
+                    row = {"server": name, "load": load, "concurrency": conc, **row,
+                           **cpu_columns(cpu0, cpu1, row["seconds"], row["output_tokens"])}
                     free, total = wait_until_free(url)
                     row["kv_blocks_free_after"] = f"{free:.0f}/{total:.0f}" if free is not None else "no metric"
                     if free is None or free != total:
                         errors.append(f"KV blocks not all free after the load: {row['kv_blocks_free_after']}")
-                    if load in offline:
+                    if "output_tok_s" in offline.get(load, {}):
                         row["offline_tok_s"] = offline[load]["output_tok_s"]
                         row["served_over_offline"] = row["output_tok_s"] / row["offline_tok_s"]
                         if row.get("itl_p50_ms") is not None:
@@ -615,6 +702,8 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
                     print(f"server {name} {load}: {row['output_tok_s']:.1f} output tok/s"
                           f" ({row.get('served_over_offline', nan):.3f}x offline), TTFT p50 "
                           f"{row.get('ttft_p50_ms', nan):.1f} ms, ITL p50 {row.get('itl_p50_ms', nan):.2f} ms, "
+                          f"CPU ms per 1000 tokens: core {row.get('core_cpu_ms_per_ktok', nan):.0f}, API "
+                          f"{row.get('api_cpu_ms_per_ktok', nan):.0f} (busiest API {row.get('api_busy_max', nan):.2f}), "
                           f"failed {row['failed']}, KV free {row['kv_blocks_free_after']}", flush=True)
             finally:
                 stop_server(proc)
@@ -663,8 +752,10 @@ if __name__ == "__main__":
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds: skip the remaining servers when the next would likely pass it")
     ap.add_argument("--smoke", action="store_true", help="CPU, small loads; the tiny random model unless --model DIR")
+    ap.add_argument("--fake-step-ms", type=float, default=None,
+                    help="a synthetic device (steps of this many ms, random tokens): the serving overhead on a CPU")
     a = ap.parse_args()
     main(a.out, a.model, a.servers, a.loads, a.device, a.dtype, a.chat_requests, a.chat_max_tokens, a.concurrency,
          a.client_processes, a.nano_requests, a.min_len, a.max_len, a.light_requests, a.light_prompt_len,
          a.max_model_len, a.max_num_seqs, a.num_blocks, a.stream_interval, a.warmup, time_budget_s=a.time_budget,
-         smoke=a.smoke)
+         smoke=a.smoke, fake_step_ms=a.fake_step_ms)

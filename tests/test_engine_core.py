@@ -150,6 +150,62 @@ def test_step_message_round_trips_as_arrays():
     assert core_endpoints("tcp://10.0.0.2:5550") == ("tcp://10.0.0.2:5550", "tcp://10.0.0.2:5551")
 
 
+def test_core_steps_carry_only_each_steps_new_tokens(checkpoint):
+    """The core's output processor (deltas_only): a running completion's output holds the step's new token
+    ids and logprobs alone; joined, the deltas are the final output (n=2; with this seed completion 1
+    samples the end-of-sequence id early, while completion 0 runs to max_tokens)."""
+    from pagedattn.engine.output_processor import OutputProcessor
+
+    llm = LLM(checkpoint, **ENGINE)
+    try:
+        engine = llm.engine
+        engine.outputs = OutputProcessor(None, engine.eos_token_ids, engine.max_model_len, deltas_only=True)
+        params = SamplingParams(temperature=0.8, seed=3, max_tokens=17, n=2, logprobs=True)
+        engine.add_request("r", [5, 17, 301, 42], params, stream=True)
+        joined, final, steps = {}, None, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final = out
+                    continue
+                steps += 1
+                for c in out.outputs:
+                    if c.finish_reason is None:
+                        assert c.token_ids == c.delta_token_ids and len(c.logprobs) == len(c.token_ids)
+                    ids, lps = joined.get(c.index, ([], []))
+                    new_lps = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
+                    joined[c.index] = (ids + c.delta_token_ids, lps + new_lps)
+        assert steps >= 10 and final is not None
+        reasons = {}
+        for c in final.outputs:                 # the final output is complete; its delta is the rest
+            ids, lps = joined[c.index]
+            assert ids + c.delta_token_ids == c.token_ids and len(c.logprobs) == len(c.token_ids)
+            assert lps == c.logprobs[:len(lps)]
+            reasons[c.index] = (c.finish_reason, len(c.token_ids))
+        assert reasons[0] == ("length", 17) and reasons[1][0] == "stop" and reasons[1][1] < 17
+    finally:
+        llm.close()
+
+
+def test_fake_executor_runs_steps_of_the_given_time_to_max_tokens(checkpoint):
+    """The synthetic device (benchmarks): requests run to max_tokens (no end-of-sequence id is drawn), and
+    a step takes at least step_ms."""
+    from pagedattn.serving.fake_engine import install_fake_executor
+
+    llm = install_fake_executor(LLM(checkpoint, **ENGINE), step_ms=5.0)
+    try:
+        t0 = time.perf_counter()
+        outs = llm.generate([[5, 17, 301], [9, 9]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        eos = llm.engine.eos_token_ids
+        for o in outs:
+            assert len(o.outputs[0].token_ids) == 12 and o.outputs[0].finish_reason == "length"
+            assert not eos & set(o.outputs[0].token_ids)
+        assert seconds >= 12 * 0.005            # a prefill step and 11 decode steps at least, one after another
+    finally:
+        llm.close()
+
+
 def test_core_client_equals_async_llm(core, cases, expected):
     got = run_all(core, cases)
     assert_same(got, expected)

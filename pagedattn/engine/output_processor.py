@@ -10,6 +10,11 @@
 streamed request, the cumulative outputs with the delta since the last call. Text is only computed
 where someone looks at it: incrementally (pagedattn.engine.detokenizer) for streamed requests and for
 requests with stop strings, once at the end for the others.
+
+With `deltas_only=True` (the engine core, which ships token ids to another process and keeps no text) a
+streamed request's unfinished outputs carry only what the step added: `token_ids` and `delta_token_ids`
+are the new ids, `logprobs` their log-probabilities; nothing cumulative is copied, so a step costs the
+same at the thousandth token as at the first. Final outputs are complete either way.
 """
 from pagedattn.engine.detokenizer import IncrementalDetokenizer
 from pagedattn.engine.metrics import request_metrics
@@ -17,12 +22,14 @@ from pagedattn.engine.outputs import CompletionOutput, RequestOutput
 
 
 class OutputProcessor:
-    """tokenizer: HF tokenizer or None (token ids only); eos_token_ids: set of ids; max_model_len: int."""
+    """tokenizer: HF tokenizer or None (token ids only); eos_token_ids: set of ids; max_model_len: int;
+    deltas_only: streamed progress as deltas alone (see the module docstring)."""
 
-    def __init__(self, tokenizer, eos_token_ids, max_model_len):
+    def __init__(self, tokenizer, eos_token_ids, max_model_len, deltas_only=False):
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
+        self.deltas_only = deltas_only
 
     def init_sequence(self, seq, stream):
         """Set up a new completion's text tracking (streamed or with stop strings: incremental)."""
@@ -61,7 +68,19 @@ class OutputProcessor:
             return ""
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
 
+    def _delta(self, seq):
+        """The new tokens of a running streamed completion, without its cumulative lists."""
+        start = seq.num_prompt_tokens + seq.num_sent_tokens
+        ids = seq.token_ids[start:]
+        lps = None if seq.token_logprobs is None else seq.token_logprobs[seq.num_sent_tokens:]
+        seq.num_sent_tokens += len(ids)
+        out = CompletionOutput(seq.index, "", ids, None, seq.cumulative_logprob, lps)
+        out.delta_token_ids = ids
+        return out
+
     def _completion(self, seq, stream):
+        if stream and self.deltas_only and not seq.is_finished:
+            return self._delta(seq)
         finished = seq.is_finished
         if finished and seq.text is None:
             seq.text = self.finish_text(seq)

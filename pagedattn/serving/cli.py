@@ -48,6 +48,9 @@ def parse_args(argv=None):
     ap.add_argument("--switch-interval-ms", type=float, default=1.0,
                     help="--in-process only: the interpreter's thread switch interval (Python's default: 5 ms): how "
                          "long the engine thread may wait for the GIL while the HTTP thread is busy")
+    ap.add_argument("--fake-step-ms", type=float, default=None,
+                    help="benchmarks only: the model replaced by a synthetic device that runs every step in this "
+                         "many ms and samples random tokens (pagedattn/serving/fake_engine.py)")
     ap.add_argument("--log-level", default="info", help="uvicorn's: critical | error | warning | info | debug")
     proc = ap.add_argument_group("processes", "how the server is spread over processes (docs/engine_core.md)")
     proc.add_argument("--data-parallel-size", type=int, default=1,
@@ -133,6 +136,9 @@ def main(argv=None):
               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=not a.no_prefix_caching,
               enforce_eager=a.enforce_eager, tensor_parallel_size=a.tensor_parallel_size)
+    if a.fake_step_ms:
+        from pagedattn.serving.fake_engine import install_fake_executor
+        install_fake_executor(llm, a.fake_step_ms)
     engine = llm.engine
     name = a.served_model_name or os.path.basename(os.path.normpath(engine.model_path))
     async_llm = AsyncLLM(llm, stream_interval=a.stream_interval)

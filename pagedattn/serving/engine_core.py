@@ -185,8 +185,9 @@ class EngineCore:
         self.llm, self.engine, self.rank = llm, llm.engine, rank
         engine = self.engine
         # No text in the core: the API side detokenizes and checks stop strings. An output processor
-        # without a tokenizer still applies EOS, stop token ids and the length limits.
-        engine.outputs = OutputProcessor(None, engine.eos_token_ids, engine.max_model_len)
+        # without a tokenizer still applies EOS, stop token ids and the length limits; deltas_only: a
+        # step's outputs hold its new tokens only (no cumulative list is copied per step).
+        engine.outputs = OutputProcessor(None, engine.eos_token_ids, engine.max_model_len, deltas_only=True)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(ClientMessage)
         self.ctx = zmq.Context()
@@ -378,12 +379,20 @@ def die_with_parent():
         libc.prctl(1, signal.SIGTERM)          # PR_SET_PDEATHSIG
 
 
+def name_process(name):
+    """Set this process's name as `ps`, `top` and /proc/PID/comm show it (Linux, 15 bytes); elsewhere a no-op."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(15, ctypes.create_string_buffer(name.encode()[:15]), 0, 0, 0)      # PR_SET_NAME
+
+
 def run_engine_core(address, engine_kwargs, rank=0, visible_devices=None):
     """A core process's body (a spawn target): build the LLM, serve `address` until stopped.
 
     engine_kwargs: LLM(**engine_kwargs). visible_devices: "2,3" makes those GPUs this process's
     cuda:0, cuda:1 (a data-parallel rank on its own GPUs; its tensor-parallel workers inherit it)."""
     die_with_parent()
+    name_process(f"pagedattn-core{rank}")
     # Ctrl-C reaches every process of the terminal's group; the launcher decides when a core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if visible_devices is not None:
@@ -391,7 +400,13 @@ def run_engine_core(address, engine_kwargs, rank=0, visible_devices=None):
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine-core-{rank} %(levelname)s %(message)s")
     from pagedattn import LLM
 
-    core = EngineCore(LLM(**engine_kwargs), address, rank)
+    engine_kwargs = dict(engine_kwargs)
+    fake_step_ms = engine_kwargs.pop("fake_step_ms", None)     # a synthetic device (benchmarks; fake_engine.py)
+    llm = LLM(**engine_kwargs)
+    if fake_step_ms:
+        from pagedattn.serving.fake_engine import install_fake_executor
+        install_fake_executor(llm, fake_step_ms, seed=rank)
+    core = EngineCore(llm, address, rank)
     signal.signal(signal.SIGTERM, lambda *_: core.stop())
     core.run()
 

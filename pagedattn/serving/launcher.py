@@ -80,7 +80,7 @@ class ServeConfig:
         engine = dict(block_size=a.get("block_size"), num_blocks=a.get("num_blocks"),
                       max_model_len=a.get("max_model_len"), max_num_seqs=a.get("max_num_seqs"),
                       max_num_batched_tokens=a.get("max_num_batched_tokens"),
-                      tensor_parallel_size=a.get("tensor_parallel_size"))
+                      tensor_parallel_size=a.get("tensor_parallel_size"), fake_step_ms=a.get("fake_step_ms"))
         if a.get("no_prefix_caching"):
             engine["enable_prefix_caching"] = False
         if a.get("enforce_eager"):
@@ -106,6 +106,7 @@ def run_api_server(config, addresses, index, port, events):
     """An API process's body (a spawn target): a CoreClient on every core, build_app, uvicorn on `port`
     (SO_REUSEPORT). Puts ("ready", index, core info) on `events` once it accepts connections."""
     ec.die_with_parent()
+    ec.name_process(f"pagedattn-api{index}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # the launcher decides; uvicorn's own handlers follow
     import uvicorn
 

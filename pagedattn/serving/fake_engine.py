@@ -1,0 +1,75 @@
+"""A synthetic device for measuring the serving stack: the real engine (scheduler, block manager, output
+processing) with its executor replaced by one that takes a fixed time per step and samples random tokens.
+
+    llm = LLM(tiny_checkpoint, device="cpu", ...)
+    install_fake_executor(llm, step_ms=2.0)        # every step now "runs" 2 ms, whatever its size
+
+What it stands for: a GPU that runs each launched step in `step_ms` (one step after another, like a
+stream) while the host is free, and hands back one token per sampling row. The host's own work (building
+the step, processing its tokens, and everything the server does around it) costs what it costs, so a
+served / offline ratio measured on it is the serving stack's overhead at that step period. The tokens
+are uniform over the vocabulary without the end-of-sequence ids (so requests run to max_tokens), with
+log-probability -1; beam search is not supported.
+
+`python -m pagedattn serve --fake-step-ms 2 ...` and `scripts/bench_serving.py --fake-step-ms 2` use it.
+"""
+import time
+
+import numpy as np
+
+now = time.perf_counter
+
+
+class _FakeResult:
+    """What StepResult.wait() gives, once the step's time has passed."""
+
+    def __init__(self, tokens, logprobs, ready_at):
+        self.tokens, self.logprobs, self.ready_at = tokens, logprobs, ready_at
+
+    def wait(self):
+        delay = self.ready_at - now()
+        if delay > 0:
+            time.sleep(delay)
+        return self.tokens, self.logprobs, None
+
+
+class FakeExecutor:
+    """Stands in for UniprocExecutor. inner: the real executor (its model config and pool size are kept).
+    step_ms: device time per step. vocab_size: sampled ids are in [0, vocab_size) minus `exclude`."""
+
+    world_size = 1
+
+    def __init__(self, inner, step_ms, vocab_size, exclude=(), seed=0):
+        if not step_ms > 0:
+            raise ValueError(f"step_ms must be > 0, got {step_ms!r}")
+        self.inner, self.model_config, self.num_blocks = inner, inner.model_config, inner.num_blocks
+        self.step_s = step_ms / 1000.0
+        self.allowed = np.setdiff1d(np.arange(vocab_size, dtype=np.int32), np.asarray(list(exclude), np.int32))
+        self.rng = np.random.default_rng(seed)
+        self.device_free_at = 0.0       # the previous launched step's end (steps run one after another)
+
+    @property
+    def runner(self):
+        return self.inner.runner
+
+    def execute(self, step):
+        if step.num_beams:
+            raise NotImplementedError("the fake executor does not do beam search")
+        n = step.num_samples
+        ready = max(now(), self.device_free_at) + self.step_s
+        self.device_free_at = ready
+        tokens = self.allowed[self.rng.integers(0, len(self.allowed), n)]
+        return _FakeResult(tokens, np.full(n, -1.0, np.float32), ready)
+
+    def check_alive(self):
+        pass
+
+    def shutdown(self):
+        self.inner.shutdown()
+
+
+def install_fake_executor(llm, step_ms, seed=0):
+    """Replace `llm`'s executor (an LLM built on the CPU, normally a tiny checkpoint) by a FakeExecutor."""
+    engine = llm.engine
+    engine.executor = FakeExecutor(engine.executor, step_ms, engine.vocab_size, engine.eos_token_ids, seed)
+    return llm
