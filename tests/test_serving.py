@@ -406,3 +406,35 @@ def test_64_concurrent_streaming_clients_some_leaving_early(server, ref):
                 - metric(before, "pagedattn_request_finished_total", finished_reason=r)
                 for r in ("stop", "length", "abort"))
     assert ended == NUM_CLIENTS
+
+
+def test_streamed_chunks_are_the_protocol_models_json():
+    """The streamed chunks are plain dicts encoded by msgspec: byte for byte what the pydantic protocol
+    models write (non-ASCII text, quotes, logprobs, usage, the chat role chunk)."""
+    import types
+
+    from pagedattn.engine.outputs import CompletionOutput
+    from pagedattn.serving import protocol as P
+    from pagedattn.serving.api_server import ChatJob, CompletionJob, _sse
+
+    c = CompletionOutput(0, "x", [65, 66], None, -1.5, [-0.5, -1.0])
+    c.delta_text, c.delta_token_ids = 'h\u00e9 "\U0001f642"\n', [65, 66]
+    req = P.CompletionRequest(model="m", prompt="p", logprobs=1, stream=True)
+    job = CompletionJob("cmpl-1", "m", req, [], None)
+    got = _sse(job.chunk([job.stream_choice(0, c, "length")], job.usage_dict()))
+    job2 = CompletionJob("cmpl-1", "m", req, [], None)
+    want = P.CompletionChunk(id="cmpl-1", created=job.created, model="m", usage=job2.usage(), choices=[
+        P.CompletionChoice(index=0, text=c.delta_text, finish_reason="length",
+                           logprobs=job2.logprobs(0, c, c.delta_token_ids))])
+    assert got == b"data: " + want.model_dump_json().encode() + b"\n\n"
+    chat = P.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], logprobs=True)
+    streams = [types.SimpleNamespace(prompt_token_ids=[1, 2, 3])]       # what a job reads of its stream
+    job = ChatJob("chatcmpl-1", "m", chat, streams, None)
+    job2 = ChatJob("chatcmpl-1", "m", chat, streams, None)
+    got = [_sse(job.first_chunks()[0]), _sse(job.chunk([job.stream_choice(1, c, None)]))]
+    want = [P.ChatCompletionChunk(id="chatcmpl-1", created=job.created, model="m", choices=[
+                P.ChatCompletionStreamChoice(index=0, delta=P.DeltaMessage(role="assistant", content=""))]),
+            P.ChatCompletionChunk(id="chatcmpl-1", created=job.created, model="m", choices=[
+                P.ChatCompletionStreamChoice(index=1, delta=P.DeltaMessage(content=c.delta_text),
+                                             logprobs=job2.logprobs(1, c, c.delta_token_ids))])]
+    assert got == [b"data: " + w.model_dump_json().encode() + b"\n\n" for w in want]

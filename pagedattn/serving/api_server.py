@@ -38,6 +38,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -493,6 +494,11 @@ class _Job:
     def usage(self):
         return P.UsageInfo.of(self.prompt_tokens, self.completion_tokens)
 
+    def usage_dict(self):
+        """usage() as the plain dict a streamed chunk carries (the same JSON)."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
     def token_strings(self, index, token_ids):
         """The next tokens of choice `index` as text (TokenPieces: what each completes of the choice's text;
         call with the choice's tokens in order)."""
@@ -525,30 +531,39 @@ class _Job:
         return self.response()
 
     async def events(self):
-        """The SSE events (str) of a streamed response, [DONE] included."""
+        """The SSE events (bytes) of a streamed response, [DONE] included. The chunks of one output (one
+        per choice that changed, as OpenAI sends them) go out in one write."""
         try:
             for chunk in self.first_chunks():
                 yield _sse(chunk)
+            continuous = self.req.continuous_usage
             async for i, out in merge_streams(self.streams):
-                for index, c, finish in list(self.updates(i, out)):     # one choice per chunk, as OpenAI
-                    chunk = self.chunk([self.stream_choice(index, c, finish)])
-                    if self.req.continuous_usage:
-                        chunk.usage = self.usage()
-                    yield _sse(chunk)
+                events = []
+                for index, c, finish in list(self.updates(i, out)):
+                    events.append(_sse(self.chunk([self.stream_choice(index, c, finish)],
+                                                  self.usage_dict() if continuous else None)))
+                if events:
+                    yield events[0] if len(events) == 1 else b"".join(events)
             if self.req.include_usage:
-                yield _sse(self.chunk([], usage=self.usage()))
+                yield _sse(self.chunk([], usage=self.usage_dict()))
         except (EngineStepError, EngineDeadError, InvalidRequestError) as e:
             yield "data: " + json.dumps(_engine_error(e).body()) + "\n\n"
         finally:
             self.abort()                # a no-op unless the client left early
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
     def first_chunks(self):
         return []
 
 
-def _sse(model):
-    return "data: " + model.model_dump_json() + "\n\n"
+_JSON = msgspec.json.Encoder()
+
+
+def _sse(chunk):
+    """One server-sent event (bytes) of a chunk dict: compact JSON, UTF-8, as pydantic's model_dump_json
+    writes the protocol models (the streamed chunks are plain dicts: a model per token costs more than
+    the rest of the token's way through the server)."""
+    return b"data: " + _JSON.encode(chunk) + b"\n\n"
 
 
 class CompletionJob(_Job):
@@ -570,12 +585,15 @@ class CompletionJob(_Job):
         return P.CompletionLogprobs(tokens=tokens, token_logprobs=values, text_offset=offsets)
 
     def stream_choice(self, index, c, finish):
-        return P.CompletionChoice(index=index, text=c.delta_text, finish_reason=finish,
-                                  logprobs=self.logprobs(index, c, c.delta_token_ids))
+        """A streamed choice (P.CompletionChoice's fields, as a dict)."""
+        logprobs = self.logprobs(index, c, c.delta_token_ids)
+        return {"index": index, "text": c.delta_text, "logprobs": None if logprobs is None else logprobs.model_dump(),
+                "finish_reason": finish}
 
     def chunk(self, choices, usage=None):
-        return P.CompletionChunk(id=self.rid, created=self.created, model=self.model_name, choices=choices,
-                                 usage=usage)
+        """A streamed chunk (P.CompletionChunk's fields, as a dict)."""
+        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model_name,
+                "choices": choices, "usage": usage}
 
     def response(self):
         choices = []
@@ -601,17 +619,20 @@ class ChatJob(_Job):
 
     def first_chunks(self):
         """The role comes first, once per choice, as OpenAI sends it."""
-        choices = [P.ChatCompletionStreamChoice(index=index, delta=P.DeltaMessage(role="assistant", content=""))
-                   for index in range(len(self.streams) * self.n)]
+        choices = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for index in range(len(self.streams) * self.n)]
         return [self.chunk(choices)]
 
     def stream_choice(self, index, c, finish):
-        return P.ChatCompletionStreamChoice(index=index, delta=P.DeltaMessage(content=c.delta_text),
-                                            finish_reason=finish, logprobs=self.logprobs(index, c, c.delta_token_ids))
+        """A streamed choice (P.ChatCompletionStreamChoice's fields, as a dict; the delta has content only)."""
+        logprobs = self.logprobs(index, c, c.delta_token_ids)
+        return {"index": index, "delta": {"content": c.delta_text},
+                "logprobs": None if logprobs is None else logprobs.model_dump(), "finish_reason": finish}
 
     def chunk(self, choices, usage=None):
-        return P.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model_name, choices=choices,
-                                     usage=usage)
+        """A streamed chunk (P.ChatCompletionChunk's fields, as a dict)."""
+        return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model_name,
+                "choices": choices, "usage": usage}
 
     def response(self):
         choices = [P.ChatCompletionChoice(index=index, message=P.ChatResponseMessage(content=c.text),

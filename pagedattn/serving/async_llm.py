@@ -156,6 +156,7 @@ class RequestStream:
                     self.finished = True
                     raise error
                 if out is not None:
+                    out = self._take(out)
                     break
         except BaseException:
             if not self.finished:       # cancelled while waiting: the client is gone
@@ -164,6 +165,11 @@ class RequestStream:
         if out.finished:
             self.finished = True
         return out
+
+    def _take(self, pending):
+        """The RequestOutput the consumer gets for what was left waiting for it: here the merged output
+        itself; a front that builds outputs only when they are taken (CoreClient) overrides it."""
+        return pending
 
     def abort(self):
         """Stop the request (a no-op once it finished): its blocks are freed before the next step."""

@@ -15,12 +15,17 @@ strings. A stop string ends its completion here; the token ids after it are drop
 told to stop computing it. So the text, token ids, logprobs and finish reasons are exactly those of the
 in-process engine (AsyncLLM).
 
-Threads. One receiver thread reads every core's messages: for each step message it walks the entries
-(one per completion that advanced), detokenizes, builds that request's RequestOutput and hands it to
-its RequestStream (pagedattn.serving.async_llm's: an async iterator that merges outputs its consumer has
-not taken yet and wakes the consumer's event loop once per step). Commands go out from the callers'
-threads on one PUSH socket per core (under a lock). Closing a stream early aborts its request in its
-core, which frees the blocks before the next step.
+Threads. One receiver thread waits on every core's socket (its Python runs only when a message came):
+metrics snapshots and deaths it applies itself; step messages it hands, raw, to the event loop that
+serves the requests (one wake-up for every message waiting), and that loop walks the entries (one per
+completion that advanced), detokenizes and marks each request's stream as having news. The
+RequestOutput (token ids, text, deltas since the consumer last took one) is built only when the
+consumer takes it, so a stream that lags costs nothing per step. All the Python of a step's outputs
+thus runs on the thread that writes the responses: no second thread competes with it for the GIL (a
+thread that has to win the GIL back after every socket write would wait up to the interpreter's switch
+interval each time). Without a running loop (the one that added the requests closed) the receiver thread
+does that work itself. Commands go out from the callers' threads on one PUSH socket per core (under a
+lock). Closing a stream early aborts its request in its core, which frees the blocks before the next step.
 
 Routing (data parallelism): a request goes to the live core with the least load, running + waiting
 sequences from that core's latest snapshot plus what this client sent it since, ties broken by KV usage.
@@ -31,6 +36,7 @@ serving ends with EngineDeadError, `is_alive` turns False (so /health fails) and
 refused. Nothing is restarted behind the caller's back.
 """
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -119,6 +125,23 @@ class _Completion:
         return out
 
 
+class _CoreStream(RequestStream):
+    """A RequestStream whose RequestOutput is built when its consumer takes it, from the request's state
+    (`_pending` holds the _Request: everything processed so far, deltas since the last take)."""
+
+    def _put_progress(self, request, num_tokens, finished):
+        """News for the consumer (the receiving side): num_tokens new tokens, finished or not. Returns
+        True when the consumer must be woken (RequestStream._put's rule)."""
+        with self._lock:
+            self._pending = request
+            self._pending_tokens += num_tokens
+            due = finished or not self._sent_any or self._pending_tokens >= self.owner.stream_interval
+            return due and not self._ready.is_set()
+
+    def _take(self, request):
+        return self.owner._output_of(request)
+
+
 class _Request:
     """One request in flight: its stream, core, wire id and completions."""
     __slots__ = ("stream", "core", "wire_id", "completions", "n", "num_finished", "first_token_time")
@@ -198,6 +221,12 @@ class CoreClient(StreamingFront):
         self._request_ids = itertools.count()
         self._snapshot_tokens = itertools.count(1)
         self._stopping = False
+        # Step messages on their way from the receiver thread to the loop that processes them.
+        self._loop = None               # the event loop of the latest request (processes step messages)
+        self._inbox = collections.deque()
+        self._inbox_lock = threading.Lock()
+        self._scheduled = False         # a _process_inbox call is queued on _loop
+        self._proc_lock = threading.RLock()     # one thread at a time processes outputs or builds them
         try:
             self._handshake(ready_timeout_s)
         except BaseException:
@@ -289,7 +318,8 @@ class CoreClient(StreamingFront):
         params = SamplingParams() if params is None else params
         request_id = f"req-{next(self._request_ids)}" if request_id is None else request_id
         ids = self._inputs.validate(self.tokenize(prompt), params)
-        stream = RequestStream(self, request_id, prompt, ids, params, asyncio.get_running_loop())
+        stream = _CoreStream(self, request_id, prompt, ids, params, asyncio.get_running_loop())
+        self._loop = stream.loop
         with self._lock:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request_id {request_id!r} is already running")
@@ -403,6 +433,8 @@ class CoreClient(StreamingFront):
                         self._monitor_event(core)
                     else:
                         self._drain(core)
+                if self._inbox and (self._loop is None or self._loop.is_closed()):
+                    self._process_inbox()           # the loop that was to process them is gone
                 for core in self._cores:
                     if core.error is None and core.process is not None and not core.process.is_alive():
                         self._core_died(core, f"the engine core process exited (exit code {core.process.exitcode})")
@@ -412,6 +444,8 @@ class CoreClient(StreamingFront):
         finally:
             if self.error is None:
                 self.error = EngineDeadError("the engine client has been shut down")
+            with self._proc_lock:
+                self._inbox.clear()
             self._fail_streams(list(self._live.values()), self.error)
 
     def _monitor_event(self, core):
@@ -433,7 +467,7 @@ class CoreClient(StreamingFront):
                 return
             msg = self._decoder.decode(data)
             if isinstance(msg, ec.StepOutputs):
-                self._on_step(core, msg)
+                self._dispatch(core, msg)
             elif isinstance(msg, ec.Stats):
                 core.snapshot = msg.metrics
                 core.sent_since_snapshot = 0
@@ -442,12 +476,52 @@ class CoreClient(StreamingFront):
             elif isinstance(msg, ec.Dead):
                 self._core_died(core, f"engine core {core.rank} died: {msg.reason}")
 
+    def _dispatch(self, core, msg):
+        """(receiver thread) A step message to process on the requests' event loop, in arrival order; on
+        this thread when there is no loop to run it."""
+        self._inbox.append((core, msg))
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with self._inbox_lock:
+                if self._scheduled:
+                    return
+                self._scheduled = True
+            try:
+                loop.call_soon_threadsafe(self._process_inbox)
+                return
+            except RuntimeError:            # closed meanwhile
+                with self._inbox_lock:
+                    self._scheduled = False
+        self._process_inbox()
+
+    def _process_inbox(self):
+        """Process every step message waiting, oldest first (on the loop, or the receiver thread)."""
+        with self._inbox_lock:
+            self._scheduled = False
+        with self._proc_lock:
+            while self._inbox:
+                core, msg = self._inbox.popleft()
+                try:
+                    self._on_step(core, msg)
+                except Exception as e:  # noqa: BLE001 (a bug here: fail loudly, never silently stall streams)
+                    logger.exception("processing a step message failed")
+                    self.error = self.error or EngineDeadError(f"the engine client failed: {e!r}")
+                    self._fail_streams(list(self._live.values()), self.error)
+
+    def _output_of(self, req):
+        """The RequestOutput of `req` as it stands (deltas since the consumer's last one)."""
+        stream = req.stream
+        with self._proc_lock:
+            return RequestOutput(stream.request_id, stream.prompt, stream.prompt_token_ids,
+                                 [c.output() for c in req.completions], req.num_finished == req.n)
+
     def _core_died(self, core, reason):
         logger.error("engine core %d: %s", core.rank, reason)
         err = EngineDeadError(f"the engine has stopped: {reason}")
         core.error = err
         self.error = self.error or err
-        self._fail_streams([r for r in list(self._live.values()) if r.core is core], err)
+        with self._proc_lock:
+            self._fail_streams([r for r in list(self._live.values()) if r.core is core], err)
 
     def _fail_streams(self, requests, error):
         woken = {}
@@ -461,13 +535,13 @@ class CoreClient(StreamingFront):
         self._wake(woken)
 
     def _on_step(self, core, msg):
-        """One step's outputs from `core`: detokenize, stop strings, one RequestOutput per request."""
+        """One step's outputs from `core`: detokenize, stop strings, news for each request's stream."""
         t = now()
         step = ec.decode_step(msg)
         wire_ids, index, counts = step["wire_ids"].tolist(), step["index"].tolist(), step["num_tokens"].tolist()
         tokens, finish = step["token_ids"].tolist(), step["finish"].tolist()
         logprobs, cumulative = step["logprobs"], step["cumulative"].tolist()
-        touched, failed = {}, []
+        touched, failed, recorded = {}, [], []
         offset = 0
         for e, wid in enumerate(wire_ids):
             k = counts[e]
@@ -490,14 +564,17 @@ class CoreClient(StreamingFront):
                     touched.pop(wid, None)
                     failed.append((req, f"detokenizing completion {comp.index} failed: {e!r}"))
                     continue
-            touched[wid] = req
             if stopped_at is not None:
                 new = new[:stopped_at + 1]
+            n_new = len(new)
+            touched[wid] = (req, touched[wid][1] + n_new) if wid in touched else (req, n_new)
             comp.token_ids += new
             if comp.logprobs is not None:
-                comp.logprobs += logprobs[start:start + len(new)].tolist()
-            comp.cumulative = cumulative[e] - float(logprobs[start + len(new):offset].sum())
-            self._record_tokens(req, comp, len(new), t)
+                comp.logprobs += logprobs[start:start + n_new].tolist()
+            # the core's cumulative log-probability counts the tokens dropped after a stop string too
+            comp.cumulative = cumulative[e] if n_new == k else cumulative[e] - float(logprobs[start + n_new:offset].sum())
+            if n_new:
+                recorded.append((req, comp, n_new))
             if stopped_at is not None:
                 comp.finish_reason = "stop"
                 if finish[e] == 0:                  # the core still runs it
@@ -506,9 +583,10 @@ class CoreClient(StreamingFront):
                 comp.finish_reason = ec.FINISH_REASONS[finish[e]]
             if comp.finish_reason is not None:
                 req.num_finished += 1
+        self._record_tokens(recorded, t)
         woken = {}
-        for wid, req in touched.items():
-            self._deliver(req, t, woken)
+        for req, n_new in touched.values():
+            self._deliver(req, n_new, t, woken)
         errors = [(req.wire_id, "failed", message) for req, message in failed]
         for req, _ in failed:
             self._send(core, ec.AbortRequests(self._identity, [req.wire_id]))     # the core frees its blocks
@@ -535,11 +613,9 @@ class CoreClient(StreamingFront):
                 woken.setdefault(req.stream.loop, []).append(req.stream)
         self._wake(woken)
 
-    def _deliver(self, req, t, woken):
+    def _deliver(self, req, num_tokens, t, woken):
         stream = req.stream
         finished = req.num_finished == req.n
-        out = RequestOutput(stream.request_id, stream.prompt, stream.prompt_token_ids,
-                            [c.output() for c in req.completions], finished)
         if finished:
             with self._lock:
                 self._live.pop(req.wire_id, None)
@@ -547,26 +623,34 @@ class CoreClient(StreamingFront):
                 if self.metrics is not None:
                     reasons = {c.finish_reason for c in req.completions}
                     self.metrics.finished(reasons.pop() if len(reasons) == 1 else "mixed", t - stream.arrival_time)
-        if stream._put(out):
+        if stream._put_progress(req, num_tokens, finished):
             woken.setdefault(stream.loop, []).append(stream)
 
     def _wake(self, woken):
+        here = asyncio._get_running_loop()
         for loop, streams in woken.items():
+            if loop is here:                    # processing on the streams' own loop: wake them directly
+                _set_ready(streams)
+                continue
             try:
                 loop.call_soon_threadsafe(_set_ready, streams)
             except RuntimeError:                # that loop is closed: nobody reads these streams any more
                 for stream in streams:
                     stream.abort()
 
-    def _record_tokens(self, req, comp, k, t):
+    def _record_tokens(self, recorded, t):
+        """The latency metrics of one step's tokens: recorded = [(request, completion, new tokens)]."""
         m = self.metrics
-        if m is None or not k:
+        if m is None or not recorded:
             return
         with self._lock:
-            if req.first_token_time is None:
-                req.first_token_time = t
-                m.first_token(t - req.stream.arrival_time, len(req.stream.prompt_token_ids))
-            if comp.last_token_time is not None:
-                m.inter_token((t - comp.last_token_time) / k, k)
-            comp.last_token_time = t
-            m.generated(k)
+            total = 0
+            for req, comp, k in recorded:
+                if req.first_token_time is None:
+                    req.first_token_time = t
+                    m.first_token(t - req.stream.arrival_time, len(req.stream.prompt_token_ids))
+                if comp.last_token_time is not None:
+                    m.inter_token((t - comp.last_token_time) / k, k)
+                comp.last_token_time = t
+                total += k
+            m.generated(total)
