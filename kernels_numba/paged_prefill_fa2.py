@@ -694,6 +694,7 @@ def get_merge(kind):
 
 
 PLAN_THREADS = 256
+PLAN_SEQS = 4096  # sequences whose tile counts the plan keeps in shared memory (more: recomputed)
 
 
 def _build_plan():
@@ -714,26 +715,31 @@ def _build_plan():
         num_seqs = cu_seqlens_q.shape[0] - 1
         tid = cuda.threadIdx.x
         most = cuda.shared.array(1, np.int32)  # the largest n_s
+        ntiles = cuda.shared.array(PLAN_SEQS, np.int32)  # n_s of the first PLAN_SEQS sequences
         if tid == 0:
             most[0] = 0
         cuda.syncthreads()
         mx = 0
         for s in range(tid, num_seqs, PLAN_THREADS):
-            mx = max(mx, (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + bq - 1) // bq)
+            n = (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + bq - 1) // bq
+            if s < PLAN_SEQS:
+                ntiles[s] = n
+            mx = max(mx, n)
         cuda.atomic.max(most, 0, mx)
         cuda.syncthreads()
         n_max = most[0]
         for k in range(tid, n_max + 1, PLAN_THREADS):  # C(k); C(n_max) is the item count
             c = 0
             for s in range(num_seqs):
-                c += min((cu_seqlens_q[s + 1] - cu_seqlens_q[s] + bq - 1) // bq, k)
+                n = ntiles[s] if s < PLAN_SEQS else (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + bq - 1) // bq
+                c += min(n, k)
             work[2 * bound + k] = c
         cuda.syncthreads()  # C is in global memory: visible to the whole CTA after the barrier
         for s in range(tid, num_seqs, PLAN_THREADS):
             n = (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + bq - 1) // bq
             place = 0
             for s2 in range(num_seqs):
-                n2 = (cu_seqlens_q[s2 + 1] - cu_seqlens_q[s2] + bq - 1) // bq
+                n2 = ntiles[s2] if s2 < PLAN_SEQS else (cu_seqlens_q[s2 + 1] - cu_seqlens_q[s2] + bq - 1) // bq
                 if n2 > n or (n2 == n and s2 < s):
                     place += 1
             for k in range(n):

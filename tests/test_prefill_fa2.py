@@ -310,10 +310,14 @@ def test_plan_starts_the_heaviest_tiles_first():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_plan_covers_every_tile_once(seed):
+def test_plan_covers_every_tile_once(seed, monkeypatch):
     # ragged lengths (many 1-token chunks, ties in tile count), more sequences than the plan's
     # threads in the last case: every (sequence, tile) exactly once, ranks never rising, the
-    # bound's tail empty
+    # bound's tail empty. In the simulator (which reads the module's constant at run time) seed 1
+    # keeps 16 of its 40 sequences' tile counts in shared memory and recomputes the rest, as the
+    # plan does past PLAN_SEQS sequences
+    if seed == 1 and fa.SIMULATOR:
+        monkeypatch.setattr(fa, "PLAN_SEQS", 16)
     rng = np.random.default_rng(seed)
     num_seqs = [7, 40, fa.PLAN_THREADS + 13][seed]
     q_lens = [int(x) for x in rng.choice([1, 2, 9, 18, 19, 50, 130], num_seqs)]
@@ -488,6 +492,9 @@ GPU_SHAPES = [
     # MHA and d=128
     (8, 8, 128, 16, torch.float16, [1, 97, 640], [63, 200, 1]),
     (16, 2, 128, 32, torch.bfloat16, [255, 129], [1000, 17]),
+    # Qwen2-7B layer (28/4, d=128: GQA 7 at 128 rows), and many short prompts with 1-token chunks
+    (28, 4, 128, 16, torch.float16, [1, 128, 33, 500], [0, 0, 700, 20]),
+    (14, 2, 64, 16, torch.float16, [128] * 40 + [1] * 10, [0] * 40 + [5] * 10),
 ]
 
 
@@ -518,7 +525,7 @@ def test_gpu_vs_sdpa_error(shape):
     base = sdpa_error(q, k, v, bt, cu, ctx, ref)
     # floor: one unit in the last place of the largest output (both round their result once)
     tol = 2 * base + 2 * UNIT_ROUNDOFF[q.dtype] * float(np.abs(ref).max())
-    for version, splits in [(4, None), (5, None), (6, None), (6, 2), (6, 7), (6, 16)]:
+    for version, splits in [(4, None), (5, None), (6, None), (6, 2), (6, 7), (6, 16), (7, None), (7, 3)]:
         out = journey.paged_prefill(q, k, v, bt, cu, ctx, version=version, splits=splits)
         torch.cuda.synchronize()
         err = check(out, ref, tol)
@@ -544,18 +551,20 @@ def test_gpu_fuzz(seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", [journey.PRODUCTION_VERSION, 7])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_gpu_in_cuda_graph(splits):
+def test_gpu_in_cuda_graph(splits, version):
+    # v7 captures two launches (the plan, then attention), three with a split
     q, k, v, bt, cu, ctx = make_batch(14, 2, 64, 16, torch.float16, [100, 7], [50, 0], seed=5)
     out = torch.empty_like(q)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        fa.paged_prefill(q, k, v, bt, cu, ctx, out=out, splits=splits)  # compile outside the capture
+        journey.paged_prefill(q, k, v, bt, cu, ctx, out=out, splits=splits, version=version)  # compile first
     torch.cuda.synchronize()
     out.zero_()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fa.paged_prefill(q, k, v, bt, cu, ctx, out=out, splits=splits)
+        journey.paged_prefill(q, k, v, bt, cu, ctx, out=out, splits=splits, version=version)
     graph.replay()
     torch.cuda.synchronize()
     ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
