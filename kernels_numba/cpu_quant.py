@@ -1,29 +1,36 @@
 """y = x W^T (+ b) with W kept in a GGUF block format (Q8_0, Q5_0, Q6_K, Q4_K), on the CPU, by numba.
 
-A decode step on a CPU is bound by the weight bytes it reads: float32 weights are 4 bytes a value, the
-GGUF blocks 1.06 (Q8_0), 0.69 (Q5_0), 0.82 (Q6_K) and 0.56 (Q4_K). This kernel reads the blocks as stored
-and dequantizes them on the fly, in L1, into exactly the float32 values reference/quant.py gives:
+A decode step on a CPU is bound by the weight bytes it reads and by the arithmetic on them: float32
+weights are 4 bytes a value, the GGUF blocks 1.06 (Q8_0), 0.69 (Q5_0), 0.82 (Q6_K) and 0.56 (Q4_K). The
+product reads the blocks as stored, in one pass, 32 values (a "run": values sharing their scales) at a
+time:
 
-    for each group of 4 weight rows n..n+3 (one thread's share of the output features):
-        wbuf[4, K] = dequantize(blocks[n..n+3])              one pass over the 4 rows' blocks
-        for each group of 4 input rows m..m+3:
-            acc[4 x 4] = sum over k of x[m+i, k] * wbuf[j, k]  16 running sums, LLVM vectorises over k
-        out[m.., n..] = acc (+ bias)
+    for each weight row n (one thread's contiguous share of the output features):
+        for each run r of the row (a Q8_0 / Q5_0 block, a Q4_K sub-block, two Q6_K sub-blocks of 16):
+            q[0:32] = the run's integers, unpacked in 32 byte lanes          (nibbles, high bits, - 16 / - 32)
+            q -> four 8-lane float32 vectors (exact: |q| <= 128)
+            acc += lo * (q[0:16] . x[32r:32r+16]) + hi * (q[16:32] . x[32r+16:32r+32])   8 lanes of sums
+        out[m, n] = sum of acc's 8 lanes - (Q4_K) sum over runs of mn[r] * sum(x of run r) (+ bias)
 
-The second half is kernels_numba/cpu_linear.py's tile: the 4 dequantized rows (4 x 3.5-19 KB for
-Qwen2-0.5B) stay in L1/L2 while every group of input rows passes over them, so each block is read from
-memory once at any row count (1-16) and each dequantized value feeds 1-16 FMAs. The dequantization is a
-loop over one block's 32 values (Q5_0's nibble and high-bit unpacking, Q6_K's 4+2 bits, Q4_K's nibbles)
-that LLVM vectorises too; it is compiled without fast-math, so its products round exactly as the
-reference's (no fused multiply-add), and the only difference from a float32 GEMM on the dequantized
-matrix is the order of the float32 sums (results differ from F.linear by float32 rounding).
+lo / hi / mn are the float32 scale products reference/quant.py forms (d, d * scales[s], d * sc,
+dmin * m), so this is the product with the dequantized float32 matrix, with the scale applied to a run's
+partial sum rather than to each value: the results differ from a float32 GEMM on the dequantized matrix
+by float32 rounding only (tests/test_cpu_quant.py bounds it). Input rows go 4 at a time (each run
+unpacked once for the 4), then one by one, with the same operations in the same order for every row, so
+a row's result depends neither on the other rows nor on the thread count.
 
-fp16 scales are decoded by integer arithmetic (`_half`): exact for normal and subnormal values, inf and
-NaN kept.
+The unpacking is written in kernels_numba/cpu_simd.py's fixed-width vectors (numba intrinsics emitting
+LLVM vector IR): numba types integer arithmetic on scalars at 64 bits, and a scalar loop over bytes
+vectorises in 64-bit lanes or not at all. Each format has its own compiled copy (`_rows_of`), so the
+format's branches fold away. A fused layer's parts (q / k / v in Q5_0 and Q8_0, gate / up) run in one
+call, `linear_parts`, their outputs written into their columns of one result.
 
-Threads: the output features are cut into one contiguous range per thread (multiples of 4 rows), run by
-a numba parallel loop, as in cpu_linear; every output is summed by the same code in the same order
-whatever the thread count. `embedding` gathers rows of a Q5_0 (or any of the formats) table.
+`dequantize` and `embedding` give the blocks' float32 values bit for bit (a row at a time, fp16 scales
+decoded by integer arithmetic in `_half`: exact for normal and subnormal values, inf and NaN kept);
+above MAX_ROWS input rows (a prefill) `linear` dequantizes tiles of W for torch's GEMM.
+
+Threads: the output features (of all parts) are cut into one contiguous range per thread of numba's
+parallel loop, as in cpu_linear.
 """
 import numpy as np
 import torch
@@ -34,7 +41,6 @@ from kernels_numba.cpu_simd import (load_u16, load_u32, vb_and, vb_bits, vb_load
 from kernels_numba.cpu_threads import numba_threads
 from kernels_numba.errors import KernelLaunchError
 
-FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}   # as cpu_linear: NaN and inf propagate
 MAX_ROWS = 16                # above: `linear` dequantizes tiles of W and runs torch's GEMM
 TILE_ROWS = 1024             # weight rows per dequantized tile above MAX_ROWS (3.5 MB at K = 896)
 
@@ -42,8 +48,8 @@ TILE_ROWS = 1024             # weight rows per dequantized tile above MAX_ROWS (
 FORMATS = {"Q8_0": (0, 32, 34), "Q5_0": (1, 32, 22), "Q6_K": (2, 256, 210), "Q4_K": (3, 256, 144)}
 _Q8_0, _Q5_0, _Q6_K, _Q4_K = 0, 1, 2, 3
 
+LANES = 32                   # values per inner loop of _dequant_row, an argument so LLVM vectorises rather than unrolls it
 # 2^(e - 25) for the fp16 exponent field e: an fp16 normal is (1024 + mantissa) * 2^(e - 25)
-LANES = 32                   # values per inner loop, an argument so LLVM vectorises rather than unrolls it
 _POW2 = np.array([2.0 ** (e - 25) for e in range(32)], np.float32)
 # every fp16 bit pattern's float32 value (256 KB; a model's scales touch a few of its lines)
 _F16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)

@@ -116,6 +116,73 @@ def test_threads_give_identical_bits(threads):
     assert torch.equal(cpu_quant.linear(x, raw, "Q5_0", num_threads=threads), one)
 
 
+def test_a_row_does_not_depend_on_the_other_rows():
+    """Rows go 4 at a time, then one by one, with the same operations per row: a row's result is the same
+    bits alone or inside any batch (the engine's output for a sequence does not depend on its neighbours)."""
+    for fmt in FORMATS:
+        raw = synthetic_blocks(fmt, 37, 2, seed=11)
+        x = torch.randn(7, raw.shape[1] // quant.BLOCK[fmt][1] * quant.BLOCK[fmt][0],
+                        generator=torch.Generator().manual_seed(11))
+        y = cpu_quant.linear(x, raw, fmt, num_threads=2)
+        for m in (0, 3, 4, 6):
+            assert torch.equal(cpu_quant.linear(x[m:m + 1], raw, fmt, num_threads=1)[0], y[m]), (fmt, m)
+
+
+@pytest.mark.parametrize("M", [1, 5])
+def test_parts_in_one_call_are_each_parts_product(M):
+    """linear_parts (a fused layer stored as parts in different formats, as q / k / v are) writes each
+    part's outputs into its columns, the same bits as the part alone, with the bias cut to match."""
+    fmts = ["Q5_0", "Q8_0", "Q6_K", "Q4_K"]
+    parts = [synthetic_blocks(f, n, 256 // quant.BLOCK[f][0], seed=20 + i) for i, (f, n) in enumerate(zip(fmts, [9, 4, 13, 6]))]
+    x = torch.randn(M, 256, generator=torch.Generator().manual_seed(21))
+    bias = torch.randn(32, generator=torch.Generator().manual_seed(22))
+    y = cpu_quant.linear_parts(x, list(zip(parts, fmts)), bias, num_threads=3)
+    col = 0
+    for raw, fmt in zip(parts, fmts):
+        n = raw.shape[0]
+        assert torch.equal(y[:, col:col + n], cpu_quant.linear(x, raw, fmt, bias[col:col + n], num_threads=1)), fmt
+        col += n
+    assert y.shape == (M, col)
+
+
+X86 = __import__("platform").machine() in ("x86_64", "AMD64")
+
+
+@pytest.mark.skipif(not X86, reason="the instruction names checked are x86's")
+@pytest.mark.parametrize("fmt", [pytest.param(f, marks=() if f == "Q5_0" else pytest.mark.slow) for f in FORMATS])
+def test_codegen_unpacks_in_byte_lanes_and_multiplies_in_float32_lanes(fmt):
+    """The compiled product (for the compile target numba picks: NUMBA_CPU_NAME, or this machine) converts
+    32-bit integer lanes to float32 (cvtdq2ps) and multiplies packed floats (mulps / fmadd...ps), and has
+    none of the 64-bit-lane code numba's scalar integer typing led to (vpmovzxbq, vpsrlvq, vcvtqq2ps) nor a
+    scalar int -> float conversion per value (cvtsi2ss: only in Q6_K's and Q4_K's scale pass, one per
+    6- or 8-bit scale or min of a super-block, the unrolled loop's 16).
+    Q5_0's fifth bits are spread to byte lanes by a compare (pcmpeqb). A fresh compile takes 10-30 s, so
+    the default suite checks Q5_0 (most of a token's weights) and -m slow the others."""
+    import re
+
+    from numba import njit
+
+    fresh = njit(nogil=True)(getattr(cpu_quant, f"_rows_{fmt.lower()}").py_func)   # not from the cache
+    raw = synthetic_blocks(fmt, 4, 1, seed=30)
+    K = quant.BLOCK[fmt][0]
+    x = np.ones((1, K), np.float32)
+    ro = raw.view()
+    ro.flags.writeable = False
+    out = np.zeros((1, 4), np.float32)
+    fresh(x, np.zeros((1, K // 32), np.float32), ro, np.zeros(0, np.float32), out, 0, 4, 0, cpu_quant._F16)
+    asm = fresh.inspect_asm(fresh.signatures[0])
+    ops = re.findall(r"^\s+([a-z][a-z0-9]*)", asm, re.M)
+    assert any(o.endswith("cvtdq2ps") for o in ops)
+    assert any(re.fullmatch(r"v?mulps|vfmadd\d+ps", o) for o in ops)
+    assert not {"vpmovzxbq", "vpsrlvq", "vcvtqq2ps"} & set(ops)
+    scalar_converts = sum(o.endswith("cvtsi2ss") for o in ops)
+    assert scalar_converts == 0 if fmt in ("Q8_0", "Q5_0") else scalar_converts <= 16, scalar_converts
+    if fmt == "Q5_0":
+        assert any(o.endswith("pcmpeqb") for o in ops)
+    # the 1-row loop's product is vector work: at least 4 packed float ops per run of 32 values
+    assert sum(bool(re.fullmatch(r"v?(mul|add)ps|vfmadd\d+ps", o)) for o in ops) >= 4
+
+
 def test_nan_and_inf_propagate_to_their_rows_only():
     raw = synthetic_blocks("Q4_K", 40, 1, seed=6)
     x = torch.randn(8, 256)
