@@ -56,8 +56,8 @@ PREDICTED_US = {
     "v6": {"1x2048 new": 40, "8x512 new": 22, "4x(1024+512)": 48, "1x(4096+256)": 15},
     # v7, written before its first GPU run (docs/prefill.md, "v7"): the work list takes the per-CTA search
     # away (short prompts), 128 rows per CTA at d=128 halve the shared-memory traffic per row
-    "v7": {"1x2048 new": 62, "8x512 new": 30, "4x(1024+512)": 58, "1x(4096+256)": 40, "64x128 new": 30,
-           "16x256 new": 24, "4x1024 new d128": 75, "2x4096 new d128": 340, "1x8192 new": 560},
+    "v7": {"1x2048 new": 62, "8x512 new": 38, "4x(1024+512)": 58, "1x(4096+256)": 40, "64x128 new": 30,
+           "16x256 new": 24, "4x1024 new d128": 160, "2x4096 new d128": 950, "1x8192 new": 490},
 }
 
 
