@@ -31,6 +31,9 @@ import torch.nn.functional as F  # noqa: E402
 from scripts import benchlib  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16)
+SWEEP_SHAPES = ("0.5B qkv", "0.5B gate_up", "0.5B down", "7B o_proj")   # small N or long K: the split matters
+SWEEP_ROWS = (1, 16)
+SWEEP_SPLITS = (4, 8, 16, 24, 32)                                         # steps (of 32 k) per split
 VALIDATE_FUSED_ROWS = (1, 5, 16)
 # name: (N, K, fused variant); Qwen2-0.5B: hidden 896, 14 / 2 heads of 64, intermediate 4864;
 # Qwen2-7B: hidden 3584, 28 / 4 heads of 128, intermediate 18944; vocab 151936 / 152064
@@ -215,6 +218,25 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
                   f"({time.time() - t0:.0f} s)", flush=True)
         del ws
         torch.cuda.empty_cache()
+    # ---- the split-K span: the plan's choice against the other spans, where it matters ----
+    sweep = []
+    for name in [s for s in SWEEP_SHAPES if s in shapes]:
+        N, K, _ = SHAPES[name]
+        sets = benchlib.num_sets_for(N * K * 2)
+        ws = [torch.randn(N, K, device="cuda", dtype=DTYPE) for _ in range(sets)]
+        for M in SWEEP_ROWS:
+            x = torch.randn(M, K, device="cuda", dtype=DTYPE)
+            out = torch.empty(M, N, device="cuda", dtype=DTYPE)
+            row = {"shape": name, "M": M, "plan's steps/split": sg.plan(M, N, K)[1]}
+            for sps in SWEEP_SPLITS:
+                if (sps - sg.UNROLL) * 32 >= K:       # a span past K: the same as a shorter one
+                    continue
+                row[f"{sps} steps/split µs"] = benchlib.graph_time_us(
+                    lambda i: sg.skinny_linear(x, ws[i % sets], out=out, steps_per_split=sps, validate=False),
+                    calls=max(20, sets), replays=5)
+            sweep.append(row)
+            print("sweep", row, flush=True)
+        del ws
     sass = sass_counts(sg)
     print("SASS of the plain kernel:", sass)
     columns = ["shape", "M", "N", "K", "weight MB", "plan (steps/split, splits, CTAs)", "predicted µs", "µs",
@@ -226,8 +248,10 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
         "GB/s: weight bytes per second. 2-kernel: split-K's partials added by a second kernel instead of the "
         "tile's last warp. fused: the shape's fused variant (prologue/epilogue) in one call.",
         f"Validated first (max err / bound over all cases: {max(worst.values()):.3f}; same bits on repeat).",
-        f"SASS (plain kernel): {sass}", "", benchlib.markdown_table(rows_out, columns)])
-    meta = {"copy_gbs": copy_gbs, "validation_worst_ratio": max(worst.values()), "sass": sass,
+        f"SASS (plain kernel): {sass}", "", benchlib.markdown_table(rows_out, columns), "",
+        "Split-K span (steps of 32 k per split) against the plan's choice, µs:", "",
+        benchlib.markdown_table(sweep) if sweep else "(not run)"])
+    meta = {"sweep": sweep, "copy_gbs": copy_gbs, "validation_worst_ratio": max(worst.values()), "sass": sass,
             "seconds": time.time() - t0}
     paths = benchlib.save(out_dir, "skinny_gemm", rows_out, meta, markdown=md)
     print(md)
