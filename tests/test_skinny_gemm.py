@@ -372,3 +372,16 @@ def test_gpu_sass_has_128_bit_loads_and_hmma():
     sass = "\n".join(kernel.inspect_sass().values())
     assert "LDG.E.128" in sass and "HMMA.16816.F32" in sass, sass[:2000]
     assert not re.search(r"\bD(ADD|MUL|FMA)\b", sass), "fp64 instructions in the SASS"
+
+
+# ---- the bench's own validation (scripts/bench_skinny_gemm.py) -------------------------------------
+def test_bench_validation_accepts_the_kernel_and_rejects_a_wrong_row():
+    from scripts.bench_skinny_gemm import DTYPE, torch_reference
+
+    M, N, K = 3, 40, 72
+    x, w = case(M, N, K, DTYPE, seed=31)
+    y = sg.skinny_linear(x, w)
+    want, bound, _ = torch_reference(x.cpu(), w.cpu(), "plain")
+    assert bool(((y.cpu().double() - want).abs() <= bound).all())
+    wrong = sg.skinny_linear(x, torch.roll(w, 1, 0))                       # every output from its neighbour's row
+    assert not bool(((wrong.cpu().double() - want).abs() <= bound).all())
