@@ -869,7 +869,7 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
 def launch_torch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
                  validate=False, max_context_len=None, splits=None, stages=None):
     """The kernel of `version` (KERNEL_VERSIONS) on torch tensors: paged_prefill's arguments after
-    the version. paged_prefill runs VERSION; the journey (prefill_journey.py) runs v4 and v5 here."""
+    the version. paged_prefill runs VERSION; the journey (prefill_journey.py) runs the others here."""
     out, group = check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, HEAD_DIMS, BLOCK_SIZES)
     total_q, num_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
