@@ -39,8 +39,9 @@ Every torch entry point of kernels_numba launches through these helpers:
                                       compiled code (cubin) in numba's on-disk cache, so the next
                                       process loads them instead of compiling (PAGEDATTN_KERNEL_CACHE=0:
                                       off; NUMBA_CACHE_DIR: where, default kernels_numba/__pycache__)
-    enable_disk_cache(kernel, spec)   the same for one kernel; spec: plain values naming what it is
-                                      compiled from
+    enable_disk_cache(kernel, spec, recipe=None)  the same for one kernel; spec: plain values naming
+                                      what it is compiled from; recipe: how another process rebuilds
+                                      it (kernels_numba.precompile compiles in worker processes)
     disk_cache_stats()                (loaded from disk, compiled) specialisations so far, this process
 
 Tensors stay torch's: nothing here copies data or synchronises the device.
@@ -68,6 +69,7 @@ _OWNER = contextvars.ContextVar("kernels_numba_cache_owner", default=None)  # se
 _SMS = {}  # device index -> SM count
 _DYNAMIC_SMEM = set()  # (kernel, device, argument kinds) that have opted in to > 48 KiB
 _DISK_CACHED = []  # kernels whose compiled code goes to the disk cache
+RECORDING = False  # inside kernels_numba.precompile.recording(): launches needing a compile are skipped
 
 
 def torch_stream(device=None):
@@ -235,7 +237,7 @@ def allow_dynamic_smem(kernel, args, nbytes):
     specialisation for these arguments now and set the attribute on it. Each specialisation
     is configured for the most any launch may ask (SMEM_PER_CTA_MAX), once; the per-call check
     is a set lookup on what decides the specialisation (dtype and rank of each array)."""
-    if SIMULATOR or nbytes <= 48 * 1024:
+    if SIMULATOR or nbytes <= 48 * 1024 or RECORDING:
         return
     kinds = tuple((getattr(x, "dtype", None), getattr(x, "ndim", type(x))) for x in args)
     key = (id(kernel), cuda.get_current_device().id, kinds)
@@ -338,12 +340,17 @@ def _kernel_cache_class():
     return KernelCache
 
 
-def enable_disk_cache(kernel, spec):
+def enable_disk_cache(kernel, spec, recipe=None):
     """Keep `kernel`'s compiled code in numba's on-disk cache under `spec` (a tuple of plain values
     that, with the sources, determines the kernel). No-op under the simulator, when
-    PAGEDATTN_KERNEL_CACHE=0, or where numba finds no cache directory. Returns kernel."""
+    PAGEDATTN_KERNEL_CACHE=0, or where numba finds no cache directory. Returns kernel.
+    recipe: how another process rebuilds the same kernel, (module, attribute, args, kwargs, index):
+    getattr(module, attribute), called with args and dict(kwargs) unless args is None, indexed by index
+    unless None (kernels_numba.precompile compiles such kernels in worker processes)."""
     if SIMULATOR or not KERNEL_CACHE:
         return kernel
+    if recipe is not None:
+        kernel._rebuild_recipe = recipe
     cache_class = _kernel_cache_class()
     if not isinstance(kernel._cache, cache_class):  # numba-cuda 0.30: the dispatcher's cache slot
         try:
@@ -369,6 +376,6 @@ def disk_cached(factory):
     @functools.wraps(factory)
     def build(*args, **kwargs):
         spec = (factory.__module__, factory.__qualname__, args, tuple(sorted(kwargs.items())))
-        return enable_disk_cache(factory(*args, **kwargs), spec)
+        return enable_disk_cache(factory(*args, **kwargs), spec, recipe=spec + (None,))
 
     return build

@@ -73,8 +73,10 @@ def _copy_blocks_kernel(caches, block_mapping):
         cache[dst, w] = cache[src, w]
 
 
-enable_disk_cache(_reshape_and_cache_kernel, ("kernels_numba.cache_ops", "reshape_and_cache"))
-enable_disk_cache(_copy_blocks_kernel, ("kernels_numba.cache_ops", "copy_blocks"))
+enable_disk_cache(_reshape_and_cache_kernel, ("kernels_numba.cache_ops", "reshape_and_cache"),
+                  recipe=(__name__, "_reshape_and_cache_kernel", None, None, None))
+enable_disk_cache(_copy_blocks_kernel, ("kernels_numba.cache_ops", "copy_blocks"),
+                  recipe=(__name__, "_copy_blocks_kernel", None, None, None))
 
 
 # ----------------------------------------------------------------------------------------

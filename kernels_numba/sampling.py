@@ -59,7 +59,7 @@ from types import SimpleNamespace
 import numpy as np
 from numba import cuda, njit
 
-from kernels_numba.bridge import as_array, cached_view
+from kernels_numba.bridge import as_array, cached_view, disk_cached, enable_disk_cache
 from kernels_numba.common import (SIMULATOR, bf16_to_f32, check_tensor, cpu_f32_bits, cpu_f32_from_bits, f16_to_f32,
                                   f32_bits, f32_from_bits, load_u32x4, torch_stream)
 
@@ -589,6 +589,7 @@ def _make_block_ops(threads):
                            parts_sum=parts_sum)
 
 
+@disk_cached
 @lru_cache(maxsize=None)
 def make_hot_kernel(kind, vec, threads=THREADS):
     """Passes 1-3 for logits of `kind` read as in _make_loaders, one CTA of `threads` per row."""
@@ -753,8 +754,17 @@ PART_I64 = ("ridx", "j", "total", "count", "mass", "count0", "count1", "count2",
 PART_F32 = ("rmax", "rsum", "best")
 
 
-@lru_cache(maxsize=None)
 def make_split_kernels(kind, vec, threads=THREADS):
+    """(pass 1, pass 2, pass 3) kernels of the split path (_make_split_kernels), each kept in the disk cache."""
+    kernels = _make_split_kernels(kind, vec, threads)
+    for i, k in enumerate(kernels):
+        enable_disk_cache(k, (__name__, "make_split_kernels", kind, vec, threads, i),
+                          recipe=(__name__, "make_split_kernels", (kind, vec, threads), (), i))
+    return kernels
+
+
+@lru_cache(maxsize=None)
+def _make_split_kernels(kind, vec, threads=THREADS):
     """(pass 1, pass 2, pass 3) kernels of the split path for logits of `kind` read as in _make_loaders.
     Grid: rows * chunks CTAs of `threads`. All take the arguments of launch_split's kernels."""
     load4, load1 = _make_loaders(kind, vec)
@@ -926,6 +936,7 @@ def make_split_kernels(kind, vec, threads=THREADS):
     return jit(pass1), jit(pass2), jit(pass3)
 
 
+@disk_cached
 @lru_cache(maxsize=None)
 def make_fallback_kernel(kind, vec, threads=FALLBACK_THREADS, nbins_log2=NBINS_LOG2, split=False):
     """The exact fallback for the rows the hot kernel left pending; `threads` per CTA (a multiple of

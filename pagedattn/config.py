@@ -45,6 +45,9 @@ class EngineConfig:
         available host memory and at most this many GiB (default 10% and 1 GiB: ~43k tokens of the
         bundled model in float32); set num_blocks to choose the size yourself.
     tensor_parallel_size: ranks the model is sharded over (NCCL on cuda:0..P-1, gloo on CPU).
+    warmup: compile every kernel and capture the CUDA graphs when the engine is built (a small workload of
+        its own, pagedattn.engine.warmup), so the first request runs the program every later one does.
+        None = on for CUDA (where compilation and capture are the cost), off for CPU.
     seed: the engine-level seed unseeded requests take their random keys from.
     weights: "auto", "quantized" or "float32". "quantized": the model's matrices stay the GGUF file's
         blocks (CPU, float32 activations, one rank; ~0.5 GB for the bundled model instead of 2.5 GB):
@@ -74,6 +77,7 @@ class EngineConfig:
     seed: int = 0
     weights: str = "auto"
     gguf_file: str | None = None             # resolved by with_model_path on the quantized path
+    warmup: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.device, (str, torch.device)):
@@ -115,7 +119,9 @@ class EngineConfig:
             raise InvalidRequestError(f"attn_backend must be 'auto', 'torch', 'numba' or 'cpu', got {self.attn_backend!r}")
         if self.async_scheduling is None:
             self.async_scheduling = kind == "cuda"
-        for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
+        if self.warmup is None:
+            self.warmup = kind == "cuda"
+        for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "warmup"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.weights not in ("auto", "quantized", "float32"):
@@ -190,7 +196,10 @@ def kv_pool_blocks(config, model_config, bytes_per_block, max_model_len, device=
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     elif config.device_type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device or config.device)
+        dev = torch.device(device or config.device)
+        free, _ = torch.cuda.mem_get_info(dev)
+        # what torch's caching allocator holds unused (a closed engine's pool, say) is free for this one too
+        free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
         budget = free * config.gpu_memory_utilization - activation_reserve_bytes(config, model_config)
         num_blocks = int(budget // bytes_per_block)
     else:

@@ -11,7 +11,11 @@
 Strings are tokenized as they are (no chat template: apply `llm.get_tokenizer().apply_chat_template`
 yourself, as the demo does).
 """
+import contextlib
 import itertools
+import logging
+import sys
+import time
 import weakref
 
 from tqdm.auto import tqdm
@@ -21,6 +25,29 @@ from pagedattn.engine.beam_search import beam_search_output
 from pagedattn.engine.llm_engine import LLMEngine
 from pagedattn.errors import InvalidRequestError
 from pagedattn.sampling_params import BeamSearchParams, SamplingParams
+
+startup_log = logging.getLogger("pagedattn.startup")
+
+
+@contextlib.contextmanager
+def startup_progress(show):
+    """While an LLM is built: one stderr line per start-up phase ("pagedattn: loading the model ...") when
+    `show` (on CUDA, or on a terminal) and the application has not configured logging itself."""
+    if not show or startup_log.handlers or logging.getLogger().handlers:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("pagedattn: %(message)s"))
+    level = startup_log.level
+    startup_log.addHandler(handler)
+    startup_log.setLevel(logging.INFO)
+    startup_log.propagate = False
+    try:
+        yield
+    finally:
+        startup_log.removeHandler(handler)
+        startup_log.setLevel(level)
+        startup_log.propagate = True
 
 
 class LLM:
@@ -49,7 +76,13 @@ class LLM:
         self._close = None
         config = EngineConfig(model=model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                               **kwargs)
-        self.engine = LLMEngine(config)
+        t = time.perf_counter()
+        with startup_progress(config.device_type == "cuda" or sys.stderr.isatty()):
+            self.engine = LLMEngine(config)
+            times = self.engine.startup_times
+            startup_log.info(f"ready in {time.perf_counter() - t:.1f} s ("
+                             + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in times.items()
+                                         if isinstance(v, float)) + ")")
         self._close = weakref.finalize(self, self.engine.shutdown)   # also runs at interpreter exit
         self._request_ids = itertools.count()
 

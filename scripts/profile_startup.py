@@ -31,33 +31,47 @@ T_START = time.perf_counter()
 
 
 class CompileLog:
-    """numba's "numba:compile" events: (function, seconds) of every compilation in this process."""
+    """Every CUDA kernel specialisation this process compiles or loads from the disk cache: (kernel, seconds,
+    how) from numba-cuda's CUDADispatcher.compile; and which kernels that ran are kept off the disk cache."""
 
     def __init__(self):
-        from numba.core import event
+        from numba.cuda.dispatcher import CUDADispatcher
 
         log = self.entries = []
-        starts = {}
+        compile = CUDADispatcher.compile
 
-        class Listener(event.Listener):
-            def on_start(self, ev):
-                starts[id(ev.data)] = time.perf_counter()
+        def timed(disp, sig):
+            known = disp.specialized or tuple(sig) in disp.overloads if isinstance(sig, tuple) else False
+            misses = sum(disp._cache_misses.values())
+            t = time.perf_counter()
+            kernel = compile(disp, sig)
+            dt = time.perf_counter() - t
+            if not known and dt > 1e-3:
+                how = "compiled" if sum(disp._cache_misses.values()) > misses else "loaded"
+                log.append((f"{disp.py_func.__module__}.{disp.py_func.__qualname__}", dt, how))
+            return kernel
 
-            def on_end(self, ev):
-                t0 = starts.pop(id(ev.data), None)
-                disp = (ev.data or {}).get("dispatcher")
-                name = getattr(getattr(disp, "py_func", None), "__qualname__", repr(disp))
-                mod = getattr(getattr(disp, "py_func", None), "__module__", "")
-                if t0 is not None:
-                    log.append((f"{mod}.{name}", time.perf_counter() - t0))
+        CUDADispatcher.compile = timed
 
-        event.register("numba:compile", Listener())
+    def summary(self, top=15):
+        from kernels_numba import bridge
 
-    def summary(self, top=12):
-        total = sum(s for _, s in self.entries)
+        compiled = [e for e in self.entries if e[2] == "compiled"]
+        loaded = [e for e in self.entries if e[2] == "loaded"]
         slow = sorted(self.entries, key=lambda e: -e[1])[:top]
-        return dict(compiles=len(self.entries), compile_s=round(total, 2),
-                    slowest=[(n, round(s, 2)) for n, s in slow])
+        uncached = sorted({f"{d.py_func.__module__}.{d.py_func.__qualname__}" for d in live_kernels()
+                           if d.overloads and type(d._cache).__name__ != "KernelCache"})
+        return dict(compiled=len(compiled), compile_s=round(sum(e[1] for e in compiled), 2),
+                    loaded=len(loaded), load_s=round(sum(e[1] for e in loaded), 2),
+                    slowest=[(n, round(s, 2), how) for n, s, how in slow], not_disk_cached=uncached,
+                    disk_cache_hits_misses=bridge.disk_cache_stats())
+
+
+def live_kernels():
+    import gc
+
+    from numba.cuda.dispatcher import CUDADispatcher
+    return [o for o in gc.get_objects() if isinstance(o, CUDADispatcher)]
 
 
 def chat_prompts(llm, n, seed=0):
@@ -101,14 +115,11 @@ def child_startup(args):
     pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
     with open(os.path.join(args.out, f"startup_{args.tag}_cprofile.txt"), "w") as f:
         f.write(s.getvalue())
-    from kernels_numba import bridge
-    hits, misses = bridge.disk_cache_stats()
     return dict(tag=args.tag, import_s=t_import, llm_s=t_llm, first_token_s=t_first,
-                to_first_token_s=time.perf_counter() - T_START - sum(times),
+                to_first_token_s=t_import + t_llm + t_first,
                 generate1_s=times[0], generate2_s=times[1], first_over_later=times[0] / times[1],
-                compiles_after_first_token=len(log.entries) - compiles_before_work,
-                disk_cache_hits=hits, disk_cache_misses=misses, startup_phases=getattr(llm.engine, "startup_times", None),
-                **log.summary())
+                kernels_after_first_token=len(log.entries) - compiles_before_work,
+                startup_phases=getattr(llm.engine, "startup_times", None), **log.summary())
 
 
 def same(a, b):
@@ -159,7 +170,25 @@ def child_lifecycle(args):
         after = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         rows.append(dict(round=i, how=how, num_blocks=blocks, allocated_in_use_gib=peak / 2**30,
                          allocated_after_gib=after / 2**30, start_gib=start / 2**30))
+    rows.append(dict(live_cuda_tensors=live_cuda_tensors()))
     return rows
+
+
+def live_cuda_tensors(top=12):
+    """The largest CUDA tensors still alive, with the types of what refers to them."""
+    import gc
+
+    import torch
+    found = []
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, torch.Tensor) and o.is_cuda:
+                refs = sorted({type(r).__name__ for r in gc.get_referrers(o) if r is not found})[:6]
+                found.append((o.numel() * o.element_size(), tuple(o.shape), str(o.dtype), refs))
+        except Exception:  # noqa: BLE001 - objects that cannot be inspected are skipped
+            pass
+    found.sort(key=lambda f: -f[0])
+    return dict(count=len(found), bytes=sum(f[0] for f in found), largest=found[:top])
 
 
 def child_prefill(args):

@@ -22,10 +22,12 @@ scheduling and packing overlap the GPU's work: a sequence's in-flight token is r
 (pagedattn.engine.sequence), a sequence that step N finished still computed one wasted row in step N+1,
 and its tokens from then on are dropped; the tokens and finish reasons are exactly the serial engine's.
 """
+import concurrent.futures
 import itertools
 import json
 import logging
 import os
+import time
 
 from pagedattn.block_manager import BlockManager
 from pagedattn.engine.beam_search import BeamState
@@ -41,6 +43,12 @@ from pagedattn.errors import InvalidRequestError, ModelLoadError
 from pagedattn.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedattn.engine")
+startup_log = logging.getLogger("pagedattn.startup")
+
+
+def timed(fn, *args):
+    t = time.perf_counter()
+    return fn(*args), time.perf_counter() - t
 
 def _read_json(path):
     try:
@@ -79,9 +87,15 @@ class LLMEngine:
         if not os.path.isdir(config.model):
             raise ModelLoadError(f"model path {config.model!r} does not exist or is not a directory")
         self.config, self.model_path = config, config.model
-        self.executor = make_executor(config)
+        times = {}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:    # the tokenizer loads while the weights do
+            tokenizer = pool.submit(timed, load_tokenizer, config.model)
+            startup_log.info("loading the model ...")
+            t = time.perf_counter()
+            self.executor = make_executor(config)
+            times["load_model"] = time.perf_counter() - t
+            self.tokenizer, times["load_tokenizer"] = tokenizer.result()
         mc = self.model_config = self.executor.model_config
-        self.tokenizer = load_tokenizer(config.model)
         self.vocab_size = mc.vocab_size
         self.max_model_len = min(config.max_model_len, mc.max_position_embeddings)
         gen = _read_json(os.path.join(config.model, "generation_config.json"))
@@ -89,11 +103,21 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
-        num_blocks = self.executor.num_blocks
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, config.max_num_seqs,
-                                     config.block_size, num_blocks, config.model)
-        self.outputs = OutputProcessor(self.tokenizer, eos, self.max_model_len)
-        self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+                                     config.block_size, self.executor.num_blocks, config.model)
+        self.reset_state()
+        if config.warmup:
+            from pagedattn.engine.warmup import warm_up
+            times.update(warm_up(self))
+        self.startup_times = times
+
+    def reset_state(self):
+        """A fresh request state: no requests, an empty prefix cache, zeroed statistics (the KV pool's
+        contents, the model and the captured graphs stay). The warm-up ends with it."""
+        config = self.config
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.block_size), self.block_manager)
         self.groups = {}                   # request_id -> SequenceGroup, unfinished requests

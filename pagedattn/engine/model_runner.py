@@ -143,6 +143,12 @@ class ModelRunner:
             self.graphs = graphs
         return self.graphs
 
+    def drop_graphs(self):
+        """Forget the captured graphs (and their memory pool); the next pure-decode step captures anew."""
+        self.graphs = None
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
     # ---- a step -----------------------------------------------------------------------------------
     def copy_blocks(self, copies):
         """Copy-on-write: copies [C, 2] (src, dst) in every layer before the step writes into dst."""

@@ -1,0 +1,172 @@
+"""Start-up: the warm-up at LLM() time leaves no trace, the KV pool needs no zeroing, kernels compile once per
+machine (parallel precompilation into the disk cache), and the first call is the same program as later ones."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels_numba import precompile
+from pagedattn import LLM, SamplingParams
+from pagedattn.engine.warmup import WARMUP_PREFIX, warm_up_requests
+from tests.helpers import ROOT, write_tiny_checkpoint
+
+KW = dict(device="cpu", num_blocks=64, max_model_len=96, max_num_batched_tokens=48, max_num_seqs=4)
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [9, 8, 7], list(range(20, 80))]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def run(llm, params):
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_warm_up_leaves_no_trace(ckpt):
+    plain = LLM(ckpt, warmup=False, **KW)
+    warmed = LLM(ckpt, warmup=True, **KW)
+    e = warmed.engine
+    assert set(e.startup_times) >= {"load_model", "load_tokenizer", "warm_up"}
+    assert not e.groups and not e.scheduler.waiting and not e.scheduler.running
+    bm = e.block_manager
+    assert len(bm.free_blocks) == bm.total_blocks and not bm.block_hash and bm.num_query_tokens == 0
+    assert e.stats.num_steps == 0 and e.stats.num_generated_tokens == 0
+    for params in (GREEDY, SAMPLED):
+        assert run(warmed, params) == run(plain, params)
+    assert plain.metrics()["prefix_cache_hit_rate"] == warmed.metrics()["prefix_cache_hit_rate"]
+    plain.close()
+    warmed.close()
+
+
+def test_warm_up_workload_covers_the_step_kinds(ckpt):
+    """A prefill, decodes, a prompt arriving while others decode (a mixed step), n=2 (copy-on-write) with
+    temperature, top-k, top-p and a seed, and a prompt longer than the step's token budget (chunked)."""
+    llm = LLM(ckpt, warmup=False, **KW)
+    work = warm_up_requests(llm.engine)
+    names = [rid[len(WARMUP_PREFIX):] for _, rid, _, _ in work]
+    assert names == ["greedy", "sampled", "chunked"]
+    at = {rid[len(WARMUP_PREFIX):]: (step, ids, p) for step, rid, ids, p in work}
+    assert at["sampled"][0] > at["greedy"][0] and at["sampled"][2].n == 2 and at["sampled"][2].temperature > 0
+    assert len(at["chunked"][1]) > KW["max_num_batched_tokens"]
+    assert all(0 <= t < llm.engine.vocab_size for _, _, ids, _ in work for t in ids)
+    assert work == warm_up_requests(llm.engine)                       # the same workload at every start
+    llm.close()
+
+
+@pytest.mark.parametrize("limits", [dict(max_model_len=24, max_num_batched_tokens=24),
+                                    dict(max_model_len=40, max_num_batched_tokens=16, num_blocks=3)])
+def test_warm_up_fits_small_engines(ckpt, limits):
+    """Requests an engine's limits refuse are left out; the warm-up never stops an engine from starting."""
+    llm = LLM(ckpt, warmup=True, **{**KW, **limits})
+    assert not llm.engine.groups
+    outs = llm.generate([[1, 2, 3], [9, 8, 7]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+    llm.close()
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_no_kernel_reads_a_slot_before_writing_it(ckpt, backend):
+    """The CPU pool is not zeroed (torch.empty): filled with NaN, a slot read before written would poison the
+    output. Greedy and sampled tokens, prefix-cache hits and copy-on-write forks (n=2) included, equal those
+    of a zeroed pool."""
+    kw = dict(KW, attn_backend=backend)
+    zeroed, poisoned = LLM(ckpt, **kw), LLM(ckpt, **kw)
+    for c in zeroed.engine.kv_cache.k_caches + zeroed.engine.kv_cache.v_caches:
+        c.zero_()
+    for c in poisoned.engine.kv_cache.k_caches + poisoned.engine.kv_cache.v_caches:
+        c.fill_(math.nan)
+    forks = SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=5, ignore_eos=True)
+    for params in (GREEDY, SAMPLED, forks, GREEDY):                  # the last: prefix-cache hits
+        a = [[c.token_ids for c in o.outputs] for o in zeroed.generate(PROMPTS, params, use_tqdm=False)]
+        b = [[c.token_ids for c in o.outputs] for o in poisoned.generate(PROMPTS, params, use_tqdm=False)]
+        assert a == b
+    assert poisoned.metrics()["prefix_cache_hit_rate"] > 0
+    zeroed.close()
+    poisoned.close()
+
+
+def test_recording_groups_by_kernel_function():
+    needed = precompile.Needed()
+    needed.add("m.f:1", ("m", "make_f", (1,), (), None), ("sig-a",))
+    needed.add("m.f:1", ("m", "make_f", (2,), (), None), ("sig-a",))
+    needed.add("m.g:9", ("m", "make_g", (), (), 0), ("sig-b",))
+    needed.add("m.f:1", ("m", "make_f", (1,), (), None), ("sig-a",))        # the same launch again
+    assert len(needed) == 3
+    groups = needed.groups()
+    assert [g for g, _ in groups] == ["m.f:1", "m.g:9"]                  # largest first
+    assert len(groups[0][1]) == 2
+
+
+def test_rebuild_follows_a_recipe():
+    """A recipe names a factory and its arguments (or a module-level kernel): rebuilding gives the very
+    object the factory returns in this process (so a worker process gets the same disk-cache key)."""
+    from kernels_numba import rmsnorm
+    factory = rmsnorm._make_kernel
+    assert precompile.rebuild((rmsnorm.__name__, "_make_kernel", (False, True), (), None)) is factory(False, True)
+    assert precompile.rebuild(("math", "pi", None, None, None)) == math.pi
+    assert precompile.rebuild(("builtins", "divmod", (7, 2), (), 1)) == 1
+
+
+def test_recording_under_the_simulator_records_nothing():
+    """Under the simulator (no compiler, no disk cache) recording leaves launches alone."""
+    with precompile.recording() as needed:
+        pass
+    assert len(needed) == 0
+
+
+# ---- GPU: a fresh machine, a second process, three identical calls --------------------------------
+
+CHILD = """
+import json, sys, time
+t = time.perf_counter()
+from pagedattn import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cuda", dtype="float16", max_model_len=256, max_num_seqs=8)
+t_llm = time.perf_counter() - t
+llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+from kernels_numba import bridge
+print(json.dumps(dict(times=llm.engine.startup_times, after_first_token=bridge.disk_cache_stats(), llm_s=t_llm)))
+"""
+
+
+@pytest.mark.gpu
+def test_second_process_finds_every_kernel_on_disk(tmp_path):
+    """On an empty kernel cache the first process compiles (in parallel workers); a second process loads
+    every kernel from the disk and compiles nothing, neither at LLM() nor at the first token."""
+    ckpt = write_tiny_checkpoint(tmp_path / "m", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), PAGEDATTN_CACHE_DIR=str(tmp_path / "pa"),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    runs = []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", CHILD, str(ckpt)], env=env, capture_output=True, text=True,
+                           timeout=900)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["times"].get("compile_kernels", 0) > 0
+    assert "compile_kernels" not in second["times"] and second["times"]["kernels_compiled"] == 0
+    assert second["after_first_token"][1] == 0                          # misses: nothing compiled at all
+    assert second["times"]["kernels_loaded"] > 0
+
+
+@pytest.mark.gpu
+def test_first_call_is_the_program_of_every_later_call(tmp_path):
+    """The same 64 requests three times in one process (fp16, CUDA graphs, prefix caching on): identical
+    tokens every call."""
+    ckpt = write_tiny_checkpoint(tmp_path / "m", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    llm = LLM(ckpt, device="cuda", dtype="float16", max_model_len=512, max_num_seqs=64)
+    g = torch.Generator().manual_seed(0)
+    system = torch.randint(0, llm.engine.vocab_size, (40,), generator=g).tolist()
+    prompts = [system + torch.randint(0, llm.engine.vocab_size, (int(n),), generator=g).tolist()
+               for n in torch.randint(4, 120, (64,), generator=g)]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    calls = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] for _ in range(3)]
+    assert calls[0] == calls[1] == calls[2]
+    llm.close()
