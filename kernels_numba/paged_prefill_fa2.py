@@ -682,14 +682,17 @@ def get_kernel(version, head_dim, kind, block_size, stages=None):
     key = (head_dim, kind, block_size) + cfg.key()
     if key not in _KERNELS:
         _KERNELS[key] = bridge.enable_disk_cache(_build(head_dim, kind, block_size, *cfg.key()),
-                                                 ("kernels_numba.paged_prefill_fa2",) + key)
+                                                 ("kernels_numba.paged_prefill_fa2",) + key,
+                                                 recipe=(__name__, "get_kernel", (version, head_dim, kind, block_size),
+                                                         (("stages", stages),), None))
     return _KERNELS[key]
 
 
 def get_merge(kind):
     key = ("merge", kind)
     if key not in _KERNELS:
-        _KERNELS[key] = bridge.enable_disk_cache(_build_merge(kind), ("kernels_numba.paged_prefill_fa2",) + key)
+        _KERNELS[key] = bridge.enable_disk_cache(_build_merge(kind), ("kernels_numba.paged_prefill_fa2",) + key,
+                                                 recipe=(__name__, "get_merge", (kind,), (), None))
     return _KERNELS[key]
 
 
@@ -756,7 +759,8 @@ def _build_plan():
 def get_plan():
     key = ("plan",)
     if key not in _KERNELS:
-        _KERNELS[key] = bridge.enable_disk_cache(_build_plan(), ("kernels_numba.paged_prefill_fa2",) + key)
+        _KERNELS[key] = bridge.enable_disk_cache(_build_plan(), ("kernels_numba.paged_prefill_fa2",) + key,
+                                                 recipe=(__name__, "get_plan", (), (), None))
     return _KERNELS[key]
 
 
