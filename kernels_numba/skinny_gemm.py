@@ -56,7 +56,8 @@ from numba import cuda, float32, int32, uint32
 
 from kernels_numba import bridge
 from kernels_numba.bridge import words
-from kernels_numba.common import (FULL_MASK, bf16_to_f32, check_tensor, f16_to_f32, f32_to_bf16, f32_to_f16, load_u32x4,
+from kernels_numba.common import (FULL_MASK, bf16_to_f32, check_tensor, cp_async16, cp_async_commit,
+                                  cp_async_wait, f16_to_f32, f32_to_bf16, f32_to_f16, load_u32x4,
                                   mma_m16n8k16_bf16, mma_m16n8k16_f16, pack2, store_u32x4, torch_stream, unpack2,
                                   warp_sum)
 from kernels_numba.errors import KernelLaunchError
@@ -70,6 +71,7 @@ ROW_WORDS = MAX_STEPS * 16 + 4   # a staged row in 32-bit words, padded 4 words 
 SPLIT_TARGET = 132 * 8   # (tile, split) pairs that keep enough loads in flight (4 KB per warp)
 GRID_TARGET = 132 * 16   # warps the grid aims at (16 per SM of the H200)
 REDUCE_THREADS = 128
+cp_async_wait_all = cp_async_wait(0)
 SPLIT_KERNEL, SPLIT_WARP = 1, 2   # split-K's reduction: a second kernel, or the last warp of each tile
 
 
@@ -136,6 +138,25 @@ def _norm_pair(z, w, inv, bf16):
 
 
 @cuda.jit(device=True)
+def _z_piece(x, x_stride, nres, nres_stride, m, c, ok, add, bf16):
+    """Piece c of row m: x, or round(residual + x) with add; zeros unless ok."""
+    z = uint32(0)
+    z0, z1, z2, z3 = z, z, z, z
+    if ok:
+        z0, z1, z2, z3 = load_u32x4(x, m * x_stride + 4 * c)
+        if add:
+            r0, r1, r2, r3 = load_u32x4(nres, m * nres_stride + 4 * c)
+            z0, z1 = _add_pair(r0, z0, bf16), _add_pair(r1, z1, bf16)
+            z2, z3 = _add_pair(r2, z2, bf16), _add_pair(r3, z3, bf16)
+    return z0, z1, z2, z3
+
+
+@cuda.jit(device=True)
+def _square4(z0, z1, z2, z3, bf16):
+    return _square_pair(z0, bf16) + _square_pair(z1, bf16) + _square_pair(z2, bf16) + _square_pair(z3, bf16)
+
+
+@cuda.jit(device=True)
 def _silu(g):
     return g / (float32(1.0) + float32(math.exp(-g)))
 
@@ -194,6 +215,20 @@ def make_gemm_kernel(is_bf16, two_groups, norm, add, bias, silu, resid, split):
             e0, e1, e2, e3 = _mma(p2, q2, p3, q3, y2, y3, e0, e1, e2, e3, BF16)
         return d0, d1, d2, d3, e0, e1, e2, e3
 
+    @cuda.jit(device=True)
+    def staged_piece(x, x_stride, nres, nres_stride, gamma, inv, i, span, c_lo, c_hi, M):
+        # NORM: staged piece i (row i // span, piece c_lo + i % span) normed; zeros outside the rows
+        m = i // span
+        c = c_lo + i % span
+        ok = i < MP * span and m < M and c < c_hi
+        z0, z1, z2, z3 = _z_piece(x, x_stride, nres, nres_stride, m, c, ok, ADD, BF16)
+        if ok:
+            q = inv[m]
+            g0, g1, g2, g3 = load_u32x4(gamma, 4 * c)
+            z0, z1 = _norm_pair(z0, g0, q, BF16), _norm_pair(z1, g1, q, BF16)
+            z2, z3 = _norm_pair(z2, g2, q, BF16), _norm_pair(z3, g3, q, BF16)
+        return z0, z1, z2, z3
+
     @cuda.jit
     def skinny_gemm_kernel(x, x_stride, w, out, part, counters, bias, res, nres, nres_stride, gamma, res_out,
                            eps, M, N, K, tiles, steps_per_split, n_out):
@@ -217,41 +252,65 @@ def make_gemm_kernel(is_bf16, two_groups, norm, add, bias, silu, resid, split):
         kw = K // 2                                     # a weight row in words
 
         # ---- prologue: the activation rows of [c_lo, c_hi) into shared memory (normed with NORM) ----------
+        # loads are issued 4 pieces (or all, by cp.async) ahead of their use: these phases are a few round
+        # trips to L2, not one per piece
+        span = steps_per_split * 4                      # staged pieces per row
         if NORM:
-            for m in range(warp, M, WARPS):             # a warp per row: sum of squares over all of K
+            # a warp per row: the sum of squares over all of K; the first CTA stores the new residual rows
+            writer = ADD and cuda.blockIdx.x == 0 and cuda.blockIdx.y == 0
+            for m in range(warp, M, WARPS):
                 ss = float32(0.0)
-                for c in range(lane, chunks, 32):
-                    z0, z1, z2, z3 = load_u32x4(x, m * x_stride + 4 * c)
-                    if ADD:
-                        r0, r1, r2, r3 = load_u32x4(nres, m * nres_stride + 4 * c)
-                        z0, z1 = _add_pair(r0, z0, BF16), _add_pair(r1, z1, BF16)
-                        z2, z3 = _add_pair(r2, z2, BF16), _add_pair(r3, z3, BF16)
-                    ss += _square_pair(z0, BF16) + _square_pair(z1, BF16) + _square_pair(z2, BF16) \
-                        + _square_pair(z3, BF16)
+                for c in range(lane, chunks, 128):
+                    a0, a1, a2, a3 = _z_piece(x, x_stride, nres, nres_stride, m, c, c < chunks, ADD, BF16)
+                    b0, b1, b2, b3 = _z_piece(x, x_stride, nres, nres_stride, m, c + 32, c + 32 < chunks, ADD, BF16)
+                    f0, f1, f2, f3 = _z_piece(x, x_stride, nres, nres_stride, m, c + 64, c + 64 < chunks, ADD, BF16)
+                    h0, h1, h2, h3 = _z_piece(x, x_stride, nres, nres_stride, m, c + 96, c + 96 < chunks, ADD, BF16)
+                    ss += _square4(a0, a1, a2, a3, BF16) + _square4(b0, b1, b2, b3, BF16) \
+                        + _square4(f0, f1, f2, f3, BF16) + _square4(h0, h1, h2, h3, BF16)
+                    if writer:
+                        store_u32x4(res_out, m * kw + 4 * c, a0, a1, a2, a3)
+                        if c + 32 < chunks:
+                            store_u32x4(res_out, m * kw + 4 * c + 128, b0, b1, b2, b3)
+                        if c + 64 < chunks:
+                            store_u32x4(res_out, m * kw + 4 * c + 256, f0, f1, f2, f3)
+                        if c + 96 < chunks:
+                            store_u32x4(res_out, m * kw + 4 * c + 384, h0, h1, h2, h3)
                 ss = warp_sum(ss)
                 if lane == 0:
                     inv[m] = float32(1.0) / float32(math.sqrt(ss / float32(K) + eps))
             cuda.syncthreads()
-        span = steps_per_split * 4                      # staged pieces per row
-        for i in range(tid, MP * span, THREADS):
-            m = i // span
-            c = c_lo + i % span
+            # the staged rows: round(gamma * round(z * inv)), zeros past M and past this split's K
+            for i in range(tid, MP * span, 4 * THREADS):
+                a0, a1, a2, a3 = staged_piece(x, x_stride, nres, nres_stride, gamma, inv, i, span, c_lo, c_hi, M)
+                b0, b1, b2, b3 = staged_piece(x, x_stride, nres, nres_stride, gamma, inv, i + THREADS, span, c_lo,
+                                              c_hi, M)
+                f0, f1, f2, f3 = staged_piece(x, x_stride, nres, nres_stride, gamma, inv, i + 2 * THREADS, span,
+                                              c_lo, c_hi, M)
+                h0, h1, h2, h3 = staged_piece(x, x_stride, nres, nres_stride, gamma, inv, i + 3 * THREADS, span,
+                                              c_lo, c_hi, M)
+                for u in range(4):
+                    j = i + u * THREADS
+                    if j < MP * span:
+                        if u == 0:
+                            store_u32x4(xs, (j // span) * ROW_WORDS + 4 * (j % span), a0, a1, a2, a3)
+                        elif u == 1:
+                            store_u32x4(xs, (j // span) * ROW_WORDS + 4 * (j % span), b0, b1, b2, b3)
+                        elif u == 2:
+                            store_u32x4(xs, (j // span) * ROW_WORDS + 4 * (j % span), f0, f1, f2, f3)
+                        else:
+                            store_u32x4(xs, (j // span) * ROW_WORDS + 4 * (j % span), h0, h1, h2, h3)
+        else:
+            # the raw rows by asynchronous 16-byte copies, all in flight at once; zeros written directly
             z = uint32(0)
-            z0, z1, z2, z3 = z, z, z, z
-            if m < M and c < c_hi:
-                z0, z1, z2, z3 = load_u32x4(x, m * x_stride + 4 * c)
-                if NORM:
-                    if ADD:
-                        r0, r1, r2, r3 = load_u32x4(nres, m * nres_stride + 4 * c)
-                        z0, z1 = _add_pair(r0, z0, BF16), _add_pair(r1, z1, BF16)
-                        z2, z3 = _add_pair(r2, z2, BF16), _add_pair(r3, z3, BF16)
-                        if cuda.blockIdx.x == 0:        # one CTA per split stores the new residual
-                            store_u32x4(res_out, m * kw + 4 * c, z0, z1, z2, z3)
-                    q = inv[m]
-                    g0, g1, g2, g3 = load_u32x4(gamma, 4 * c)
-                    z0, z1 = _norm_pair(z0, g0, q, BF16), _norm_pair(z1, g1, q, BF16)
-                    z2, z3 = _norm_pair(z2, g2, q, BF16), _norm_pair(z3, g3, q, BF16)
-            store_u32x4(xs, m * ROW_WORDS + 4 * (i % span), z0, z1, z2, z3)
+            for i in range(tid, MP * span, THREADS):
+                m = i // span
+                c = c_lo + i % span
+                if m < M and c < c_hi:
+                    cp_async16(xs, m * ROW_WORDS + 4 * (i % span), x, m * x_stride + 4 * c)
+                else:
+                    store_u32x4(xs, m * ROW_WORDS + 4 * (i % span), z, z, z, z)
+            cp_async_commit()
+            cp_async_wait_all()
         cuda.syncthreads()
 
         # ---- the warp's tiles: 16 weight rows x this split's k, on the tensor cores ----------------------

@@ -244,6 +244,7 @@ for name, flags in json.loads(sys.argv[1]).items():
     count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))
     out[name] = {"ld_global_v4": count("ld.global.v4"), "mma": count("mma.sync.aligned.m16n8k16"),
                  "ld_shared_v4": count("ld.shared.v4"), "shfl": count("shfl.sync"), "atomic": count("atom."),
+                 "cp_async": len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)),
                  "f64_ops": sum(1 for o in ops if ".f64" in o),
                  "local": bool(re.search(r"\.local\b|ld\.local|st\.local", ptx))}
 print(json.dumps(out))
@@ -286,8 +287,11 @@ def test_ptx_has_wide_loads_mma_and_no_fp64(compiled, name):
     assert s["atomic"] == (1 if elected else 0), f"{name}: {s['atomic']} atomics"
     if name.startswith("reduce"):
         return
-    # 4 steps of 2 rows: 8 16-byte weight loads per unrolled iteration (+ the staging of x)
-    assert s["ld_global_v4"] >= 9, s
+    # 4 steps of 2 rows: 8 16-byte weight loads per unrolled iteration; x staged by cp.async, or (norm) by
+    # 16-byte loads of x, the residual and the norm weight, 4 pieces at a time
+    norm = "norm" in name
+    assert s["ld_global_v4"] >= (8 + 8 + 12 if norm else 8), s
+    assert (s["cp_async"] > 0) != norm, s
     groups = 2 if "m16" in name else 1
     assert s["mma"] == 8 * groups, s                          # 4 steps x 2 halves of a piece x M groups
     assert s["ld_shared_v4"] >= 4 * groups, s
