@@ -17,7 +17,8 @@ Layout of the work
   shared memory, one 16-byte load. Rows of x beyond M are zeros; M <= 8 uses one mma per 16 k, M > 8 two.
 * Each lane issues the loads of 4 steps (8 x 16 bytes) before it multiplies: 4 KB in flight per warp.
 * A CTA is 4 warps. It stages the activation rows of its K range in shared memory once (zeros past M and
-  past K), then each warp walks over tiles (bx * 4 + w, then every 4 * gridDim.x tiles) for that K range.
+  past K; by cp.async, every copy in flight at once, or with NORM 4 pieces per thread ahead), then each warp
+  walks over tiles (bx * 4 + w, then every 4 * gridDim.x tiles) for that K range.
 * Split-K: grid (G, S). With S = 1 the warp applies the epilogue and stores y from its fragments. With
   S > 1 each warp writes its fp32 partial sums to part[s, m, row]; then the S partials of every output are
   added in the fixed order s = 0, 1, ..., S-1 and the epilogue applied, either by the last warp to finish
@@ -31,8 +32,8 @@ Fused variants (compile-time flags; the plain GEMM is the reference path)
 ----------------------------------------------------------------------
     NORM   prologue: every CTA normalises its rows itself,  z = x  or  z = round(residual + x)  (ADD),
            staged = round(w * round(z / sqrt(mean(z^2) + eps)))   (kernels_numba/rmsnorm.py's roundings);
-           the CTAs of column 0 also store z to residual_out over their K range (residual_out must not be
-           `residual`: other CTAs still read it).
+           CTA (0, 0) also stores z to residual_out, all of K, in its sum-of-squares pass (residual_out must
+           not be `residual`: other CTAs still read it).
     BIAS   y = round(acc + bias)                    (one rounding, as a GEMM with a bias epilogue)
     SILU   W = [gate; up] (2 I rows); y[:, j] = round(round(silu(round(acc_g))) * round(acc_u)), the
            roundings of the unfused GEMM (output rounded) followed by activation.silu_and_mul.
