@@ -151,10 +151,11 @@ def test_step_message_round_trips_as_arrays():
 
 
 def test_core_steps_carry_only_each_steps_new_tokens(checkpoint):
-    """The core's output processor (deltas_only): a running completion's output holds the step's new token
-    ids and logprobs alone; joined, the deltas are the final output (n=2; with this seed completion 1
-    samples the end-of-sequence id early, while completion 0 runs to max_tokens)."""
+    """The core's output processor (deltas_only): a running request's step output is a StepDeltas holding
+    the step's new token ids and logprobs alone; joined, they are the final output (n=2; with this seed
+    completion 1 samples the end-of-sequence id early, while completion 0 runs to max_tokens)."""
     from pagedattn.engine.output_processor import OutputProcessor
+    from pagedattn.engine.outputs import StepDeltas
 
     llm = LLM(checkpoint, **ENGINE)
     try:
@@ -168,19 +169,18 @@ def test_core_steps_carry_only_each_steps_new_tokens(checkpoint):
                 if out.finished:
                     final = out
                     continue
+                assert isinstance(out, StepDeltas)
                 steps += 1
-                for c in out.outputs:
-                    if c.finish_reason is None:
-                        assert c.token_ids == c.delta_token_ids and len(c.logprobs) == len(c.token_ids)
-                    ids, lps = joined.get(c.index, ([], []))
-                    new_lps = c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]
-                    joined[c.index] = (ids + c.delta_token_ids, lps + new_lps)
+                for index, ids, lps, cumulative, reason in out.deltas:
+                    assert len(lps) == len(ids) and cumulative < 0
+                    old_ids, old_lps = joined.get(index, ([], []))
+                    joined[index] = (old_ids + ids, old_lps + lps)
         assert steps >= 10 and final is not None
         reasons = {}
         for c in final.outputs:                 # the final output is complete; its delta is the rest
             ids, lps = joined[c.index]
             assert ids + c.delta_token_ids == c.token_ids and len(c.logprobs) == len(c.token_ids)
-            assert lps == c.logprobs[:len(lps)]
+            assert lps == c.logprobs[:len(lps)] and c.cumulative_logprob == pytest.approx(sum(c.logprobs))
             reasons[c.index] = (c.finish_reason, len(c.token_ids))
         assert reasons[0] == ("length", 17) and reasons[1][0] == "stop" and reasons[1][1] < 17
     finally:

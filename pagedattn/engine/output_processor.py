@@ -12,13 +12,14 @@ where someone looks at it: incrementally (pagedattn.engine.detokenizer) for stre
 requests with stop strings, once at the end for the others.
 
 With `deltas_only=True` (the engine core, which ships token ids to another process and keeps no text) a
-streamed request's unfinished outputs carry only what the step added: `token_ids` and `delta_token_ids`
-are the new ids, `logprobs` their log-probabilities; nothing cumulative is copied, so a step costs the
-same at the thousandth token as at the first. Final outputs are complete either way.
+streamed request that is still running gets a StepDeltas instead: per completion the ids the step added,
+their log-probabilities, the cumulative logprob and the finish reason; nothing cumulative is copied and
+no output object is built per completion, so a step costs the same at the thousandth token as at the
+first. Final outputs are complete RequestOutputs either way.
 """
 from pagedattn.engine.detokenizer import IncrementalDetokenizer
 from pagedattn.engine.metrics import request_metrics
-from pagedattn.engine.outputs import CompletionOutput, RequestOutput
+from pagedattn.engine.outputs import CompletionOutput, RequestOutput, StepDeltas
 
 
 class OutputProcessor:
@@ -68,19 +69,17 @@ class OutputProcessor:
             return ""
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
 
-    def _delta(self, seq):
-        """The new tokens of a running streamed completion, without its cumulative lists."""
-        start = seq.num_prompt_tokens + seq.num_sent_tokens
-        ids = seq.token_ids[start:]
-        lps = None if seq.token_logprobs is None else seq.token_logprobs[seq.num_sent_tokens:]
-        seq.num_sent_tokens += len(ids)
-        out = CompletionOutput(seq.index, "", ids, None, seq.cumulative_logprob, lps)
-        out.delta_token_ids = ids
-        return out
+    @staticmethod
+    def _delta(seq):
+        """(index, new token ids, their logprobs or None, cumulative logprob, finish reason) of a streamed
+        completion since the last call, without its cumulative lists."""
+        sent = seq.num_sent_tokens
+        ids = seq.token_ids[seq.num_prompt_tokens + sent:]
+        seq.num_sent_tokens = sent + len(ids)
+        lps = None if seq.token_logprobs is None else seq.token_logprobs[sent:]
+        return seq.index, ids, lps, seq.cumulative_logprob, seq.finish_reason
 
     def _completion(self, seq, stream):
-        if stream and self.deltas_only and not seq.is_finished:
-            return self._delta(seq)
         finished = seq.is_finished
         if finished and seq.text is None:
             seq.text = self.finish_text(seq)
@@ -100,7 +99,14 @@ class OutputProcessor:
         return out
 
     def request_output(self, group, now):
-        """RequestOutput of `group`: final when it finished, else the streamed progress (deltas)."""
+        """RequestOutput of `group`: final when it finished, else the streamed progress (deltas); with
+        deltas_only, a running streamed group's progress is a StepDeltas."""
+        if self.deltas_only and group.stream:
+            seqs = group.seqs
+            if len(seqs) == 1 and group.forked and not seqs[0].is_finished:     # the common case, quickly
+                return StepDeltas(group.request_id, [self._delta(seqs[0])])
+            if not group.is_finished:
+                return StepDeltas(group.request_id, [self._delta(s) for s in sorted(seqs, key=lambda s: s.index)])
         finished = group.is_finished
         seqs = sorted(group.seqs, key=lambda s: s.index)
         outputs = [self._completion(s, group.stream) for s in seqs]

@@ -38,3 +38,15 @@ class RequestOutput:
     num_cached_tokens: int = 0     # prompt tokens served by the prefix cache
     prompt_index: int | None = None  # LLM.stream: the prompt's position in the list given
     error: str | None = None       # set when the request failed in the engine (finish_reason "error")
+
+
+class StepDeltas:
+    """A running streamed request's progress in one step, as an OutputProcessor(deltas_only=True) returns it
+    (the engine core, which ships token ids only): one (index, new token ids, their logprobs or None,
+    cumulative logprob, finish reason or None) per completion, nothing cumulative, no text."""
+    __slots__ = ("request_id", "deltas")
+    finished = False
+    error = None
+
+    def __init__(self, request_id, deltas):
+        self.request_id, self.deltas = request_id, deltas

@@ -342,7 +342,8 @@ class CoreClient(StreamingFront):
 
     def wait_until_idle(self, timeout=60.0):
         """Block (a plain thread) until no request is in flight here and every live core holds no sequence
-        (every finish and abort applied, blocks free). Returns engine_metrics() then; raises TimeoutError."""
+        (every finish and abort applied, blocks free). Returns engine_metrics() then; raises TimeoutError.
+        Never call it on the loop that serves the requests: that loop processes the step messages."""
         deadline = now() + timeout
         while self.num_requests_in_flight:
             if now() > deadline:

@@ -38,6 +38,7 @@ says nothing, and the clients see the connection drop (pagedattn.serving.core_cl
 """
 import contextlib
 import ctypes
+import itertools
 import logging
 import os
 import signal
@@ -48,6 +49,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from pagedattn.engine.outputs import StepDeltas
 from pagedattn.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedattn.serving")
@@ -148,19 +150,22 @@ def core_endpoints(address):
 
 def encode_step(rank, entries, finished, errors):
     """A StepOutputs from entries [(wire id, index, token ids, logprobs or None, cumulative, finish)]."""
-    wire_ids, index, num_tokens, tokens, logprobs, cumulative, finish = [], [], [], [], [], [], []
-    for wid, i, toks, lps, cum, reason in entries:
-        wire_ids.append(wid)
-        index.append(i)
-        num_tokens.append(len(toks))
-        tokens += toks
-        logprobs += lps if lps is not None else [0.0] * len(toks)
-        cumulative.append(cum or 0.0)
-        finish.append(_FINISH_CODE[reason])
+    if not entries:
+        empty = b""
+        return StepOutputs(rank, empty, empty, empty, empty, empty, empty, empty, finished, errors)
+    wire_ids, index, toks, lps, cumulative, reasons = zip(*entries)        # one pass per column, in C
+    num_tokens = list(map(len, toks))
+    tokens = list(itertools.chain.from_iterable(toks))
+    if any(x is not None for x in lps):
+        logprobs = list(itertools.chain.from_iterable(
+            x if x is not None else [0.0] * n for x, n in zip(lps, num_tokens)))
+        logprobs = np.array(logprobs, np.float64).tobytes()
+    else:
+        logprobs = bytes(8 * len(tokens))           # float64 zeros
     return StepOutputs(rank, np.array(wire_ids, np.int64).tobytes(), np.array(index, np.int32).tobytes(),
                        np.array(num_tokens, np.int32).tobytes(), np.array(tokens, np.int32).tobytes(),
-                       np.array(logprobs, np.float64).tobytes(), np.array(cumulative, np.float64).tobytes(),
-                       np.array(finish, np.int8).tobytes(), finished, errors)
+                       logprobs, np.array([c or 0.0 for c in cumulative], np.float64).tobytes(),
+                       np.array([_FINISH_CODE[r] for r in reasons], np.int8).tobytes(), finished, errors)
 
 
 def decode_step(msg):
@@ -324,6 +329,11 @@ class EngineCore:
         for out in outs:
             client, wid = out.request_id
             entries, finished, errors = per_client.setdefault(client, ([], [], []))
+            if type(out) is StepDeltas:         # a running request: (index, ids, logprobs, cumulative, finish)
+                for d in out.deltas:
+                    if d[1] or d[4] is not None:
+                        entries.append((wid, *d))
+                continue
             if out.error is not None:           # failed alone in the engine (its blocks are already free)
                 errors.append((wid, "failed", out.error))
                 continue
