@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from kernels_numba.cpu_simd import (load_u16, load_u32, vb_and, vb_bits, vb_load, vb_nibbles, vb_or, vb_shl, vb_shr,
+from kernels_numba.cpu_simd import (load_u16, load_u32, vb_add, vb_and, vb_bits, vb_load, vb_nibbles, vb_or, vb_shl, vb_shr,
                                      vb_sub, vb_to_f32, vf_add, vf_fma, vf_load, vf_mul, vf_splat, vf_store, vf_sum, vf_zero)
 from kernels_numba.cpu_threads import numba_threads
 from kernels_numba.errors import KernelLaunchError
@@ -161,8 +161,8 @@ def _run_values(fmt, row, r):
     if fmt == _Q8_0:                                 # int8 as stored
         return vb_load(row, r * 34 + 2)
     if fmt == _Q5_0:                                 # a nibble, a fifth bit from qh, minus 16
-        p = r * 22
-        return vb_sub(vb_or(vb_nibbles(row, p + 6), vb_bits(load_u32(row, p + 2), 16)), 16)
+        p = r * 22                                   # (nibble | bit << 4) - 16 = nibble + (bit ? 0 : -16)
+        return vb_add(vb_nibbles(row, p + 6), vb_bits(load_u32(row, p + 2), 0, 256 - 16))
     if fmt == _Q6_K:                                 # 4 low bits from ql, 2 high bits from qh, minus 32
         b, h, i = r >> 3, (r >> 2) & 1, r & 3        # super-block, its half, the run in the half
         ql = vb_load(row, b * 210 + 64 * h + 32 * (i & 1))
@@ -207,11 +207,15 @@ def _run_scales(fmt, row, lo, hi, mn, f16):
 
 
 @njit(inline="always")
-def _run_dot(q0, q1, q2, q3, xm, o, lo, hi, acc):
-    """acc + lo * (q[0:16] . x[o:o+16]) + hi * (q[16:32] . x[o+16:o+32]), in 8 lanes."""
+def _run_dot(fmt, q0, q1, q2, q3, xm, o, lo, hi, acc):
+    """acc + lo * (q[0:16] . x[o:o+16]) + hi * (q[16:32] . x[o+16:o+32]), in 8 lanes (Q6_K's two scales;
+    the other formats' lo == hi: acc + lo * (q . x[o:o+32]))."""
     a = vf_fma(q1, vf_load(xm, o + 8), vf_mul(q0, vf_load(xm, o)))
-    b = vf_fma(q3, vf_load(xm, o + 24), vf_mul(q2, vf_load(xm, o + 16)))
-    return vf_fma(vf_splat(hi), b, vf_fma(vf_splat(lo), a, acc))
+    if fmt == _Q6_K:
+        b = vf_fma(q3, vf_load(xm, o + 24), vf_mul(q2, vf_load(xm, o + 16)))
+        return vf_fma(vf_splat(hi), b, vf_fma(vf_splat(lo), a, acc))
+    a = vf_fma(q3, vf_load(xm, o + 24), vf_fma(q2, vf_load(xm, o + 16), a))
+    return vf_fma(vf_splat(lo), a, acc)
 
 
 def _rows_of(fmt):
@@ -243,10 +247,10 @@ def _rows(fmt, x, xsum, w, bias, out, n0, n1, col, f16):
             for r in range(R):
                 q0, q1, q2, q3 = vb_to_f32(_run_values(fmt, row, r))
                 o = m * K + 32 * r
-                a0 = _run_dot(q0, q1, q2, q3, xf, o, lo[r], hi[r], a0)
-                a1 = _run_dot(q0, q1, q2, q3, xf, o + K, lo[r], hi[r], a1)
-                a2 = _run_dot(q0, q1, q2, q3, xf, o + 2 * K, lo[r], hi[r], a2)
-                a3 = _run_dot(q0, q1, q2, q3, xf, o + 3 * K, lo[r], hi[r], a3)
+                a0 = _run_dot(fmt, q0, q1, q2, q3, xf, o, lo[r], hi[r], a0)
+                a1 = _run_dot(fmt, q0, q1, q2, q3, xf, o + K, lo[r], hi[r], a1)
+                a2 = _run_dot(fmt, q0, q1, q2, q3, xf, o + 2 * K, lo[r], hi[r], a2)
+                a3 = _run_dot(fmt, q0, q1, q2, q3, xf, o + 3 * K, lo[r], hi[r], a3)
             _store(fmt, vf_sum(a0), m, col + n, mn, xsum, bias, has_bias, out)
             _store(fmt, vf_sum(a1), m + 1, col + n, mn, xsum, bias, has_bias, out)
             _store(fmt, vf_sum(a2), m + 2, col + n, mn, xsum, bias, has_bias, out)
@@ -255,7 +259,7 @@ def _rows(fmt, x, xsum, w, bias, out, n0, n1, col, f16):
             a0 = vf_zero()
             for r in range(R):
                 q0, q1, q2, q3 = vb_to_f32(_run_values(fmt, row, r))
-                a0 = _run_dot(q0, q1, q2, q3, xf, m * K + 32 * r, lo[r], hi[r], a0)
+                a0 = _run_dot(fmt, q0, q1, q2, q3, xf, m * K + 32 * r, lo[r], hi[r], a0)
             _store(fmt, vf_sum(a0), m, col + n, mn, xsum, bias, has_bias, out)
 
 

@@ -8,8 +8,8 @@ intrinsic emitting plain LLVM vector IR:
 
     F32x8  <8 x float>   vf_load / vf_store / vf_splat / vf_zero / vf_fma / vf_add / vf_mul / vf_sum
     U8x32  <32 x i8>     vb_load (32 bytes), vb_nibbles (16 bytes -> low nibbles then high nibbles),
-                         vb_bits (a uint32 -> 16 in the lanes whose bit is set), vb_shr / vb_and / vb_or /
-                         vb_sub / vb_shl (byte lanes), vb_to_f32 (signed bytes -> four F32x8)
+                         vb_bits (a uint32 -> one byte in the lanes whose bit is set, another elsewhere),
+                         vb_shr / vb_shl / vb_and / vb_or / vb_add / vb_sub (byte lanes, wrapping), vb_to_f32 (signed bytes -> four F32x8)
     scalars              load_u16 / load_u32 (little-endian words at any byte offset)
 
 No target-specific instruction is named: LLVM's instruction selection maps the vector ops to what the
@@ -167,18 +167,19 @@ def vb_nibbles(typingctx, ary, idx):
 
 
 @intrinsic
-def vb_bits(typingctx, word, value):
-    """Lane j = `value` where bit j of the uint32 `word` is set, else 0 (Q5_0's fifth bits)."""
+def vb_bits(typingctx, word, on, off):
+    """Lane j = `on` where bit j of the uint32 `word` is set, else `off` (bytes; Q5_0's fifth bits)."""
     def codegen(context, builder, sig, args):
         w = context.cast(builder, args[0], sig.args[0], types.uint32)
-        val = context.cast(builder, args[1], sig.args[1], types.uint8)
+        val_on = _splat(builder, context.cast(builder, args[1], sig.args[1], types.uint8), _B32)
+        val_off = _splat(builder, context.cast(builder, args[2], sig.args[2], types.uint8), _B32)
         bytes4 = builder.bitcast(w, ir.VectorType(ir.IntType(8), 4))     # little-endian: byte k = bits 8k..8k+7
         spread = builder.shuffle_vector(bytes4, ir.Constant(ir.VectorType(ir.IntType(8), 4), ir.Undefined),
                                         ir.Constant(ir.VectorType(_I32, 32), [j // 8 for j in range(32)]))
         bit = builder.and_(spread, ir.Constant(_B32, [1 << (j % 8) for j in range(32)]))
-        on = builder.icmp_unsigned("!=", bit, ir.Constant(_B32, [0] * 32))
-        return builder.select(on, _splat(builder, val, _B32), ir.Constant(_B32, [0] * 32))
-    return u8x32(word, value), codegen
+        is_set = builder.icmp_unsigned("!=", bit, ir.Constant(_B32, [0] * 32))
+        return builder.select(is_set, val_on, val_off)
+    return u8x32(word, on, off), codegen
 
 
 def _byte_op(name):
@@ -197,6 +198,7 @@ def _byte_op(name):
 vb_and = _byte_op("and_")
 vb_or = _byte_op("or_")
 vb_sub = _byte_op("sub")
+vb_add = _byte_op("add")
 vb_shr = _byte_op("lshr")                        # logical: zeros shifted in
 vb_shl = _byte_op("shl")
 
