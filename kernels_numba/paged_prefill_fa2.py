@@ -795,7 +795,7 @@ def split_plan(num_ctas, max_context_len, num_sms, bn=BN):
     return max(1, min(fit, MAX_SPLITS, longest))
 
 
-VERSION = 6  # the version the engine runs: v5's kernel and the split plan (7: v7, the work list)
+VERSION = 7  # the version the engine runs: the work list (v7); 6: v5's kernel and the split plan
 KERNEL_VERSIONS = (4, 5, 6, 7)  # the kernels this file builds (v4, v5 are v6's building blocks)
 SPLITS_KV = (6, 7)
 PLANNED = (7,)  # the versions whose CTAs read a work list (build_plan) instead of searching

@@ -551,7 +551,7 @@ def test_gpu_fuzz(seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [journey.PRODUCTION_VERSION, 7])
+@pytest.mark.parametrize("version", sorted({6, 7, journey.PRODUCTION_VERSION}))
 @pytest.mark.parametrize("splits", [1, 4])
 def test_gpu_in_cuda_graph(splits, version):
     # v7 captures two launches (the plan, then attention), three with a split

@@ -171,7 +171,7 @@ class NumbaBackend(TorchPagedBackend):
         self.validate = validate
         self.cache_ops = self._load("kernels_numba.cache_ops")
         self.paged_attention = self._load("kernels_numba.paged_attention")
-        # prefill: the shipped kernel (v6, kernels_numba/paged_prefill_fa2.py); the journey is not a fallback
+        # prefill: the shipped kernel (v7, kernels_numba/paged_prefill_fa2.py); the journey is not a fallback
         self.paged_prefill = self._load("kernels_numba.paged_prefill_fa2")
         missing = [n for n, m in (("cache_ops", self.cache_ops), ("paged_attention", self.paged_attention),
                                   ("paged_prefill", self.paged_prefill)) if m is None]
