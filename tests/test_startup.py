@@ -158,15 +158,25 @@ def test_second_process_finds_every_kernel_on_disk(tmp_path):
 
 @pytest.mark.gpu
 def test_first_call_is_the_program_of_every_later_call(tmp_path):
-    """The same 64 requests three times in one process (fp16, CUDA graphs, prefix caching on): identical
-    tokens every call."""
+    """The same 64 requests three times in one process (fp16, CUDA graphs): identical tokens every call
+    without prefix caching. With it, calls 2 and 3 (both served from the cache) are identical and call 1
+    equals a fresh engine's call 1; between calls 1 and 2 the cached prefix changes the GEMMs' row counts,
+    so fp16 roundings (and this random-weight model's near-ties) may differ — a property of prefix caching,
+    not of the first call (docs/performance.md gives the real checkpoint's figures)."""
     ckpt = write_tiny_checkpoint(tmp_path / "m", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
-    llm = LLM(ckpt, device="cuda", dtype="float16", max_model_len=512, max_num_seqs=64)
     g = torch.Generator().manual_seed(0)
-    system = torch.randint(0, llm.engine.vocab_size, (40,), generator=g).tolist()
-    prompts = [system + torch.randint(0, llm.engine.vocab_size, (int(n),), generator=g).tolist()
+    system = torch.randint(0, 1000, (40,), generator=g).tolist()
+    prompts = [system + torch.randint(0, 1000, (int(n),), generator=g).tolist()
                for n in torch.randint(4, 120, (64,), generator=g)]
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-    calls = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] for _ in range(3)]
-    assert calls[0] == calls[1] == calls[2]
-    llm.close()
+    runs = {}
+    for caching in (False, True, True):
+        llm = LLM(ckpt, device="cuda", dtype="float16", max_model_len=512, max_num_seqs=64,
+                  enable_prefix_caching=caching)
+        calls = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] for _ in range(3)]
+        llm.close()
+        runs.setdefault(caching, []).append(calls)
+    off, on, on_again = runs[False][0], runs[True][0], runs[True][1]
+    assert off[0] == off[1] == off[2]
+    assert on[1] == on[2] and on[0] == on_again[0]
+    assert on[0] == off[0]                    # no cache hit in a first call

@@ -26,6 +26,19 @@ import torch
 from pagedattn.engine.step_inputs import StepInputs, layout
 
 
+_CAPTURE_STREAMS = {}
+
+
+def capture_stream(device):
+    """The side stream the warm-up runs of a capture use, one per device for the process: torch keeps a
+    cuBLAS workspace (32 MiB on Hopper) for every stream a GEMM ran on, so a new stream per engine would
+    keep 32 MiB per engine ever made."""
+    key = torch.device(device).index or 0
+    if key not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[key] = torch.cuda.Stream(device=device)
+    return _CAPTURE_STREAMS[key]
+
+
 def graph_batch_sizes(max_num_seqs):
     """The ladder 1, 2, 4, 8, ... (< max_num_seqs), then max_num_seqs itself."""
     if max_num_seqs < 1:
@@ -113,7 +126,7 @@ class CudaGraphRunner:
     def capture(self):
         """Warm up (compiles every kernel variant), then capture every ladder size, largest first
         (the pool then fits the smaller ones). All rows are padding during capture: nothing is written."""
-        side = torch.cuda.Stream()
+        side = capture_stream(self.runner.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for batch in self.sizes:

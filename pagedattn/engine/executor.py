@@ -90,6 +90,8 @@ class UniprocExecutor:
 
     def shutdown(self):
         """Give everything back; idempotent."""
+        if self.runner is not None:
+            self.runner.close()
         self.runner = None
         self.release_caches()
 
@@ -228,6 +230,8 @@ class MultiprocExecutor:
                 dist.destroy_process_group()
             except Exception:
                 pass
+        if self.runner is not None:
+            self.runner.close()
         self.runner = None                    # rank 0's model, KV pool and graphs (see UniprocExecutor)
         self.release_caches()
 

@@ -92,6 +92,9 @@ class ModelRunner:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self._closed = False
+        if self.cuda:
+            ModelRunner._open_on_cuda += 1
         self.model, self.model_config = load_shard(config, rank, world_size, self.device)
         backend = self.model.attn_backend
         mc = self.model_config
@@ -142,6 +145,23 @@ class ModelRunner:
             graphs.capture()
             self.graphs = graphs
         return self.graphs
+
+    _open_on_cuda = 0                       # runners on CUDA not yet closed, in this process
+
+    def close(self):
+        """Called once by the executor's shutdown. When no other runner on CUDA is open, torch's cuBLAS
+        workspaces (32 MiB per stream the GEMMs ran on, kept by torch for the process's life) go too,
+        so memory_allocated() returns to what it was before the first engine."""
+        if not self.cuda or self._closed:
+            return
+        self._closed = True
+        self.graphs = None
+        ModelRunner._open_on_cuda -= 1
+        if ModelRunner._open_on_cuda == 0:
+            torch.cuda.synchronize(self.device)
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
 
     def drop_graphs(self):
         """Forget the captured graphs (and their memory pool); the next pure-decode step captures anew."""
