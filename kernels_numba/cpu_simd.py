@@ -14,9 +14,11 @@ intrinsic emitting plain LLVM vector IR:
 
 No target-specific instruction is named: LLVM's instruction selection maps the vector ops to what the
 compile target has (two SSE registers per vector on a generic x86-64, one AVX2 register on a recent
-one), so the kernels run on any CPU numba targets. Only vf_fma's product and sum may fuse (the
-`contract` flag, taken where the target has FMA), and vf_sum adds the lanes in one fixed order, so a
-result does not depend on the thread count or the call.
+one), so the kernels run on any CPU numba targets. The float ops carry LLVM's `contract` flag and
+nothing else: a product feeding a sum may become one FMA where the target has it (the same code, the
+same choice every time), nothing is reassociated, and vf_sum adds the lanes in one fixed order, so a
+result does not depend on the thread count or the call. Byte lanes are little-endian words' bytes
+(load_u32's byte k is bits 8k..8k+7), as GGUF stores them.
 """
 from llvmlite import ir
 from numba import types
