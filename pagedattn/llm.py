@@ -100,8 +100,10 @@ class LLM:
         self.close()
 
     def get_tokenizer(self):
-        """The checkpoint's HF tokenizer (with its chat template), or None for a bare checkpoint."""
-        return self.engine.tokenizer
+        """The checkpoint's HF tokenizer (with its chat template), or None for a bare checkpoint. (The engine
+        itself encodes and decodes through tokenizer.json directly: pagedattn.engine.tokenizer.)"""
+        tok = self.engine.tokenizer
+        return getattr(tok, "hf", tok)
 
     def metrics(self):
         """Engine metrics: KV usage, fragmentation, prefix-cache hit rate, preemptions, throughput..., and

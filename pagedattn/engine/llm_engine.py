@@ -39,6 +39,7 @@ from pagedattn.engine.requests import InputProcessor
 from pagedattn.engine.scheduler import Scheduler, SchedulerConfig
 from pagedattn.engine.sequence import Sequence, SequenceGroup
 from pagedattn.engine.step_inputs import SampleRow, build_step_inputs
+from pagedattn.engine.tokenizer import load_tokenizer  # noqa: F401 - also the serving side's import
 from pagedattn.errors import InvalidRequestError, ModelLoadError
 from pagedattn.sampling_params import SamplingParams
 
@@ -62,15 +63,6 @@ def _as_list(x):
     if x is None:
         return []
     return list(x) if isinstance(x, (list, tuple)) else [x]
-
-
-def load_tokenizer(path):
-    """The checkpoint's HF tokenizer, or None for a checkpoint without one (token ids only)."""
-    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
-    if not any(os.path.isfile(os.path.join(path, f)) for f in files):
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
 
 
 def request_key(engine_seed, serial):

@@ -1,0 +1,70 @@
+"""The engine's tokenizer (tokenizer.json read by the `tokenizers` library) gives the ids and the text of
+transformers' tokenizer of the same checkpoint, and hands everything else to that tokenizer."""
+import random
+
+import pytest
+
+from pagedattn.engine.tokenizer import Tokenizer, load_tokenizer
+from tests.helpers import bundled_model_dir  # noqa: F401 - fixture
+
+TEXTS = [
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "Hello, world! It's   a test ... isn't it ?  Yes , it 's .",
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n",
+    "<tool_call>{\"name\": \"f\"}</tool_call> <|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>",
+    "Unicode: naïve café — 東京 👩‍💻 ∑x² \t\ttabs\r\nCRLF   trailing   ",
+    "",
+    " leading space",
+    "a" * 300,
+]
+
+
+@pytest.fixture(scope="module")
+def pair(bundled_model_dir):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    return Tokenizer(bundled_model_dir), AutoTokenizer.from_pretrained(bundled_model_dir)
+
+
+def test_encode_matches_transformers(pair):
+    ours, hf = pair
+    for text in TEXTS:
+        for special in (False, True):
+            assert ours.encode(text, add_special_tokens=special) == hf.encode(text, add_special_tokens=special), text
+
+
+def test_decode_matches_transformers(pair):
+    ours, hf = pair
+    rng = random.Random(0)
+    n = len(hf)
+    cases = [hf.encode(t, add_special_tokens=False) for t in TEXTS]
+    cases += [[rng.randrange(n) for _ in range(rng.randrange(1, 40))] for _ in range(200)]   # specials too
+    cases += [[151644, 872, 198, 151645, 151643], [151657, 151659, 13, 151664]]
+    for ids in cases:
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), ids
+
+
+def test_special_ids_and_delegation(pair):
+    ours, hf = pair
+    assert ours.eos_token_id == hf.eos_token_id == 151645
+    assert len(ours) == len(hf)
+    assert ours.convert_ids_to_tokens([151644, 872]) == hf.convert_ids_to_tokens([151644, 872])
+    messages = [{"role": "user", "content": "hi"}]
+    assert (ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))   # delegated
+    assert ours.hf is ours.hf                                                                  # loaded once
+
+
+def test_checkpoints_without_tokenizer_json(tmp_path):
+    assert load_tokenizer(str(tmp_path)) is None                    # token ids only
+
+
+def test_llm_get_tokenizer_is_transformers(bundled_model_dir):  # noqa: F811
+    from transformers import PreTrainedTokenizerBase
+
+    from pagedattn import LLM
+    llm = LLM(bundled_model_dir, device="cpu", num_blocks=16, max_model_len=64)
+    assert isinstance(llm.engine.tokenizer, Tokenizer)
+    assert isinstance(llm.get_tokenizer(), PreTrainedTokenizerBase)
+    llm.close()
