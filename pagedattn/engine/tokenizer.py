@@ -1,12 +1,15 @@
-"""The engine's tokenizer: the checkpoint's tokenizer.json read by the `tokenizers` library, with
-transformers' tokenizer loaded only when something else is asked of it.
+"""The engine's tokenizer: transformers' tokenizer of the checkpoint, as the `tokenizers` library object it
+wraps, kept on disk so that later processes load it without importing transformers.
 
 What the engine needs — encode a prompt, decode tokens, the end-of-sequence id — is what transformers'
-fast tokenizer delegates to the `tokenizers` library anyway (its encode/decode call the same Rust
-tokenizer on the same tokenizer.json), so reading the file directly gives the same ids and text in
-~0.4 s instead of the seconds transformers takes to import. Anything else (apply_chat_template, the
-special-token maps, save_pretrained, ...) goes to the transformers tokenizer, loaded on first use, and
-`LLM.get_tokenizer()` returns that one. tests/test_tokenizer.py checks the two agree.
+fast tokenizer hands to its Rust tokenizer (`backend_tokenizer`). transformers builds that object from the
+checkpoint's files and its own code (a model's tokenizer class may set its pre-tokenizer itself, so it is
+not always tokenizer.json as written); the first load on a machine therefore goes through transformers,
+and the object it built is saved (`backend_tokenizer.to_str()`) under ~/.cache/pagedattn/tokenizers/, keyed
+by the checkpoint's tokenizer files and the transformers and tokenizers versions. Every later load reads that file with
+the `tokenizers` library: ~0.4 s instead of the seconds transformers takes to import. Anything else
+(apply_chat_template, the special-token maps, ...) goes to transformers' tokenizer, loaded on first use, and
+`LLM.get_tokenizer()` returns that one. tests/test_tokenizer.py checks that both give the same ids and text.
 """
 import json
 import os
@@ -16,29 +19,19 @@ CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), ("
             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
-def _token_text(value):
-    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
-    return value.get("content") if isinstance(value, dict) else value
-
-
 class Tokenizer:
-    """encode / decode / eos_token_id from tokenizer.json; every other attribute from transformers'
-    tokenizer of the same directory (loaded once, on first use, thread-safe)."""
+    """encode / decode / eos_token_id through a `tokenizers.Tokenizer`; every other attribute from
+    transformers' tokenizer of the same directory (`hf`, loaded once, on first use, thread-safe)."""
 
-    def __init__(self, path):
-        from tokenizers import Tokenizer as RustTokenizer
+    def __init__(self, path, rust, eos_token_id, clean_up_tokenization_spaces=False, hf=None):
+        self.path, self._tk = path, rust
+        self.eos_token_id = eos_token_id
+        self.clean_up_tokenization_spaces = bool(clean_up_tokenization_spaces)
+        self._hf, self._lock = hf, threading.Lock()
 
-        self.path = path
-        self._tk = RustTokenizer.from_file(os.path.join(path, "tokenizer.json"))
-        try:
-            with open(os.path.join(path, "tokenizer_config.json")) as f:
-                config = json.load(f)
-        except (OSError, json.JSONDecodeError):
-            config = {}
-        eos = _token_text(config.get("eos_token"))
-        self.eos_token_id = self._tk.token_to_id(eos) if eos else None
-        self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
-        self._hf, self._lock = None, threading.Lock()
+    @classmethod
+    def from_transformers(cls, path, hf):
+        return cls(path, hf.backend_tokenizer, hf.eos_token_id, getattr(hf, "clean_up_tokenization_spaces", False), hf)
 
     def encode(self, text, add_special_tokens=True):
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
@@ -74,13 +67,63 @@ class Tokenizer:
         return getattr(self.hf, name)
 
 
-def load_tokenizer(path):
-    """The checkpoint's tokenizer: a Tokenizer over tokenizer.json when there is one, else transformers'
-    (a directory with vocab.json/merges.txt only), or None for a checkpoint without one (token ids only)."""
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return Tokenizer(path)
-    files = ("tokenizer_config.json", "vocab.json")
-    if not any(os.path.isfile(os.path.join(path, f)) for f in files):
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja")
+
+
+def _cache_file(path):
+    """Where the tokenizer transformers builds for `path` is kept: named by the tokenizer files (name, size,
+    mtime, and the content of the small ones) and the transformers and tokenizers versions."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    from pagedattn.bundled import cache_root
+
+    h = hashlib.sha256()
+    try:
+        h.update(f"{version('transformers')} {version('tokenizers')}".encode())
+    except PackageNotFoundError:
         return None
+    for name in TOKENIZER_FILES:
+        f = os.path.join(path, name)
+        if os.path.isfile(f):
+            st = os.stat(f)
+            h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+            if st.st_size < (1 << 16):
+                with open(f, "rb") as fh:
+                    h.update(fh.read())
+    return os.path.join(cache_root(), "tokenizers", h.hexdigest()[:32] + ".json")
+
+
+def load_tokenizer(path):
+    """The checkpoint's tokenizer (a Tokenizer; transformers' own when it is not a fast one), or None for a
+    checkpoint without one (token ids only)."""
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                               "vocab.json")):
+        return None
+    cached = _cache_file(path)
+    if cached is not None and os.path.isfile(cached):
+        try:
+            from tokenizers import Tokenizer as RustTokenizer
+            with open(cached) as f:
+                saved = json.load(f)
+            return Tokenizer(path, RustTokenizer.from_str(saved["tokenizer"]), saved["eos_token_id"],
+                             saved["clean_up_tokenization_spaces"])
+        except (OSError, ValueError, KeyError, Exception):  # noqa: BLE001 - a damaged entry: rebuild it
+            pass
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    hf = AutoTokenizer.from_pretrained(path)
+    if getattr(hf, "backend_tokenizer", None) is None:
+        return hf
+    tok = Tokenizer.from_transformers(path, hf)
+    if cached is not None:
+        try:
+            os.makedirs(os.path.dirname(cached), exist_ok=True)
+            tmp = f"{cached}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(dict(tokenizer=hf.backend_tokenizer.to_str(), eos_token_id=tok.eos_token_id,
+                               clean_up_tokenization_spaces=tok.clean_up_tokenization_spaces), f)
+            os.replace(tmp, cached)
+        except OSError:
+            pass
+    return tok
