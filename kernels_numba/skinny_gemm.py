@@ -74,6 +74,9 @@ GRID_TARGET = 132 * 16   # warps the grid aims at (16 per SM of the H200)
 REDUCE_THREADS = 128
 cp_async_wait_all = cp_async_wait(0)
 SPLIT_KERNEL, SPLIT_WARP = 1, 2   # split-K's reduction: a second kernel, or the last warp of each tile
+V2_TARGET_WARPS = 132 * 12   # v2: warps the grid aims at (2 chunks, 8 KB, in flight each)
+V2_MAX_WARPS = 16            # v2: warps sharing one tile's K (512 threads)
+VARIANTS = (1, 2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,6 +409,158 @@ def make_gemm_kernel(is_bf16, two_groups, norm, add, bias, silu, resid, split):
 
 @bridge.disk_cached
 @lru_cache(maxsize=None)
+def make_gemm_kernel_v2(is_bf16, two_groups, kwarps, bias, silu, resid):
+    """v2: one CTA per tile, its kwarps warps splitting K among themselves, the activation rows read from
+    global memory (L1/L2 hits), the next chunk's weight loads issued before this chunk's mma; the warps'
+    sums added through shared memory in warp order (no partial buffer, no atomics). Plain GEMM and the
+    bias / SiLU-and-mul / residual epilogues (the RMSNorm prologue is v1's)."""
+    BF16, MG, KW, SILU = is_bf16, 2 if two_groups else 1, kwarps, silu
+    VALS = 4 * MG                                     # fp32 sums a lane holds
+    RED_WORDS = KW * VALS * 32
+    store = _make_epilogue(is_bf16, bias, silu, resid)
+
+    @cuda.jit(device=True)
+    def x_piece(x, x_stride, m, c, pieces, M):
+        # 16-byte piece c of activation row m; zeros past M and past K
+        return _load_or_zero(x, m * x_stride + 4 * c, m < M and c < pieces)
+
+    @cuda.jit(device=True)
+    def step_mma(p0, p1, p2, p3, q0, q1, q2, q3, v0, v1, v2, v3, d0, d1, d2, d3):
+        # one 32-k step of one group of 8 activation rows: weight pieces p (row a), q (row b) times the
+        # activation piece v (row g of the group); words 0, 1 and 2, 3 of the pieces are two mma's k ranges
+        d0, d1, d2, d3 = _mma(p0, q0, p1, q1, v0, v1, d0, d1, d2, d3, BF16)
+        return _mma(p2, q2, p3, q3, v2, v3, d0, d1, d2, d3, BF16)
+
+    @cuda.jit
+    def skinny_gemm_v2_kernel(x, x_stride, w, out, bias, res, M, N, K, n_out):
+        # x: M rows of K halves as words (row m at word m * x_stride); w: [N, K] halves as words, contiguous;
+        # out: [M, n_out] halves (int16 bits); bias: [N] halves; res: [M, n_out] halves (RESID).
+        # Grid: one CTA per 16-row tile (8 gate + 8 up rows with SILU); block: 32 * KW threads.
+        red = cuda.shared.array(RED_WORDS, float32)   # [warp, value, lane]: conflict-free
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        t = lane % 4
+        tile = cuda.blockIdx.x
+        pieces = K // 8                                 # 16-byte pieces of a row
+        chunks = (pieces + 15) // 16                    # a chunk: 4 steps of 32 k = 16 pieces of each row
+        kw = K // 2                                     # a weight row in words
+        half_rows = N // 2
+        if SILU:                                        # rows g: gate 8 tile + g; rows g + 8: its up row
+            row_a = 8 * tile + g
+            row_b = half_rows + row_a
+            ok_a = row_a < half_rows
+            ok_b = ok_a
+        else:
+            row_a, row_b = 16 * tile + g, 16 * tile + g + 8
+            ok_a, ok_b = row_a < N, row_b < N
+        base_a, base_b = row_a * kw, row_b * kw
+        d0, d1, d2, d3 = float32(0.0), float32(0.0), float32(0.0), float32(0.0)
+        e0, e1, e2, e3 = float32(0.0), float32(0.0), float32(0.0), float32(0.0)
+        # warp w takes chunks w, w + KW, ...: at any time the CTA's warps read KW neighbouring chunks, a
+        # contiguous KW * 256 bytes of each of the 16 rows. The lane's piece of step u is c + 4 u.
+        ci = warp
+        c = 16 * ci + t
+        a00, a01, a02, a03 = _load_or_zero(w, base_a + 4 * c, ok_a and c < pieces)
+        b00, b01, b02, b03 = _load_or_zero(w, base_b + 4 * c, ok_b and c < pieces)
+        a10, a11, a12, a13 = _load_or_zero(w, base_a + 4 * c + 16, ok_a and c + 4 < pieces)
+        b10, b11, b12, b13 = _load_or_zero(w, base_b + 4 * c + 16, ok_b and c + 4 < pieces)
+        a20, a21, a22, a23 = _load_or_zero(w, base_a + 4 * c + 32, ok_a and c + 8 < pieces)
+        b20, b21, b22, b23 = _load_or_zero(w, base_b + 4 * c + 32, ok_b and c + 8 < pieces)
+        a30, a31, a32, a33 = _load_or_zero(w, base_a + 4 * c + 48, ok_a and c + 12 < pieces)
+        b30, b31, b32, b33 = _load_or_zero(w, base_b + 4 * c + 48, ok_b and c + 12 < pieces)
+        while ci < chunks:
+            # the next chunk's 8 weight loads go out before this chunk's mma: 2 chunks (8 KB) per warp in
+            # flight while the mma wait on the older one (zeros, no load, past the last chunk)
+            cn = c + 16 * KW
+            n00, n01, n02, n03 = _load_or_zero(w, base_a + 4 * cn, ok_a and cn < pieces)
+            m00, m01, m02, m03 = _load_or_zero(w, base_b + 4 * cn, ok_b and cn < pieces)
+            n10, n11, n12, n13 = _load_or_zero(w, base_a + 4 * cn + 16, ok_a and cn + 4 < pieces)
+            m10, m11, m12, m13 = _load_or_zero(w, base_b + 4 * cn + 16, ok_b and cn + 4 < pieces)
+            n20, n21, n22, n23 = _load_or_zero(w, base_a + 4 * cn + 32, ok_a and cn + 8 < pieces)
+            m20, m21, m22, m23 = _load_or_zero(w, base_b + 4 * cn + 32, ok_b and cn + 8 < pieces)
+            n30, n31, n32, n33 = _load_or_zero(w, base_a + 4 * cn + 48, ok_a and cn + 12 < pieces)
+            m30, m31, m32, m33 = _load_or_zero(w, base_b + 4 * cn + 48, ok_b and cn + 12 < pieces)
+            # this chunk's activation pieces (L1 hits after the first CTA on the SM), all 4 steps at once
+            v00, v01, v02, v03 = x_piece(x, x_stride, g, c, pieces, M)
+            v10, v11, v12, v13 = x_piece(x, x_stride, g, c + 4, pieces, M)
+            v20, v21, v22, v23 = x_piece(x, x_stride, g, c + 8, pieces, M)
+            v30, v31, v32, v33 = x_piece(x, x_stride, g, c + 12, pieces, M)
+            if MG == 2:
+                y00, y01, y02, y03 = x_piece(x, x_stride, g + 8, c, pieces, M)
+                y10, y11, y12, y13 = x_piece(x, x_stride, g + 8, c + 4, pieces, M)
+                y20, y21, y22, y23 = x_piece(x, x_stride, g + 8, c + 8, pieces, M)
+                y30, y31, y32, y33 = x_piece(x, x_stride, g + 8, c + 12, pieces, M)
+            d0, d1, d2, d3 = step_mma(a00, a01, a02, a03, b00, b01, b02, b03, v00, v01, v02, v03, d0, d1, d2, d3)
+            d0, d1, d2, d3 = step_mma(a10, a11, a12, a13, b10, b11, b12, b13, v10, v11, v12, v13, d0, d1, d2, d3)
+            d0, d1, d2, d3 = step_mma(a20, a21, a22, a23, b20, b21, b22, b23, v20, v21, v22, v23, d0, d1, d2, d3)
+            d0, d1, d2, d3 = step_mma(a30, a31, a32, a33, b30, b31, b32, b33, v30, v31, v32, v33, d0, d1, d2, d3)
+            if MG == 2:
+                e0, e1, e2, e3 = step_mma(a00, a01, a02, a03, b00, b01, b02, b03, y00, y01, y02, y03,
+                                          e0, e1, e2, e3)
+                e0, e1, e2, e3 = step_mma(a10, a11, a12, a13, b10, b11, b12, b13, y10, y11, y12, y13,
+                                          e0, e1, e2, e3)
+                e0, e1, e2, e3 = step_mma(a20, a21, a22, a23, b20, b21, b22, b23, y20, y21, y22, y23,
+                                          e0, e1, e2, e3)
+                e0, e1, e2, e3 = step_mma(a30, a31, a32, a33, b30, b31, b32, b33, y30, y31, y32, y33,
+                                          e0, e1, e2, e3)
+            a00, a01, a02, a03, b00, b01, b02, b03 = n00, n01, n02, n03, m00, m01, m02, m03
+            a10, a11, a12, a13, b10, b11, b12, b13 = n10, n11, n12, n13, m10, m11, m12, m13
+            a20, a21, a22, a23, b20, b21, b22, b23 = n20, n21, n22, n23, m20, m21, m22, m23
+            a30, a31, a32, a33, b30, b31, b32, b33 = n30, n31, n32, n33, m30, m31, m32, m33
+            c = cn
+            ci += KW
+        # the KW warps' sums, added in warp order by warp 0 (the same bits on every run)
+        if KW > 1:
+            for i in range(VALS):
+                if i < 4:
+                    v = d0 if i == 0 else d1 if i == 1 else d2 if i == 2 else d3
+                else:
+                    v = e0 if i == 4 else e1 if i == 5 else e2 if i == 6 else e3
+                red[(warp * VALS + i) * 32 + lane] = v
+            cuda.syncthreads()
+            if warp != 0:
+                return
+            d0, d1, d2, d3 = red[lane], red[32 + lane], red[64 + lane], red[96 + lane]
+            if MG == 2:
+                e0, e1, e2, e3 = red[128 + lane], red[160 + lane], red[192 + lane], red[224 + lane]
+            for wp in range(1, KW):
+                o = wp * VALS * 32 + lane
+                d0 += red[o]
+                d1 += red[o + 32]
+                d2 += red[o + 64]
+                d3 += red[o + 96]
+                if MG == 2:
+                    e0 += red[o + 128]
+                    e1 += red[o + 160]
+                    e2 += red[o + 192]
+                    e3 += red[o + 224]
+        # lane (g, t) holds D[g, 2t], D[g, 2t+1], D[g+8, 2t], D[g+8, 2t+1]: weight row x activation row
+        for grp in range(MG):
+            if grp == 0:
+                f0, f1, f2, f3 = d0, d1, d2, d3
+            else:
+                f0, f1, f2, f3 = e0, e1, e2, e3
+            for h in range(2):
+                m = 8 * grp + 2 * t + h
+                fa = f0 if h == 0 else f1               # row a (gate)
+                fb = f2 if h == 0 else f3               # row b (up)
+                if m < M:
+                    if SILU:
+                        if ok_a:
+                            store(out, m, row_a, fa, fb, bias, res, n_out, half_rows)
+                    else:
+                        if ok_a:
+                            store(out, m, row_a, fa, fa, bias, res, n_out, half_rows)
+                        if ok_b:
+                            store(out, m, row_b, fb, fb, bias, res, n_out, half_rows)
+
+    return skinny_gemm_v2_kernel
+
+
+@bridge.disk_cached
+@lru_cache(maxsize=None)
 def make_reduce_kernel(is_bf16, bias, silu, resid):
     """Split-K's second pass: y[m, j] from sum over s = 0..S-1 (in that order) of part[s, m, row]."""
     BF16, SILU = is_bf16, silu
@@ -458,6 +613,22 @@ def plan(M, N, K, silu=False, steps_per_split=None, num_sms=132):
     return tiles, steps_per_split, splits, grid_x
 
 
+def plan_v2(M, N, K, silu=False, num_sms=132):
+    """v2's launch shape (tiles, kwarps, chunks): one CTA of kwarps warps per tile, chunks of 128 k.
+
+    kwarps starts at 4 and doubles (up to V2_MAX_WARPS) while the grid has fewer than V2_TARGET_WARPS warps,
+    every warp still gets 2 chunks or more, and the grid stays one wave at 16 resident warps per SM (128
+    registers a thread): small N with long K (down_proj, o_proj) gets up to 16 warps on one tile's K.
+    """
+    tiles = -(-(N // 2) // 8) if silu else -(-N // 16)
+    chunks = -(-K // 128)
+    kwarps = WARPS
+    while (kwarps < V2_MAX_WARPS and tiles * kwarps < V2_TARGET_WARPS * num_sms // 132
+           and chunks >= 4 * kwarps and tiles * 2 * kwarps <= 16 * num_sms):
+        kwarps *= 2
+    return tiles, kwarps, chunks
+
+
 def _check_rows(name, t, rows, width, dtype):
     check_tensor(name, t, 2, (dtype,))
     if tuple(t.shape) != (rows, width):
@@ -490,7 +661,8 @@ def _row_words(t):
 
 
 def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, norm_weight=None, eps=None,
-                  norm_residual=None, residual_out=None, steps_per_split=None, reduce="warp", validate=True):
+                  norm_residual=None, residual_out=None, steps_per_split=None, reduce="warp", variant=None,
+                  validate=True):
     """y = x weight^T (+ bias) for a few rows, with the optional fused prologue and epilogues.
 
     x: [M, K] float16/bfloat16, 1 <= M <= 16, K % 8 == 0, rows 16-byte aligned (strided rows allowed)
@@ -502,8 +674,11 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
         is written to residual_out ([M, K], contiguous, a buffer other than norm_residual).
     out: optional [M, N or I] contiguous output (may be `residual`).
     steps_per_split: force the split-K span (steps of 32 k; a multiple of 4, <= 32); None: plan().
-    reduce: how split-K's partials are added (in split order either way): "warp" (the last warp of each
+    reduce: how v1's split-K partials are added (in split order either way): "warp" (the last warp of each
         tile, after an atomic count; one kernel) or "kernel" (a second kernel).
+    variant: 1 (staged rows, split-K over CTAs; the only one with the norm prologue) or 2 (a CTA per tile,
+        K split over its warps). None: 2, or 1 where the call asks for the prologue, steps_per_split or
+        reduce="kernel".
     Returns out. Runs on torch's current stream (capturable in a CUDA graph: the split-K partials live in a
     persistent scratch buffer per shape).
     """
@@ -512,6 +687,8 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
     dtypes = (torch.float16, torch.bfloat16)
     norm = norm_weight is not None
     add = norm_residual is not None
+    if variant is None:
+        variant = 1 if norm or steps_per_split is not None or reduce != "warp" else 2
     if validate:
         check_tensor("x", x, 2, dtypes)
         check_tensor("weight", weight, 2, (x.dtype,))
@@ -555,6 +732,10 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
             if not residual_out.is_contiguous() or residual_out.data_ptr() == norm_residual.data_ptr():
                 raise KernelLaunchError("residual_out must be contiguous and not norm_residual itself "
                                         "(other CTAs still read norm_residual)")
+        if variant not in VARIANTS:
+            raise KernelLaunchError(f"variant must be one of {VARIANTS}, got {variant!r}")
+        if variant == 2 and (norm or steps_per_split is not None or reduce != "warp"):
+            raise KernelLaunchError("variant 2 has no norm prologue, steps_per_split or reduce: use variant=1")
         if reduce not in ("warp", "kernel"):
             raise KernelLaunchError(f"reduce must be 'warp' or 'kernel', got {reduce!r}")
         if steps_per_split is not None and (steps_per_split % UNROLL or not UNROLL <= steps_per_split <= MAX_STEPS):
@@ -562,6 +743,8 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
                                     f"got {steps_per_split}")
     if out is None:
         out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
+    if variant == 2:
+        return _launch_v2(x, weight, bias, out, residual, silu)
     tiles, sps, splits, grid_x = plan(M, N, K, silu, steps_per_split, bridge.num_sms(x.device))
     is_bf16 = x.dtype == torch.bfloat16
     split = 0 if splits == 1 else SPLIT_WARP if reduce == "warp" else SPLIT_KERNEL
@@ -587,4 +770,22 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
         reducer = make_reduce_kernel(is_bf16, bias is not None, silu, residual is not None)
         reducer[-(-(M * n_out) // REDUCE_THREADS), REDUCE_THREADS, stream](part, splits, out16, bias16, res16,
                                                                          M, N, n_out)
+    return out
+
+
+def _launch_v2(x, weight, bias, out, residual, silu, kwarps=None):
+    """v2's launch (arguments checked by skinny_linear); kwarps: force the warps per tile (tests)."""
+    import torch
+
+    M, K = x.shape
+    N = weight.shape[0]
+    tiles, planned, _ = plan_v2(M, N, K, silu, bridge.num_sms(x.device))
+    kwarps = kwarps or planned
+    out16 = _halves(out)
+    bias16 = _halves(bias) if bias is not None else out16
+    res16 = _halves(residual) if residual is not None else out16
+    kernel = make_gemm_kernel_v2(x.dtype == torch.bfloat16, M > 8, kwarps, bias is not None, silu,
+                                 residual is not None)
+    kernel[tiles, 32 * kwarps, torch_stream()](words(x), _row_words(x), words(weight), out16, bias16, res16,
+                                               M, N, K, out.shape[1])
     return out

@@ -86,6 +86,34 @@ def test_plain_gemm_matches_float64(dtype, M, N, K, sps):
     assert_close(y, want, scale, K, dtype, f"y, plan {sg.plan(M, N, K, steps_per_split=sps)}")
 
 
+# v2: (dtype, M, N, K, kwarps): K = 520 is 65 pieces, 5 chunks of 128 k, the last one a single piece: with
+# 4 warps warp 0 takes chunks 0 and 4 (its prefetch past the end loads nothing). K = 1096 is 9 chunks, the
+# last 9 pieces long: 8 warps, warp 0 with chunks 0 and 8; 16 warps, 7 of them with no chunk at all.
+V2_CASES = [(BF16, 16, 24, 520, 4), pytest.param(F16, 1, 40, 1096, 8, marks=SLOW),
+            pytest.param(F16, 5, 40, 264, 4, marks=SLOW), pytest.param(BF16, 3, 24, 1096, 16, marks=SLOW)]
+
+
+@pytest.mark.parametrize("dtype, M, N, K, kwarps", V2_CASES)
+def test_v2_warps_share_k(dtype, M, N, K, kwarps):
+    """v2: the tile's warps each sum their own chunks, added in warp order through shared memory."""
+    x, w = case(M, N, K, dtype, seed=41)
+    y = sg._launch_v2(x, w, None, torch.empty(M, N, dtype=dtype, device=DEVICE), None, False, kwarps=kwarps)
+    want, scale = ref.linear(x, w, NAME[dtype])
+    assert_close(y, want, scale, K, dtype, f"v2 with {kwarps} warps per tile")
+
+
+def test_v2_is_the_default_and_v1_stays_reachable():
+    """Both variants within the bound of the same reference; the prologue and v1's split options pick v1."""
+    M, N, K = 3, 40, 136
+    x, w = case(M, N, K, F16, seed=42)
+    want, scale = ref.linear(x, w, "float16")
+    for variant in sg.VARIANTS:
+        assert_close(sg.skinny_linear(x, w, variant=variant), want, scale, K, F16, f"variant {variant}")
+    for kw in ({"norm_weight": randn(K), "eps": 1e-6}, {"steps_per_split": 4}, {"reduce": "kernel"}):
+        with pytest.raises(KernelLaunchError, match="variant 2 has no"):
+            sg.skinny_linear(x, w, variant=2, **kw)
+
+
 def test_strided_rows_of_x():
     """x read as rows of a wider buffer (e.g. a slice of a merged output)."""
     wide = randn(3, 80, seed=3)
@@ -196,6 +224,17 @@ def test_plan_covers_every_tile_and_k_once(name):
     assert tiles * splits >= min(sg.SPLIT_TARGET, tiles * -(-K // 32 // sg.UNROLL)) or sps == sg.UNROLL
 
 
+@pytest.mark.parametrize("name", sorted(QWEN_SHAPES))
+def test_plan_v2_fills_the_gpu_in_one_wave(name):
+    N, K, silu = QWEN_SHAPES[name]
+    tiles, kwarps, chunks = sg.plan_v2(1, N, K, silu)
+    assert tiles * (8 if silu else 16) >= (N // 2 if silu else N) > (tiles - 1) * (8 if silu else 16)
+    assert chunks * 128 >= K > (chunks - 1) * 128
+    assert kwarps in (4, 8, 16) and (kwarps == 4 or chunks >= 2 * kwarps), "every warp has 2 chunks or more"
+    # more warps on a tile only while the grid is short of warps, and never past one wave of 16 per SM
+    assert kwarps == 4 or (tiles * kwarps // 2 < sg.V2_TARGET_WARPS and tiles * kwarps <= 16 * 132)
+
+
 def test_launch_errors_name_the_field():
     x, w = case(2, 16, 64, torch.float16)
     cases = [
@@ -213,6 +252,7 @@ def test_launch_errors_name_the_field():
          "residual_out is needed"),
         (lambda: sg.skinny_linear(x, w, steps_per_split=6), "steps_per_split"),
         (lambda: sg.skinny_linear(x, w, reduce="atomic"), "reduce"),
+        (lambda: sg.skinny_linear(x, w, variant=3), "variant must be"),
     ]
     r = randn(2, 64)
     cases.append((lambda: sg.skinny_linear(x, w, norm_weight=randn(64), eps=1e-6, norm_residual=r, residual_out=r),
@@ -233,10 +273,13 @@ u32, i16, f32, i64 = types.uint32[::1], types.int16[::1], types.float32[::1], ty
 SIG = (u32, i64, u32, i16, f32, types.int32[::1], i16, i16, u32, i64, u32, u32, types.float32,
        i64, i64, i64, i64, i64, i64)
 RSIG = (f32, i64, i16, i16, i16, i64, i64, i64)
+V2SIG = (u32, i64, u32, i16, i16, i16, i64, i64, i64, i64)
 out = {}
 for name, flags in json.loads(sys.argv[1]).items():
     if name.startswith("reduce"):
         ptx, _ = cuda.compile_ptx(sg.make_reduce_kernel(*flags).py_func, RSIG, cc=(9, 0))
+    elif name.startswith("v2"):
+        ptx, _ = cuda.compile_ptx(sg.make_gemm_kernel_v2(*flags).py_func, V2SIG, cc=(9, 0))
     else:
         ptx, _ = cuda.compile_ptx(sg.make_gemm_kernel(*flags).py_func, SIG, cc=(9, 0))
     open(f"{sys.argv[2]}/{name}.ptx", "w").write(ptx)
@@ -244,6 +287,7 @@ for name, flags in json.loads(sys.argv[1]).items():
     count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))
     out[name] = {"ld_global_v4": count("ld.global.v4"), "mma": count("mma.sync.aligned.m16n8k16"),
                  "ld_shared_v4": count("ld.shared.v4"), "shfl": count("shfl.sync"), "atomic": count("atom."),
+                 "bar": count("bar.sync") + count("barrier.sync"),
                  "cp_async": len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)),
                  "f64_ops": sum(1 for o in ops if ".f64" in o),
                  "local": bool(re.search(r"\.local\b|ld\.local|st\.local", ptx))}
@@ -260,8 +304,12 @@ CODEGEN = {
     "resid_split_kernel_bf16": (True, False, False, False, False, False, False, sg.SPLIT_KERNEL),
     "silu_split_f16": (False, False, False, False, False, True, True, sg.SPLIT_WARP),
     "reduce_silu_bias_bf16": (True, True, True, False),
+    # make_gemm_kernel_v2(is_bf16, two_groups, kwarps, bias, silu, resid)
+    "v2_plain_bf16": (True, False, 4, False, False, False),
+    "v2_silu_bias_f16_m16_w16": (False, True, 16, True, True, False),
+    "v2_resid_bf16_w8": (True, False, 8, False, False, True),
 }
-CODEGEN_DEFAULT = ("plain_f16", "norm_add_split_bf16_m16")
+CODEGEN_DEFAULT = ("plain_f16", "norm_add_split_bf16_m16", "v2_plain_bf16")
 CODEGEN_PARAMS = [n if n in CODEGEN_DEFAULT else pytest.param(n, marks=SLOW) for n in sorted(CODEGEN)]
 
 
@@ -283,16 +331,23 @@ def test_ptx_has_wide_loads_mma_and_no_fp64(compiled, name):
     assert s["f64_ops"] == 0, f"{name}: {s['f64_ops']} fp64 instructions"
     assert not s["local"], f"{name}: local memory (a register array spilled)"
     # atomics only to elect the tile's last warp (one count per warp and tile), never to add the sums
-    elected = CODEGEN[name][-1] == sg.SPLIT_WARP if not name.startswith("reduce") else False
+    elected = CODEGEN[name][-1] == sg.SPLIT_WARP if name[:2] not in ("re", "v2") else False
     assert s["atomic"] == (1 if elected else 0), f"{name}: {s['atomic']} atomics"
     if name.startswith("reduce"):
+        return
+    groups = 2 if "m16" in name else 1
+    if name.startswith("v2"):
+        # the first chunk's 8 weight loads, the next chunk's 8 inside the loop, 4 activation pieces per group;
+        # 4 steps x 2 halves x groups mma; one barrier (the warps' sums), no staging, no atomics, no shuffles
+        assert s["ld_global_v4"] == 16 + 4 * groups, s
+        assert s["mma"] == 8 * groups and s["bar"] == 1, s
+        assert s["cp_async"] == 0 and s["shfl"] == 0 and s["ld_shared_v4"] == 0, s
         return
     # 4 steps of 2 rows: 8 16-byte weight loads per unrolled iteration; x staged by cp.async, or (norm) by
     # 16-byte loads of x, the residual and the norm weight, 4 pieces at a time
     norm = "norm" in name
     assert s["ld_global_v4"] >= (8 + 8 + 12 if norm else 8), s
     assert (s["cp_async"] > 0) != norm, s
-    groups = 2 if "m16" in name else 1
     assert s["mma"] == 8 * groups, s                          # 4 steps x 2 halves of a piece x M groups
     assert s["ld_shared_v4"] >= 4 * groups, s
     # the norm's sum of squares (5), the election's broadcast (1)
@@ -300,7 +355,7 @@ def test_ptx_has_wide_loads_mma_and_no_fp64(compiled, name):
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not installed")
-@pytest.mark.parametrize("name", ["plain_f16", "norm_add_split_bf16_m16"])
+@pytest.mark.parametrize("name", ["plain_f16", "norm_add_split_bf16_m16", "v2_plain_bf16"])
 def test_ptxas_no_spills(compiled, name):
     ptx = open(os.path.join(compiled[1], name + ".ptx")).read()
     m = re.search(r"release (\d+)\.(\d+)", subprocess.run(["ptxas", "--version"], capture_output=True,
