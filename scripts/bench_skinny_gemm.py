@@ -4,8 +4,11 @@ One GPU command: validates every shape and fused variant against torch, then tim
 
     python3 scripts/bench_skinny_gemm.py --out $OUT        (from the repository root; numpy < 2.5)
 
+Both kernels are timed: v1 (activation rows staged in shared memory, split-K over CTAs) and v2 (a CTA per
+16-row tile, K split over its warps, next chunk's loads in flight during this chunk's mma), beside cuBLAS.
+
 1. Validation, on fresh random bf16 inputs (weights scaled like a trained layer's): for every shape and
-   M in ROWS the plain GEMM, and at M in (1, 5, 16) each shape's fused variant (qkv: RMSNorm prologue with
+   M in ROWS the plain GEMM of each kernel, and at M in (1, 5, 16) each shape's fused variant (qkv: RMSNorm prologue with
    the residual add + bias; o_proj and down_proj: the residual-add epilogue; gate_up: the prologue +
    SiLU-and-mul; LM head: the prologue without add), against torch's float32 product of the same values
    with the unfused roundings: |err| <= 1 unit in the last place + K 2^-23 sum|x w| (2 units and the
@@ -14,7 +17,7 @@ One GPU command: validates every shape and fused variant against torch, then tim
    so every call streams its weights from HBM; beside it torch's F.linear (cuBLAS) the same way.
    GB/s counts the weight bytes (x and y are < 0.1% of them); "% copy" is against torch's copy of a 1 GiB
    buffer (read + write) measured in the same run.
-3. The SASS of the plain kernel (numba's inspect_sass, where nvdisasm is installed): LDG.E.128 and HMMA.
+3. The SASS of the plain kernels (numba's inspect_sass, where nvdisasm is installed): LDG.E.128 and HMMA.
 
 Writes $OUT/skinny_gemm.md and $OUT/skinny_gemm.json.
 """
@@ -116,11 +119,14 @@ def fused_args(variant, M, N, K, seed):
     return kw
 
 
-def check(name, M, variant, sg):
-    """Validate one (shape, M, variant); returns the worst err / bound."""
+def check(name, M, variant, sg, kernel=None):
+    """Validate one (shape, M, variant) of kernel version `kernel` (None: skinny_linear's choice); returns
+    the worst err / bound."""
     N, K, _ = SHAPES[name]
     x, w = make_case(M, N, K, seed=M * 131 + N)
     kw = fused_args(variant, M, N, K, seed=M) if variant != "plain" else {}
+    if kernel is not None:
+        kw["variant"] = kernel
     bias = kw.pop("bias", None)
     y = sg.skinny_linear(x, w, bias, **kw)
     want, bound, new_res = torch_reference(x, w, variant, bias=bias, residual=kw.get("residual"),
@@ -140,9 +146,14 @@ def sass_counts(sg):
     """LDG.E.128 and HMMA in the SASS of the plain kernels compiled so far (None without nvdisasm)."""
     try:
         counts = {}
-        for key, kernel in [(k, sg.make_gemm_kernel(True, k == "m16", False, False, False, False, False, 0))
-                            for k in ("m8", "m16")]:
+        kernels = [(f"v1 {k}", sg.make_gemm_kernel(True, k == "m16", False, False, False, False, False, 0))
+                   for k in ("m8", "m16")]
+        kernels += [(f"v2 {k} {w} warps", sg.make_gemm_kernel_v2(True, k == "m16", w, False, False, False))
+                    for k in ("m8", "m16") for w in (4, 8, 16)]
+        for key, kernel in kernels:
             sass = "\n".join(kernel.inspect_sass().values())     # the specialisations compiled so far
+            if not sass:                                          # not run at these shapes
+                continue
             counts[key] = {"LDG.E.128": sass.count("LDG.E.128"), "HMMA.16816": sass.count("HMMA.16816"),
                            "fp64 (DADD/DMUL/DFMA)": sum(sass.count(op) for op in ("DADD", "DMUL", "DFMA"))}
         return counts
@@ -156,6 +167,19 @@ def predicted_us(nbytes, splits, copy_gbs):
     return nbytes / (0.9 * copy_gbs * 1e3) + 2.0 + (1.0 if splits > 1 else 0.0)
 
 
+def predicted_us_v2(nbytes, M, N, K, silu, copy_gbs):
+    """Before measuring v2: ~2.5 us of launch, first-load latency and drain in a graph (cuBLAS's floor on
+    the 2 MB layers is 4.3 us), plus the longer of streaming the weights at 92% of the copy bandwidth and
+    the warps' round trips to HBM (~0.8 us each; a warp keeps 2 chunks in flight, so ceil(n / 2) + 1 trips
+    for n chunks), plus ~0.3 us for the warps' sums through shared memory and the epilogue."""
+    from kernels_numba import skinny_gemm as sg
+
+    tiles, kwarps, chunks = sg.plan_v2(M, N, K, silu)
+    per_warp = -(-chunks // kwarps)
+    trips = -(-per_warp // 2) + 1
+    return 2.5 + max(nbytes / (0.92 * copy_gbs * 1e3), 0.8 * trips) + 0.3
+
+
 def main(out_dir, shapes=None, rows=ROWS, quick=False):
     from kernels_numba import skinny_gemm as sg
 
@@ -167,11 +191,14 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
     worst = {}
     for name in shapes:
         for M in rows:
-            worst[(name, M, "plain")] = check(name, M, "plain", sg)
+            for kernel in sg.VARIANTS:
+                worst[(name, M, f"plain v{kernel}")] = check(name, M, "plain", sg, kernel)
         variant = SHAPES[name][2]
         for M in VALIDATE_FUSED_ROWS:
             worst[(name, M, variant)] = check(name, M, variant, sg)
-        print(f"validated {name}: plain M={list(rows)}, {variant} M={list(VALIDATE_FUSED_ROWS)}; worst err/bound "
+            if "norm" not in variant:        # the epilogue in v1 too (skinny_linear's choice is v2)
+                worst[(name, M, variant + " v1")] = check(name, M, variant, sg, 1)
+        print(f"validated {name}: plain v1 and v2 M={list(rows)}, {variant} M={list(VALIDATE_FUSED_ROWS)}; worst err/bound "
               f"{max(v for k, v in worst.items() if k[0] == name):.3f} ({time.time() - t0:.0f} s)", flush=True)
     torch.cuda.synchronize()
     # ---- 2. timing ----
@@ -188,8 +215,12 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
             n_out = N // 2 if "silu" in variant else N
             out = torch.empty(M, N, device="cuda", dtype=DTYPE)
             calls = max(20, sets)
-            ours = benchlib.graph_time_us(lambda i: sg.skinny_linear(x, ws[i % sets], out=out, validate=False),
-                                          calls=calls, replays=5 if quick else 10)
+            ours = benchlib.graph_time_us(
+                lambda i: sg.skinny_linear(x, ws[i % sets], out=out, variant=1, validate=False),
+                calls=calls, replays=5 if quick else 10)
+            ours2 = benchlib.graph_time_us(
+                lambda i: sg.skinny_linear(x, ws[i % sets], out=out, variant=2, validate=False),
+                calls=calls, replays=5 if quick else 10)
             cublas = benchlib.graph_time_us(lambda i: F.linear(x, ws[i % sets]), calls=calls,
                                             replays=5 if quick else 10)
             row = {"shape": name, "M": M, "N": N, "K": K, "weight MB": nbytes / 1e6}
@@ -202,6 +233,7 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
                     lambda i: sg.skinny_linear(x, ws[i % sets], bias, out=fout, validate=False, **kw),
                     calls=calls, replays=5 if quick else 10)
             tiles, sps, splits, grid_x = sg.plan(M, N, K)
+            tiles2, kwarps, _ = sg.plan_v2(M, N, K)
             if splits > 1:                   # the same partials added by a second kernel instead
                 row["2-kernel µs"] = benchlib.graph_time_us(
                     lambda i: sg.skinny_linear(x, ws[i % sets], out=out, reduce="kernel", validate=False),
@@ -209,10 +241,15 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
             row.update({"plan (steps/split, splits, CTAs)": f"{sps}, {splits}, {grid_x * splits}",
                         "predicted µs": predicted_us(nbytes, splits, copy_gbs),
                         "µs": ours, "GB/s": nbytes / ours / 1e3, "% copy": 100 * nbytes / ours / 1e3 / copy_gbs,
+                        "v2 plan (warps/tile, CTAs)": f"{kwarps}, {tiles2}",
+                        "v2 predicted µs": predicted_us_v2(nbytes, M, N, K, False, copy_gbs),
+                        "v2 µs": ours2, "v2 % copy": 100 * nbytes / ours2 / 1e3 / copy_gbs,
                         "cuBLAS µs": cublas, "cuBLAS GB/s": nbytes / cublas / 1e3,
-                        "cuBLAS % copy": 100 * nbytes / cublas / 1e3 / copy_gbs, "vs cuBLAS": cublas / ours})
+                        "cuBLAS % copy": 100 * nbytes / cublas / 1e3 / copy_gbs, "vs cuBLAS": cublas / ours,
+                        "v2 vs cuBLAS": cublas / ours2})
             rows_out.append(row)
-            print(f"{name:>13} M={M:2d}: {ours:8.2f} us {row['GB/s']:7.0f} GB/s ({row['% copy']:5.1f}% copy) | "
+            print(f"{name:>13} M={M:2d}: v1 {ours:8.2f} us ({row['% copy']:5.1f}% copy) | v2 {ours2:8.2f} us "
+                  f"({row['v2 % copy']:5.1f}%, predicted {row['v2 predicted µs']:.1f}) | "
                   f"cuBLAS {cublas:8.2f} us ({row['cuBLAS % copy']:5.1f}%) | "
                   f"fused {row.get('fused µs', float('nan')):.2f} us "
                   f"({time.time() - t0:.0f} s)", flush=True)
@@ -238,18 +275,21 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
             print("sweep", row, flush=True)
         del ws
     sass = sass_counts(sg)
-    print("SASS of the plain kernel:", sass)
+    print("SASS of the plain kernels:", sass)
     columns = ["shape", "M", "N", "K", "weight MB", "plan (steps/split, splits, CTAs)", "predicted µs", "µs",
-               "GB/s", "% copy", "2-kernel µs", "cuBLAS µs", "cuBLAS GB/s", "cuBLAS % copy", "vs cuBLAS", "fused",
+               "GB/s", "% copy", "2-kernel µs", "v2 plan (warps/tile, CTAs)", "v2 predicted µs", "v2 µs",
+               "v2 % copy", "cuBLAS µs", "cuBLAS GB/s", "cuBLAS % copy", "vs cuBLAS", "v2 vs cuBLAS", "fused",
                "fused µs"]
     md = "\n".join([
         f"Skinny GEMM y[M, N] = x[M, K] W[N, K]^T, bf16, CUDA-graph replay, >= 4 rotated weight sets "
         f"(3x the L2). Copy bandwidth measured in this run: {copy_gbs:,.0f} GB/s (read + write).",
-        "GB/s: weight bytes per second. 2-kernel: split-K's partials added by a second kernel instead of the "
-        "tile's last warp. fused: the shape's fused variant (prologue/epilogue) in one call.",
+        "µs, GB/s, % copy, predicted, plan: v1 (staged rows, split-K over CTAs). v2 ...: a CTA per 16-row tile, "
+        "K split over its warps. GB/s: weight bytes per second. 2-kernel: v1's split-K partials added by a "
+        "second kernel instead of the tile's last warp. fused: the shape's fused variant (prologue/epilogue) "
+        "in one call (v1 with the norm prologue, v2 otherwise). vs cuBLAS: cuBLAS µs / ours.",
         f"Validated first (max err / bound over all cases: {max(worst.values()):.3f}; same bits on repeat).",
-        f"SASS (plain kernel): {sass}", "", benchlib.markdown_table(rows_out, columns), "",
-        "Split-K span (steps of 32 k per split) against the plan's choice, µs:", "",
+        f"SASS (plain kernels): {sass}", "", benchlib.markdown_table(rows_out, columns), "",
+        "v1's split-K span (steps of 32 k per split) against the plan's choice, µs:", "",
         benchlib.markdown_table(sweep) if sweep else "(not run)"])
     meta = {"sweep": sweep, "copy_gbs": copy_gbs, "validation_worst_ratio": max(worst.values()), "sass": sass,
             "seconds": time.time() - t0}

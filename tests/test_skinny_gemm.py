@@ -381,7 +381,7 @@ def test_gpu_real_shapes_match_float64_and_repeat_bit_for_bit(name, M):
     N, K, silu = QWEN_SHAPES[name]
     dtype = torch.bfloat16 if "7B" in name else torch.float16
     x, w = case(M, N, K, dtype, seed=21)
-    got = sg.skinny_linear(x, w, silu=silu)
+    got = {v: sg.skinny_linear(x, w, silu=silu, variant=v) for v in sg.VARIANTS}
     wd = w.double()
     acc, scale = x.double() @ wd.T, x.double().abs() @ wd.abs().T                  # (M, N)
     del wd
@@ -397,23 +397,26 @@ def test_gpu_real_shapes_match_float64_and_repeat_bit_for_bit(name, M):
     else:
         want = acc.to(dtype).double()
         bound = ULP[dtype] * want.abs() + TINY[dtype] + K * F32_SUM * scale
-    err = (got.double() - want).abs()
-    assert bool((err <= bound).all()), f"{name} M={M}: max err {err.max().item():.3e}, max err/bound " \
-                                       f"{(err / bound).max().item():.3f}"
+    for v, y in got.items():
+        err = (y.double() - want).abs()
+        assert bool((err <= bound).all()), f"{name} M={M} v{v}: max err {err.max().item():.3e}, max err/bound " \
+                                           f"{(err / bound).max().item():.3f}"
+    assert same_bits(sg.skinny_linear(x, w, silu=silu), got[2])
     for reduce in ("warp", "kernel"):
-        assert same_bits(sg.skinny_linear(x, w, silu=silu, reduce=reduce), got)
+        assert same_bits(sg.skinny_linear(x, w, silu=silu, reduce=reduce, variant=1), got[1])
 
 
 @pytest.mark.gpu
-def test_gpu_graph_capture_and_replay():
+@pytest.mark.parametrize("variant", sg.VARIANTS)
+def test_gpu_graph_capture_and_replay(variant):
     x, w = case(4, 896, 4864, torch.float16, seed=22)
     out = torch.empty(4, 896, dtype=torch.float16, device="cuda")
-    sg.skinny_linear(x, w, out=out)                                       # compile, make the scratch
+    sg.skinny_linear(x, w, out=out, variant=variant)                      # compile, make the scratch
     torch.cuda.synchronize()
     want = out.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        sg.skinny_linear(x, w, out=out)
+        sg.skinny_linear(x, w, out=out, variant=variant)
     out.zero_()
     graph.replay()
     torch.cuda.synchronize()
@@ -422,15 +425,17 @@ def test_gpu_graph_capture_and_replay():
 
 @pytest.mark.gpu
 def test_gpu_sass_has_128_bit_loads_and_hmma():
-    """The machine code of the plain kernel (needs nvdisasm): LDG.E.128 weight loads, HMMA.16816, no fp64."""
+    """The machine code of the plain kernels (needs nvdisasm): LDG.E.128 weight loads, HMMA.16816, no fp64."""
     if shutil.which("nvdisasm") is None:
         pytest.skip("nvdisasm not installed")
     x, w = case(3, 896, 896, torch.float16, seed=23)
     sg.skinny_linear(x, w, steps_per_split=28)                           # one split: the plain kernel
-    kernel = sg.make_gemm_kernel(False, False, False, False, False, False, False, 0)
-    sass = "\n".join(kernel.inspect_sass().values())
-    assert "LDG.E.128" in sass and "HMMA.16816.F32" in sass, sass[:2000]
-    assert not re.search(r"\bD(ADD|MUL|FMA)\b", sass), "fp64 instructions in the SASS"
+    sg.skinny_linear(x, w, variant=2)                                    # 4 warps per tile
+    for kernel in (sg.make_gemm_kernel(False, False, False, False, False, False, False, 0),
+                   sg.make_gemm_kernel_v2(False, False, 4, False, False, False)):
+        sass = "\n".join(kernel.inspect_sass().values())
+        assert "LDG.E.128" in sass and "HMMA.16816.F32" in sass, sass[:2000]
+        assert not re.search(r"\bD(ADD|MUL|FMA)\b", sass), "fp64 instructions in the SASS"
 
 
 # ---- the bench's own validation (scripts/bench_skinny_gemm.py) -------------------------------------
