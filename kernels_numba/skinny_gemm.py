@@ -5,7 +5,17 @@ the time to stream W from HBM, so the kernel is built to read each weight byte e
 load, with enough loads in flight to fill the H200's memory pipes. fp16/bf16 weights and activations
 (carried as raw 16-bit bits, kernels_numba/common.py), fp32 accumulation.
 
-Layout of the work
+Two versions (skinny_linear(variant=...); docs/kernels.md has the measurements and the reasons):
+    v1  a CTA stages its K range of the activation rows in shared memory and its warps walk over tiles;
+        split-K over CTAs (a split spans at most 1,024 k), partials added by the tile's last warp or a
+        second kernel. The only one with the RMSNorm prologue.
+    v2  one CTA per tile, its 4-16 warps splitting the tile's K (chunks of 128 k, interleaved), the
+        activation pieces read from global memory (L1/L2), the next chunk's weight loads issued before
+        this chunk's mma (8 KB per warp in flight, never a gap), the warps' sums added in warp order
+        through shared memory: no split over CTAs, no partials, no atomics. The default without the
+        prologue.
+
+Layout of the work (v1; v2 keeps the tile, the lanes' pieces and the mma, and differs as said above)
 ------------------
 * A *tile* is 16 weight rows (8 gate + 8 up rows when SiLU-and-mul is fused). One warp owns a tile for
   a range of K and computes the 16 x M block of dot products on the tensor cores (mma.sync m16n8k16,
@@ -662,7 +672,7 @@ def _row_words(t):
 
 def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, norm_weight=None, eps=None,
                   norm_residual=None, residual_out=None, steps_per_split=None, reduce="warp", variant=None,
-                  validate=True):
+                  warps_per_tile=None, validate=True):
     """y = x weight^T (+ bias) for a few rows, with the optional fused prologue and epilogues.
 
     x: [M, K] float16/bfloat16, 1 <= M <= 16, K % 8 == 0, rows 16-byte aligned (strided rows allowed)
@@ -679,6 +689,7 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
     variant: 1 (staged rows, split-K over CTAs; the only one with the norm prologue) or 2 (a CTA per tile,
         K split over its warps). None: 2, or 1 where the call asks for the prologue, steps_per_split or
         reduce="kernel".
+    warps_per_tile: v2 only, force the warps sharing a tile's K (4, 8 or 16); None: plan_v2().
     Returns out. Runs on torch's current stream (capturable in a CUDA graph: the split-K partials live in a
     persistent scratch buffer per shape).
     """
@@ -736,6 +747,9 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
             raise KernelLaunchError(f"variant must be one of {VARIANTS}, got {variant!r}")
         if variant == 2 and (norm or steps_per_split is not None or reduce != "warp"):
             raise KernelLaunchError("variant 2 has no norm prologue, steps_per_split or reduce: use variant=1")
+        if warps_per_tile is not None and (variant != 2 or warps_per_tile not in (4, 8, 16)):
+            raise KernelLaunchError(f"warps_per_tile must be 4, 8 or 16, with variant=2; got {warps_per_tile} "
+                                    f"with variant={variant}")
         if reduce not in ("warp", "kernel"):
             raise KernelLaunchError(f"reduce must be 'warp' or 'kernel', got {reduce!r}")
         if steps_per_split is not None and (steps_per_split % UNROLL or not UNROLL <= steps_per_split <= MAX_STEPS):
@@ -744,7 +758,7 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
     if out is None:
         out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
     if variant == 2:
-        return _launch_v2(x, weight, bias, out, residual, silu)
+        return _launch_v2(x, weight, bias, out, residual, silu, warps_per_tile)
     tiles, sps, splits, grid_x = plan(M, N, K, silu, steps_per_split, bridge.num_sms(x.device))
     is_bf16 = x.dtype == torch.bfloat16
     split = 0 if splits == 1 else SPLIT_WARP if reduce == "warp" else SPLIT_KERNEL

@@ -38,6 +38,9 @@ SWEEP_SHAPES = ("0.5B qkv", "0.5B gate_up", "0.5B down", "7B o_proj")   # small 
 SWEEP_ROWS = (1, 16)
 SWEEP_SPLITS = (4, 8, 16, 24, 32)                                         # steps (of 32 k) per split
 VALIDATE_FUSED_ROWS = (1, 5, 16)
+V2_SWEEP_SHAPES = ("0.5B gate_up", "0.5B down", "7B qkv", "7B o_proj", "7B gate_up", "7B down", "7B lm_head")
+V2_SWEEP_ROWS = (1, 8)
+V2_SWEEP_WARPS = (4, 8, 16)                                               # warps sharing a tile's K
 # name: (N, K, fused variant); Qwen2-0.5B: hidden 896, 14 / 2 heads of 64, intermediate 4864;
 # Qwen2-7B: hidden 3584, 28 / 4 heads of 128, intermediate 18944; vocab 151936 / 152064
 SHAPES = {
@@ -274,6 +277,25 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
             sweep.append(row)
             print("sweep", row, flush=True)
         del ws
+    # ---- v2's warps per tile against the plan's choice ----
+    sweep2 = []
+    for name in [s for s in V2_SWEEP_SHAPES if s in shapes]:
+        N, K, _ = SHAPES[name]
+        sets = benchlib.num_sets_for(N * K * 2)
+        ws = [torch.randn(N, K, device="cuda", dtype=DTYPE) for _ in range(sets)]
+        for M in V2_SWEEP_ROWS:
+            x = torch.randn(M, K, device="cuda", dtype=DTYPE)
+            out = torch.empty(M, N, device="cuda", dtype=DTYPE)
+            row = {"shape": name, "M": M, "plan's warps/tile": sg.plan_v2(M, N, K)[1]}
+            for kw in V2_SWEEP_WARPS:
+                row[f"{kw} warps µs"] = benchlib.graph_time_us(
+                    lambda i: sg.skinny_linear(x, ws[i % sets], out=out, variant=2, warps_per_tile=kw,
+                                               validate=False),
+                    calls=max(20, sets), replays=5)
+            sweep2.append(row)
+            print("v2 sweep", row, flush=True)
+        del ws
+        torch.cuda.empty_cache()
     sass = sass_counts(sg)
     print("SASS of the plain kernels:", sass)
     columns = ["shape", "M", "N", "K", "weight MB", "plan (steps/split, splits, CTAs)", "predicted µs", "µs",
@@ -290,8 +312,10 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
         f"Validated first (max err / bound over all cases: {max(worst.values()):.3f}; same bits on repeat).",
         f"SASS (plain kernels): {sass}", "", benchlib.markdown_table(rows_out, columns), "",
         "v1's split-K span (steps of 32 k per split) against the plan's choice, µs:", "",
-        benchlib.markdown_table(sweep) if sweep else "(not run)"])
-    meta = {"sweep": sweep, "copy_gbs": copy_gbs, "validation_worst_ratio": max(worst.values()), "sass": sass,
+        benchlib.markdown_table(sweep) if sweep else "(not run)", "",
+        "v2's warps per tile (sharing its K) against the plan's choice, µs:", "",
+        benchlib.markdown_table(sweep2) if sweep2 else "(not run)"])
+    meta = {"sweep": sweep, "v2_sweep": sweep2, "copy_gbs": copy_gbs, "validation_worst_ratio": max(worst.values()), "sass": sass,
             "seconds": time.time() - t0}
     paths = benchlib.save(out_dir, "skinny_gemm", rows_out, meta, markdown=md)
     print(md)

@@ -97,7 +97,7 @@ V2_CASES = [(BF16, 16, 24, 520, 4), pytest.param(F16, 1, 40, 1096, 8, marks=SLOW
 def test_v2_warps_share_k(dtype, M, N, K, kwarps):
     """v2: the tile's warps each sum their own chunks, added in warp order through shared memory."""
     x, w = case(M, N, K, dtype, seed=41)
-    y = sg._launch_v2(x, w, None, torch.empty(M, N, dtype=dtype, device=DEVICE), None, False, kwarps=kwarps)
+    y = sg.skinny_linear(x, w, variant=2, warps_per_tile=kwarps)
     want, scale = ref.linear(x, w, NAME[dtype])
     assert_close(y, want, scale, K, dtype, f"v2 with {kwarps} warps per tile")
 
@@ -253,6 +253,8 @@ def test_launch_errors_name_the_field():
         (lambda: sg.skinny_linear(x, w, steps_per_split=6), "steps_per_split"),
         (lambda: sg.skinny_linear(x, w, reduce="atomic"), "reduce"),
         (lambda: sg.skinny_linear(x, w, variant=3), "variant must be"),
+        (lambda: sg.skinny_linear(x, w, warps_per_tile=8, variant=1), "warps_per_tile"),
+        (lambda: sg.skinny_linear(x, w, warps_per_tile=6), "warps_per_tile"),
     ]
     r = randn(2, 64)
     cases.append((lambda: sg.skinny_linear(x, w, norm_weight=randn(64), eps=1e-6, norm_residual=r, residual_out=r),
