@@ -27,6 +27,12 @@ The versions (predicted times: H200, Qwen2-0.5B layer 14/2 heads, d=64, fp16, on
         32 keys keep S at 32 registers beside O's 128); O held in two halves so the compiler
         unrolls every loop over it; int32 row positions; Q's rows stepped, not divided (d=64)
                              64 x 128 new: ~30 us (v6 ~296); 4 x 1024 at 28/4, d=128: ~160 us (v6 ~230)
+    v8  + each tile's block ids loaded one tile ahead, all of a thread's passes at once (v7's copies
+        waited on four dependent block-table loads a tile, right after the barrier: the SASS shows
+        LDG -> LDGSTS four times in a row), and a lazy rescale: the running max moves only when some
+        row of the warp would see p > 2^8 (warp-uniform by shuffles), so O's MT * D / 2 multiplies a
+        tile (as many as the tile's HMMAs at d=128) are skipped on most tiles
+                             1 x 8192 new: ~440 us (v7 494); 2 x 4096 at 28/4, d=128: ~850 us (v7 1028)
 
 Why (written before any GPU run). 1x2048 is 7.5 GFLOP of causal attention (4 * 14 * 64 *
 2048 * 2049 / 2). v3 loads each tile synchronously (global -> registers -> shared, two barriers
@@ -44,7 +50,8 @@ only 16 q tiles x 2 KV heads: 32 CTAs of 68 tiles each on 132 SMs; v6 cuts each 
 Occupancy: 2 CTAs of 128 threads per SM (launch bounds: <= 255 registers; v4 uses ~212, v5
 255, no spills), 32 KB (v4) or 48 KB (v5: + the Q tile) of dynamic shared memory per CTA at d=64.
 v7 at d=128: 255 registers and ~40 bytes of spills (ptxas), 64 KB of shared memory (2 stages of
-32-key K and V tiles, 32 KB of Q).
+32-key K and V tiles, 32 KB of Q). v8 keeps the next tile's block ids live: 4 bytes of spills at d=64,
+56 at d=128.
 
 Design (every version)
 ----------------------
@@ -116,7 +123,7 @@ follow the fragment layouts above element by element.
 Entry points (this file stands alone: the journey's versions are in prefill_journey.py):
     paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
                   validate=False, max_context_len=None, splits=None, stages=None)
-                                    VERSION (6) on torch tensors: the engine's kernel
+                                    VERSION (7) on torch tensors: the engine's kernel
     launch_torch(version, q, ...)   a kernel of KERNEL_VERSIONS on torch tensors (the journey's others)
     launch(version, q, ...)         raw-bit numba device arrays, or numpy under the simulator
 
@@ -141,6 +148,7 @@ LAUNCH_BOUNDS = (THREADS, 2)  # (threads, CTAs per SM the registers must allow)
 BN = 64  # keys per KV tile
 NEG_INF = float32(-np.inf)
 LOG2E = 1.4426950408889634
+RESCALE_LOG2 = 8.0  # v8: the running max moves once a p would exceed 2^8 (fp16 holds 65504, bf16 more)
 NAN_WORD = 0x7FC07FC0  # two halves that are NaN as fp16 and as bf16 (the simulator's poison)
 SMEM_ALIGN = None if SIMULATOR else 16  # cp.async and ldmatrix move 16-byte units (the simulator has no alignment)
 
@@ -200,15 +208,16 @@ class Config:
     tile, and where a CTA finds its (sequence, q tile): find_tile's search (v4-v6) or the work
     list a plan kernel wrote before it (v7)."""
 
-    def __init__(self, m_tiles, stages=2, q_in_smem=False, bn=BN, planned=False):
+    def __init__(self, m_tiles, stages=2, q_in_smem=False, bn=BN, planned=False, ahead=False):
         self.m_tiles = m_tiles
         self.stages = stages
         self.q_in_smem = q_in_smem
         self.bn = bn
         self.planned = planned
+        self.ahead = ahead  # v8: block ids one tile ahead, and the running max moved only when it grows
 
     def key(self):
-        return (self.m_tiles, self.stages, self.q_in_smem, self.bn, self.planned)
+        return (self.m_tiles, self.stages, self.q_in_smem, self.bn, self.planned, self.ahead)
 
 
 BN_D128_V7 = 32  # v7 at d=128: 128 rows x 32 keys keeps S in 32 registers beside O's 128
@@ -217,11 +226,12 @@ BN_D128_V7 = 32  # v7 at d=128: 128 rows x 32 keys keeps S in 32 registers besid
 def version_config(version, head_dim, stages=None):
     """v4: 64 rows per CTA; v5, v6: 128 at d=64, 64 at d=128 (two m-tiles of 64-key tiles need
     more than 255 registers there: O alone is 128, S 64); v7: 128 rows at both, d=128 with tiles
-    of 32 keys, and the work list. stages: override the ring's 2 stages (bench sweeps)."""
+    of 32 keys, and the work list; v8: v7's shape with the block ids loaded a tile ahead and the
+    lazy rescale. stages: override the ring's 2 stages (bench sweeps)."""
     stages = 2 if stages is None else stages
     if version >= 7:
         return Config(m_tiles=2, stages=stages, q_in_smem=True, bn=BN_D128_V7 if head_dim == 128 else BN,
-                      planned=True)
+                      planned=True, ahead=version >= 8)
     if version == 4 or head_dim == 128:
         return Config(m_tiles=1, stages=stages)
     return Config(m_tiles=2, stages=stages, q_in_smem=True)
@@ -283,9 +293,9 @@ def find_tile(t, cu_seqlens_q, num_seqs, bq):
     return -1, 0
 
 
-def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned):
+def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, ahead):
     """The kernel for one (head_dim, "f16" | "bf16", block_size) and Config."""
-    D, BS, MT, ST, Q_SMEM, BN, PLANNED = head_dim, block_size, m_tiles, stages, q_in_smem, bn, planned
+    D, BS, MT, ST, Q_SMEM, BN, PLANNED, AHEAD = head_dim, block_size, m_tiles, stages, q_in_smem, bn, planned, ahead
     BM = 64 * MT  # rows per CTA
     W = D // 2  # words (pairs of halves) per row
     CPR = D // 8  # 16-byte chunks per row
@@ -334,6 +344,30 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned):
             if RPP * i < rem:
                 block = block_tables[s, b0 + ((RPP * i) >> BS_SHIFT)]
                 src = block * block_words + tsrc + ((RPP * i) & (BS - 1)) * W
+                cp_async16(ring, dst, k_cache, src)
+                cp_async16(ring, dst + TILE, v_cache, src)
+            else:
+                store_u32x4(ring, dst, 0, 0, 0, 0)
+                store_u32x4(ring, dst + TILE, 0, 0, 0, 0)
+
+    @cuda.jit(device=True, inline="always")
+    def tile_blocks(nb, block_tables, s, n0, kv_stop, row0):
+        # v8: the pool block of each of this thread's copy passes of the tile at n0 (issue_tile's
+        # block, 0 where the pass copies nothing), all loaded at once and a tile before issue_blocks
+        # needs them: the loads' latency hides behind a tile of math instead of stalling the copies
+        rem = kv_stop - n0 - row0
+        b0 = (n0 >> BS_SHIFT) + (row0 >> BS_SHIFT)
+        for i in range(PASSES):
+            nb[i] = block_tables[s, b0 + ((RPP * i) >> BS_SHIFT)] if RPP * i < rem else 0
+
+    @cuda.jit(device=True, inline="always")
+    def issue_blocks(ring, dst0, k_cache, v_cache, nb, block_words, n0, kv_stop, row0, tdst, tsrc):
+        # issue_tile with the blocks tile_blocks loaded before
+        rem = kv_stop - n0 - row0
+        for i in range(PASSES):
+            dst = dst0 + tdst + RPP * i * W
+            if RPP * i < rem:
+                src = nb[i] * block_words + tsrc + ((RPP * i) & (BS - 1)) * W
                 cp_async16(ring, dst, k_cache, src)
                 cp_async16(ring, dst + TILE, v_cache, src)
             else:
@@ -434,11 +468,19 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned):
             else:
                 store_u32x4(ring, dst, 0, 0, 0, 0)
         cp_async_commit()
+        nb = cuda.local.array(PASSES, np.int32)  # v8: the blocks of the next tile to issue
         for k in range(ST - 1):
             if t_lo + k < t_hi:
-                issue_tile(ring, k * STAGE, k_cache, v_cache, block_tables, s, block_words, (t_lo + k) * BN,
-                           kv_stop, row0, tdst, tsrc)
+                if AHEAD:
+                    tile_blocks(nb, block_tables, s, (t_lo + k) * BN, kv_stop, row0)
+                    issue_blocks(ring, k * STAGE, k_cache, v_cache, nb, block_words, (t_lo + k) * BN, kv_stop,
+                                 row0, tdst, tsrc)
+                else:
+                    issue_tile(ring, k * STAGE, k_cache, v_cache, block_tables, s, block_words, (t_lo + k) * BN,
+                               kv_stop, row0, tdst, tsrc)
             cp_async_commit()
+        if AHEAD and t_lo + ST - 1 < t_hi:
+            tile_blocks(nb, block_tables, s, (t_lo + ST - 1) * BN, kv_stop, row0)
 
         # ---- per lane: rows (warp MT + mt) 16 + fg + 8 h, their positions, Q fragments
         lrow = (lane & 7) + ((lane >> 3) & 1) * 8  # ldmatrix row of Q and V this lane addresses
@@ -470,6 +512,7 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned):
         ob = cuda.local.array((MT, DH, 4), float32)
         m = cuda.local.array((MT, 2), float32)  # running max per row (raw score units)
         lsum = cuda.local.array((MT, 2), float32)  # this lane's part of the row sums
+        tmax = cuda.local.array((MT, 2), float32)  # v8: this tile's row maxima
         for mt in range(MT):
             for h in range(2):
                 m[mt, h] = NEG_INF
@@ -490,9 +533,15 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned):
             wait_tile()
             cuda.syncthreads()
             if j + ST - 1 < t_hi:
-                issue_tile(ring, write, k_cache, v_cache, block_tables, s, block_words, (j + ST - 1) * BN,
-                           kv_stop, row0, tdst, tsrc)
+                if AHEAD:
+                    issue_blocks(ring, write, k_cache, v_cache, nb, block_words, (j + ST - 1) * BN, kv_stop, row0,
+                                 tdst, tsrc)
+                else:
+                    issue_tile(ring, write, k_cache, v_cache, block_tables, s, block_words, (j + ST - 1) * BN,
+                               kv_stop, row0, tdst, tsrc)
             cp_async_commit()
+            if AHEAD and j + ST < t_hi:  # the blocks of the tile the next iteration issues
+                tile_blocks(nb, block_tables, s, (j + ST) * BN, kv_stop, row0)
             n0 = j * BN
 
             # ---- S = Q K^T: per n-tile, KP ldmatrix.x4 of K, each feeding 2 MT mma
@@ -532,30 +581,76 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned):
                                 sc[mt, nt, e] = NEG_INF
 
             # ---- online softmax in base 2 (a row lives in the 4 lanes of its fg)
-            for mt in range(MT):
-                for h in range(2):
-                    mx = m[mt, h]
-                    for nt in range(NT):
-                        mx = max(mx, max(sc[mt, nt, 2 * h], sc[mt, nt, 2 * h + 1]))
-                    mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 1))
-                    mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 2))
-                    ms = mx * sl if mx != NEG_INF else float32(0.0)  # a fully masked row: p = 0
-                    alpha = ex2(m[mt, h] * sl - ms)  # 0 while the row has seen nothing
-                    m[mt, h] = mx
-                    total = float32(0.0)
-                    for nt in range(NT):
-                        p0 = ex2(sc[mt, nt, 2 * h] * sl - ms)
-                        p1 = ex2(sc[mt, nt, 2 * h + 1] * sl - ms)
-                        sc[mt, nt, 2 * h] = p0
-                        sc[mt, nt, 2 * h + 1] = p1
-                        total += p0 + p1
-                    lsum[mt, h] = lsum[mt, h] * alpha + total
-                    for dt in range(DH):
-                        oa[mt, dt, 2 * h] *= alpha
-                        oa[mt, dt, 2 * h + 1] *= alpha
-                    for dt in range(DH):
-                        ob[mt, dt, 2 * h] *= alpha
-                        ob[mt, dt, 2 * h + 1] *= alpha
+            if AHEAD:
+                # v8: the running max m moves only when some row of the warp would see a p above
+                # 2^RESCALE_LOG2 (or sees its first key); otherwise p = 2^((s - m) sl) <= 2^RESCALE_LOG2
+                # with the old m and O, l need no rescale: O / l is the same for any m (fp16/bf16 P and
+                # fp32 sums hold 2^8 without loss). Warp-uniform (rows' flags OR-ed by shuffles), so
+                # the branch costs 3 shuffles a tile and skips MT * D / 2 multiplies most tiles
+                grow = float32(0.0)  # a float flag: 32-bit shuffles (numba widens integer flags to 64 bits)
+                for mt in range(MT):
+                    for h in range(2):
+                        tx = NEG_INF
+                        for nt in range(NT):
+                            tx = max(tx, max(sc[mt, nt, 2 * h], sc[mt, nt, 2 * h + 1]))
+                        tx = max(tx, cuda.shfl_xor_sync(0xFFFFFFFF, tx, 1))
+                        tx = max(tx, cuda.shfl_xor_sync(0xFFFFFFFF, tx, 2))
+                        tmax[mt, h] = tx
+                        if (tx - m[mt, h]) * sl > float32(RESCALE_LOG2):  # m = -inf, tx finite: inf
+                            grow = float32(1.0)
+                grow = max(grow, cuda.shfl_xor_sync(0xFFFFFFFF, grow, 4))
+                grow = max(grow, cuda.shfl_xor_sync(0xFFFFFFFF, grow, 8))
+                grow = max(grow, cuda.shfl_xor_sync(0xFFFFFFFF, grow, 16))
+                if grow != float32(0.0):
+                    for mt in range(MT):
+                        for h in range(2):
+                            mx = max(m[mt, h], tmax[mt, h])
+                            ms = mx * sl if mx != NEG_INF else float32(0.0)
+                            alpha = ex2(m[mt, h] * sl - ms)  # 0 while the row has seen nothing
+                            m[mt, h] = mx
+                            lsum[mt, h] *= alpha
+                            for dt in range(DH):
+                                oa[mt, dt, 2 * h] *= alpha
+                                oa[mt, dt, 2 * h + 1] *= alpha
+                            for dt in range(DH):
+                                ob[mt, dt, 2 * h] *= alpha
+                                ob[mt, dt, 2 * h + 1] *= alpha
+                for mt in range(MT):
+                    for h in range(2):
+                        ms = m[mt, h] * sl if m[mt, h] != NEG_INF else float32(0.0)  # nothing seen: p = 0
+                        total = float32(0.0)
+                        for nt in range(NT):
+                            p0 = ex2(sc[mt, nt, 2 * h] * sl - ms)
+                            p1 = ex2(sc[mt, nt, 2 * h + 1] * sl - ms)
+                            sc[mt, nt, 2 * h] = p0
+                            sc[mt, nt, 2 * h + 1] = p1
+                            total += p0 + p1
+                        lsum[mt, h] += total
+            else:  # v4-v7: the max moves with every tile
+                for mt in range(MT):
+                    for h in range(2):
+                        mx = m[mt, h]
+                        for nt in range(NT):
+                            mx = max(mx, max(sc[mt, nt, 2 * h], sc[mt, nt, 2 * h + 1]))
+                        mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 1))
+                        mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 2))
+                        ms = mx * sl if mx != NEG_INF else float32(0.0)  # a fully masked row: p = 0
+                        alpha = ex2(m[mt, h] * sl - ms)  # 0 while the row has seen nothing
+                        m[mt, h] = mx
+                        total = float32(0.0)
+                        for nt in range(NT):
+                            p0 = ex2(sc[mt, nt, 2 * h] * sl - ms)
+                            p1 = ex2(sc[mt, nt, 2 * h + 1] * sl - ms)
+                            sc[mt, nt, 2 * h] = p0
+                            sc[mt, nt, 2 * h + 1] = p1
+                            total += p0 + p1
+                        lsum[mt, h] = lsum[mt, h] * alpha + total
+                        for dt in range(DH):
+                            oa[mt, dt, 2 * h] *= alpha
+                            oa[mt, dt, 2 * h + 1] *= alpha
+                        for dt in range(DH):
+                            ob[mt, dt, 2 * h] *= alpha
+                            ob[mt, dt, 2 * h + 1] *= alpha
 
             # ---- O += P V: P from the S fragments, V by ldmatrix.trans
             for kk in range(KK):
@@ -796,9 +891,9 @@ def split_plan(num_ctas, max_context_len, num_sms, bn=BN):
 
 
 VERSION = 7  # the version the engine runs: the work list (v7); 6: v5's kernel and the split plan
-KERNEL_VERSIONS = (4, 5, 6, 7)  # the kernels this file builds (v4, v5 are v6's building blocks)
-SPLITS_KV = (6, 7)
-PLANNED = (7,)  # the versions whose CTAs read a work list (build_plan) instead of searching
+KERNEL_VERSIONS = (4, 5, 6, 7, 8)  # the kernels this file builds (v4, v5 are v6's building blocks)
+SPLITS_KV = (6, 7, 8)
+PLANNED = (7, 8)  # the versions whose CTAs read a work list (build_plan) instead of searching
 
 
 def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse, work,

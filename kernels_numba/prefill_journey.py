@@ -3,17 +3,19 @@
 v1-v3: the first era (paged_prefill.py): v1 fp32 FMA on CUDA cores from shared-memory tiles;
     v2 adds tensor cores (mma.sync m16n8k16, Q and P in registers); v3 adds the block size as a
     compile-time constant and the softmax on ex2.approx.
-v4-v7: the FlashAttention-2 structure (paged_prefill_fa2.py, which stands alone): v4 adds the
+v4-v8: the FlashAttention-2 structure (paged_prefill_fa2.py, which stands alone): v4 adds the
     cp.async ring of swizzled K/V tiles, ldmatrix fragments and heaviest-tile-first scheduling;
-    v5 adds 128 rows per CTA at d=64; v6, the kernel the engine runs (paged_prefill_fa2.VERSION),
-    adds split-KV when the grid is short; v7 adds a work list written by a one-CTA plan kernel
+    v5 adds 128 rows per CTA at d=64; v6 adds split-KV when the grid is short; v7, the kernel the
+    engine runs (paged_prefill_fa2.VERSION), adds a work list written by a one-CTA plan kernel
     (no CTA searches the sequences for its tile: that search grew with the number of sequences
-    and dominated short prompts) and 128 rows per CTA at d=128 (tiles of 32 keys).
+    and dominated short prompts) and 128 rows per CTA at d=128 (tiles of 32 keys); v8 loads each
+    tile's block ids one tile ahead (v7's copies waited on four dependent block-table loads a tile)
+    and moves the softmax's running max only when it grows by 2^8 (O's rescale skipped most tiles).
 
 Every version takes the same arguments in the same order (torch tensors):
     VERSIONS[n](q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
                 validate=False)
-and v4-v7 also take max_context_len=, splits= (v6, v7 only) and stages=. The entry point
+and v4-v8 also take max_context_len=, splits= (v6-v8 only) and stages=. The entry point
     paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
                   version=PRODUCTION_VERSION, validate=False, **options)
 runs version `version` with those arguments. Every version is tested (tests/test_paged_prefill_cuda.py,
@@ -44,8 +46,8 @@ def entry(version):
 
 def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
                   version=PRODUCTION_VERSION, validate=False, **options):
-    """Version `version` (1..7) on torch tensors, on torch's current CUDA stream. The arguments are
-    paged_prefill_fa2.paged_prefill's; options (max_context_len=, splits=, stages=) reach v4-v7 only.
+    """Version `version` (1..8) on torch tensors, on torch's current CUDA stream. The arguments are
+    paged_prefill_fa2.paged_prefill's; options (max_context_len=, splits=, stages=) reach v4-v8 only.
     Returns out [total_q, num_heads, head_dim] in q's dtype."""
     return entry(version)(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=scale, out=out,
                           validate=validate, **options)

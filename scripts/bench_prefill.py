@@ -10,9 +10,9 @@ runs bottom-right causal (is_causal without a prefix, torch's causal_lower_right
 enable_gqa, torch's default dispatch (flash attention on the H200). Each row also shows the
 prediction written before the GPU run (docs/prefill.md) and the default version's eager cost.
 
-    python3 scripts/bench_prefill.py [--out DIR] [--kernels v3 v4 v5 v6 v7] [--variant v6:splits=2] [--reps 10]
+    python3 scripts/bench_prefill.py [--out DIR] [--kernels v3 v4 v5 v6 v7 v8] [--variant v8:stages=3] [--reps 10]
 
-By default it times v6 and v7 (the engine's kernel and the one after it) at every shape, SDPA beside them.
+By default it times v7 and v8 (the engine's kernel and the one after it) at every shape, SDPA beside them.
 Prints a table (µs, TFLOP/s and speed vs SDPA per version); with --out writes prefill_bench.json and
 prefill_bench.md there.
 """
@@ -39,8 +39,8 @@ SHAPES = [
 UNIT_ROUNDOFF = 2.0**-11  # fp16
 
 # kernel label -> version of the journey (kernels_numba/prefill_journey.py); v3 is the best of the first era
-KERNELS = {"v3": 3, "v4": 4, "v5": 5, "v6": 6, "v7": 7}
-DEFAULT_LABELS = ("v6", "v7")  # timed unless --kernels says otherwise
+KERNELS = {"v3": 3, "v4": 4, "v5": 5, "v6": 6, "v7": 7, "v8": 8}
+DEFAULT_LABELS = ("v7", "v8")  # timed unless --kernels says otherwise
 
 
 def default_label():
@@ -58,6 +58,10 @@ PREDICTED_US = {
     # away (short prompts), 128 rows per CTA at d=128 halve the shared-memory traffic per row
     "v7": {"1x2048 new": 62, "8x512 new": 38, "4x(1024+512)": 58, "1x(4096+256)": 40, "64x128 new": 30,
            "16x256 new": 24, "4x1024 new d128": 160, "2x4096 new d128": 950, "1x8192 new": 490},
+    # v8, written before its first GPU run (docs/prefill.md, "v8"): block ids a tile ahead (no copy waits on
+    # a dependent load), the running max moved only when it grows by 2^8 (O's rescale skipped most tiles)
+    "v8": {"1x2048 new": 64, "8x512 new": 36, "4x(1024+512)": 52, "1x(4096+256)": 35, "64x128 new": 45,
+           "16x256 new": 29, "4x1024 new d128": 160, "2x4096 new d128": 850, "1x8192 new": 440},
 }
 
 
@@ -275,7 +279,7 @@ if __name__ == "__main__":
     parser.add_argument("--kernels", nargs="*", default=None,
                         help=f"subset of {list(KERNELS)} (default: {' '.join(DEFAULT_LABELS)})")
     parser.add_argument("--variant", action="append", default=[],
-                        help="also time a v4+ kernel with overrides, e.g. v6:splits=2 or v5:stages=3 (repeatable)")
+                        help="also time a v4+ kernel with overrides, e.g. v8:splits=2 or v8:stages=3 (repeatable)")
     parser.add_argument("--reps", type=int, default=10, help="graph replays; the median is reported")
     parser.add_argument("--calls", type=int, default=20, help="launches captured per graph (at least the set count)")
     args = parser.parse_args()

@@ -1,4 +1,4 @@
-"""Paged prefill v4-v7 (kernels_numba/paged_prefill_fa2.py, run through prefill_journey.py): layouts, simulator,
+"""Paged prefill v4-v8 (kernels_numba/paged_prefill_fa2.py, run through prefill_journey.py): layouts, simulator,
 codegen, GPU.
 
 * The simulator fallbacks of ldmatrix and mma.sync are checked against the PTX ISA's fragment
@@ -33,7 +33,7 @@ from helpers import compile_in_subprocess
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
-VERSIONS = journey.FA2_VERSIONS  # v4-v7; v1-v3 are tested in test_paged_prefill_cuda.py
+VERSIONS = journey.FA2_VERSIONS  # v4-v8; v1-v3 are tested in test_paged_prefill_cuda.py
 
 
 def make_batch(num_heads, num_kv_heads, head_dim, block_size, dtype, q_lens, cached_lens, seed=0, device=DEVICE):
@@ -216,6 +216,15 @@ SLOW_CASES += [(7, None, (7, 1, 64, 16, torch.float16, [1, 19, 3], [0, 20, 61]))
                (7, 3, (4, 1, 128, 32, torch.float16, [5], [65]))]
 
 
+# v8 (block ids a tile ahead, lazy rescale; at d=64 by default in test_v8_lazy_rescale) at head_dim 128:
+# GQA 4, bf16, block 8, a 1-token chunk and a chunk of 33 (two q tiles of 32) behind a prefix of 40 (three
+# 32-key tiles, blocks loaded ahead); at d=64 GQA 7 ragged chunks of 1, 19 and 3 behind prefixes of 0, 20
+# and 61 (as v7's); a split in 3 at d=128
+SLOW_CASES += [(8, None, (4, 1, 128, 8, torch.bfloat16, [1, 33], [40, 0])),
+               (8, None, (7, 1, 64, 16, torch.float16, [1, 19, 3], [0, 20, 61])),
+               (8, 3, (4, 1, 128, 32, torch.float16, [5], [65]))]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", SLOW_CASES, ids=case_id)
 def test_matches_reference_full_matrix(case):
@@ -240,6 +249,23 @@ def test_fuzz_random_lengths(seed):
              [torch.float16, torch.bfloat16][seed % 2], q_lens, cached)
     version = VERSIONS[seed % len(VERSIONS)]
     run_case(version, int(rng.integers(2, 4)) if version in journey.SPLITS_KV else None, shape, seed=seed)
+
+
+@pytest.mark.parametrize("rising", [True, False])
+def test_v8_lazy_rescale(rising):
+    # v8 moves a row's running max only when a p would pass 2^RESCALE_LOG2. rising: scores grow with
+    # the key's position by ~0.72 (log2 units) per key, so the second tile's 24 keys move the max by
+    # ~17 (the rescale path after the first tile); otherwise the first tile's max holds for the rest (p
+    # below 2^8, no rescale). GQA 7, d=64: a chunk of 18 (one q tile) behind 70 cached keys, two KV
+    # tiles, the second on the diagonal (masked)
+    q, k, v, bt, cu, ctx = make_batch(7, 1, 64, 16, torch.float16, [18], [70], seed=6)
+    if rising:
+        q[..., 0] = 8.0
+        pos = torch.arange(int(ctx[0]))
+        k[bt[0, pos // 16].long(), :, pos % 16, 0] = (pos.float() / 2)[:, None].to(k.dtype)  # (ctx, Hkv)
+    out = journey.paged_prefill(q, k, v, bt, cu, ctx, version=8)
+    ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
+    check(out, ref, tolerance(ref, v, q.dtype))
 
 
 def test_scale_and_out_argument():
@@ -389,16 +415,19 @@ print("STATS" + json.dumps(out))
 """
 
 CODEGEN_FAST = [(4, 64, "f16", 16), (5, 64, "bf16", 8), ("merge", 0, "f16", 0), (7, 128, "f16", 16),
-                ("plan", 0, "", 0)]
+                ("plan", 0, "", 0), (8, 64, "f16", 16)]
 CODEGEN_SLOW = [(4, 128, "bf16", 32), (5, 128, "f16", 16), (4, 64, "bf16", 8), (5, 64, "f16", 32),
-                ("merge", 0, "bf16", 0), (7, 64, "f16", 16), (7, 128, "bf16", 8)]
+                ("merge", 0, "bf16", 0), (7, 64, "f16", 16), (7, 128, "bf16", 8), (8, 128, "f16", 16),
+                (8, 64, "bf16", 8)]
 # ptxas register bounds: 2 CTAs of 128 threads per SM (LAUNCH_BOUNDS) allow 255; v4 at d=64
 # measured 212 (numba 0.68 / numba-cuda 0.30.4): a rise past 232 means a regression worth a look
 REGISTER_BOUND = {(4, 64): 232}
 # v7 at d=128 (128 rows: O is 128 registers, S 32) fills the 255 and ptxas spills a few words
 # (measured: 40 bytes stored, 60-64 loaded, numba-cuda 0.30.4, ptxas 13.0); more means the budget
 # broke (one of O's loops left rolled moved O to local memory: 500+ bytes)
-SPILL_BYTES = {(7, 128): 64}
+SPILL_BYTES = {(7, 128): 64, (8, 64): 8, (8, 128): 72}
+# v8 keeps a tile's block ids (4 registers) live through the KV loop: at d=64 one word spills (4 bytes
+# each way), at d=128 56 stored / 64 loaded (numba-cuda 0.30.4, ptxas 13.0)
 
 
 def _name(cfg):
@@ -525,7 +554,8 @@ def test_gpu_vs_sdpa_error(shape):
     base = sdpa_error(q, k, v, bt, cu, ctx, ref)
     # floor: one unit in the last place of the largest output (both round their result once)
     tol = 2 * base + 2 * UNIT_ROUNDOFF[q.dtype] * float(np.abs(ref).max())
-    for version, splits in [(4, None), (5, None), (6, None), (6, 2), (6, 7), (6, 16), (7, None), (7, 3)]:
+    for version, splits in [(4, None), (5, None), (6, None), (6, 2), (6, 7), (6, 16), (7, None), (7, 3), (8, None),
+                           (8, 3)]:
         out = journey.paged_prefill(q, k, v, bt, cu, ctx, version=version, splits=splits)
         torch.cuda.synchronize()
         err = check(out, ref, tol)
@@ -551,7 +581,7 @@ def test_gpu_fuzz(seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", sorted({6, 7, journey.PRODUCTION_VERSION}))
+@pytest.mark.parametrize("version", sorted({6, 7, 8, journey.PRODUCTION_VERSION}))
 @pytest.mark.parametrize("splits", [1, 4])
 def test_gpu_in_cuda_graph(splits, version):
     # v7 captures two launches (the plan, then attention), three with a split
