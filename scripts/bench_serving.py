@@ -319,10 +319,12 @@ def server_command(name, model_dir, port, engine_args):
            "--served-model-name", "bench", "--log-level", "warning", *engine_args]
     if name == "inproc":
         return cmd + ["--in-process"]
-    m = re.fullmatch(r"mp(\d+)", name)
+    m = re.fullmatch(r"mp(\d+)(?:@([0-9.]+))?", name)
     if not m:
-        raise ValueError(f"unknown server {name!r}: mp<N> (the engine core and N API servers) or inproc")
-    return cmd + ["--api-server-count", m.group(1)]
+        raise ValueError(f"unknown server {name!r}: mp<N> (the engine core and N API servers), mp<N>@<F> (and "
+                         f"--prefill-delay-factor F) or inproc")
+    cmd += ["--api-server-count", m.group(1)]
+    return cmd + (["--prefill-delay-factor", m.group(2)] if m.group(2) is not None else [])
 
 
 def start_server(name, model_dir, engine_args, log_path, timeout_s):
@@ -465,7 +467,7 @@ def light_ttft_ms(llm, prompts):
     return 1000 * sorted(times)[len(times) // 2]
 
 
-def offline_runs(model_dir, llm_kwargs, loads, vocab_size, batch, fake_step_ms=None, light=None):
+def offline_runs(model_dir, llm_kwargs, loads, vocab_size, batch, fake_step_ms=None, light=None, fake_prefill_ms=None):
     """{load: offline row} for every load with an `offline` entry, plus the decode step (ms); light: the
     light load's prompts (then a "light" row with the engine's own TTFT p50).
     fake_step_ms: the synthetic device (pagedattn.serving.fake_engine) instead of the model."""
@@ -478,7 +480,7 @@ def offline_runs(model_dir, llm_kwargs, loads, vocab_size, batch, fake_step_ms=N
     llm = LLM(model_dir, **llm_kwargs)
     if fake_step_ms:
         from pagedattn.serving.fake_engine import install_fake_executor
-        install_fake_executor(llm, fake_step_ms)
+        install_fake_executor(llm, fake_step_ms, prefill_ms=fake_prefill_ms or 0.0)
     rows = {}
     for name, load in loads.items():
         if load.get("offline") is None:
@@ -587,12 +589,13 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
          nano_requests=256, min_len=100, max_len=1024, light_requests=20, light_prompt_len=100, max_model_len=2048,
          max_num_seqs=256,
          num_blocks=None, stream_interval=1, warmup=16, server_timeout_s=600, time_budget_s=None,
-         request_timeout_s=600.0, smoke=False, seed=0, fake_step_ms=None):
+         request_timeout_s=600.0, smoke=False, seed=0, fake_step_ms=None, fake_prefill_ms=None):
     """Run the benchmark; returns the table rows (also written under `out`). time_budget_s: a server row is
     skipped (and marked so) when the time spent so far plus the longest server row so far would pass it.
     servers: default mp1, mp2, mp4, inproc (smoke: mp2, inproc). fake_step_ms: every engine (offline and
     served) on the synthetic device of pagedattn.serving.fake_engine: steps of that many ms, random tokens
-    (the serving stack's own overhead, measurable on a CPU)."""
+    (the serving stack's own overhead, measurable on a CPU); fake_prefill_ms: what a step with a prompt chunk
+    costs on top there (a GPU's eager mixed step). A server mp<N>@<F> is mp<N> with --prefill-delay-factor F."""
     from scripts import benchlib
 
     t_start = time.monotonic()
@@ -648,19 +651,22 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
                      client_processes=client_processes, nano_requests=nano_requests, min_len=min_len,
                      max_len=max_len, light_requests=light_requests, light_prompt_len=light_prompt_len,
                      stream_interval=stream_interval, smoke=smoke, seed=seed, fake_step_ms=fake_step_ms,
+                     fake_prefill_ms=fake_prefill_ms,
                      env=benchlib.env_line())
     pool = ClientPool(client_processes)            # started before the offline LLM: small, CUDA-free processes
     try:
         offline, step_ms, num_blocks = offline_runs(model_dir, llm_kwargs,
                                                     {k: {"offline": offline_of.get(k)} for k in specs}, vocab,
                                                     min(max_num_seqs, concurrency), fake_step_ms,
-                                                    lp if "light" in specs else None)
+                                                    lp if "light" in specs else None, fake_prefill_ms)
         llm_kwargs["num_blocks"] = num_blocks
         engine_args = ["--device", device, "--dtype", dtype, "--max-model-len", str(max_model_len),
                        "--max-num-seqs", str(max_num_seqs), "--num-blocks", str(num_blocks), "--no-prefix-caching",
                        "--stream-interval", str(stream_interval)]
         if fake_step_ms:
             engine_args += ["--fake-step-ms", str(fake_step_ms)]
+            if fake_prefill_ms:
+                engine_args += ["--fake-prefill-ms", str(fake_prefill_ms)]
         rows, failures, longest = [], {}, 0.0
         for name in servers:
             elapsed = time.monotonic() - t_start
@@ -754,8 +760,10 @@ if __name__ == "__main__":
     ap.add_argument("--smoke", action="store_true", help="CPU, small loads; the tiny random model unless --model DIR")
     ap.add_argument("--fake-step-ms", type=float, default=None,
                     help="a synthetic device (steps of this many ms, random tokens): the serving overhead on a CPU")
+    ap.add_argument("--fake-prefill-ms", type=float, default=None,
+                    help="with --fake-step-ms: extra ms for a step holding a prompt chunk (a GPU's eager step)")
     a = ap.parse_args()
     main(a.out, a.model, a.servers, a.loads, a.device, a.dtype, a.chat_requests, a.chat_max_tokens, a.concurrency,
          a.client_processes, a.nano_requests, a.min_len, a.max_len, a.light_requests, a.light_prompt_len,
          a.max_model_len, a.max_num_seqs, a.num_blocks, a.stream_interval, a.warmup, time_budget_s=a.time_budget,
-         smoke=a.smoke, fake_step_ms=a.fake_step_ms)
+         smoke=a.smoke, fake_step_ms=a.fake_step_ms, fake_prefill_ms=a.fake_prefill_ms)

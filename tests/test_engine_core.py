@@ -206,6 +206,84 @@ def test_fake_executor_runs_steps_of_the_given_time_to_max_tokens(checkpoint):
         llm.close()
 
 
+def test_core_holds_arrivals_while_decoding_so_they_share_a_prefill_step(checkpoint, tmp_path):
+    """Admission: an idle engine takes a request at once; while sequences decode, arrivals are held (and
+    counted as waiting) until prefill_delay_factor x the last prefill's time has passed since it ended,
+    then they all join one prefill step. Factor 0 admits every arrival at once (each makes a prefill step
+    of its own). An AbortRequests, or its client going away, removes a held request (that client's only)."""
+    from pagedattn.serving.engine_core import AbortRequests, AddRequest, EngineCore
+    from pagedattn.serving.fake_engine import install_fake_executor
+
+    llm = install_fake_executor(LLM(checkpoint, **ENGINE), step_ms=1.0, prefill_ms=50.0)
+    execute, prefill_steps = llm.engine.executor.execute, []
+
+    def counting(step):
+        prefill_steps.append(step.num_prefills)
+        return execute(step)
+    llm.engine.executor.execute = counting
+    params = SamplingParams(temperature=0, max_tokens=40)
+    cores = []
+
+    def run(factor):
+        core = EngineCore(llm, f"ipc://{tmp_path}/core-{factor}", prefill_delay_factor=factor)
+        cores.append(core)
+        core._send = lambda client, msg: None           # no client: the outputs are not under test here
+        prefill_steps.clear()
+        core.held.append(AddRequest(b"c", 0, [5, 17, 301], params))
+        core._admit_due()                               # idle: admitted at once
+        assert not core.held and llm.engine.has_unfinished_requests()
+        for _ in range(4):                              # the prefill step (timed) and decodes
+            core._step()
+        waits = []
+        for wid in range(1, 6):                         # five arrivals, one per decode step
+            core.held.append(AddRequest(b"c", wid, [9, 9, wid], params))
+            core._admit_due()
+            waits.append(len(core.held))
+            core._step()
+        metrics = core._metrics()
+        while llm.engine.has_unfinished_requests() or core.held:
+            core._admit_due()
+            core._step()
+        assert sum(1 for p in prefill_steps if p) == (2 if factor else 6)
+        return core, waits, metrics
+
+    try:
+        core, waits, metrics = run(2.0)
+        assert waits == [1, 2, 3, 4, 5]                 # a few 1 ms steps << 2 x the 50 ms prefill: all held
+        assert metrics["num_waiting"] == 5 and metrics["num_admissions"] == 1
+        _, waits, metrics = run(0.0)
+        assert waits == [0] * 5 and metrics["num_waiting"] == 0 and metrics["num_admissions"] == 6
+
+        core.held = [AddRequest(b"a", 1, [5, 6], params), AddRequest(b"b", 1, [5, 6], params),
+                     AddRequest(b"a", 2, [5, 6], params)]
+        core._receive(_OneMessage(core.encoder.encode(AbortRequests(b"a", [1]))))
+        assert [(m.client, m.wire_id) for m in core.held] == [(b"b", 1), (b"a", 2)]
+        core._drop_client(b"b")
+        assert [(m.client, m.wire_id) for m in core.held] == [(b"a", 2)]
+    finally:
+        for c in cores:
+            for sock in (c.input, c.output):
+                sock.close(0)
+            c.ctx.term()
+        llm.close()
+
+
+class _OneMessage:
+    """A socket stand-in that yields one message, then none."""
+
+    def __init__(self, data):
+        self.frames = [data]
+
+    def recv_multipart(self, flags=0):
+        import zmq
+        if not self.frames:
+            raise zmq.Again()
+        return [self.frames.pop()]
+
+    def close(self, linger=None):
+        pass
+
+
 def test_core_client_equals_async_llm(core, cases, expected):
     got = run_all(core, cases)
     assert_same(got, expected)

@@ -51,6 +51,12 @@ def parse_args(argv=None):
     ap.add_argument("--fake-step-ms", type=float, default=None,
                     help="benchmarks only: the model replaced by a synthetic device that runs every step in this "
                          "many ms and samples random tokens (pagedattn/serving/fake_engine.py)")
+    ap.add_argument("--fake-prefill-ms", type=float, default=None,
+                    help="with --fake-step-ms: what a step holding a prompt chunk costs on top (an eager step)")
+    ap.add_argument("--prefill-delay-factor", type=float, default=None,
+                    help="engine core: while sequences decode, hold new requests until this many times the last "
+                         "prefill step's duration has passed since it began, so arrivals share prefill steps "
+                         "(0: admit at once; default %s; docs/engine_core.md)" % "2.0")
     ap.add_argument("--log-level", default="info", help="uvicorn's: critical | error | warning | info | debug")
     proc = ap.add_argument_group("processes", "how the server is spread over processes (docs/engine_core.md)")
     proc.add_argument("--data-parallel-size", type=int, default=1,
@@ -138,7 +144,7 @@ def main(argv=None):
               enforce_eager=a.enforce_eager, tensor_parallel_size=a.tensor_parallel_size)
     if a.fake_step_ms:
         from pagedattn.serving.fake_engine import install_fake_executor
-        install_fake_executor(llm, a.fake_step_ms)
+        install_fake_executor(llm, a.fake_step_ms, prefill_ms=a.fake_prefill_ms or 0.0)
     engine = llm.engine
     name = a.served_model_name or os.path.basename(os.path.normpath(engine.model_path))
     async_llm = AsyncLLM(llm, stream_interval=a.stream_interval)

@@ -38,6 +38,7 @@ says nothing, and the clients see the connection drop (pagedattn.serving.core_cl
 """
 import contextlib
 import ctypes
+from array import array
 import itertools
 import logging
 import os
@@ -63,6 +64,13 @@ _FINISH_CODE = {r: i for i, r in enumerate(FINISH_REASONS)}
 SNAPSHOT_INTERVAL_S = 0.05
 # While idle the loop wakes this often to check for a stop request or a parent that is gone.
 IDLE_POLL_MS = 100
+# Admission (see EngineCore): while sequences decode, new requests wait until this many times the last
+# prefill step's duration has passed since it ended. A step that holds a prompt chunk costs far more than
+# a decode step on a GPU (it runs eagerly, a decode step replays a CUDA graph) and every running stream
+# waits for it; requests arriving one by one would otherwise make nearly every step such a step. With
+# factor f, prefill steps take at most about 1 / (1 + f) of the time while streams decode.
+PREFILL_DELAY_FACTOR = 2.0
+MAX_HOLD_S = 0.2            # never longer than this (a prefill timed during a host hiccup)
 # ZMTP heartbeats (the ZMQ I/O thread sends them, whatever Python is doing): a peer silent this long
 # (a dead host, a cut network) counts as disconnected.
 HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 1000, 10000
@@ -154,18 +162,21 @@ def encode_step(rank, entries, finished, errors):
         empty = b""
         return StepOutputs(rank, empty, empty, empty, empty, empty, empty, empty, finished, errors)
     wire_ids, index, toks, lps, cumulative, reasons = zip(*entries)        # one pass per column, in C
-    num_tokens = list(map(len, toks))
-    tokens = list(itertools.chain.from_iterable(toks))
-    if any(x is not None for x in lps):
-        logprobs = list(itertools.chain.from_iterable(
-            x if x is not None else [0.0] * n for x, n in zip(lps, num_tokens)))
-        logprobs = np.array(logprobs, np.float64).tobytes()
+    # array.array packs a list of Python numbers in C, several times faster than np.array for a few
+    # hundred (native byte order and sizes: what decode_step's np.frombuffer reads on the same machine
+    # kind; 'q' int64, 'i' int32, 'd' float64)
+    num_tokens = array("i", map(len, toks))
+    tokens = array("i", itertools.chain.from_iterable(toks))
+    if lps.count(None) != len(lps):
+        logprobs = array("d", itertools.chain.from_iterable(
+            x if x is not None else [0.0] * n for x, n in zip(lps, num_tokens))).tobytes()
     else:
         logprobs = bytes(8 * len(tokens))           # float64 zeros
-    return StepOutputs(rank, np.array(wire_ids, np.int64).tobytes(), np.array(index, np.int32).tobytes(),
-                       np.array(num_tokens, np.int32).tobytes(), np.array(tokens, np.int32).tobytes(),
-                       logprobs, np.array([c or 0.0 for c in cumulative], np.float64).tobytes(),
-                       np.array([_FINISH_CODE[r] for r in reasons], np.int8).tobytes(), finished, errors)
+    if None in cumulative:
+        cumulative = [c or 0.0 for c in cumulative]
+    return StepOutputs(rank, array("q", wire_ids).tobytes(), array("i", index).tobytes(), num_tokens.tobytes(),
+                       tokens.tobytes(), logprobs, array("d", cumulative).tobytes(),
+                       bytes(map(_FINISH_CODE.__getitem__, reasons)), finished, errors)
 
 
 def decode_step(msg):
@@ -182,9 +193,15 @@ class EngineCore:
 
     llm: pagedattn.LLM, owned from now on (closed when the loop ends). address: see core_endpoints;
     the core binds it. rank: this core's data-parallel rank (reported in every message).
+
+    Admission: a request that arrives while sequences decode (and none waits in the engine) is held
+    here until prefill_delay_factor x the last prefill's duration has passed since that prefill ended,
+    then every held request joins the engine at once: arrivals share one prefill step instead of making
+    one each. An idle engine, or one with requests already waiting, takes them at once; 0 turns the
+    holding off. Held requests count as waiting in the metrics (routing, wait_until_idle).
     """
 
-    def __init__(self, llm, address, rank=0):
+    def __init__(self, llm, address, rank=0, prefill_delay_factor=PREFILL_DELAY_FACTOR):
         from pagedattn.engine.output_processor import OutputProcessor
 
         self.llm, self.engine, self.rank = llm, llm.engine, rank
@@ -212,6 +229,14 @@ class EngineCore:
         self.stopping = False
         self.last_snapshot = 0.0
         self.idle_snapshot_sent = False
+        if not prefill_delay_factor >= 0:
+            raise ValueError(f"prefill_delay_factor must be >= 0, got {prefill_delay_factor!r}")
+        self.prefill_delay_factor = float(prefill_delay_factor)
+        self.held = []                  # AddRequests not yet given to the engine, in arrival order
+        self.hold_until = 0.0           # hold new requests until then (while sequences decode)
+        self.prefill_s = 0.0            # the latest admission's prefill, as timed over the steps after it
+        self.steps_to_time = 0          # step() calls after an admission still to time
+        self.num_admissions = 0
 
     def info(self):
         e, cfg = self.engine, self.engine.config
@@ -235,6 +260,8 @@ class EngineCore:
                     self._receive(sock)
                 if self.stopping:
                     break
+                if self.held:
+                    self._admit_due()
                 if not engine.has_unfinished_requests():
                     if not self.idle_snapshot_sent:
                         self._broadcast_stats()
@@ -279,8 +306,11 @@ class EngineCore:
                 self._send(msg.client, Ready(self.rank, self.info()))
                 self._send(msg.client, Stats(self.rank, 0, self._metrics()))     # /metrics has numbers at once
             elif isinstance(msg, AddRequest):
-                self._add(msg)
+                self.held.append(msg)
             elif isinstance(msg, AbortRequests):
+                if self.held:
+                    gone = set(msg.wire_ids)
+                    self.held = [m for m in self.held if m.client != msg.client or m.wire_id not in gone]
                 for wid in msg.wire_ids:
                     self.engine.abort_request((msg.client, wid))
             elif isinstance(msg, StopCompletion):
@@ -290,6 +320,18 @@ class EngineCore:
             elif isinstance(msg, Shutdown):
                 self.stopping = True
                 return
+
+    def _admit_due(self):
+        """Give the held requests to the engine unless holding them is still worth it (see the class)."""
+        sched = self.engine.scheduler
+        if (self.prefill_delay_factor and sched.running and not sched.waiting and now() < self.hold_until):
+            return
+        held, self.held = self.held, []
+        for msg in held:
+            self._add(msg)
+        self.num_admissions += 1
+        if self.prefill_delay_factor:
+            self.prefill_s, self.steps_to_time = 0.0, 2
 
     def _add(self, msg):
         rid = (msg.client, msg.wire_id)        # the engine's request id: unique across clients
@@ -314,8 +356,17 @@ class EngineCore:
 
     def _step(self):
         engine = self.engine
+        t0 = now()
         try:
             outs = engine.step()
+            if self.steps_to_time:
+                # The admission's prefill step: the step() that launches it, or (with async scheduling) the
+                # next one, which waits for it; the longer of the two.
+                t = now()
+                self.prefill_s = max(self.prefill_s, t - t0)
+                self.steps_to_time -= 1
+                if not self.steps_to_time:
+                    self.hold_until = t + min(self.prefill_delay_factor * self.prefill_s, MAX_HOLD_S)
         except Exception as e:  # noqa: BLE001 (fail the requests in flight, keep serving)
             logger.error("engine core %d: step failed; aborting %d request(s): %r", self.rank, len(engine.groups), e)
             errors = {}
@@ -326,13 +377,19 @@ class EngineCore:
                 self._send(client, encode_step(self.rank, [], [], errs))
             return
         per_client = {}                         # client -> (entries, finished wire ids, errors)
+        last = None
         for out in outs:
             client, wid = out.request_id
-            entries, finished, errors = per_client.setdefault(client, ([], [], []))
+            if client != last:                  # consecutive outputs mostly share a client
+                cols = per_client.get(client)
+                if cols is None:
+                    cols = per_client[client] = ([], [], [])
+                entries, finished, errors = cols
+                add, last = entries.append, client
             if type(out) is StepDeltas:         # a running request: (index, ids, logprobs, cumulative, finish)
                 for d in out.deltas:
                     if d[1] or d[4] is not None:
-                        entries.append((wid, *d))
+                        add((wid, *d))
                 continue
             if out.error is not None:           # failed alone in the engine (its blocks are already free)
                 errors.append((wid, "failed", out.error))
@@ -360,6 +417,7 @@ class EngineCore:
     def _drop_client(self, client):
         """A client that cannot be reached any more: forget it and abort its requests."""
         self.clients.discard(client)
+        self.held = [m for m in self.held if m.client != client]
         gone = [rid for rid in self.engine.groups if rid[0] == client]
         for rid in gone:
             self.engine.abort_request(rid)
@@ -370,6 +428,8 @@ class EngineCore:
         self.last_snapshot = now()
         m = self.engine.metrics()
         m["rank"] = self.rank
+        m["num_waiting"] = m.get("num_waiting", 0) + len(self.held)
+        m["num_admissions"] = self.num_admissions
         return m
 
     def _broadcast_stats(self):
@@ -412,11 +472,13 @@ def run_engine_core(address, engine_kwargs, rank=0, visible_devices=None):
 
     engine_kwargs = dict(engine_kwargs)
     fake_step_ms = engine_kwargs.pop("fake_step_ms", None)     # a synthetic device (benchmarks; fake_engine.py)
+    fake_prefill_ms = engine_kwargs.pop("fake_prefill_ms", None) or 0.0
+    delay = engine_kwargs.pop("prefill_delay_factor", None)
     llm = LLM(**engine_kwargs)
     if fake_step_ms:
         from pagedattn.serving.fake_engine import install_fake_executor
-        install_fake_executor(llm, fake_step_ms, seed=rank)
-    core = EngineCore(llm, address, rank)
+        install_fake_executor(llm, fake_step_ms, seed=rank, prefill_ms=fake_prefill_ms)
+    core = EngineCore(llm, address, rank, PREFILL_DELAY_FACTOR if delay is None else delay)
     signal.signal(signal.SIGTERM, lambda *_: core.stop())
     core.run()
 
@@ -480,10 +542,12 @@ def main(argv=None):
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--prefill-delay-factor", type=float, default=PREFILL_DELAY_FACTOR)
     a = ap.parse_args(argv)
     run_engine_core(a.bind, dict(model=a.model, device=a.device, dtype=a.dtype,
                                  tensor_parallel_size=a.tensor_parallel_size, max_model_len=a.max_model_len,
-                                 max_num_seqs=a.max_num_seqs, num_blocks=a.num_blocks), a.rank)
+                                 max_num_seqs=a.max_num_seqs, num_blocks=a.num_blocks,
+                                 prefill_delay_factor=a.prefill_delay_factor), a.rank)
 
 
 if __name__ == "__main__":

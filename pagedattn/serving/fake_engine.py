@@ -3,13 +3,16 @@ processing) with its executor replaced by one that takes a fixed time per step a
 
     llm = LLM(tiny_checkpoint, device="cpu", ...)
     install_fake_executor(llm, step_ms=2.0)        # every step now "runs" 2 ms, whatever its size
+    install_fake_executor(llm, 2.0, prefill_ms=40)  # ... and a step with a prompt chunk 40 ms more
 
 What it stands for: a GPU that runs each launched step in `step_ms` (one step after another, like a
 stream) while the host is free, and hands back one token per sampling row. The host's own work (building
 the step, processing its tokens, and everything the server does around it) costs what it costs, so a
 served / offline ratio measured on it is the serving stack's overhead at that step period. The tokens
 are uniform over the vocabulary without the end-of-sequence ids (so requests run to max_tokens), with
-log-probability -1; beam search is not supported.
+log-probability -1; beam search is not supported. prefill_ms stands for what a step holding a prompt
+chunk costs beyond a decode step on a GPU (there such a step runs eagerly, launch by launch, while a
+pure-decode step replays a CUDA graph): it makes the admission policy of the engine core measurable.
 
 `python -m pagedattn serve --fake-step-ms 2 ...` and `scripts/bench_serving.py --fake-step-ms 2` use it.
 """
@@ -39,9 +42,12 @@ class FakeExecutor:
 
     world_size = 1
 
-    def __init__(self, inner, step_ms, vocab_size, exclude=(), seed=0):
+    def __init__(self, inner, step_ms, vocab_size, exclude=(), seed=0, prefill_ms=0.0):
         if not step_ms > 0:
             raise ValueError(f"step_ms must be > 0, got {step_ms!r}")
+        if not prefill_ms >= 0:
+            raise ValueError(f"prefill_ms must be >= 0, got {prefill_ms!r}")
+        self.prefill_s = prefill_ms / 1000.0
         self.inner, self.model_config, self.num_blocks = inner, inner.model_config, inner.num_blocks
         self.step_s = step_ms / 1000.0
         self.allowed = np.setdiff1d(np.arange(vocab_size, dtype=np.int32), np.asarray(list(exclude), np.int32))
@@ -56,7 +62,7 @@ class FakeExecutor:
         if step.num_beams:
             raise NotImplementedError("the fake executor does not do beam search")
         n = step.num_samples
-        ready = max(now(), self.device_free_at) + self.step_s
+        ready = max(now(), self.device_free_at) + self.step_s + (self.prefill_s if step.num_prefills else 0.0)
         self.device_free_at = ready
         tokens = self.allowed[self.rng.integers(0, len(self.allowed), n)]
         return _FakeResult(tokens, np.full(n, -1.0, np.float32), ready)
@@ -68,8 +74,9 @@ class FakeExecutor:
         self.inner.shutdown()
 
 
-def install_fake_executor(llm, step_ms, seed=0):
+def install_fake_executor(llm, step_ms, seed=0, prefill_ms=0.0):
     """Replace `llm`'s executor (an LLM built on the CPU, normally a tiny checkpoint) by a FakeExecutor."""
     engine = llm.engine
-    engine.executor = FakeExecutor(engine.executor, step_ms, engine.vocab_size, engine.eos_token_ids, seed)
+    engine.executor = FakeExecutor(engine.executor, step_ms, engine.vocab_size, engine.eos_token_ids, seed,
+                                   prefill_ms=prefill_ms or 0.0)
     return llm
