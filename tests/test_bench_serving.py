@@ -57,8 +57,11 @@ def test_server_commands():
     assert mp4[1:4] == ["-m", "pagedattn", "serve"] and mp4[-2:] == ["--api-server-count", "4"]
     inproc = bench_serving.server_command("inproc", "M", 123, [])
     assert inproc[1:4] == ["-m", "pagedattn", "serve"] and inproc[-1] == "--in-process"
-    with pytest.raises(ValueError):
-        bench_serving.server_command("mpx", "M", 123, [])
+    held0 = bench_serving.server_command("mp4@0", "M", 123, [])
+    assert held0[-4:] == ["--api-server-count", "4", "--prefill-delay-factor", "0"]
+    for bad in ("mpx", "mp4@", "mp4@x"):
+        with pytest.raises(ValueError):
+            bench_serving.server_command(bad, "M", 123, [])
 
 
 @pytest.mark.slow          # the offline LLM, a launcher (core + 2 API servers), the in-process server: ~1-2 min CPU

@@ -26,6 +26,8 @@ from pagedattn.serving.api_server import ServerLimits
 
 
 def parse_args(argv=None):
+    from pagedattn.serving.engine_core import PREFILL_DELAY_FACTOR
+
     ap = argparse.ArgumentParser(prog="python -m pagedattn serve", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="HF Qwen2 directory (default: the bundled model)")
     ap.add_argument("--served-model-name", default=None,
@@ -55,8 +57,8 @@ def parse_args(argv=None):
                     help="with --fake-step-ms: what a step holding a prompt chunk costs on top (an eager step)")
     ap.add_argument("--prefill-delay-factor", type=float, default=None,
                     help="engine core: while sequences decode, hold new requests until this many times the last "
-                         "prefill step's duration has passed since it began, so arrivals share prefill steps "
-                         "(0: admit at once; default %s; docs/engine_core.md)" % "2.0")
+                         "prefill step's duration has passed since it ended, so arrivals share prefill steps "
+                         f"(0: admit at once; default {PREFILL_DELAY_FACTOR}; docs/engine_core.md)")
     ap.add_argument("--log-level", default="info", help="uvicorn's: critical | error | warning | info | debug")
     proc = ap.add_argument_group("processes", "how the server is spread over processes (docs/engine_core.md)")
     proc.add_argument("--data-parallel-size", type=int, default=1,
