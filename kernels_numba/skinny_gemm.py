@@ -73,6 +73,33 @@ from kernels_numba.common import (FULL_MASK, bf16_to_f32, check_tensor, cp_async
                                   warp_sum)
 from kernels_numba.errors import KernelLaunchError
 
+if bridge.SIMULATOR:
+    load_u32x4_no_l1 = load_u32x4            # the simulator has no caches
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    from kernels_numba.common import _asm, _space_address
+
+    @intrinsic
+    def load_u32x4_no_l1(typingctx, arr, idx):
+        """load_u32x4 of a global array without allocating the line in L1 (PTX ld.global.L1::no_allocate):
+        streamed weights, read once, leave L1 to the activation rows that every tile reads again."""
+        if not (isinstance(arr, types.Array) and arr.dtype in (types.uint32, types.int32) and arr.ndim == 1):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            addr = _space_address(context, builder, sig.args[0], args[0], sig.args[1], args[1], 1, ir.IntType(64))
+            res = _asm(builder, ir.LiteralStructType([i32] * 4), [addr],
+                       "ld.global.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                       side_effect=True)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, k) for k in range(4)])
+
+        return sig, codegen
+
 MAX_ROWS = 16            # activation rows (M) the kernel takes
 WARPS = 4                # warps per CTA
 THREADS = 32 * WARPS
@@ -419,15 +446,26 @@ def make_gemm_kernel(is_bf16, two_groups, norm, add, bias, silu, resid, split):
 
 @bridge.disk_cached
 @lru_cache(maxsize=None)
-def make_gemm_kernel_v2(is_bf16, two_groups, kwarps, bias, silu, resid):
+def make_gemm_kernel_v2(is_bf16, two_groups, kwarps, bias, silu, resid, l1_no_allocate=True):
     """v2: one CTA per tile, its kwarps warps splitting K among themselves, the activation rows read from
     global memory (L1/L2 hits), the next chunk's weight loads issued before this chunk's mma; the warps'
     sums added through shared memory in warp order (no partial buffer, no atomics). Plain GEMM and the
-    bias / SiLU-and-mul / residual epilogues (the RMSNorm prologue is v1's)."""
-    BF16, MG, KW, SILU = is_bf16, 2 if two_groups else 1, kwarps, silu
+    bias / SiLU-and-mul / residual epilogues (the RMSNorm prologue is v1's). l1_no_allocate: the weight
+    loads do not allocate in L1 (False: plain loads, to compare)."""
+    BF16, MG, KW, SILU, NO_L1 = is_bf16, 2 if two_groups else 1, kwarps, silu, l1_no_allocate
     VALS = 4 * MG                                     # fp32 sums a lane holds
     RED_WORDS = KW * VALS * 32
     store = _make_epilogue(is_bf16, bias, silu, resid)
+
+    @cuda.jit(device=True)
+    def w_piece(w, i, ok):
+        # a 16-byte weight piece, or zeros (no load) past N or K
+        z = uint32(0)
+        if ok:
+            if NO_L1:
+                return load_u32x4_no_l1(w, i)
+            return load_u32x4(w, i)
+        return z, z, z, z
 
     @cuda.jit(device=True)
     def x_piece(x, x_stride, m, c, pieces, M):
@@ -472,26 +510,26 @@ def make_gemm_kernel_v2(is_bf16, two_groups, kwarps, bias, silu, resid):
         # contiguous KW * 256 bytes of each of the 16 rows. The lane's piece of step u is c + 4 u.
         ci = warp
         c = 16 * ci + t
-        a00, a01, a02, a03 = _load_or_zero(w, base_a + 4 * c, ok_a and c < pieces)
-        b00, b01, b02, b03 = _load_or_zero(w, base_b + 4 * c, ok_b and c < pieces)
-        a10, a11, a12, a13 = _load_or_zero(w, base_a + 4 * c + 16, ok_a and c + 4 < pieces)
-        b10, b11, b12, b13 = _load_or_zero(w, base_b + 4 * c + 16, ok_b and c + 4 < pieces)
-        a20, a21, a22, a23 = _load_or_zero(w, base_a + 4 * c + 32, ok_a and c + 8 < pieces)
-        b20, b21, b22, b23 = _load_or_zero(w, base_b + 4 * c + 32, ok_b and c + 8 < pieces)
-        a30, a31, a32, a33 = _load_or_zero(w, base_a + 4 * c + 48, ok_a and c + 12 < pieces)
-        b30, b31, b32, b33 = _load_or_zero(w, base_b + 4 * c + 48, ok_b and c + 12 < pieces)
+        a00, a01, a02, a03 = w_piece(w, base_a + 4 * c, ok_a and c < pieces)
+        b00, b01, b02, b03 = w_piece(w, base_b + 4 * c, ok_b and c < pieces)
+        a10, a11, a12, a13 = w_piece(w, base_a + 4 * c + 16, ok_a and c + 4 < pieces)
+        b10, b11, b12, b13 = w_piece(w, base_b + 4 * c + 16, ok_b and c + 4 < pieces)
+        a20, a21, a22, a23 = w_piece(w, base_a + 4 * c + 32, ok_a and c + 8 < pieces)
+        b20, b21, b22, b23 = w_piece(w, base_b + 4 * c + 32, ok_b and c + 8 < pieces)
+        a30, a31, a32, a33 = w_piece(w, base_a + 4 * c + 48, ok_a and c + 12 < pieces)
+        b30, b31, b32, b33 = w_piece(w, base_b + 4 * c + 48, ok_b and c + 12 < pieces)
         while ci < chunks:
             # the next chunk's 8 weight loads go out before this chunk's mma: 2 chunks (8 KB) per warp in
             # flight while the mma wait on the older one (zeros, no load, past the last chunk)
             cn = c + 16 * KW
-            n00, n01, n02, n03 = _load_or_zero(w, base_a + 4 * cn, ok_a and cn < pieces)
-            m00, m01, m02, m03 = _load_or_zero(w, base_b + 4 * cn, ok_b and cn < pieces)
-            n10, n11, n12, n13 = _load_or_zero(w, base_a + 4 * cn + 16, ok_a and cn + 4 < pieces)
-            m10, m11, m12, m13 = _load_or_zero(w, base_b + 4 * cn + 16, ok_b and cn + 4 < pieces)
-            n20, n21, n22, n23 = _load_or_zero(w, base_a + 4 * cn + 32, ok_a and cn + 8 < pieces)
-            m20, m21, m22, m23 = _load_or_zero(w, base_b + 4 * cn + 32, ok_b and cn + 8 < pieces)
-            n30, n31, n32, n33 = _load_or_zero(w, base_a + 4 * cn + 48, ok_a and cn + 12 < pieces)
-            m30, m31, m32, m33 = _load_or_zero(w, base_b + 4 * cn + 48, ok_b and cn + 12 < pieces)
+            n00, n01, n02, n03 = w_piece(w, base_a + 4 * cn, ok_a and cn < pieces)
+            m00, m01, m02, m03 = w_piece(w, base_b + 4 * cn, ok_b and cn < pieces)
+            n10, n11, n12, n13 = w_piece(w, base_a + 4 * cn + 16, ok_a and cn + 4 < pieces)
+            m10, m11, m12, m13 = w_piece(w, base_b + 4 * cn + 16, ok_b and cn + 4 < pieces)
+            n20, n21, n22, n23 = w_piece(w, base_a + 4 * cn + 32, ok_a and cn + 8 < pieces)
+            m20, m21, m22, m23 = w_piece(w, base_b + 4 * cn + 32, ok_b and cn + 8 < pieces)
+            n30, n31, n32, n33 = w_piece(w, base_a + 4 * cn + 48, ok_a and cn + 12 < pieces)
+            m30, m31, m32, m33 = w_piece(w, base_b + 4 * cn + 48, ok_b and cn + 12 < pieces)
             # this chunk's activation pieces (L1 hits after the first CTA on the SM), all 4 steps at once
             v00, v01, v02, v03 = x_piece(x, x_stride, g, c, pieces, M)
             v10, v11, v12, v13 = x_piece(x, x_stride, g, c + 4, pieces, M)
@@ -758,7 +796,7 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
     if out is None:
         out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
     if variant == 2:
-        return _launch_v2(x, weight, bias, out, residual, silu, warps_per_tile)
+        return launch_v2(x, weight, bias, out, residual, silu, warps_per_tile)
     tiles, sps, splits, grid_x = plan(M, N, K, silu, steps_per_split, bridge.num_sms(x.device))
     is_bf16 = x.dtype == torch.bfloat16
     split = 0 if splits == 1 else SPLIT_WARP if reduce == "warp" else SPLIT_KERNEL
@@ -787,8 +825,9 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
     return out
 
 
-def _launch_v2(x, weight, bias, out, residual, silu, kwarps=None):
-    """v2's launch (arguments checked by skinny_linear); kwarps: force the warps per tile (tests)."""
+def launch_v2(x, weight, bias, out, residual, silu, kwarps=None, l1_no_allocate=True):
+    """v2's launch with its tuning knobs, for the tests and the bench (skinny_linear checks the arguments;
+    this does not): kwarps forces the warps per tile, l1_no_allocate=False uses plain weight loads."""
     import torch
 
     M, K = x.shape
@@ -799,7 +838,7 @@ def _launch_v2(x, weight, bias, out, residual, silu, kwarps=None):
     bias16 = _halves(bias) if bias is not None else out16
     res16 = _halves(residual) if residual is not None else out16
     kernel = make_gemm_kernel_v2(x.dtype == torch.bfloat16, M > 8, kwarps, bias is not None, silu,
-                                 residual is not None)
+                                 residual is not None, l1_no_allocate)
     kernel[tiles, 32 * kwarps, torch_stream()](words(x), _row_words(x), words(weight), out16, bias16, res16,
                                                M, N, K, out.shape[1])
     return out

@@ -23,6 +23,7 @@ Writes $OUT/skinny_gemm.md and $OUT/skinny_gemm.json.
 """
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -151,13 +152,16 @@ def sass_counts(sg):
         counts = {}
         kernels = [(f"v1 {k}", sg.make_gemm_kernel(True, k == "m16", False, False, False, False, False, 0))
                    for k in ("m8", "m16")]
-        kernels += [(f"v2 {k} {w} warps", sg.make_gemm_kernel_v2(True, k == "m16", w, False, False, False))
+        kernels += [(f"v2 {k} {w} warps", sg.make_gemm_kernel_v2(True, k == "m16", w, False, False, False, True))
                     for k in ("m8", "m16") for w in (4, 8, 16)]
         for key, kernel in kernels:
             sass = "\n".join(kernel.inspect_sass().values())     # the specialisations compiled so far
             if not sass:                                          # not run at these shapes
                 continue
-            counts[key] = {"LDG.E.128": sass.count("LDG.E.128"), "HMMA.16816": sass.count("HMMA.16816"),
+            wide = re.findall(r"LDG\.E[.A-Z0-9_]*\.128[.A-Z0-9_]*", sass)       # 128-bit global loads
+            counts[key] = {"LDG 128-bit": len(wide), "of them .NA (no L1 allocation)":
+                           sum(1 for op in wide if ".NA." in op + "."),
+                           "HMMA.16816": sass.count("HMMA.16816"),
                            "fp64 (DADD/DMUL/DFMA)": sum(sass.count(op) for op in ("DADD", "DMUL", "DFMA"))}
         return counts
     except Exception as e:  # noqa: BLE001 - no nvdisasm: say so in the table, time anyway
@@ -201,7 +205,8 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
             worst[(name, M, variant)] = check(name, M, variant, sg)
             if "norm" not in variant:        # the epilogue in v1 too (skinny_linear's choice is v2)
                 worst[(name, M, variant + " v1")] = check(name, M, variant, sg, 1)
-        print(f"validated {name}: plain v1 and v2 M={list(rows)}, {variant} M={list(VALIDATE_FUSED_ROWS)}; worst err/bound "
+        print(f"validated {name}: plain v1 and v2 M={list(rows)}, {variant} M={list(VALIDATE_FUSED_ROWS)}; "
+              f"worst err/bound "
               f"{max(v for k, v in worst.items() if k[0] == name):.3f} ({time.time() - t0:.0f} s)", flush=True)
     torch.cuda.synchronize()
     # ---- 2. timing ----
@@ -292,6 +297,10 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
                     lambda i: sg.skinny_linear(x, ws[i % sets], out=out, variant=2, warps_per_tile=kw,
                                                validate=False),
                     calls=max(20, sets), replays=5)
+            # the plan's warps with weight loads that allocate in L1 (plain ld.global)
+            row["plan's warps, L1-allocating loads µs"] = benchlib.graph_time_us(
+                lambda i: sg.launch_v2(x, ws[i % sets], None, out, None, False, l1_no_allocate=False),
+                calls=max(20, sets), replays=5)
             sweep2.append(row)
             print("v2 sweep", row, flush=True)
         del ws
@@ -315,7 +324,8 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
         benchlib.markdown_table(sweep) if sweep else "(not run)", "",
         "v2's warps per tile (sharing its K) against the plan's choice, µs:", "",
         benchlib.markdown_table(sweep2) if sweep2 else "(not run)"])
-    meta = {"sweep": sweep, "v2_sweep": sweep2, "copy_gbs": copy_gbs, "validation_worst_ratio": max(worst.values()), "sass": sass,
+    meta = {"sweep": sweep, "v2_sweep": sweep2, "copy_gbs": copy_gbs, "validation_worst_ratio": max(worst.values()),
+            "sass": sass,
             "seconds": time.time() - t0}
     paths = benchlib.save(out_dir, "skinny_gemm", rows_out, meta, markdown=md)
     print(md)

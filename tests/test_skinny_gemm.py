@@ -291,6 +291,7 @@ for name, flags in json.loads(sys.argv[1]).items():
                  "ld_shared_v4": count("ld.shared.v4"), "shfl": count("shfl.sync"), "atomic": count("atom."),
                  "bar": count("bar.sync") + count("barrier.sync"),
                  "cp_async": len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)),
+                 "ld_global_v4_no_l1": len(re.findall(r"ld\.global\.L1::no_allocate\.v4", ptx)),
                  "f64_ops": sum(1 for o in ops if ".f64" in o),
                  "local": bool(re.search(r"\.local\b|ld\.local|st\.local", ptx))}
 print(json.dumps(out))
@@ -306,10 +307,10 @@ CODEGEN = {
     "resid_split_kernel_bf16": (True, False, False, False, False, False, False, sg.SPLIT_KERNEL),
     "silu_split_f16": (False, False, False, False, False, True, True, sg.SPLIT_WARP),
     "reduce_silu_bias_bf16": (True, True, True, False),
-    # make_gemm_kernel_v2(is_bf16, two_groups, kwarps, bias, silu, resid)
-    "v2_plain_bf16": (True, False, 4, False, False, False),
-    "v2_silu_bias_f16_m16_w16": (False, True, 16, True, True, False),
-    "v2_resid_bf16_w8": (True, False, 8, False, False, True),
+    # make_gemm_kernel_v2(is_bf16, two_groups, kwarps, bias, silu, resid, l1_no_allocate)
+    "v2_plain_bf16": (True, False, 4, False, False, False, True),
+    "v2_silu_bias_f16_m16_w16": (False, True, 16, True, True, False, True),
+    "v2_resid_bf16_w8_l1": (True, False, 8, False, False, True, False),
 }
 CODEGEN_DEFAULT = ("plain_f16", "norm_add_split_bf16_m16", "v2_plain_bf16")
 CODEGEN_PARAMS = [n if n in CODEGEN_DEFAULT else pytest.param(n, marks=SLOW) for n in sorted(CODEGEN)]
@@ -339,9 +340,11 @@ def test_ptx_has_wide_loads_mma_and_no_fp64(compiled, name):
         return
     groups = 2 if "m16" in name else 1
     if name.startswith("v2"):
-        # the first chunk's 8 weight loads, the next chunk's 8 inside the loop, 4 activation pieces per group;
-        # 4 steps x 2 halves x groups mma; one barrier (the warps' sums), no staging, no atomics, no shuffles
-        assert s["ld_global_v4"] == 16 + 4 * groups, s
+        # the first chunk's 8 weight loads, the next chunk's 8 inside the loop (not allocating in L1 unless
+        # the name says _l1), 4 activation pieces per group; 4 steps x 2 halves x groups mma; one barrier
+        # (the warps' sums), no staging, no atomics, no shuffles
+        weights = 0 if name.endswith("_l1") else 16
+        assert s["ld_global_v4_no_l1"] == weights and s["ld_global_v4"] == 16 - weights + 4 * groups, s
         assert s["mma"] == 8 * groups and s["bar"] == 1, s
         assert s["cp_async"] == 0 and s["shfl"] == 0 and s["ld_shared_v4"] == 0, s
         return
@@ -434,7 +437,7 @@ def test_gpu_sass_has_128_bit_loads_and_hmma():
     sg.skinny_linear(x, w, steps_per_split=28)                           # one split: the plain kernel
     sg.skinny_linear(x, w, variant=2)                                    # 4 warps per tile
     for kernel in (sg.make_gemm_kernel(False, False, False, False, False, False, False, 0),
-                   sg.make_gemm_kernel_v2(False, False, 4, False, False, False)):
+                   sg.make_gemm_kernel_v2(False, False, 4, False, False, False, True)):
         sass = "\n".join(kernel.inspect_sass().values())
         assert "LDG.E.128" in sass and "HMMA.16816.F32" in sass, sass[:2000]
         assert not re.search(r"\bD(ADD|MUL|FMA)\b", sass), "fp64 instructions in the SASS"
