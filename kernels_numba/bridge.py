@@ -23,8 +23,8 @@ Every torch entry point of kernels_numba launches through these helpers:
                                       address: the caching allocator hands a step's activations out at
                                       the same addresses step after step; under the simulator numpy
                                       views the simulator neither copies nor writes back)
-    scratch(device, shape, dtype=np.float32, zero=False)  a persistent buffer per (device, stream,
-                                      shape, dtype): launches on one stream run in order, so reusing it
+    scratch(device, shape, dtype=np.float32, zero=False, tag=None)  a persistent buffer per (device,
+                                      stream, shape, dtype, tag): launches on one stream run in order, so reusing it
                                       is safe, also inside a captured graph. zero=True: zero-filled once
                                       when first made (kernels that need it zero leave it zero)
     num_sms(device)                   streaming multiprocessors of the device (132 on an H200)
@@ -202,17 +202,18 @@ def ints(t):
     return FakeCUDAArray(t.numpy())
 
 
-def scratch(device, shape, dtype=np.float32, zero=False):
+def scratch(device, shape, dtype=np.float32, zero=False, tag=None):
     """A persistent numba array of `shape` on `device`, one per (device, current stream, shape,
-    dtype, zero). zero=True: zero-filled when made; a kernel using it must leave it zero."""
+    dtype, zero, tag). zero=True: zero-filled when made; a kernel using it must leave it zero.
+    tag: a family's own buffers (never shared with another family's of the same shape)."""
     import torch
 
     stream = 0 if SIMULATOR else torch.cuda.current_stream(device).cuda_stream
     dtype = np.dtype(dtype)
-    key = (device, stream, tuple(shape), dtype.str, zero)
+    key = (device, stream, tuple(shape), dtype.str, zero, tag)
     hit = _SCRATCH.get(key)
     if hit is None:
-        tdtype = {"<f4": torch.float32, "<i4": torch.int32, "<u4": torch.int32}[dtype.str]
+        tdtype = {"<f4": torch.float32, "<i4": torch.int32, "<u4": torch.int32, "<i8": torch.int64}[dtype.str]
         t = (torch.zeros if zero else torch.empty)(tuple(shape), dtype=tdtype, device=device)
         hit = _SCRATCH[key] = (as_array(t, "uint32" if dtype.str == "<u4" else None), t, set())
     hit[2].add(_OWNER.get())

@@ -59,7 +59,7 @@ from types import SimpleNamespace
 import numpy as np
 from numba import cuda, njit
 
-from kernels_numba.bridge import as_array, cached_view, disk_cached, enable_disk_cache
+from kernels_numba.bridge import as_array, cached_view, disk_cached, enable_disk_cache, scratch
 from kernels_numba.common import (SIMULATOR, bf16_to_f32, check_tensor, cpu_f32_bits, cpu_f32_from_bits, f16_to_f32,
                                   f32_bits, f32_from_bits, load_u32x4, torch_stream)
 
@@ -1233,29 +1233,20 @@ def launch_split(words, vocab, kind, vec, chunks, temperature, top_k, top_p, see
 
 
 _KINDS = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16"}
-_STATE = {}                         # (device, rows) -> (state_i, state_f) views and tensors
-
-
 def _state(device, n, chunks=0):
-    """The scratch one kernel leaves to the next, one per (device, rows, chunks): (state_i, state_f)
-    and, for the split path (chunks >= 1), the partials (part_i, part_f). Calls on one stream run in
-    order, so reusing it is safe, also inside a captured graph. Zeroed once: the split fallback sums
-    partials a row does not use (never their values), which then stay finite."""
-    import torch
-
-    hit = _STATE.get((device, n, chunks))
-    if hit is None:
-        shapes = [((n, len(STATE_I64)), torch.int64), ((n, len(STATE_F32)), torch.float32)]
-        if chunks:
-            shapes += [((n * chunks, len(PART_I64)), torch.int64), ((n * chunks, len(PART_F32)), torch.float32)]
-        tensors = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes]
-        hit = _STATE[(device, n, chunks)] = (tuple(as_array(t) for t in tensors), tensors)
-    return hit[0]
+    """The scratch one kernel leaves to the next, one per (device, stream, rows, chunks): (state_i, state_f)
+    and, for the split path (chunks >= 1), the partials (part_i, part_f); bridge.scratch's buffers, so each
+    engine's share goes when it closes (bridge.release). Calls on one stream run in order, so reusing it is
+    safe, also inside a captured graph. Zeroed once: the split fallback sums partials a row does not use
+    (never their values), which then stay finite."""
+    shapes = [((n, len(STATE_I64)), np.int64), ((n, len(STATE_F32)), np.float32)]
+    if chunks:
+        shapes += [((n * chunks, len(PART_I64)), np.int64), ((n * chunks, len(PART_F32)), np.float32)]
+    return tuple(scratch(device, shape, dtype, zero=True, tag="sampling") for shape, dtype in shapes)
 
 
 def clear_caches():
-    """Drop the scratch buffers (they keep their tensors alive); bridge.clear_caches drops the views."""
-    _STATE.clear()
+    """Nothing of its own: the scratch is bridge's (bridge.clear_caches drops it with the views)."""
 
 
 _PARAMS = (("temperature", "float32"), ("top_k", "int32"), ("top_p", "float32"), ("seed", "int64"),

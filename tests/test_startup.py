@@ -180,3 +180,20 @@ def test_first_call_is_the_program_of_every_later_call(tmp_path):
     assert off[0] == off[1] == off[2]
     assert on[1] == on[2] and on[0] == on_again[0]
     assert on[0] == off[0]                    # no cache hit in a first call
+
+
+def test_marker_goes_stale_with_the_numba_cache(tmp_path):
+    """The "kernels ready" marker holds only while every index file it names exists: a cleared numba cache
+    (or sources copied elsewhere) sends the next start through the parallel compile again."""
+    from pagedattn.engine import warmup
+
+    index = tmp_path / "kernel-1.nbi"
+    index.write_bytes(b"x")
+    marker = tmp_path / "ready" / "key"
+    warmup._write_marker(str(marker), {"warm_up": 1.0})
+    assert not warmup._marker_holds(str(marker))             # names no index file: this process loaded none
+    marker.write_text(json.dumps(dict(index_files=[str(index)])))
+    assert warmup._marker_holds(str(marker))
+    index.unlink()
+    assert not warmup._marker_holds(str(marker))
+    assert not warmup._marker_holds(str(tmp_path / "absent"))

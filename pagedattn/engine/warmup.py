@@ -99,7 +99,7 @@ def warm_up(engine, workers=None):
     runner = engine.executor.runner
     cuda = engine.config.device_type == "cuda"
     marker = _marker(engine) if cuda and engine.executor.world_size == 1 and precompile.available() else None
-    if marker is not None and not os.path.exists(marker):
+    if marker is not None and not _marker_holds(marker):
         t = time.perf_counter()
         logger.info("checking the kernel cache ...")
         with precompile.recording() as needed:
@@ -121,8 +121,46 @@ def warm_up(engine, workers=None):
     times["warm_up"] = time.perf_counter() - t
     hits2, misses2 = bridge.disk_cache_stats()
     times["kernels_loaded"], times["kernels_compiled"] = hits2 - hits, misses2 - misses
-    if marker is not None:
-        os.makedirs(os.path.dirname(marker), exist_ok=True)
-        with open(marker, "w") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {times}\n")
+    if marker is not None and times["kernels_compiled"] == 0:
+        _write_marker(marker, times)
+    elif marker is not None and os.path.exists(marker):
+        os.remove(marker)                            # something compiled serially: record next time
     return times
+
+
+def _index_files():
+    """The disk cache's index files of every kernel this process loaded or compiled."""
+    from kernels_numba import bridge
+
+    files = set()
+    for kernel in bridge._DISK_CACHED:
+        cache_file = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
+        path = getattr(cache_file, "_index_path", None)
+        if path and kernel.overloads:
+            files.add(path)
+    return sorted(files)
+
+
+def _write_marker(marker, times):
+    import json
+    import os
+
+    os.makedirs(os.path.dirname(marker), exist_ok=True)
+    tmp = f"{marker}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(written=time.strftime("%Y-%m-%d %H:%M:%S"), times=times, index_files=_index_files()), f)
+    os.replace(tmp, marker)
+
+
+def _marker_holds(marker):
+    """The marker exists and every index file it names is still there (a cleared numba cache, or a copy
+    of the sources elsewhere, makes it stale: the kernels are checked and compiled again)."""
+    import json
+    import os
+
+    try:
+        with open(marker) as f:
+            files = json.load(f)["index_files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return bool(files) and all(os.path.exists(p) for p in files)
