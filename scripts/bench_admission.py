@@ -62,7 +62,8 @@ def run(factor):
     wall = time.perf_counter() - t0; cpu = time.process_time() - c0
     core.close()
     print(f"factor {factor}: {ntok[0]/wall:8.0f} tok/s, steps {len(kinds)}, with a prefill {sum(kinds)} "
-          f"({100*sum(kinds)/len(kinds):.0f}%), ITL p50 {1e3*np.median(itl):.2f} ms p90 {1e3*np.percentile(itl,90):.2f}, "
+          f"({100*sum(kinds)/len(kinds):.0f}%), ITL p50 {1e3*np.median(itl):.2f} ms "
+          f"p90 {1e3*np.percentile(itl,90):.2f}, "
           f"TTFT p50 {1e3*np.median(list(ttft.values())):.1f} ms, CPU {1e3*cpu/ntok[0]*1000:.0f} ms/ktok", flush=True)
 for f in [float(x) for x in sys.argv[5:]] or (0.0, 2.0):
     run(f)

@@ -9,6 +9,8 @@
 #      and the in-process one, beside LLM.generate on the same requests; table + JSON + server logs in $OUT.
 #
 #   OUT=/path bash scripts/gpu_serving_run.sh [extra bench_serving.py options]
+#   OUT=/path bash scripts/gpu_serving_run.sh --servers mp1,mp4,mp4@0,mp1@0   # the admission rule on and off
+#                                                                            # (@0: --prefill-delay-factor 0)
 #   INSTALL_WHEELS=0 MODEL=DIR OUT=/tmp/x bash scripts/gpu_serving_run.sh --smoke      # a dry run on a CPU
 set -uo pipefail
 cd "$(dirname "$0")/.."
