@@ -596,7 +596,8 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, 
                         tx = max(tx, cuda.shfl_xor_sync(0xFFFFFFFF, tx, 1))
                         tx = max(tx, cuda.shfl_xor_sync(0xFFFFFFFF, tx, 2))
                         tmax[mt, h] = tx
-                        if (tx - m[mt, h]) * sl > float32(RESCALE_LOG2):  # m = -inf, tx finite: inf
+                        # m = -inf, tx finite: inf, grows; both -inf (a split's empty rows): NaN, does not
+                        if (tx - m[mt, h]) * sl > float32(RESCALE_LOG2):
                             grow = float32(1.0)
                 grow = max(grow, cuda.shfl_xor_sync(0xFFFFFFFF, grow, 4))
                 grow = max(grow, cuda.shfl_xor_sync(0xFFFFFFFF, grow, 8))
