@@ -11,9 +11,10 @@
     attention_parts.py             the decode pieces v10 is built from, written once (v5-v9 use them
                                    too): the entry points' checks and LaunchArgs, q fragments, the mma
                                    step, the warps' merge, the cp.async ring, v10's split-KV merge
-    paged_prefill_fa2.py           prefill attention the engine runs (v6, FlashAttention-2 structure, with
-                                   v4 and v5 as its building blocks), one entry point paged_prefill(...)
-    prefill_journey.py             the prefill journey's VERSIONS (v1-v6) and paged_prefill(..., version=N)
+    paged_prefill_fa2.py           prefill attention the engine runs (v7: a work list over all sequences'
+                                   tiles, FlashAttention-2 structure; v4-v6 and v8 beside it), one entry
+                                   point paged_prefill(...)
+    prefill_journey.py             the prefill journey's VERSIONS (v1-v8) and paged_prefill(..., version=N)
     paged_prefill.py               the prefill journey's first era (v1-v3)
     prefill_parts.py               the host checks both prefill files share (neither imports the other)
     sampling.py                    sampling the engine runs (v2: rows split over CTAs), sample_cuda(...),
@@ -21,13 +22,18 @@
     sampling_journey.py            the sampling journey's VERSIONS (v1 one CTA per row, v2) and sample(...)
     rmsnorm.py, rotary.py,         the glue: RMSNorm (+ residual add), rotary + cache write, SiLU-and-mul
       activation.py
-    cpu_*.py                       the CPU kernels (numba @njit): attention, GEMMs, quantized blocks, glue
+    skinny_gemm.py                 the decode GEMM for 1-16 rows (split-K v1, whole-K v2; fused norm and
+                                   epilogues), measured beside cuBLAS, not yet used by the engine
+    cpu_*.py                       the CPU kernels (numba @njit): attention, GEMMs, quantized blocks
+                                   (cpu_quant.py on cpu_simd.py's vector intrinsics), glue
     cache_ops.py                   reshape_and_cache (write K/V at their slots), copy_blocks
     common.py                      device intrinsics: packed fp16/bf16 math, 128-bit loads and stores,
                                    cp.async, ldmatrix, mma.sync, ex2, warp reductions (each with a
                                    simulator fallback), the CPU target's bit casts
     bridge.py                      torch <-> numba: cached array views, torch's stream, scratch
                                    buffers, SM count, tensor checks, dynamic shared memory opt-in
+    precompile.py                  a cold start's kernels compiled in parallel worker processes into the
+                                   disk cache (record the launches, compile, load)
     simulator.py                   warp shuffles for numba's CUDA simulator
     errors.py                      KernelLaunchError, the kernels' own error (pagedattn.errors re-exports it);
                                    no module here imports pagedattn
