@@ -12,11 +12,16 @@ cache and statistics are reset (LLMEngine.reset_state): nothing of the workload 
 On a cold disk cache (a bare machine) the workload first runs once with kernels_numba.precompile
 recording which kernels it lacks, those compile in parallel worker processes, and the workload runs again
 on the cache they filled. Each phase's seconds are in engine.startup_times, and a line per phase goes to
-the "pagedattn.startup" logger (shown on stderr by LLM(...) unless quiet).
+the "pagedattn.startup" logger (LLM(...) shows them on stderr on CUDA or a terminal when the application has
+not configured logging).
 """
+import hashlib
+import json
 import logging
+import os
 import random
 import time
+from importlib.metadata import version
 
 from pagedattn.sampling_params import SamplingParams
 
@@ -66,11 +71,6 @@ def run_workload(engine, max_steps=10_000):
 def _marker(engine):
     """The file that says this engine's kernels were all compiled into the disk cache on this machine:
     named by what decides them (kernel sources, numba-cuda, the GPU, the engine's shapes and options)."""
-    import hashlib
-    import json
-    import os
-    from importlib.metadata import version
-
     import torch
 
     from kernels_numba import bridge
@@ -91,8 +91,6 @@ def _marker(engine):
 def warm_up(engine, workers=None):
     """Compile, capture and run the warm-up workload (see the module's docstring). Returns {phase: seconds
     or counts}."""
-    import os
-
     from kernels_numba import bridge, precompile
 
     times = {}
@@ -142,9 +140,6 @@ def _index_files():
 
 
 def _write_marker(marker, times):
-    import json
-    import os
-
     os.makedirs(os.path.dirname(marker), exist_ok=True)
     tmp = f"{marker}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -155,9 +150,6 @@ def _write_marker(marker, times):
 def _marker_holds(marker):
     """The marker exists and every index file it names is still there (a cleared numba cache, or a copy
     of the sources elsewhere, makes it stale: the kernels are checked and compiled again)."""
-    import json
-    import os
-
     try:
         with open(marker) as f:
             files = json.load(f)["index_files"]
