@@ -71,7 +71,7 @@ def test_smoke_run(tmp_path):
     served = [r for r in rows if r["server"] != "offline"]
     assert [(r["server"], r["load"]) for r in rows] == [
         ("mp2", "chat"), ("mp2", "nano"), ("mp2", "light"), ("inproc", "chat"), ("inproc", "nano"),
-        ("inproc", "light"), ("offline", "chat"), ("offline", "nano")]
+        ("inproc", "light"), ("offline", "chat"), ("offline", "nano"), ("offline", "light")]
     expected = {"chat": 12, "nano": 8, "light": 3}
     for r in served:
         assert r["failed"] == 0 and r["requests"] == expected[r["load"]]
@@ -81,7 +81,9 @@ def test_smoke_run(tmp_path):
             assert r["served_over_offline"] > 0 and r["itl_over_decode_step"] > 0
     nano_tokens = sum(bench_serving.nano_workload(8, 4, 24, 512)[1])
     assert [r["output_tokens"] for r in rows if r["load"] == "nano"] == [nano_tokens] * 3
-    assert [r["output_tokens"] for r in rows if r["load"] == "light"] == [3 * 16] * 2
+    assert [r["output_tokens"] for r in served if r["load"] == "light"] == [3 * 16] * 2
+    offline_light = rows[-1]                  # the engine's own TTFT, one request at a time
+    assert offline_light["requests"] == expected["light"] and offline_light["ttft_p50_ms"] > 0
     for r in rows:
         if r["load"] == "chat":
             assert 12 <= r["output_tokens"] <= 12 * 24
