@@ -69,9 +69,10 @@ from kernels_numba import bridge
 from kernels_numba.bridge import words
 from kernels_numba.common import (FULL_MASK, bf16_to_f32, check_tensor, cp_async16, cp_async_commit,
                                   cp_async_wait, f16_to_f32, f32_to_bf16, f32_to_f16, load_u32x4,
-                                  mma_m16n8k16_bf16, mma_m16n8k16_f16, pack2, store_u32x4, torch_stream, unpack2,
+                                  mma_m16n8k16_bf16, mma_m16n8k16_f16, store_u32x4, torch_stream,
                                   warp_sum)
 from kernels_numba.errors import KernelLaunchError
+from kernels_numba.rmsnorm import _add_pair, _norm_pair, _square_pair  # the norm rounds as rmsnorm does
 
 if bridge.SIMULATOR:
     load_u32x4_no_l1 = load_u32x4            # the simulator has no caches
@@ -157,25 +158,7 @@ def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, bf16):
     return mma_m16n8k16_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
 
 
-@cuda.jit(device=True)
-def _add_pair(r, x, bf16):
-    r0, r1 = unpack2(r, bf16)
-    x0, x1 = unpack2(x, bf16)
-    return pack2(r0 + x0, r1 + x1, bf16)
-
-
-@cuda.jit(device=True)
-def _square_pair(z, bf16):
-    lo, hi = unpack2(z, bf16)
-    return lo * lo + hi * hi
-
-
-@cuda.jit(device=True)
-def _norm_pair(z, w, inv, bf16):
-    lo, hi = unpack2(z, bf16)
-    n0, n1 = unpack2(pack2(lo * inv, hi * inv, bf16), bf16)     # cast back to the dtype before the weight
-    g0, g1 = unpack2(w, bf16)
-    return pack2(n0 * g0, n1 * g1, bf16)
+# the norm prologue rounds as rmsnorm.py does: its pair helpers (_add_pair, _square_pair, _norm_pair)
 
 
 @cuda.jit(device=True)
