@@ -18,8 +18,9 @@ from numba import cuda, float32
 
 from kernels_numba import bridge
 from kernels_numba.bridge import words
-from kernels_numba.common import check_tensor, load_u32x4, pack2, store_u32x4, torch_stream, unpack2
+from kernels_numba.common import check_tensor, load_u32x4, pack2, store_u32x4, unpack2
 from kernels_numba.errors import KernelLaunchError
+from kernels_numba.launcher import launch as launch_kernel
 from kernels_numba.rmsnorm import check_rows, row_words
 
 THREADS = 128
@@ -80,7 +81,7 @@ def silu_and_mul(x, out=None, validate=True):
     if T == 0:
         return out
     chunks = inter // 8
-    _make_kernel(x.dtype == torch.bfloat16)[(T, -(-chunks // THREADS)), THREADS, torch_stream()](
-        words(x), row_words(x), words(out), row_words(out), chunks)
+    launch_kernel(_make_kernel(x.dtype == torch.bfloat16), (T, -(-chunks // THREADS)), THREADS,
+           (words(x), row_words(x), words(out), row_words(out), chunks))
     return out
 

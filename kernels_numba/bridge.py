@@ -44,6 +44,9 @@ Every torch entry point of kernels_numba launches through these helpers:
                                       it (kernels_numba.precompile compiles in worker processes)
     disk_cache_stats()                (loaded from disk, compiled) specialisations so far, this process
 
+Kernels are launched by kernels_numba.launcher.launch(kernel, grid, block, args, stream, smem): numba's
+launch for a signature's first call, a per-signature plan (the argument marshalling done once) after it.
+
 Tensors stay torch's: nothing here copies data or synchronises the device.
 """
 import contextlib

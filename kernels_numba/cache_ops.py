@@ -32,6 +32,7 @@ from numba import cuda
 
 from kernels_numba.bridge import as_array, cached_view, capturing, check_tensor, enable_disk_cache, torch_stream
 from kernels_numba.errors import KernelLaunchError
+from kernels_numba.launcher import launch as launch_kernel
 
 THREADS = 128  # threads per CTA for both kernels: 4 warps striding over the words to copy
 
@@ -94,9 +95,8 @@ def launch_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, stream=
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
-    _reshape_and_cache_kernel[num_tokens, THREADS, stream](
-        key, value, k_cache, v_cache, slot_mapping, k_cache.shape[2]
-    )
+    launch_kernel(_reshape_and_cache_kernel, num_tokens, THREADS,
+                  (key, value, k_cache, v_cache, slot_mapping, k_cache.shape[2]), stream)
 
 
 def launch_copy_blocks(caches, block_mapping, stream=0):
@@ -109,7 +109,7 @@ def launch_copy_blocks(caches, block_mapping, stream=0):
     num_pairs = block_mapping.shape[0]
     if num_pairs == 0 or len(caches) == 0:
         return
-    _copy_blocks_kernel[(num_pairs, len(caches)), THREADS, stream](tuple(caches), block_mapping)
+    launch_kernel(_copy_blocks_kernel, (num_pairs, len(caches)), THREADS, (tuple(caches), block_mapping), stream)
 
 
 # ----------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from kernels_numba.attention_parts import (
 )
 from kernels_numba.common import f32_bits, f32x2_to_bf16x2, f32x2_to_f16x2
 from kernels_numba.errors import KernelLaunchError
+from kernels_numba.launcher import launch as launch_kernel
 
 MAX_HEADS_PER_CTA = 16  # the mma's 16 rows; a larger group is cut into head blocks
 STAGES = 3  # ring stages per warp: 2 chunks in flight (deeper rings measured <= 5% better, docs/tune_splits.md)
@@ -240,11 +241,11 @@ def launch_v10(a, stream, plan=None):
     args = (a.q32, a.k32, a.v32, a.block_tables, a.context_lens, a.out32, part, counters, a.scale, plan.partition)
     smem = ring_bytes(a.head_dim, plan.stages, plan.warps)
     bridge.allow_dynamic_smem(kernel, args, smem)
-    kernel[(groups, a.num_seqs, plan.splits), plan.warps * 32, stream, smem](*args)
+    launch_kernel(kernel, (groups, a.num_seqs, plan.splits), plan.warps * 32, args, stream, smem)
     if plan.splits > 1 and not fused:
         merge = make_merge_kernel(a.head_dim, a.group, a.is_bf16)
-        merge[(groups * per_block, a.num_seqs), MERGE_THREADS, stream](part, a.context_lens, a.out32,
-                                                                       plan.partition, plan.splits)
+        launch_kernel(merge, (groups * per_block, a.num_seqs), MERGE_THREADS,
+                      (part, a.context_lens, a.out32, plan.partition, plan.splits), stream)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -140,6 +140,7 @@ from kernels_numba import bridge, common
 from kernels_numba.common import (cp_async16, cp_async_commit, cp_async_wait, ex2, ldmatrix_x4, ldmatrix_x4_trans,
                                   load_u32x4, store_u32x4)
 from kernels_numba.errors import KernelLaunchError
+from kernels_numba.launcher import launch as launch_kernel
 from kernels_numba.prefill_parts import BLOCK_SIZES, DTYPES, HEAD_DIMS, check_args, check_values
 
 SIMULATOR = bridge.SIMULATOR
@@ -908,7 +909,7 @@ def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
         [splits * total_q * num_heads] (any 1-element arrays when splits == 1)
     work: int32 [plan_words(total_q, num_seqs, group, version, head_dim)] for v7 (PLANNED): the
         work list's space; any 1-element array before
-    numba device arrays (numpy in the simulator).
+    numba device arrays or contiguous torch tensors of those dtypes (numpy in the simulator).
     """
     total_q = q.shape[0] // (num_heads * head_dim // 2)
     num_seqs = context_lens.shape[0]
@@ -919,29 +920,28 @@ def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     grid = (items * num_kv_heads, 1, splits)
     if version in PLANNED:
         bq = tile_rows(version, head_dim) // group
-        get_plan()[1, PLAN_THREADS, stream](cu_seqlens_q, bq, work)
+        launch_kernel(get_plan(), 1, PLAN_THREADS, (cu_seqlens_q, bq, work), stream)
     kernel = get_kernel(version, head_dim, kind, block_size, stages)
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse, work,
             num_heads, num_kv_heads, np.float32(scale))
     nbytes = smem_bytes(version, head_dim, stages)
     bridge.allow_dynamic_smem(kernel, args, nbytes)
-    kernel[grid, THREADS, stream, nbytes](*args)
+    launch_kernel(kernel, grid, THREADS, args, stream, nbytes)
     if splits > 1:
         words = total_q * num_heads * head_dim // 2
-        get_merge(kind)[(words + MERGE_THREADS - 1) // MERGE_THREADS, MERGE_THREADS, stream](
-            part_o, part_lse, out, head_dim, splits)
+        launch_kernel(get_merge(kind), (words + MERGE_THREADS - 1) // MERGE_THREADS, MERGE_THREADS,
+                      (part_o, part_lse, out, head_dim, splits), stream)
 
 
 # ----------------------------------------------------------------------------------------
 # torch entry point
 
 
-def _words(name, t, cached=False):
-    """1-D uint32 view of a contiguous fp16/bf16 tensor, 16-byte aligned (for 16-byte copies);
-    cached: reuse the view made for this tensor before (the pool is the same every call)."""
+def _words(name, t):
+    """1-D uint32 view of a contiguous fp16/bf16 tensor, 16-byte aligned (for 16-byte copies)."""
     if t.data_ptr() % 16 != 0:
         raise KernelLaunchError(f"{name} must be 16-byte aligned")
-    return (bridge.cached_view if cached else bridge.as_array)(t, "uint32", flat=True)
+    return bridge.words(t)
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
@@ -1001,11 +1001,11 @@ def launch_torch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
     if q_c.data_ptr() % 16:
         q_c = q_c.clone()
     target = out if out.is_contiguous() and out.data_ptr() % 16 == 0 else torch.empty_like(q_c)
-    launch(version, _words("q", q_c), _words("k_cache", k_cache, cached=True), _words("v_cache", v_cache, cached=True),
-           bridge.as_array(block_tables.contiguous()), bridge.as_array(cu_seqlens_q.contiguous()),
-           bridge.as_array(context_lens.contiguous()), _words("out", target), bridge.as_array(part_o),
-           bridge.as_array(part_lse), bridge.as_array(work), num_heads, num_kv_heads, head_dim, block_size,
-           scale, DTYPES[q.dtype], splits, bridge.torch_stream(q.device), stages)
+    # torch tensors go to the kernels as they are (kernels_numba.launcher passes them as numba arrays)
+    launch(version, _words("q", q_c), _words("k_cache", k_cache), _words("v_cache", v_cache),
+           block_tables.contiguous(), cu_seqlens_q.contiguous(), context_lens.contiguous(), _words("out", target),
+           part_o, part_lse, work, num_heads, num_kv_heads, head_dim, block_size, scale, DTYPES[q.dtype], splits,
+           bridge.torch_stream(q.device), stages)
     if target is not out:
         out.copy_(target)
     return out

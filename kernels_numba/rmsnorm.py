@@ -30,8 +30,9 @@ from numba import cuda, float32
 
 from kernels_numba import bridge
 from kernels_numba.bridge import words
-from kernels_numba.common import check_tensor, load_u32x4, pack2, store_u32x4, torch_stream, unpack2, warp_sum
+from kernels_numba.common import check_tensor, load_u32x4, pack2, store_u32x4, unpack2, warp_sum
 from kernels_numba.errors import KernelLaunchError
+from kernels_numba.launcher import launch as launch_kernel
 
 MAX_THREADS = 1024
 
@@ -155,9 +156,8 @@ def _launch(x, residual, weight, eps, out, validate):
     kernel = _make_kernel(x.dtype == torch.bfloat16, add)
     r = residual if add else x
     chunks = hidden // 8
-    kernel[T, threads_for(chunks), torch_stream()](
-        words(x), row_words(x), words(r), row_words(r), words(weight), words(out), row_words(out),
-        chunks, np.float32(hidden), np.float32(eps))
+    launch_kernel(kernel, T, threads_for(chunks), (words(x), row_words(x), words(r), row_words(r), words(weight),
+                                                   words(out), row_words(out), chunks, np.float32(hidden), np.float32(eps)))
     return out
 
 

@@ -25,8 +25,9 @@ from numba import cuda
 
 from kernels_numba import bridge
 from kernels_numba.bridge import capturing, ints, words
-from kernels_numba.common import check_tensor, f32_from_bits, load_u32x4, pack2, store_u32x4, torch_stream, unpack2
+from kernels_numba.common import check_tensor, f32_from_bits, load_u32x4, pack2, store_u32x4, unpack2
 from kernels_numba.errors import KernelLaunchError
+from kernels_numba.launcher import launch as launch_kernel
 from kernels_numba.rmsnorm import threads_for
 
 
@@ -181,8 +182,8 @@ def rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cac
     Hkv, block_size = k_cache.shape[1], k_cache.shape[2]
     kernel = _make_kernel(D, q.dtype == torch.bfloat16)
     units = (H + Hkv) * (D // 16) + Hkv * (D // 8)
-    kernel[T, threads_for(units), torch_stream()](
-        ints(positions), words(q), q.stride(0) // 2, words(k), k.stride(0) // 2, words(v), v.stride(0) // 2,
-        words(q_out), q_out.stride(0) // 2, words(cos_sin_cache), words(k_cache), words(v_cache),
-        ints(slot_mapping), H, Hkv, block_size)
+    launch_kernel(kernel, T, threads_for(units),
+           (ints(positions), words(q), q.stride(0) // 2, words(k), k.stride(0) // 2, words(v), v.stride(0) // 2,
+            words(q_out), q_out.stride(0) // 2, words(cos_sin_cache), words(k_cache), words(v_cache),
+            ints(slot_mapping), H, Hkv, block_size))
     return q_out

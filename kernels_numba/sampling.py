@@ -62,6 +62,7 @@ from numba import cuda, njit
 from kernels_numba.bridge import as_array, cached_view, disk_cached, enable_disk_cache, scratch
 from kernels_numba.common import (SIMULATOR, bf16_to_f32, check_tensor, cpu_f32_bits, cpu_f32_from_bits, f16_to_f32,
                                   f32_bits, f32_from_bits, load_u32x4, torch_stream)
+from kernels_numba.launcher import launch as launch_kernel
 
 # ----------------------------------------------------------------------------------------
 # constants (tests/test_sampler.py checks that they equal reference/sampling.py's)
@@ -1212,8 +1213,9 @@ def launch(words, vocab, kind, vec, temperature, top_k, top_p, seed, comp_index,
         return
     args = (words, vocab, temperature, top_k, top_p, seed, comp_index, position, out_tokens, out_logprobs,
             state_i, state_f)
-    make_hot_kernel(kind, bool(vec), threads)[n, threads, stream](*args)
-    make_fallback_kernel(kind, bool(vec), fallback_threads, nbins_log2)[n, fallback_threads, stream](*args)
+    launch_kernel(make_hot_kernel(kind, bool(vec), threads), n, threads, args, stream)
+    launch_kernel(make_fallback_kernel(kind, bool(vec), fallback_threads, nbins_log2), n, fallback_threads, args,
+                  stream)
 
 
 def launch_split(words, vocab, kind, vec, chunks, temperature, top_k, top_p, seed, comp_index, position,
@@ -1228,8 +1230,9 @@ def launch_split(words, vocab, kind, vec, chunks, temperature, top_k, top_p, see
     args = (words, vocab, chunks, temperature, top_k, top_p, seed, comp_index, position, out_tokens, out_logprobs,
             state_i, state_f, part_i, part_f)
     for kernel in make_split_kernels(kind, bool(vec), threads):
-        kernel[n * chunks, threads, stream](*args)
-    make_fallback_kernel(kind, bool(vec), fallback_threads, nbins_log2, True)[n, fallback_threads, stream](*args)
+        launch_kernel(kernel, n * chunks, threads, args, stream)
+    launch_kernel(make_fallback_kernel(kind, bool(vec), fallback_threads, nbins_log2, True), n, fallback_threads,
+                  args, stream)
 
 
 _KINDS = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16"}
