@@ -10,7 +10,9 @@ loading, kernel compilation and graph capture are paid the way a user pays them:
   repeat       the same 64 chat requests x 300 tokens (greedy) three times in one process, with prefix
                caching on and off: how many requests come back token-identical call to call.
   lifecycle    create, use and close LLM three times in one process: torch.cuda.memory_allocated() after each.
-  prefill      one prefill step of 8 x 1024 fresh tokens: wall time, cProfile of the step (where the host goes).
+  prefill      one prefill step of 8 x 1024 fresh tokens: wall time, cProfile of the step (where the host goes);
+               a mixed step (64 streams decoding + one new 512-token prompt) and the pure decode step of the
+               64; with the kernels' launch plans (kernels_numba.launcher) and with numba's own launches.
 
     python scripts/profile_startup.py --model DIR --out OUT                 # all, on the GPU
     python scripts/profile_startup.py --model DIR --out OUT --only startup --device cpu
@@ -194,20 +196,26 @@ def live_cuda_tensors(top=12):
 def child_prefill(args):
     import random
 
+    from kernels_numba import launcher
     from pagedattn import LLM, SamplingParams
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_batched_tokens=8192, max_model_len=2048)
     engine, vocab = llm.engine, llm.engine.vocab_size
     rng = random.Random(0)
 
-    def prefill_step(tag):
-        for i in range(8):
-            engine.add_request(f"{tag}-{i}", [rng.randrange(vocab) for _ in range(1024)],
-                               SamplingParams(temperature=0, max_tokens=1))
+    def prompt(n):
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    def timed_step():
         sync()
         t = time.perf_counter()
         engine.step()
         sync()
-        wall = time.perf_counter() - t
+        return time.perf_counter() - t
+
+    def prefill_step(tag):
+        for i in range(8):
+            engine.add_request(f"{tag}-{i}", prompt(1024), SamplingParams(temperature=0, max_tokens=1))
+        wall = timed_step()
         while engine.has_unfinished_requests():
             engine.step()
         return wall
@@ -222,20 +230,36 @@ def child_prefill(args):
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
     pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
-    with open(os.path.join(args.out, "prefill_step_cprofile.txt"), "w") as f:
+    with open(os.path.join(args.out, f"prefill_step_cprofile_{args.tag}.txt"), "w") as f:
         f.write(s.getvalue())
     gpu_ms = None
     try:
-        import torch
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as p:
             prefill_step("gpu")
         gpu_ms = sum(e.device_time_total for e in p.key_averages()) / 1e3
     except Exception as e:  # the profiler is optional for the rest of the table
         gpu_ms = f"profiler failed: {e}"
+    # a serving step: 64 streams decode while one new 512-token prompt joins them (an eager mixed step),
+    # beside the pure decode steps of the same 64 streams (graphs)
+    for i in range(64):
+        engine.add_request(f"d{i}", prompt(128), SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    mixed, decode = [], []
+    for r in range(7):
+        engine.add_request(f"m{r}", prompt(512), SamplingParams(temperature=0, max_tokens=1))
+        mixed.append(timed_step())
+        decode += [timed_step() for _ in range(3)]
     walls.sort()
-    return dict(wall_ms_median=1e3 * walls[len(walls) // 2], wall_ms_all=[1e3 * w for w in walls],
-                wall_ms_profiled=1e3 * prof_wall, gpu_ms=gpu_ms)
+    mixed.sort()
+    decode.sort()
+    plans = list(launcher._PLANS.values())
+    return dict(launch="plans" if launcher.ENABLED else "numba", wall_ms_median=1e3 * walls[len(walls) // 2],
+                wall_ms_all=[1e3 * w for w in walls], wall_ms_profiled=1e3 * prof_wall, gpu_ms=gpu_ms,
+                mixed_64x1_plus_512_ms_median=1e3 * mixed[len(mixed) // 2],
+                decode_64_ms_median=1e3 * decode[len(decode) // 2],
+                launch_plans=sum(p is not None for p in plans), signatures_without_plan=sum(p is None for p in plans))
 
 
 CHILDREN = dict(startup=child_startup, repeat=child_repeat, lifecycle=child_lifecycle, prefill=child_prefill)
@@ -286,6 +310,9 @@ def main():
             results["startup_warm"] = run_child("startup", args, "warm", env)
             du = subprocess.run(["du", "-sh", cache], capture_output=True, text=True).stdout.split()
             results["kernel_cache_size"] = du[0] if du else None
+        elif name == "prefill":                 # the kernels' launch plans, then numba's own launches
+            results["prefill"] = run_child(name, args, "plans", env)
+            results["prefill_numba_launch"] = run_child(name, args, "numba", dict(env, PAGEDATTN_FAST_LAUNCH="0"))
         else:
             results[name] = run_child(name, args, "warm", env)
     with open(os.path.join(args.out, "startup.json"), "w") as f:
