@@ -102,9 +102,13 @@ def _kind(a, tensor_type):
         return t
     if isinstance(a, tensor_type):
         return (a.dtype, a.dim()) if a.is_contiguous() else None
+    d = getattr(a, "__dict__", None)
+    if d is not None and "_launch_kind" in d:
+        return d["_launch_kind"]
     numba_type = getattr(a, "_numba_type_", None)
-    if numba_type is not None:
-        return numba_type
+    if numba_type is not None:       # a numba device array: its type as plain values (cheap to hash), kept
+        kind = d["_launch_kind"] = (str(numba_type.dtype), numba_type.ndim, numba_type.layout)
+        return kind
     if isinstance(a, tuple):
         kinds = tuple(_kind(x, tensor_type) for x in a)
         return None if None in kinds else ("tuple",) + kinds

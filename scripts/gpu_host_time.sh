@@ -14,8 +14,9 @@ if [ "$MODEL" = random ]; then
 fi
 nvidia-smi -L | tee "$OUT/env.txt"
 export NUMBA_CACHE_DIR=/tmp/numba_cache_host_time
-timeout 420 python3 -m pytest -q -m gpu tests/test_launcher.py tests/test_startup.py tests/test_lifecycle.py \
-    -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/pytest.log"
+timeout 420 python3 -m pytest -q -m gpu ${TESTS:-tests/test_launcher.py tests/test_startup.py tests/test_lifecycle.py} \
+    -p no:cacheprovider > "$OUT/details/pytest_full.log" 2>&1
+tail -30 "$OUT/details/pytest_full.log" | tee "$OUT/pytest.log"
 python3 scripts/profile_startup.py --model "$MODEL" --out "$OUT/details" --only prefill 2>&1 | tee "$OUT/profile.log"
 cp "$OUT/details/startup.json" "$OUT/host_time.json" 2>/dev/null
 tar czf "$OUT/details.tgz" -C "$OUT" details && rm -rf "$OUT/details"

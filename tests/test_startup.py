@@ -163,7 +163,8 @@ def test_first_call_is_the_program_of_every_later_call(tmp_path):
     equals a fresh engine's call 1; between calls 1 and 2 the cached prefix changes the GEMMs' row counts,
     so fp16 roundings (and this random-weight model's near-ties) may differ — a property of prefix caching,
     not of the first call (docs/performance.md gives the real checkpoint's figures)."""
-    ckpt = write_tiny_checkpoint(tmp_path / "m", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    ckpt = write_tiny_checkpoint(tmp_path / "m", hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                 vocab_size=1000)
     g = torch.Generator().manual_seed(0)
     system = torch.randint(0, 1000, (40,), generator=g).tolist()
     prompts = [system + torch.randint(0, 1000, (int(n),), generator=g).tolist()
