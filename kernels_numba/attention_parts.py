@@ -217,11 +217,22 @@ def launch_args(q, k_cache, v_cache, block_tables, context_lens, out, scale=None
                       scratch)
 
 
+def _torch_view(t, dtype=None, flat=False):
+    """bridge.cached_view's view of t as a torch tensor."""
+    import torch
+
+    x = t if dtype is None else t.view(torch.int16 if dtype == "int16" else torch.int32)
+    return x.view(-1) if flat else x
+
+
 def torch_launch_args(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, validate=True,
-                      max_context_len=None):
+                      max_context_len=None, tensors=False):
     """(LaunchArgs, out) for torch tensors (the torch entry points' arguments, see
     paged_attention.paged_attention): checked by check_args, and with validate by check_block_tables
-    (skipped inside a CUDA-graph capture); out allocated when None."""
+    (skipped inside a CUDA-graph capture); out allocated when None.
+    tensors: the arrays are torch views (for kernels launched through kernels_numba.launcher, which takes
+    tensors as they are) instead of cached numba views (for numba's own launch); not under the simulator,
+    whose kernels need the unsigned views bridge.as_array makes."""
     import torch
 
     check_args(q, k_cache, v_cache, block_tables, context_lens, out)
@@ -233,7 +244,7 @@ def torch_launch_args(q, k_cache, v_cache, block_tables, context_lens, scale=Non
     if validate and not bridge.capturing():
         check_block_tables(block_tables, context_lens, num_blocks, block_size, max_context_len)
     device = q.device
-    view = bridge.cached_view
+    view = _torch_view if tensors and not bridge.SIMULATOR else bridge.cached_view   # (simulator: unsigned views)
 
     def scratch(shape, dtype=np.float32, zero=False):
         return bridge.scratch(device, shape, dtype, zero)

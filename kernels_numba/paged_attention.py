@@ -297,7 +297,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
     tensors are CPU tensors and the kernels run in numba's simulator.
     """
     args, out = torch_launch_args(q, k_cache, v_cache, block_tables, context_lens, scale, out, validate,
-                                  max_context_len)
+                                  max_context_len, tensors=True)
     with bridge.device_guard(q.device):
         launch_v10(args, bridge.torch_stream(q.device), plan)
     return out

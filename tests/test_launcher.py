@@ -260,7 +260,8 @@ def test_engine_same_tokens_with_and_without_plans(monkeypatch, tmp_path):
     from helpers import write_tiny_checkpoint
     from pagedattn import LLM, SamplingParams
 
-    ckpt = write_tiny_checkpoint(tmp_path / "m", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    ckpt = write_tiny_checkpoint(tmp_path / "m", hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                 max_position_embeddings=1024)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 120, (int(n),), generator=g).tolist() for n in torch.randint(5, 300, (12,), generator=g)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -150,10 +150,10 @@ def test_second_process_finds_every_kernel_on_disk(tmp_path):
         assert p.returncode == 0, p.stderr[-3000:]
         runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
     first, second = runs
-    assert first["times"].get("compile_kernels", 0) > 0
-    assert "compile_kernels" not in second["times"] and second["times"]["kernels_compiled"] == 0
-    assert second["after_first_token"][1] == 0                          # misses: nothing compiled at all
-    assert second["times"]["kernels_loaded"] > 0
+    assert first["times"].get("compile_kernels", 0) > 0, runs
+    assert "compile_kernels" not in second["times"] and second["times"]["kernels_compiled"] == 0, runs
+    assert second["after_first_token"][1] == 0, runs                    # misses: nothing compiled at all
+    assert second["after_first_token"][0] > 0, runs                     # hits: every kernel came from the disk
 
 
 @pytest.mark.gpu
@@ -164,7 +164,7 @@ def test_first_call_is_the_program_of_every_later_call(tmp_path):
     so fp16 roundings (and this random-weight model's near-ties) may differ — a property of prefix caching,
     not of the first call (docs/performance.md gives the real checkpoint's figures)."""
     ckpt = write_tiny_checkpoint(tmp_path / "m", hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
-                                 vocab_size=1000)
+                                 vocab_size=1000, max_position_embeddings=1024)
     g = torch.Generator().manual_seed(0)
     system = torch.randint(0, 1000, (40,), generator=g).tolist()
     prompts = [system + torch.randint(0, 1000, (int(n),), generator=g).tolist()
