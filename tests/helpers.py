@@ -5,6 +5,7 @@ Import from a test module (tests/ is on sys.path under pytest):
     from helpers import TINY_CONFIG, write_tiny_checkpoint, PagedRunner
     from helpers import tiny_checkpoint, bundled_model_dir      # session fixtures
     from helpers import compile_in_subprocess                   # the codegen tests' PTX compiles
+    from helpers import compile_in_subprocesses                 # ... split over the cores
 
 The tiny checkpoint is written by transformers' own Qwen2ForCausalLM.save_pretrained, so it is exactly
 the layout a real HF directory has; its weights are re-drawn at a larger scale than HF's init
@@ -13,6 +14,7 @@ the layout a real HF directory has; its weights are re-drawn at a larger scale t
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,53 @@ def compile_in_subprocess(script, *args, timeout):
         pytest.skip("no CUDA toolkit (NVVM) to compile with")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
+
+
+# The simulator matrices' slow sets take one case per code path (kernel variant, tile, stage, head_dim,
+# dtype, boundary); the rest of the cross product runs with PAGEDATTN_FULL_MATRIX=1 python -m pytest -m slow.
+FULL_MATRIX = os.environ.get("PAGEDATTN_FULL_MATRIX", "0") not in ("", "0")
+
+
+def full_matrix_param(*values, id=None):
+    """A `slow` case that only the full matrix runs: skipped, with the way to run it, unless
+    PAGEDATTN_FULL_MATRIX is set."""
+    marks = [pytest.mark.slow]
+    if not FULL_MATRIX:
+        marks.append(pytest.mark.skip(reason="the full matrix only: PAGEDATTN_FULL_MATRIX=1 python -m pytest -m slow"))
+    return pytest.param(*values, id=id, marks=marks)
+
+
+def compile_in_subprocesses(script, configs, args_of, *, timeout, workers=None):
+    """compile_in_subprocess over independent configurations, split into interleaved slices that compile
+    at the same time, one process each (NVVM compiles on one core while the test process only waits, so
+    two slices halve the wall time on two cores). `args_of(slice)` gives the script's arguments for a
+    slice of `configs` (a list); returns the stdouts, one per slice. workers: default min(4, cores)."""
+    workers = max(1, min(len(configs), workers or min(4, os.cpu_count() or 1)))
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    runs = []
+    try:
+        for i in range(workers):
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: no pipe fills up
+            proc = subprocess.Popen([sys.executable, "-c", script, *map(str, args_of(configs[i::workers]))],
+                                    cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+            runs.append((proc, out, err))
+        results = []
+        for proc, out, err in runs:
+            proc.wait(timeout=timeout)
+            out.seek(0), err.seek(0)
+            results.append((proc.returncode, out.read(), err.read()))
+    finally:
+        for proc, out, err in runs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            out.close(), err.close()
+    for returncode, stdout, stderr in results:
+        if returncode != 0 and "CUDA toolkit" in stderr + stdout:
+            pytest.skip("no CUDA toolkit (NVVM) to compile with")
+        assert returncode == 0, stderr[-4000:]
+    return [stdout for _, stdout, _ in results]
 
 
 # GQA with 3 query heads per KV head, head_dim 16, two layers: small, but every code path of Qwen2.

@@ -21,7 +21,7 @@ version promises:
 
 The kernels that introduce a promise (v3, v4, v7, v8) and v10's run by default; the other versions,
 shapes, dtypes and block sizes are `slow` (the module compiles only the configurations the run
-selected, in one subprocess).
+selected, split over parallel subprocesses).
 
 Without a GPU, numba asks the driver for the compute capability when it compiles a device
 function (common.warp_sum ...); the subprocess answers (9, 0) in its place.
@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import compile_in_subprocess
+from helpers import compile_in_subprocesses
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -185,8 +185,10 @@ def compiled(request):
             picked.add(spec.params["cfg"])
     wanted = [c for c in CONFIGS if c in picked]
     tmp = tempfile.mkdtemp(prefix="pa_ptx_")
-    stdout = compile_in_subprocess(_SCRIPT, json.dumps(wanted), tmp, timeout=1800)
-    yield json.loads(stdout.strip().splitlines()[-1]), tmp
+    stats = {}
+    for stdout in compile_in_subprocesses(_SCRIPT, wanted, lambda part: (json.dumps(part), tmp), timeout=1800):
+        stats.update(json.loads(stdout.strip().splitlines()[-1]))
+    yield stats, tmp
     shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -16,7 +16,7 @@ and the PTX is checked for what each version's docstring promises:
 * cache ops: the copies move 64-bit words.
 
 d=64 fp16 of each version runs by default, the other head dims and dtypes under `slow` (the module
-compiles only what the run selected, in one subprocess).
+compiles only what the run selected, split over parallel subprocesses).
 """
 import json
 import re
@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import compile_in_subprocess
+from helpers import compile_in_subprocesses
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,9 +95,12 @@ def ptx_stats(request, ptx_dir):
         spec = getattr(item, "callspec", None)
         if item.module is request.module and spec is not None and "name" in spec.params:
             wanted |= {spec.params["name"], spec.params["name"].replace("_v3_", "_v2_")}
-    stdout = compile_in_subprocess(_SCRIPT, ptx_dir, json.dumps(sorted(wanted)), timeout=1200)
-    line = next(l for l in stdout.splitlines() if l.startswith("STATS"))
-    return json.loads(line[len("STATS"):])
+    stats = {}
+    for stdout in compile_in_subprocesses(_SCRIPT, sorted(wanted), lambda part: (ptx_dir, json.dumps(part)),
+                                          timeout=1200):
+        line = next(l for l in stdout.splitlines() if l.startswith("STATS"))
+        stats.update(json.loads(line[len("STATS"):]))
+    return stats
 
 
 def _ptxas_info(ptx_path):

@@ -28,7 +28,7 @@ from numba import cuda
 from kernels_numba import paged_prefill_fa2 as fa, prefill_journey as journey
 from pagedattn.errors import KernelLaunchError
 from reference.attention import gather_paged_kv, paged_prefill_attention
-from helpers import compile_in_subprocess
+from helpers import compile_in_subprocesses
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -435,9 +435,11 @@ def _name(cfg):
 
 
 def _compile(configs, tmp):
-    stdout = compile_in_subprocess(_SCRIPT, json.dumps(configs), tmp, timeout=900)
-    line = next(x for x in stdout.splitlines() if x.startswith("STATS"))
-    return json.loads(line[len("STATS"):])
+    stats = {}
+    for stdout in compile_in_subprocesses(_SCRIPT, configs, lambda part: (json.dumps(part), tmp), timeout=900):
+        line = next(x for x in stdout.splitlines() if x.startswith("STATS"))
+        stats.update(json.loads(line[len("STATS"):]))
+    return stats
 
 
 def _ptxas(ptx_path):

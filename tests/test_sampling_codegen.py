@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import compile_in_subprocess
+from helpers import compile_in_subprocesses
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,12 +99,14 @@ def _values(param):
 
 @pytest.fixture(scope="module")
 def compiled(request):
-    """Compile the configurations this session selected, in one subprocess."""
+    """Compile the configurations this session selected, split over parallel subprocesses."""
     wanted = sorted({_values(item.callspec.params["cfg"]) for item in request.session.items
                      if item.module.__name__ == __name__ and hasattr(item, "callspec")})
     tmp = tempfile.mkdtemp(prefix="sampling_ptx_")
-    stdout = compile_in_subprocess(_SCRIPT, json.dumps(wanted), tmp, timeout=1800)
-    yield json.loads(stdout.strip().splitlines()[-1]), tmp
+    stats = {}
+    for stdout in compile_in_subprocesses(_SCRIPT, wanted, lambda part: (json.dumps(part), tmp), timeout=1800):
+        stats.update(json.loads(stdout.strip().splitlines()[-1]))
+    yield stats, tmp
     shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import compile_in_subprocess
+from helpers import compile_in_subprocesses
 from kernels_numba import skinny_gemm as sg
 from pagedattn.errors import KernelLaunchError
 from reference import layers as ref_layers
@@ -318,13 +318,17 @@ CODEGEN_PARAMS = [n if n in CODEGEN_DEFAULT else pytest.param(n, marks=SLOW) for
 
 @pytest.fixture(scope="module")
 def compiled(request):
-    """PTX of the kernels this run selected (one subprocess)."""
+    """PTX of the kernels this run selected (split over parallel subprocesses)."""
     picked = {item.callspec.params["name"] for item in request.session.items
               if item.module is request.module and "name" in getattr(getattr(item, "callspec", None), "params", {})}
     wanted = {n: f for n, f in CODEGEN.items() if n in picked}
     tmp = tempfile.mkdtemp(prefix="pa_skinny_ptx_")
-    stdout = compile_in_subprocess(_SCRIPT, json.dumps(wanted), tmp, timeout=900)
-    yield json.loads(stdout.strip().splitlines()[-1]), tmp
+    stats = {}
+    parts = compile_in_subprocesses(_SCRIPT, sorted(wanted),
+                                    lambda names: (json.dumps({n: wanted[n] for n in names}), tmp), timeout=900)
+    for stdout in parts:
+        stats.update(json.loads(stdout.strip().splitlines()[-1]))
+    yield stats, tmp
     shutil.rmtree(tmp, ignore_errors=True)
 
 
