@@ -6,6 +6,9 @@ thread, so those shapes are tiny (a few sequences, tens of tokens) yet awkward: 
 poisoned with NaN (a read past a sequence's end shows up as NaN in its output), GQA and MHA,
 fp16 and bf16, every supported block size and both head dims across the cases.
 
+The slow set forces partitions on v6-v9 (v9 at its smallest and largest CTA); v9 at 4 warps runs with
+PAGEDATTN_FULL_MATRIX=1 python -m pytest -m slow tests/test_paged_attention_cuda.py.
+
 `gpu` tests (run on the H200: python -m pytest -m gpu) use real shapes, compare against torch's
 own fp16/bf16 SDPA error, and replay a launch inside a CUDA graph.
 """
@@ -20,6 +23,7 @@ from kernels_numba import attention_parts as parts
 from kernels_numba import common, decode_journey as journey, paged_attention as pa
 from kernels_numba import decode_journey_cuda_core as cuda_core
 from kernels_numba import decode_journey_tensor_core as tensor_core
+from helpers import full_matrix_param
 from pagedattn.errors import KernelLaunchError
 from reference.attention import paged_decode_attention
 
@@ -128,18 +132,25 @@ def test_split_kv_matches_reference(monkeypatch, version):
     assert err.max() <= _tolerance(np.float16), f"max err {err.max():.3g}, mean {err.mean():.3g}"
 
 
-@pytest.mark.parametrize("version, warps", [pytest.param(v, w, marks=pytest.mark.slow)     # v10's splits: below
-                                            for v, w in [(6, 4), (7, 4), (8, 4), (9, 2), (9, 4), (9, 8)]])
+# v9's CTA widths: 2 and 8 warps (the smallest ring and the largest, 96 KiB of dynamic shared memory) in the
+# slow run; 4 warps, the same code between them, in the full matrix (helpers.FULL_MATRIX)
+PARTITION_CASES = [pytest.param(v, w, marks=pytest.mark.slow) for v, w in [(6, 4), (7, 4), (8, 4), (9, 2), (9, 8)]]
+PARTITION_CASES.insert(4, full_matrix_param(9, 4))
+
+
+@pytest.mark.parametrize("version, warps", PARTITION_CASES)          # v10's splits: below
 def test_partitions_match_reference(monkeypatch, version, warps):
     """v6+ cut contexts into partitions of whole CTA steps (16 tokens per warp): force 4 of them
     over lengths that end mid-partition, mid-block, on a partition edge and inside the first
-    partition (v9 with CTAs of 2, 4 and 8 warps; 8 warps' ring is 96 KiB of dynamic shared memory)."""
+    partition (v9 with CTAs of 2, 4 and 8 warps). One KV head (GQA 4): every CTA of the simulator
+    costs seconds here, and a second KV head's indexing on the split path is checked by
+    test_split_kv_matches_reference."""
     part = 16 * warps
     monkeypatch.setattr(tensor_core, "split_plan_waves", lambda *args, **kw: (4, part))
     monkeypatch.setattr(tensor_core, "v9_plan", lambda *args, **kw: (4, part, warps))
     rng = np.random.default_rng(11)
     lens = [1, part + 6, 3 * part + 8, 2 * part]
-    q16, k16, v16, block_tables, context_lens, ref = make_problem(rng, 4, 2, 64, 16, np.float16, lens)
+    q16, k16, v16, block_tables, context_lens, ref = make_problem(rng, 4, 1, 64, 16, np.float16, lens)
     out16 = np.full(q16.shape, 0x7E00, dtype=np.uint16)
     journey.launch(version, q16, k16, v16, block_tables, context_lens, out16, max_context_len=4 * part)
     err = np.abs(_bits_to_f64(out16, np.float16) - ref)
