@@ -1,8 +1,11 @@
 """Validation layer 2 for the paged prefill kernel: against the float64 reference.
 
 Without a GPU the kernel runs in numba's CUDA simulator on tiny shapes (one Python thread per
-CUDA thread, so every case here is a few CTAs); the `gpu` tests run realistic shapes on CUDA
-and hold the kernel to torch's own fp16/bf16 attention error.
+CUDA thread, so every case here is a few CTAs). v1 runs every case; v2 and v3 (tens of seconds a case
+there) take two each in the slow run (SLOW_SET: both head dims, both dtypes, ragged multi-sequence
+chunks), the whole version x case matrix runs with
+PAGEDATTN_FULL_MATRIX=1 python -m pytest -m slow tests/test_paged_prefill_cuda.py. The `gpu` tests run
+realistic shapes on CUDA and hold the kernel to torch's own fp16/bf16 attention error.
 """
 import math
 from functools import partial
@@ -11,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import full_matrix_param
 from kernels_numba import prefill_journey as journey
 from pagedattn.errors import KernelLaunchError
 from reference.attention import gather_paged_kv, paged_prefill_attention
@@ -90,13 +94,25 @@ def case_id(c):
     return f"H{c[0]}-Hkv{c[1]}-d{c[2]}-bs{c[3]}-{str(c[4])[6:]}-{len(c[5])}seq"
 
 
+# the cases v2 and v3 (tens of seconds each in the simulator) take in the slow run: both at head_dim 128 (32-row
+# tiles); v2 the GQA batch of ragged chunks (a 1-token chunk, a prefix ending mid-block), v3 (compile-time block
+# size) MHA bf16 at block 32 with a chunk longer than a KV tile. v1 runs every case.
+SLOW_SET = {2: (0, 3), 3: (2, 3)}
+
+
 def _prefill_cases():
-    """v1 on the MHA bf16 case by default (the engine runs v4+, tests/test_prefill_fa2.py); every other
-    version and case under `slow`."""
-    for case in SIM_CASES:
+    """v1 on the MHA bf16 case by default (the engine runs v4+, tests/test_prefill_fa2.py); v1's other cases
+    and SLOW_SET under `slow`; the rest of the version x case matrix with PAGEDATTN_FULL_MATRIX=1."""
+    for i, case in enumerate(SIM_CASES):
         for version in VERSIONS:
-            slow = case is not SIM_CASES[2] or version != min(VERSIONS)
-            yield pytest.param(version, case, id=f"{version}-{case_id(case)}", marks=[pytest.mark.slow] if slow else [])
+            case_name = f"{version}-{case_id(case)}"
+            if version == min(VERSIONS):
+                marks = [] if case is SIM_CASES[2] else [pytest.mark.slow]
+                yield pytest.param(version, case, id=case_name, marks=marks)
+            elif i in SLOW_SET.get(version, range(len(SIM_CASES))):
+                yield pytest.param(version, case, id=case_name, marks=[pytest.mark.slow])
+            else:
+                yield full_matrix_param(version, case, id=case_name)
 
 
 @pytest.mark.parametrize("version, case", _prefill_cases())
