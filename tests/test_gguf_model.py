@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import bundled_model_dir, tiny_checkpoint  # noqa: F401 (session fixtures)
+from helpers import bundled_model_dir, hf_greedy_reference, tiny_checkpoint  # noqa: F401 (session fixtures)
 from pagedattn import bundled
 from pagedattn.config import EngineConfig
 from pagedattn.errors import InvalidRequestError, ModelLoadError
@@ -208,22 +208,14 @@ def test_greedy_matches_hf_generate(bundled_model_dir, bundled_gguf):  # noqa: F
     """32 greedy tokens of LLM(device="cpu") on the GGUF blocks identical to HF generate(do_sample=False)
     on the converted float32 checkpoint, on the chat prompts of tests/test_bundled_model.py decoded
     together (the 5-row decode steps run the block kernels, the prefill the dequantized tiles)."""
-    from transformers import AutoModelForCausalLM
-
     from pagedattn import LLM, SamplingParams
     from test_bundled_model import MAX_NEW_TOKENS, PROMPTS
 
+    # HF's answers: computed once per run (test_bundled_model.py compares against the same ones)
+    tok, prompts, hf_answers, _ = hf_greedy_reference(bundled_model_dir, PROMPTS, MAX_NEW_TOKENS)
     llm = LLM(bundled_model_dir, device="cpu", weights="quantized", num_blocks=64, max_model_len=512)
-    tok = llm.get_tokenizer()
-    prompts = [list(map(int, tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                     tokenize=True, return_dict=False))) for p in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS), use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(bundled_model_dir, dtype=torch.float32).eval()
-    for p, (ids, out) in enumerate(zip(prompts, outs)):
-        with torch.no_grad():
-            seq = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              max_new_tokens=MAX_NEW_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id)
-        hf_tokens = seq[0, len(ids):].tolist()
+    for p, (hf_tokens, out) in enumerate(zip(hf_answers, outs)):
         n = len(hf_tokens)
         assert n >= 16, "answers should be long enough to compare"
         ours = list(out.outputs[0].token_ids)
