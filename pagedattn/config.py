@@ -37,6 +37,9 @@ class EngineConfig:
     enable_prefix_caching: reuse the KV of identical leading prompt blocks across requests.
     attn_backend: "auto" / "torch" / "numba" / "cpu" (the numba CPU kernels).
     enforce_eager: no CUDA graphs (pure-decode steps on CUDA replay captured graphs otherwise).
+    piecewise_graphs: steps that hold prompt tokens replay the forward as CUDA graphs of the pieces between
+        attentions, attention launched between them (pagedattn.engine.piecewise_graph); off: such steps run
+        eagerly. Off by default for now; ignored with enforce_eager or where graphs cannot run.
     async_scheduling: schedule and prepare step N+1 while the device runs step N (the sampled tokens
         stay on the device); the tokens are exactly those of the serial engine. None = on for CUDA
         (where it hides the host's work), off for CPU (where host and model share the cores).
@@ -69,6 +72,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attn_backend: str = "auto"
     enforce_eager: bool = False
+    piecewise_graphs: bool = False
     async_scheduling: bool | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_fraction: float = 0.1
@@ -121,7 +125,7 @@ class EngineConfig:
             self.async_scheduling = kind == "cuda"
         if self.warmup is None:
             self.warmup = kind == "cuda"
-        for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "warmup"):
+        for name in ("enable_prefix_caching", "enforce_eager", "piecewise_graphs", "async_scheduling", "warmup"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.weights not in ("auto", "quantized", "float32"):

@@ -12,7 +12,8 @@ loading, kernel compilation and graph capture are paid the way a user pays them:
   lifecycle    create, use and close LLM three times in one process: torch.cuda.memory_allocated() after each.
   prefill      one prefill step of 8 x 1024 fresh tokens: wall time, cProfile of the step (where the host goes);
                a mixed step (64 streams decoding + one new 512-token prompt) and the pure decode step of the
-               64; with the kernels' launch plans (kernels_numba.launcher) and with numba's own launches.
+               64; with the kernels' launch plans (kernels_numba.launcher) and with numba's own launches,
+               and with --piecewise also through the piecewise graphs (pagedattn.engine.piecewise_graph).
 
     python scripts/profile_startup.py --model DIR --out OUT                 # all, on the GPU
     python scripts/profile_startup.py --model DIR --out OUT --only startup --device cpu
@@ -198,7 +199,8 @@ def child_prefill(args):
 
     from kernels_numba import launcher
     from pagedattn import LLM, SamplingParams
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_batched_tokens=8192, max_model_len=2048)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_batched_tokens=8192, max_model_len=2048,
+              piecewise_graphs=args.tag == "piecewise")
     engine, vocab = llm.engine, llm.engine.vocab_size
     rng = random.Random(0)
 
@@ -313,6 +315,7 @@ def main():
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--requests", type=int, default=64, help="chat requests of the workload")
     ap.add_argument("--tokens", type=int, default=400, help="tokens per request (repeat: 3/4 of it)")
+    ap.add_argument("--piecewise", action="store_true", help="prefill: also a run with piecewise_graphs=True")
     ap.add_argument("--child")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -334,6 +337,8 @@ def main():
         elif name == "prefill":                 # the kernels' launch plans, then numba's own launches
             results["prefill"] = run_child(name, args, "plans", env)
             results["prefill_numba_launch"] = run_child(name, args, "numba", dict(env, PAGEDATTN_FAST_LAUNCH="0"))
+            if args.piecewise:                  # steps with prompt tokens through the piecewise graphs
+                results["prefill_piecewise"] = run_child(name, args, "piecewise", env)
         else:
             results[name] = run_child(name, args, "warm", env)
     with open(os.path.join(args.out, "startup.json"), "w") as f:

@@ -104,8 +104,10 @@ class ModelRunner:
         self.graph_width = -(-self.max_model_len // self.block_size)      # block-table columns of a graph
         self.kv_cache = None
         self.graphs = None
+        self.piecewise = None
         capturable = self.cuda and backend.can_capture(config.dtype, mc.head_dim, config.block_size)
         self.use_graphs = capturable and not config.enforce_eager
+        self.use_piecewise = self.use_graphs and config.piecewise_graphs and world_size == 1
         # Where graphs can run, every step plans the decode kernel for the graphs' longest context: the same
         # split and float32 sums whether a step replays a graph or runs eagerly (enforce_eager included), so
         # a request's tokens do not depend on the path its steps took.
@@ -156,6 +158,7 @@ class ModelRunner:
             return
         self._closed = True
         self.graphs = None
+        self.piecewise = None
         ModelRunner._open_on_cuda -= 1
         if ModelRunner._open_on_cuda == 0:
             torch.cuda.synchronize(self.device)
@@ -163,9 +166,18 @@ class ModelRunner:
             if clear is not None:
                 clear()
 
+    def piecewise_graphs(self):
+        """The piecewise graphs of steps with prompt tokens (made on first use; each size captured when a step
+        first needs it)."""
+        if self.piecewise is None and self.use_piecewise:
+            from pagedattn.engine.piecewise_graph import PiecewiseGraphs
+            self.piecewise = PiecewiseGraphs(self, self.config.max_num_batched_tokens)
+        return self.piecewise
+
     def drop_graphs(self):
-        """Forget the captured graphs (and their memory pool); the next pure-decode step captures anew."""
+        """Forget the captured graphs (and their memory pools); the next steps capture anew."""
         self.graphs = None
+        self.piecewise = None
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
@@ -186,9 +198,10 @@ class ModelRunner:
         if tables.size and (int(tables.max()) >= self.kv_cache.num_blocks or int(tables.min()) < 0):
             raise KernelLaunchError(f"block table entry outside the pool of {self.kv_cache.num_blocks} blocks")
 
-    def run_step(self, step, dev, max_context_len=None, gather=True):
+    def run_step(self, step, dev, max_context_len=None, gather=True, piecewise=None):
         """The capturable core: forward + logits + sampling of `step` whose packed inputs are the int32
         tensor `dev` on this rank's device. gather: read in-flight ids from the sampled-token buffer.
+        piecewise: a PiecewiseGraphs to run the forward through (eager steps with prompt tokens).
         Sampled tokens go to sampled_tokens[:N]. Returns (hidden states [T, hidden], logits of the
         sampling rows [N, V] float32 or None)."""
         f = step.fields(dev)
@@ -200,7 +213,10 @@ class ModelRunner:
             num_decode_tokens=step.num_seqs - step.num_prefills, slot_mapping=f["slot_mapping"],
             context_lens=f["context_lens"], block_tables=f["block_tables"], cu_seqlens_q=f["cu_seqlens_q"],
             max_context_len=max_context_len)
-        hidden = self.model.forward(ids, f["positions"], self.kv_cache, meta)          # (T, hidden)
+        if piecewise is not None:
+            hidden = piecewise.forward(ids, f["positions"], f["slot_mapping"], meta)     # (T, hidden)
+        else:
+            hidden = self.model.forward(ids, f["positions"], self.kv_cache, meta)      # (T, hidden)
         N, logits = step.num_samples, None
         if N:
             logits = self.model.compute_logits(hidden[f["sample_rows"]])              # (N, V) float32
@@ -222,9 +238,12 @@ class ModelRunner:
         else:
             dev = self.staging.upload(step.data) if self.cuda else torch.from_numpy(step.data)
             # a small CPU step: the sampler's torch ops on one thread too (CpuStep.scope)
+            piecewise = self.piecewise_graphs() if self.use_piecewise else None
+            if piecewise is not None and not piecewise.can_run(step):
+                piecewise = None
             with self.model.ops.step_scope(len(host["input_ids"])):
                 hidden, _ = self.run_step(step, dev, max_context_len=self.plan_len or step.max_context_len,
-                                          gather=bool((host["input_src"] >= 0).any()))
+                                          gather=bool((host["input_src"] >= 0).any()), piecewise=piecewise)
                 if step.num_beams:
                     rows = step.fields(dev)["beam_rows"]
                     logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)   # (Nb, V)

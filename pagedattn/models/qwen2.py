@@ -132,13 +132,20 @@ class Qwen2Attention(nn.Module):
         self.ops = ops
 
     def forward(self, positions, x, k_cache, v_cache, attn_metadata):
-        T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim    # x: (T, hidden)
-        qkv = self.qkv_proj(x)                                              # (T, (H + 2 Hkv) D)
-        # q rotated; k rotated and v written into this layer's pool at the step's slots
-        q = self.ops.rotary_and_cache_write(positions, qkv, H, Hkv, D, self.rotary_emb.cos_sin_cache,
-                                            k_cache, v_cache, attn_metadata.slot_mapping)   # (T, H, D)
+        q = self.project_q(positions, x, k_cache, v_cache, attn_metadata.slot_mapping)
         o = self.ops.attention(q, k_cache, v_cache, attn_metadata)          # (T, H, D)
-        return self.o_proj(o.view(T, H * D))                                # (T, hidden)
+        return self.project_out(o)
+
+    def project_q(self, positions, x, k_cache, v_cache, slot_mapping):
+        """x (T, hidden) -> q (T, H, D) rotated; k rotated and v written into this layer's pool at slot_mapping."""
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)                                              # (T, (H + 2 Hkv) D)
+        return self.ops.rotary_and_cache_write(positions, qkv, H, Hkv, D, self.rotary_emb.cos_sin_cache,
+                                               k_cache, v_cache, slot_mapping)
+
+    def project_out(self, o):
+        """The attention's output o (T, H, D) -> (T, hidden)."""
+        return self.o_proj(o.view(o.shape[0], self.num_heads * self.head_dim))
 
 
 class Qwen2MLP(nn.Module):
@@ -164,12 +171,22 @@ class Qwen2DecoderLayer(nn.Module):
     def forward(self, positions, x, residual, k_cache, v_cache, attn_metadata):
         """x: (T, hidden), the previous layer's output; residual: the residual stream before it (None in
         the first layer, whose input x is the embedding). Returns this layer's (output, residual stream)."""
+        q, residual = self.before_attention(positions, x, residual, k_cache, v_cache, attn_metadata.slot_mapping)
+        o = self.self_attn.ops.attention(q, k_cache, v_cache, attn_metadata)
+        return self.after_attention(o, residual)
+
+    # The layer in two halves around its attention (pagedattn.engine.piecewise_graph captures the halves)
+    def before_attention(self, positions, x, residual, k_cache, v_cache, slot_mapping):
+        """-> (q (T, H, D), residual): the input norm, the q/k/v projection, rotary, the K/V write."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, k_cache, v_cache, attn_metadata)
-        x, residual = self.post_attention_layernorm(x, residual)
+        return self.self_attn.project_q(positions, x, k_cache, v_cache, slot_mapping), residual
+
+    def after_attention(self, o, residual):
+        """The attention's output o (T, H, D) -> (this layer's output, residual): o_proj, norm, MLP."""
+        x, residual = self.post_attention_layernorm(self.self_attn.project_out(o), residual)
         return self.mlp(x), residual
 
 
