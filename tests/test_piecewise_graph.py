@@ -78,8 +78,7 @@ def test_captured_pieces_replay_the_forward(tmp_path):
     the graphs gives the same greedy tokens as one without on most requests (near-ties may flip)."""
     ckpt = write_tiny_checkpoint(tmp_path / "m", hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                                  max_position_embeddings=1024)
-    kwargs = dict(device="cuda", dtype="float16", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256,
-                  warmup=False)
+    kwargs = dict(device="cuda", dtype="float16", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256)
     prompts = _prompts(16, 128, seed=1)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(ckpt, **kwargs).generate(prompts, params, use_tqdm=False)]
