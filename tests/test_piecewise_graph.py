@@ -34,8 +34,12 @@ def _compare_steps(llm, piecewise):
     run_step, seen = runner.run_step, []
 
     def both(step, dev, max_context_len=None, gather=True, piecewise_arg=None, **kw):
+        # the step reads in-flight ids from the sampled-token buffer and samples into it: both runs must read
+        # the previous step's tokens
+        saved = runner.sampled_tokens.clone()
         hp, _ = run_step(step, dev, max_context_len, gather, piecewise=piecewise)
         hp = hp.clone()
+        runner.sampled_tokens.copy_(saved)
         he, logits = run_step(step, dev, max_context_len, gather)
         kind = ("prefill" if step.num_prefills else "") + ("+decode" if step.num_seqs > step.num_prefills else "")
         seen.append((step.num_tokens, piecewise.padded(step.num_tokens), float((hp - he).abs().max()),
