@@ -8,12 +8,12 @@ load, with enough loads in flight to fill the H200's memory pipes. fp16/bf16 wei
 Two versions (skinny_linear(variant=...); docs/kernels.md has the measurements and the reasons):
     v1  a CTA stages its K range of the activation rows in shared memory and its warps walk over tiles;
         split-K over CTAs (a split spans at most 1,024 k), partials added by the tile's last warp or a
-        second kernel. The only one with the RMSNorm prologue.
+        second kernel.
     v2  one CTA per tile, its 4-16 warps splitting the tile's K (chunks of 128 k, interleaved), the
         activation pieces read from global memory (L1/L2), the next chunk's weight loads issued before
         this chunk's mma (8 KB per warp in flight, never a gap), the warps' sums added in warp order
-        through shared memory: no split over CTAs, no partials, no atomics. The default without the
-        prologue.
+        through shared memory: no split over CTAs, no partials, no atomics. The default.
+Both have every fused variant below.
 
 Layout of the work (v1; v2 keeps the tile, the lanes' pieces and the mma, and differs as said above)
 ------------------
@@ -41,9 +41,12 @@ Layout of the work (v1; v2 keeps the tile, the lanes' pieces and the mma, and di
 Fused variants (compile-time flags; the plain GEMM is the reference path)
 ----------------------------------------------------------------------
     NORM   prologue: every CTA normalises its rows itself,  z = x  or  z = round(residual + x)  (ADD),
-           staged = round(w * round(z / sqrt(mean(z^2) + eps)))   (kernels_numba/rmsnorm.py's roundings);
+           x' = round(w * round(z / sqrt(mean(z^2) + eps)))   (kernels_numba/rmsnorm.py's roundings);
            CTA (0, 0) also stores z to residual_out, all of K, in its sum-of-squares pass (residual_out must
-           not be `residual`: other CTAs still read it).
+           be neither `residual` nor x: other CTAs still read them). v1 stages x' in shared memory; v2's CTA
+           finds the M rows' 1 / rms first (the whole CTA over all of K, while its first weight loads are in
+           flight; with at most one 16-byte piece a thread the sum is rmsnorm.py's, bit for bit) and norms
+           each activation piece as it loads it: no extra pass over memory, no buffer.
     BIAS   y = round(acc + bias)                    (one rounding, as a GEMM with a bias epilogue)
     SILU   W = [gate; up] (2 I rows); y[:, j] = round(round(silu(round(acc_g))) * round(acc_u)), the
            roundings of the unfused GEMM (output rounded) followed by activation.silu_and_mul.
@@ -52,7 +55,8 @@ Fused variants (compile-time flags; the plain GEMM is the reference path)
 Rounding differences from the unfused torch path: the sum over K is the tensor cores' fp32 accumulation in
 this kernel's k order (cuBLAS has its own order), and with a bias cuBLAS rounds acc + bias once like this
 kernel while torch on the CPU may round acc first; the norm prologue's sum of squares has its own order
-(rmsnorm.py's kernel too). Everything else rounds where the unfused ops round.
+(rmsnorm.py's kernel too; v2's is the same as rmsnorm.py's while K / 8 <= 32 kwarps / R, R the power of
+two >= M). Everything else rounds where the unfused ops round.
 
 Limits: K % 8 == 0 (16-byte pieces; a clear error otherwise), every row 16-byte aligned, W contiguous.
 
@@ -69,9 +73,9 @@ from kernels_numba import bridge
 from kernels_numba.bridge import words
 from kernels_numba.common import (FULL_MASK, bf16_to_f32, check_tensor, cp_async16, cp_async_commit,
                                   cp_async_wait, f16_to_f32, f32_to_bf16, f32_to_f16, load_u32x4,
-                                  mma_m16n8k16_bf16, mma_m16n8k16_f16, store_u32x4, torch_stream,
-                                  warp_sum)
+                                  mma_m16n8k16_bf16, mma_m16n8k16_f16, store_u32x4, warp_sum)
 from kernels_numba.errors import KernelLaunchError
+from kernels_numba.launcher import launch as launch_kernel
 from kernels_numba.rmsnorm import _add_pair, _norm_pair, _square_pair  # the norm rounds as rmsnorm does
 
 if bridge.SIMULATOR:
@@ -427,18 +431,28 @@ def make_gemm_kernel(is_bf16, two_groups, norm, add, bias, silu, resid, split):
     return skinny_gemm_kernel
 
 
-@bridge.disk_cached
-@lru_cache(maxsize=None)
-def make_gemm_kernel_v2(is_bf16, two_groups, kwarps, bias, silu, resid, l1_no_allocate=True):
+def make_gemm_kernel_v2(is_bf16, two_groups, kwarps, bias, silu, resid, l1_no_allocate=True, norm=False,
+                        add=False):
     """v2: one CTA per tile, its kwarps warps splitting K among themselves, the activation rows read from
     global memory (L1/L2 hits), the next chunk's weight loads issued before this chunk's mma; the warps'
-    sums added through shared memory in warp order (no partial buffer, no atomics). Plain GEMM and the
-    bias / SiLU-and-mul / residual epilogues (the RMSNorm prologue is v1's). l1_no_allocate: the weight
-    loads do not allocate in L1 (False: plain loads, to compare)."""
-    BF16, MG, KW, SILU, NO_L1 = is_bf16, 2 if two_groups else 1, kwarps, silu, l1_no_allocate
+    sums added through shared memory in warp order (no partial buffer, no atomics). Plain GEMM, the
+    bias / SiLU-and-mul / residual epilogues and the RMSNorm prologue (norm; add: with the residual add).
+    l1_no_allocate: the weight loads do not allocate in L1 (False: plain loads, to compare).
+    One kernel object per configuration however the arguments are spelt."""
+    return _gemm_kernel_v2(bool(is_bf16), bool(two_groups), int(kwarps), bool(bias), bool(silu), bool(resid),
+                           bool(l1_no_allocate), bool(norm), bool(add))
+
+
+@bridge.disk_cached
+@lru_cache(maxsize=None)
+def _gemm_kernel_v2(is_bf16, two_groups, kwarps, bias, silu, resid, l1_no_allocate, norm, add):
+    BF16, MG, KW, SILU, NO_L1, NORM, ADD = is_bf16, 2 if two_groups else 1, kwarps, silu, l1_no_allocate, norm, add
     VALS = 4 * MG                                     # fp32 sums a lane holds
     RED_WORDS = KW * VALS * 32
     store = _make_epilogue(is_bf16, bias, silu, resid)
+    # the prologue's loads come on top of the loop's: at most 128 registers a thread, so that plan_v2's one
+    # wave of 16 warps per SM (and a CTA of 16 warps at all) still fits
+    jit_options = {"launch_bounds": (32 * KW, max(1, 16 // KW))} if NORM and not bridge.SIMULATOR else {}
 
     @cuda.jit(device=True)
     def w_piece(w, i, ok):
@@ -451,23 +465,110 @@ def make_gemm_kernel_v2(is_bf16, two_groups, kwarps, bias, silu, resid, l1_no_al
         return z, z, z, z
 
     @cuda.jit(device=True)
-    def x_piece(x, x_stride, m, c, pieces, M):
-        # 16-byte piece c of activation row m; zeros past M and past K
-        return _load_or_zero(x, m * x_stride + 4 * c, m < M and c < pieces)
-
-    @cuda.jit(device=True)
     def step_mma(p0, p1, p2, p3, q0, q1, q2, q3, v0, v1, v2, v3, d0, d1, d2, d3):
         # one 32-k step of one group of 8 activation rows: weight pieces p (row a), q (row b) times the
         # activation piece v (row g of the group); words 0, 1 and 2, 3 of the pieces are two mma's k ranges
         d0, d1, d2, d3 = _mma(p0, q0, p1, q1, v0, v1, d0, d1, d2, d3, BF16)
         return _mma(p2, q2, p3, q3, v2, v3, d0, d1, d2, d3, BF16)
 
-    @cuda.jit
-    def skinny_gemm_v2_kernel(x, x_stride, w, out, bias, res, M, N, K, n_out):
+    @cuda.jit(device=True)
+    def x_piece(x, x_stride, m, c, pieces, M):
+        # 16-byte piece c of activation row m; zeros past M and past K
+        return _load_or_zero(x, m * x_stride + 4 * c, m < M and c < pieces)
+
+    @cuda.jit(device=True)
+    def normed_piece(x, x_stride, nres, nres_stride, m, c, ok, q, h0, h1, h2, h3):
+        # NORM: piece c of row m normed as it arrives, round(h * round(z * q)) with z = x or
+        # round(residual + x), q the row's 1 / rms, h the piece's norm weights (rmsnorm.py's roundings)
+        z0, z1, z2, z3 = _z_piece(x, x_stride, nres, nres_stride, m, c, ok, ADD, BF16)
+        if ok:
+            z0, z1 = _norm_pair(z0, h0, q, BF16), _norm_pair(z1, h1, q, BF16)
+            z2, z3 = _norm_pair(z2, h2, q, BF16), _norm_pair(z3, h3, q, BF16)
+        return z0, z1, z2, z3
+
+    @cuda.jit(device=True)
+    def normed_step(x, x_stride, nres, nres_stride, gamma, g, c, pieces, M, q_a, q_b, p0, p1, p2, p3, r0, r1, r2, r3,
+                    d0, d1, d2, d3, e0, e1, e2, e3):
+        # NORM: one 32-k step, its activation pieces (rows g, g + 8) loaded and normed just before their mma:
+        # a step at a time, the loop stays within 128 registers at M = 16
+        ok = g < M and c < pieces
+        z = uint32(0)
+        h0, h1, h2, h3 = z, z, z, z
+        if ok:
+            h0, h1, h2, h3 = load_u32x4(gamma, 4 * c)
+        v0, v1, v2, v3 = normed_piece(x, x_stride, nres, nres_stride, g, c, ok, q_a, h0, h1, h2, h3)
+        d0, d1, d2, d3 = step_mma(p0, p1, p2, p3, r0, r1, r2, r3, v0, v1, v2, v3, d0, d1, d2, d3)
+        if MG == 2:
+            y0, y1, y2, y3 = normed_piece(x, x_stride, nres, nres_stride, g + 8, c, g + 8 < M and c < pieces, q_b,
+                                          h0, h1, h2, h3)
+            e0, e1, e2, e3 = step_mma(p0, p1, p2, p3, r0, r1, r2, r3, y0, y1, y2, y3, e0, e1, e2, e3)
+        return d0, d1, d2, d3, e0, e1, e2, e3
+
+    @cuda.jit(device=True)
+    def norm_scales(x, x_stride, nres, nres_stride, res_out, inv, part, eps, M, K, writer):
+        # NORM: inv[m] = 1 / sqrt(mean(z_m^2) + eps) for the M rows, over all of K, by the whole CTA: the
+        # rows get R = 1, 2, 4, 8 or 16 (>= M) equal groups of G = 32 KW / R threads; thread j of a group
+        # sums the squares of pieces j, j + G, ... (4 loads ahead), the group adds its sums by a butterfly
+        # (every thread of it gets the same bits) and, when it spans several warps, through part[] in warp
+        # order. The same sums on every CTA. writer: also store z to res_out (all of K, [M, K] contiguous).
+        # With at most one piece a thread this is rmsnorm.py's sum, bit for bit.
+        tid = cuda.threadIdx.x
+        R = 1
+        while R < M:
+            R *= 2
+        G = 32 * KW // R
+        m = tid // G
+        j = tid % G
+        pieces = K // 8
+        kw = K // 2
+        end = pieces if m < M else 0
+        ss = float32(0.0)
+        for c in range(j, end, 4 * G):
+            a0, a1, a2, a3 = _z_piece(x, x_stride, nres, nres_stride, m, c, True, ADD, BF16)
+            b0, b1, b2, b3 = _z_piece(x, x_stride, nres, nres_stride, m, c + G, c + G < pieces, ADD, BF16)
+            f0, f1, f2, f3 = _z_piece(x, x_stride, nres, nres_stride, m, c + 2 * G, c + 2 * G < pieces, ADD, BF16)
+            h0, h1, h2, h3 = _z_piece(x, x_stride, nres, nres_stride, m, c + 3 * G, c + 3 * G < pieces, ADD, BF16)
+            ss += _square4(a0, a1, a2, a3, BF16) + _square4(b0, b1, b2, b3, BF16) \
+                + _square4(f0, f1, f2, f3, BF16) + _square4(h0, h1, h2, h3, BF16)
+            if writer:
+                store_u32x4(res_out, m * kw + 4 * c, a0, a1, a2, a3)
+                if c + G < pieces:
+                    store_u32x4(res_out, m * kw + 4 * (c + G), b0, b1, b2, b3)
+                if c + 2 * G < pieces:
+                    store_u32x4(res_out, m * kw + 4 * (c + 2 * G), f0, f1, f2, f3)
+                if c + 3 * G < pieces:
+                    store_u32x4(res_out, m * kw + 4 * (c + 3 * G), h0, h1, h2, h3)
+        # G >= 8 (>= 128 threads, <= 16 rows): lanes j ^ 4, 2, 1 are always in the group
+        if G >= 32:
+            ss += cuda.shfl_xor_sync(FULL_MASK, ss, 16)
+        if G >= 16:
+            ss += cuda.shfl_xor_sync(FULL_MASK, ss, 8)
+        ss += cuda.shfl_xor_sync(FULL_MASK, ss, 4)
+        ss += cuda.shfl_xor_sync(FULL_MASK, ss, 2)
+        ss += cuda.shfl_xor_sync(FULL_MASK, ss, 1)
+        if G > 32:                                    # the group's warps, in order
+            if tid % 32 == 0:
+                part[tid // 32] = ss
+            cuda.syncthreads()
+            if j == 0:
+                ss = float32(0.0)
+                for i in range(G // 32):
+                    ss += part[m * (G // 32) + i]
+        if j == 0 and m < M:
+            inv[m] = float32(1.0) / float32(math.sqrt(ss / float32(K) + eps))
+        cuda.syncthreads()
+
+    @cuda.jit(**jit_options)
+    def skinny_gemm_v2_kernel(x, x_stride, w, out, bias, res, nres, nres_stride, gamma, res_out, eps, M, N, K,
+                              n_out):
         # x: M rows of K halves as words (row m at word m * x_stride); w: [N, K] halves as words, contiguous;
-        # out: [M, n_out] halves (int16 bits); bias: [N] halves; res: [M, n_out] halves (RESID).
+        # out: [M, n_out] halves (int16 bits); bias: [N] halves; res: [M, n_out] halves (RESID);
+        # nres: residual stream rows (ADD, stride nres_stride words); gamma: the norm weight [K] as words;
+        # res_out: [M, K] halves as words (ADD); eps: the norm's epsilon (NORM).
         # Grid: one CTA per 16-row tile (8 gate + 8 up rows with SILU); block: 32 * KW threads.
         red = cuda.shared.array(RED_WORDS, float32)   # [warp, value, lane]: conflict-free
+        inv = cuda.shared.array(MAX_ROWS, float32)    # NORM: 1 / rms of each row
+        part = cuda.shared.array(KW, float32)         # NORM: the warps' sums of squares
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
@@ -501,6 +602,14 @@ def make_gemm_kernel_v2(is_bf16, two_groups, kwarps, bias, silu, resid, l1_no_al
         b20, b21, b22, b23 = w_piece(w, base_b + 4 * c + 32, ok_b and c + 8 < pieces)
         a30, a31, a32, a33 = w_piece(w, base_a + 4 * c + 48, ok_a and c + 12 < pieces)
         b30, b31, b32, b33 = w_piece(w, base_b + 4 * c + 48, ok_b and c + 12 < pieces)
+        q_a, q_b = float32(0.0), float32(0.0)
+        if NORM:
+            # while the first chunk's weights are on their way: every CTA finds the rows' 1 / rms itself
+            # (M K halves, L2-resident); CTA 0 also stores the new residual rows
+            norm_scales(x, x_stride, nres, nres_stride, res_out, inv, part, eps, M, K, ADD and tile == 0)
+            q_a = inv[g]
+            if MG == 2:
+                q_b = inv[g + 8]
         while ci < chunks:
             # the next chunk's 8 weight loads go out before this chunk's mma: 2 chunks (8 KB) per warp in
             # flight while the mma wait on the older one (zeros, no load, past the last chunk)
@@ -513,29 +622,47 @@ def make_gemm_kernel_v2(is_bf16, two_groups, kwarps, bias, silu, resid, l1_no_al
             m20, m21, m22, m23 = w_piece(w, base_b + 4 * cn + 32, ok_b and cn + 8 < pieces)
             n30, n31, n32, n33 = w_piece(w, base_a + 4 * cn + 48, ok_a and cn + 12 < pieces)
             m30, m31, m32, m33 = w_piece(w, base_b + 4 * cn + 48, ok_b and cn + 12 < pieces)
-            # this chunk's activation pieces (L1 hits after the first CTA on the SM), all 4 steps at once
-            v00, v01, v02, v03 = x_piece(x, x_stride, g, c, pieces, M)
-            v10, v11, v12, v13 = x_piece(x, x_stride, g, c + 4, pieces, M)
-            v20, v21, v22, v23 = x_piece(x, x_stride, g, c + 8, pieces, M)
-            v30, v31, v32, v33 = x_piece(x, x_stride, g, c + 12, pieces, M)
-            if MG == 2:
-                y00, y01, y02, y03 = x_piece(x, x_stride, g + 8, c, pieces, M)
-                y10, y11, y12, y13 = x_piece(x, x_stride, g + 8, c + 4, pieces, M)
-                y20, y21, y22, y23 = x_piece(x, x_stride, g + 8, c + 8, pieces, M)
-                y30, y31, y32, y33 = x_piece(x, x_stride, g + 8, c + 12, pieces, M)
-            d0, d1, d2, d3 = step_mma(a00, a01, a02, a03, b00, b01, b02, b03, v00, v01, v02, v03, d0, d1, d2, d3)
-            d0, d1, d2, d3 = step_mma(a10, a11, a12, a13, b10, b11, b12, b13, v10, v11, v12, v13, d0, d1, d2, d3)
-            d0, d1, d2, d3 = step_mma(a20, a21, a22, a23, b20, b21, b22, b23, v20, v21, v22, v23, d0, d1, d2, d3)
-            d0, d1, d2, d3 = step_mma(a30, a31, a32, a33, b30, b31, b32, b33, v30, v31, v32, v33, d0, d1, d2, d3)
-            if MG == 2:
-                e0, e1, e2, e3 = step_mma(a00, a01, a02, a03, b00, b01, b02, b03, y00, y01, y02, y03,
-                                          e0, e1, e2, e3)
-                e0, e1, e2, e3 = step_mma(a10, a11, a12, a13, b10, b11, b12, b13, y10, y11, y12, y13,
-                                          e0, e1, e2, e3)
-                e0, e1, e2, e3 = step_mma(a20, a21, a22, a23, b20, b21, b22, b23, y20, y21, y22, y23,
-                                          e0, e1, e2, e3)
-                e0, e1, e2, e3 = step_mma(a30, a31, a32, a33, b30, b31, b32, b33, y30, y31, y32, y33,
-                                          e0, e1, e2, e3)
+            if NORM:                                    # a step at a time: load, norm, mma
+                d0, d1, d2, d3, e0, e1, e2, e3 = normed_step(
+                    x, x_stride, nres, nres_stride, gamma, g, c, pieces, M, q_a, q_b, a00, a01, a02, a03,
+                    b00, b01, b02, b03, d0, d1, d2, d3, e0, e1, e2, e3)
+                d0, d1, d2, d3, e0, e1, e2, e3 = normed_step(
+                    x, x_stride, nres, nres_stride, gamma, g, c + 4, pieces, M, q_a, q_b, a10, a11, a12, a13,
+                    b10, b11, b12, b13, d0, d1, d2, d3, e0, e1, e2, e3)
+                d0, d1, d2, d3, e0, e1, e2, e3 = normed_step(
+                    x, x_stride, nres, nres_stride, gamma, g, c + 8, pieces, M, q_a, q_b, a20, a21, a22, a23,
+                    b20, b21, b22, b23, d0, d1, d2, d3, e0, e1, e2, e3)
+                d0, d1, d2, d3, e0, e1, e2, e3 = normed_step(
+                    x, x_stride, nres, nres_stride, gamma, g, c + 12, pieces, M, q_a, q_b, a30, a31, a32, a33,
+                    b30, b31, b32, b33, d0, d1, d2, d3, e0, e1, e2, e3)
+            else:
+                # this chunk's activation pieces (L1 hits after the first CTA on the SM), all 4 steps at once
+                v00, v01, v02, v03 = x_piece(x, x_stride, g, c, pieces, M)
+                v10, v11, v12, v13 = x_piece(x, x_stride, g, c + 4, pieces, M)
+                v20, v21, v22, v23 = x_piece(x, x_stride, g, c + 8, pieces, M)
+                v30, v31, v32, v33 = x_piece(x, x_stride, g, c + 12, pieces, M)
+                if MG == 2:
+                    y00, y01, y02, y03 = x_piece(x, x_stride, g + 8, c, pieces, M)
+                    y10, y11, y12, y13 = x_piece(x, x_stride, g + 8, c + 4, pieces, M)
+                    y20, y21, y22, y23 = x_piece(x, x_stride, g + 8, c + 8, pieces, M)
+                    y30, y31, y32, y33 = x_piece(x, x_stride, g + 8, c + 12, pieces, M)
+                d0, d1, d2, d3 = step_mma(a00, a01, a02, a03, b00, b01, b02, b03, v00, v01, v02, v03,
+                                          d0, d1, d2, d3)
+                d0, d1, d2, d3 = step_mma(a10, a11, a12, a13, b10, b11, b12, b13, v10, v11, v12, v13,
+                                          d0, d1, d2, d3)
+                d0, d1, d2, d3 = step_mma(a20, a21, a22, a23, b20, b21, b22, b23, v20, v21, v22, v23,
+                                          d0, d1, d2, d3)
+                d0, d1, d2, d3 = step_mma(a30, a31, a32, a33, b30, b31, b32, b33, v30, v31, v32, v33,
+                                          d0, d1, d2, d3)
+                if MG == 2:
+                    e0, e1, e2, e3 = step_mma(a00, a01, a02, a03, b00, b01, b02, b03, y00, y01, y02, y03,
+                                              e0, e1, e2, e3)
+                    e0, e1, e2, e3 = step_mma(a10, a11, a12, a13, b10, b11, b12, b13, y10, y11, y12, y13,
+                                              e0, e1, e2, e3)
+                    e0, e1, e2, e3 = step_mma(a20, a21, a22, a23, b20, b21, b22, b23, y20, y21, y22, y23,
+                                              e0, e1, e2, e3)
+                    e0, e1, e2, e3 = step_mma(a30, a31, a32, a33, b30, b31, b32, b33, y30, y31, y32, y33,
+                                              e0, e1, e2, e3)
             a00, a01, a02, a03, b00, b01, b02, b03 = n00, n01, n02, n03, m00, m01, m02, m03
             a10, a11, a12, a13, b10, b11, b12, b13 = n10, n11, n12, n13, m10, m11, m12, m13
             a20, a21, a22, a23, b20, b21, b22, b23 = n20, n21, n22, n23, m20, m21, m22, m23
@@ -676,12 +803,14 @@ def _check_vector(name, t, size, dtype):
 
 
 def _halves(t):
-    """1-D 16-bit view of a contiguous fp16/bf16 tensor (one element per entry). Under the simulator a
-    FakeCUDAArray over the tensor's memory: a plain numpy argument would be copied in and back out, and
-    the same buffer passed twice (a dummy argument) would be written back twice."""
-    if not bridge.SIMULATOR:
-        return bridge.as_array(t, "int16", flat=True)
+    """1-D 16-bit view of a contiguous fp16/bf16 tensor (one element per entry): on the GPU a torch int16
+    view (the launcher passes it as a numba int16 array); under the simulator a FakeCUDAArray over the
+    tensor's memory: a plain numpy argument would be copied in and back out, and the same buffer passed
+    twice (a dummy argument) would be written back twice."""
     import torch
+
+    if not bridge.SIMULATOR:
+        return t.reshape(-1).view(torch.int16)
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
     return FakeCUDAArray(t.reshape(-1).view(torch.int16).numpy().view(np.uint16))
@@ -707,8 +836,8 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
     steps_per_split: force the split-K span (steps of 32 k; a multiple of 4, <= 32); None: plan().
     reduce: how v1's split-K partials are added (in split order either way): "warp" (the last warp of each
         tile, after an atomic count; one kernel) or "kernel" (a second kernel).
-    variant: 1 (staged rows, split-K over CTAs; the only one with the norm prologue) or 2 (a CTA per tile,
-        K split over its warps). None: 2, or 1 where the call asks for the prologue, steps_per_split or
+    variant: 1 (staged rows, split-K over CTAs) or 2 (a CTA per tile, K split over its warps); both have
+        every prologue and epilogue. None: 2, or 1 where the call asks for steps_per_split or
         reduce="kernel".
     warps_per_tile: v2 only, force the warps sharing a tile's K (4, 8 or 16); None: plan_v2().
     Returns out. Runs on torch's current stream (capturable in a CUDA graph: the split-K partials live in a
@@ -720,7 +849,7 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
     norm = norm_weight is not None
     add = norm_residual is not None
     if variant is None:
-        variant = 1 if norm or steps_per_split is not None or reduce != "warp" else 2
+        variant = 1 if steps_per_split is not None or reduce != "warp" else 2
     if validate:
         check_tensor("x", x, 2, dtypes)
         check_tensor("weight", weight, 2, (x.dtype,))
@@ -761,13 +890,14 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
             if residual_out is None:
                 raise KernelLaunchError("residual_out is needed with norm_residual")
             _check_rows("residual_out", residual_out, M, K, x.dtype)
-            if not residual_out.is_contiguous() or residual_out.data_ptr() == norm_residual.data_ptr():
-                raise KernelLaunchError("residual_out must be contiguous and not norm_residual itself "
-                                        "(other CTAs still read norm_residual)")
+            if not residual_out.is_contiguous() or residual_out.data_ptr() in (norm_residual.data_ptr(),
+                                                                                 x.data_ptr()):
+                raise KernelLaunchError("residual_out must be contiguous and neither norm_residual nor x "
+                                        "itself (other CTAs still read them)")
         if variant not in VARIANTS:
             raise KernelLaunchError(f"variant must be one of {VARIANTS}, got {variant!r}")
-        if variant == 2 and (norm or steps_per_split is not None or reduce != "warp"):
-            raise KernelLaunchError("variant 2 has no norm prologue, steps_per_split or reduce: use variant=1")
+        if variant == 2 and (steps_per_split is not None or reduce != "warp"):
+            raise KernelLaunchError("variant 2 has no steps_per_split or reduce: use variant=1")
         if warps_per_tile is not None and (variant != 2 or warps_per_tile not in (4, 8, 16)):
             raise KernelLaunchError(f"warps_per_tile must be 4, 8 or 16, with variant=2; got {warps_per_tile} "
                                     f"with variant={variant}")
@@ -779,11 +909,11 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
     if out is None:
         out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
     if variant == 2:
-        return launch_v2(x, weight, bias, out, residual, silu, warps_per_tile)
+        return launch_v2(x, weight, bias, out, residual, silu, warps_per_tile, norm_weight=norm_weight, eps=eps,
+                         norm_residual=norm_residual, residual_out=residual_out)
     tiles, sps, splits, grid_x = plan(M, N, K, silu, steps_per_split, bridge.num_sms(x.device))
     is_bf16 = x.dtype == torch.bfloat16
     split = 0 if splits == 1 else SPLIT_WARP if reduce == "warp" else SPLIT_KERNEL
-    stream = torch_stream()
     out16 = _halves(out)
     w_words = words(weight)
     x_words = words(x)
@@ -797,31 +927,39 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
     in_kernel = split != SPLIT_KERNEL                    # the epilogue runs in the GEMM kernel
     kernel = make_gemm_kernel(is_bf16, M > 8, norm, add, bias is not None and in_kernel, silu,
                               residual is not None and in_kernel, split)
-    kernel[(grid_x, splits), THREADS, stream](
-        x_words, _row_words(x), w_words, out16, part, counters, bias16, res16, nres,
-        _row_words(norm_residual) if add else 0, gamma, res_out, np.float32(eps if norm else 0.0),
-        M, N, K, tiles, sps, n_out)
+    launch_kernel(kernel, (grid_x, splits), THREADS,
+                  (x_words, _row_words(x), w_words, out16, part, counters, bias16, res16, nres,
+                   _row_words(norm_residual) if add else 0, gamma, res_out, np.float32(eps if norm else 0.0),
+                   M, N, K, tiles, sps, n_out))
     if split == SPLIT_KERNEL:
         reducer = make_reduce_kernel(is_bf16, bias is not None, silu, residual is not None)
-        reducer[-(-(M * n_out) // REDUCE_THREADS), REDUCE_THREADS, stream](part, splits, out16, bias16, res16,
-                                                                         M, N, n_out)
+        launch_kernel(reducer, -(-(M * n_out) // REDUCE_THREADS), REDUCE_THREADS,
+                      (part, splits, out16, bias16, res16, M, N, n_out))
     return out
 
 
-def launch_v2(x, weight, bias, out, residual, silu, kwarps=None, l1_no_allocate=True):
+def launch_v2(x, weight, bias, out, residual, silu, kwarps=None, l1_no_allocate=True, norm_weight=None, eps=None,
+              norm_residual=None, residual_out=None):
     """v2's launch with its tuning knobs, for the tests and the bench (skinny_linear checks the arguments;
-    this does not): kwarps forces the warps per tile, l1_no_allocate=False uses plain weight loads."""
+    this does not): kwarps forces the warps per tile, l1_no_allocate=False uses plain weight loads;
+    norm_weight, eps, norm_residual, residual_out: the norm prologue, as in skinny_linear."""
     import torch
 
     M, K = x.shape
     N = weight.shape[0]
     tiles, planned, _ = plan_v2(M, N, K, silu, bridge.num_sms(x.device))
     kwarps = kwarps or planned
+    norm = norm_weight is not None
+    add = norm_residual is not None
     out16 = _halves(out)
     bias16 = _halves(bias) if bias is not None else out16
     res16 = _halves(residual) if residual is not None else out16
+    x_words = words(x)
     kernel = make_gemm_kernel_v2(x.dtype == torch.bfloat16, M > 8, kwarps, bias is not None, silu,
-                                 residual is not None, l1_no_allocate)
-    kernel[tiles, 32 * kwarps, torch_stream()](words(x), _row_words(x), words(weight), out16, bias16, res16,
-                                               M, N, K, out.shape[1])
+                                 residual is not None, l1_no_allocate, norm, add)
+    launch_kernel(kernel, tiles, 32 * kwarps,
+                  (x_words, _row_words(x), words(weight), out16, bias16, res16,
+                   words(norm_residual) if add else x_words, _row_words(norm_residual) if add else 0,
+                   words(norm_weight) if norm else x_words, words(residual_out) if add else x_words,
+                   np.float32(eps if norm else 0.0), M, N, K, out.shape[1]))
     return out

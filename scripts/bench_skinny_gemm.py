@@ -5,19 +5,24 @@ One GPU command: validates every shape and fused variant against torch, then tim
     python3 scripts/bench_skinny_gemm.py --out $OUT        (from the repository root; numpy < 2.5)
 
 Both kernels are timed: v1 (activation rows staged in shared memory, split-K over CTAs) and v2 (a CTA per
-16-row tile, K split over its warps, next chunk's loads in flight during this chunk's mma), beside cuBLAS.
+16-row tile, K split over its warps, next chunk's loads in flight during this chunk's mma), beside cuBLAS;
+and each shape's fused variant in v2 (v1 at M = 1 and 16) beside the unfused ops it replaces.
 
 1. Validation, on fresh random bf16 inputs (weights scaled like a trained layer's): for every shape and
-   M in ROWS the plain GEMM of each kernel, and at M in (1, 5, 16) each shape's fused variant (qkv: RMSNorm prologue with
+   M in ROWS the plain GEMM of each kernel, and each shape's fused variant (qkv: RMSNorm prologue with
    the residual add + bias; o_proj and down_proj: the residual-add epilogue; gate_up: the prologue +
-   SiLU-and-mul; LM head: the prologue without add), against torch's float32 product of the same values
+   SiLU-and-mul; LM head: the prologue without add) in v2 at M in ROWS and (1, 5, 16), in v1 at (1, 5, 16),
+   and the unfused chain it is timed against, all against torch's float32 product of the same values
    with the unfused roundings: |err| <= 1 unit in the last place + K 2^-23 sum|x w| (2 units and the
    gate/up slack for SiLU-and-mul). Then two more calls must give the same bits (no arrival-order sums).
 2. Timing by CUDA-graph replay (benchlib.graph_time_us) with >= 4 rotated weight sets covering 3x the L2,
    so every call streams its weights from HBM; beside it torch's F.linear (cuBLAS) the same way.
    GB/s counts the weight bytes (x and y are < 0.1% of them); "% copy" is against torch's copy of a 1 GiB
-   buffer (read + write) measured in the same run.
-3. The SASS of the plain kernels (numba's inspect_sass, where nvdisasm is installed): LDG.E.128 and HMMA.
+   buffer (read + write) measured in the same run. The fused variant beside the unfused chain, the ops
+   the engine runs today: kernels_numba/rmsnorm.py's kernel (with the residual add), cuBLAS (bias in its
+   epilogue), kernels_numba/activation.py's SiLU-and-mul, torch's add for the residual.
+3. The SASS of the plain kernels and of v2's prologue kernels (numba's inspect_sass, where nvdisasm is
+   installed): LDG.E.128 and HMMA.
 
 Writes $OUT/skinny_gemm.md and $OUT/skinny_gemm.json.
 """
@@ -105,6 +110,32 @@ def make_case(M, N, K, seed):
     return x, w
 
 
+def unfused_chain(variant, x, bias, kw):
+    """The ops that skinny_linear(x, w, bias, **kw) fuses, as separate launches (the engine's path today):
+    run(w) -> the output. With the residual add the rmsnorm kernel updates a copy of norm_residual in place
+    (stream, returned beside run)."""
+    from kernels_numba import activation, rmsnorm
+
+    gamma, nres = kw.get("norm_weight"), kw.get("norm_residual")
+    stream = nres.clone() if nres is not None else None
+    normed = torch.empty_like(x)
+
+    def run(w):
+        h = x
+        if gamma is not None and stream is not None:
+            h, _ = rmsnorm.fused_add_rms_norm(x, stream, gamma, EPS, out=normed, validate=False)
+        elif gamma is not None:
+            h = rmsnorm.rms_norm(x, gamma, EPS, out=normed, validate=False)
+        y = F.linear(h, w, bias)
+        if kw.get("silu"):
+            return activation.silu_and_mul(y, validate=False)
+        if "residual" in kw:
+            return y.add_(kw["residual"])
+        return y
+
+    return run, stream
+
+
 def fused_args(variant, M, N, K, seed):
     g = torch.Generator(device="cuda").manual_seed(seed + 7)
     kw = {}
@@ -124,22 +155,32 @@ def fused_args(variant, M, N, K, seed):
 
 
 def check(name, M, variant, sg, kernel=None):
-    """Validate one (shape, M, variant) of kernel version `kernel` (None: skinny_linear's choice); returns
-    the worst err / bound."""
+    """Validate one (shape, M, variant) of kernel version `kernel` (None: skinny_linear's choice; "unfused":
+    unfused_chain, the ops the fused call replaces); returns the worst err / bound."""
     N, K, _ = SHAPES[name]
     x, w = make_case(M, N, K, seed=M * 131 + N)
     kw = fused_args(variant, M, N, K, seed=M) if variant != "plain" else {}
-    if kernel is not None:
+    if kernel is not None and kernel != "unfused":
         kw["variant"] = kernel
     bias = kw.pop("bias", None)
-    y = sg.skinny_linear(x, w, bias, **kw)
     want, bound, new_res = torch_reference(x, w, variant, bias=bias, residual=kw.get("residual"),
                                            gamma=kw.get("norm_weight"), norm_residual=kw.get("norm_residual"))
+    what = f"{name} M={M} {variant}" + (f" ({kernel})" if kernel else "")
+    if kernel == "unfused":
+        run, stream = unfused_chain(variant, x, bias, kw)
+        y = run(w)
+        ratio = ((y.double() - want).abs() / bound).max().item()
+        if ratio > 1 or not torch.isfinite(y).all():
+            raise AssertionError(f"{what}: max err / bound = {ratio:.3f}")
+        if new_res is not None and not torch.equal(stream.float(), new_res):
+            raise AssertionError(f"{what}: the residual stream is not round(residual + x)")
+        return ratio
+    y = sg.skinny_linear(x, w, bias, **kw)
     ratio = ((y.double() - want).abs() / bound).max().item()
     if ratio > 1 or not torch.isfinite(y).all():
-        raise AssertionError(f"{name} M={M} {variant}: max err / bound = {ratio:.3f}")
+        raise AssertionError(f"{what}: max err / bound = {ratio:.3f}")
     if new_res is not None and not torch.equal(kw["residual_out"].float(), new_res):
-        raise AssertionError(f"{name} M={M} {variant}: residual_out is not round(residual + x)")
+        raise AssertionError(f"{what}: residual_out is not round(residual + x)")
     for _ in range(2):
         if not torch.equal(sg.skinny_linear(x, w, bias, **kw).view(torch.int16), y.view(torch.int16)):
             raise AssertionError(f"{name} M={M} {variant}: a second call gave other bits")
@@ -153,6 +194,11 @@ def sass_counts(sg):
         kernels = [(f"v1 {k}", sg.make_gemm_kernel(True, k == "m16", False, False, False, False, False, 0))
                    for k in ("m8", "m16")]
         kernels += [(f"v2 {k} {w} warps", sg.make_gemm_kernel_v2(True, k == "m16", w, False, False, False, True))
+                    for k in ("m8", "m16") for w in (4, 8, 16)]
+        # v2 with the norm prologue as qkv (+ add, bias), gate_up (+ add, SiLU) and the LM head use it
+        kernels += [(f"v2 norm{'_add' if add else ''}{'_bias' if b else ''}{'_silu' if si else ''} {k} {w} warps",
+                     sg.make_gemm_kernel_v2(True, k == "m16", w, b, si, False, True, True, add))
+                    for add, b, si in ((True, True, False), (True, False, True), (False, False, False))
                     for k in ("m8", "m16") for w in (4, 8, 16)]
         for key, kernel in kernels:
             sass = "\n".join(kernel.inspect_sass().values())     # the specialisations compiled so far
@@ -187,7 +233,7 @@ def predicted_us_v2(nbytes, M, N, K, silu, copy_gbs):
     return 2.5 + max(nbytes / (0.92 * copy_gbs * 1e3), 0.8 * trips) + 0.3
 
 
-def main(out_dir, shapes=None, rows=ROWS, quick=False):
+def main(out_dir, shapes=None, rows=ROWS, quick=False, sweeps=True):
     from kernels_numba import skinny_gemm as sg
 
     if not torch.cuda.is_available():
@@ -201,12 +247,14 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
             for kernel in sg.VARIANTS:
                 worst[(name, M, f"plain v{kernel}")] = check(name, M, "plain", sg, kernel)
         variant = SHAPES[name][2]
-        for M in VALIDATE_FUSED_ROWS:
-            worst[(name, M, variant)] = check(name, M, variant, sg)
-            if "norm" not in variant:        # the epilogue in v1 too (skinny_linear's choice is v2)
+        fused_rows = sorted(set(rows) | set(VALIDATE_FUSED_ROWS))
+        for M in fused_rows:
+            worst[(name, M, variant)] = check(name, M, variant, sg)               # skinny_linear's choice: v2
+            worst[(name, M, variant + " unfused")] = check(name, M, variant, sg, "unfused")
+            if M in VALIDATE_FUSED_ROWS:
                 worst[(name, M, variant + " v1")] = check(name, M, variant, sg, 1)
-        print(f"validated {name}: plain v1 and v2 M={list(rows)}, {variant} M={list(VALIDATE_FUSED_ROWS)}; "
-              f"worst err/bound "
+        print(f"validated {name}: plain v1 and v2 M={list(rows)}, {variant} v2 and unfused M={fused_rows}, "
+              f"v1 M={list(VALIDATE_FUSED_ROWS)}; worst err/bound "
               f"{max(v for k, v in worst.items() if k[0] == name):.3f} ({time.time() - t0:.0f} s)", flush=True)
     torch.cuda.synchronize()
     # ---- 2. timing ----
@@ -232,13 +280,21 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
             cublas = benchlib.graph_time_us(lambda i: F.linear(x, ws[i % sets]), calls=calls,
                                             replays=5 if quick else 10)
             row = {"shape": name, "M": M, "N": N, "K": K, "weight MB": nbytes / 1e6}
-            if M in (1, 16):                 # the fused variant (one kernel in place of GEMM + glue)
-                kw = fused_args(variant, M, N, K, seed=3)
-                bias = kw.pop("bias", None)
-                fout = torch.empty(M, n_out, device="cuda", dtype=DTYPE)
-                row["fused"] = variant
-                row["fused µs"] = benchlib.graph_time_us(
-                    lambda i: sg.skinny_linear(x, ws[i % sets], bias, out=fout, validate=False, **kw),
+            # the fused variant (one kernel in place of the norm, the GEMM and the glue) beside those ops
+            kw = fused_args(variant, M, N, K, seed=3)
+            bias = kw.pop("bias", None)
+            fout = torch.empty(M, n_out, device="cuda", dtype=DTYPE)
+            row["fused"] = variant
+            row["v2 fused µs"] = benchlib.graph_time_us(
+                lambda i: sg.skinny_linear(x, ws[i % sets], bias, out=fout, variant=2, validate=False, **kw),
+                calls=calls, replays=5 if quick else 10)
+            chain, _ = unfused_chain(variant, x, bias, kw)
+            row["unfused µs"] = benchlib.graph_time_us(lambda i: chain(ws[i % sets]), calls=calls,
+                                                       replays=5 if quick else 10)
+            row["v2 fused vs unfused"] = row["unfused µs"] / row["v2 fused µs"]
+            if M in (1, 16):
+                row["v1 fused µs"] = benchlib.graph_time_us(
+                    lambda i: sg.skinny_linear(x, ws[i % sets], bias, out=fout, variant=1, validate=False, **kw),
                     calls=calls, replays=5 if quick else 10)
             tiles, sps, splits, grid_x = sg.plan(M, N, K)
             tiles2, kwarps, _ = sg.plan_v2(M, N, K)
@@ -259,13 +315,14 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
             print(f"{name:>13} M={M:2d}: v1 {ours:8.2f} us ({row['% copy']:5.1f}% copy) | v2 {ours2:8.2f} us "
                   f"({row['v2 % copy']:5.1f}%, predicted {row['v2 predicted µs']:.1f}) | "
                   f"cuBLAS {cublas:8.2f} us ({row['cuBLAS % copy']:5.1f}%) | "
-                  f"fused {row.get('fused µs', float('nan')):.2f} us "
+                  f"{variant}: v2 fused {row['v2 fused µs']:.2f} us, unfused {row['unfused µs']:.2f} us "
+                  f"({row['v2 fused vs unfused']:.2f}x), v1 fused {row.get('v1 fused µs', float('nan')):.2f} us "
                   f"({time.time() - t0:.0f} s)", flush=True)
         del ws
         torch.cuda.empty_cache()
     # ---- the split-K span: the plan's choice against the other spans, where it matters ----
     sweep = []
-    for name in [s for s in SWEEP_SHAPES if s in shapes]:
+    for name in [s for s in SWEEP_SHAPES if s in shapes and sweeps]:
         N, K, _ = SHAPES[name]
         sets = benchlib.num_sets_for(N * K * 2)
         ws = [torch.randn(N, K, device="cuda", dtype=DTYPE) for _ in range(sets)]
@@ -284,7 +341,7 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
         del ws
     # ---- v2's warps per tile against the plan's choice ----
     sweep2 = []
-    for name in [s for s in V2_SWEEP_SHAPES if s in shapes]:
+    for name in [s for s in V2_SWEEP_SHAPES if s in shapes and sweeps]:
         N, K, _ = SHAPES[name]
         sets = benchlib.num_sets_for(N * K * 2)
         ws = [torch.randn(N, K, device="cuda", dtype=DTYPE) for _ in range(sets)]
@@ -310,14 +367,16 @@ def main(out_dir, shapes=None, rows=ROWS, quick=False):
     columns = ["shape", "M", "N", "K", "weight MB", "plan (steps/split, splits, CTAs)", "predicted µs", "µs",
                "GB/s", "% copy", "2-kernel µs", "v2 plan (warps/tile, CTAs)", "v2 predicted µs", "v2 µs",
                "v2 % copy", "cuBLAS µs", "cuBLAS GB/s", "cuBLAS % copy", "vs cuBLAS", "v2 vs cuBLAS", "fused",
-               "fused µs"]
+               "v2 fused µs", "unfused µs", "v2 fused vs unfused", "v1 fused µs"]
     md = "\n".join([
         f"Skinny GEMM y[M, N] = x[M, K] W[N, K]^T, bf16, CUDA-graph replay, >= 4 rotated weight sets "
         f"(3x the L2). Copy bandwidth measured in this run: {copy_gbs:,.0f} GB/s (read + write).",
         "µs, GB/s, % copy, predicted, plan: v1 (staged rows, split-K over CTAs). v2 ...: a CTA per 16-row tile, "
         "K split over its warps. GB/s: weight bytes per second. 2-kernel: v1's split-K partials added by a "
         "second kernel instead of the tile's last warp. fused: the shape's fused variant (prologue/epilogue) "
-        "in one call (v1 with the norm prologue, v2 otherwise). vs cuBLAS: cuBLAS µs / ours.",
+        "in one call of v2 (v1 at M = 1 and 16); unfused: the same ops as separate launches (rmsnorm.py's "
+        "kernel with the residual add, cuBLAS with the bias, activation.py's SiLU-and-mul, torch's add). "
+        "vs cuBLAS: cuBLAS µs / ours; v2 fused vs unfused: unfused µs / fused µs.",
         f"Validated first (max err / bound over all cases: {max(worst.values()):.3f}; same bits on repeat).",
         f"SASS (plain kernels): {sass}", "", benchlib.markdown_table(rows_out, columns), "",
         "v1's split-K span (steps of 32 k per split) against the plan's choice, µs:", "",
@@ -339,5 +398,6 @@ if __name__ == "__main__":
     parser.add_argument("--shapes", nargs="*", choices=sorted(SHAPES), help="a subset of the shapes")
     parser.add_argument("--rows", nargs="*", type=int, default=list(ROWS), help="activation rows M to time")
     parser.add_argument("--quick", action="store_true", help="5 replays instead of 10")
+    parser.add_argument("--no-sweeps", action="store_true", help="skip v1's split sweep and v2's warps sweep")
     args = parser.parse_args()
-    main(args.out, args.shapes, tuple(args.rows), args.quick)
+    main(args.out, args.shapes, tuple(args.rows), args.quick, sweeps=not args.no_sweeps)

@@ -103,15 +103,19 @@ def test_v2_warps_share_k(dtype, M, N, K, kwarps):
 
 
 def test_v2_is_the_default_and_v1_stays_reachable():
-    """Both variants within the bound of the same reference; the prologue and v1's split options pick v1."""
+    """Both variants within the bound of the same reference; v1's split options pick v1 (variant 2 refuses
+    them), the norm prologue does not."""
     M, N, K = 3, 24, 72
     x, w = case(M, N, K, F16, seed=42)
     want, scale = ref.linear(x, w, "float16")
     for variant in sg.VARIANTS:
         assert_close(sg.skinny_linear(x, w, variant=variant), want, scale, K, F16, f"variant {variant}")
-    for kw in ({"norm_weight": randn(K), "eps": 1e-6}, {"steps_per_split": 4}, {"reduce": "kernel"}):
+    for kw in ({"steps_per_split": 4}, {"reduce": "kernel"}):
         with pytest.raises(KernelLaunchError, match="variant 2 has no"):
             sg.skinny_linear(x, w, variant=2, **kw)
+    gamma = randn(K, seed=43)
+    assert same_bits(sg.skinny_linear(x, w, norm_weight=gamma, eps=1e-6),
+                     sg.skinny_linear(x, w, norm_weight=gamma, eps=1e-6, variant=2))
 
 
 def test_strided_rows_of_x():
@@ -204,6 +208,95 @@ def test_norm_prologue(dtype, add, M, N, K, sps):
         assert np.array_equal(r_out.float().cpu().numpy(), new_res), "residual_out is round(residual + x)"
 
 
+def norm_inputs(M, K, dtype, add, seed):
+    """The prologue's inputs: gamma ~ 1 +- 0.1 (a trained norm's), the residual stream at 3x x's scale, and
+    residual_out poisoned with NaN (every element must be written)."""
+    gamma = (1 + randn(K, seed=seed, scale=0.1, dtype=torch.float32)).to(dtype)
+    r = randn(M, K, seed=seed + 1, scale=3.0, dtype=dtype) if add else None
+    r_out = torch.full((M, K), float("nan"), dtype=dtype, device=DEVICE) if add else None
+    return gamma, r, r_out
+
+
+# v2's prologue: the rows' 1 / rms by the whole CTA, R = 1..16 (>= M) groups of G = 32 kwarps / R threads.
+# (dtype, add, M, N, K, kwarps, epilogue): M = 3, 4 warps: G = 32, K = 264 is 33 pieces (thread 0 of a row
+# sums 2, the others 1); M = 16: G = 8 (a row's threads share a warp), 17 pieces (up to 3 a thread), two mma
+# groups; M = 5, 8 warps: G = 32, 137 pieces (5 a thread: a second pass of 4 loads ahead); M = 1, 16 warps:
+# G = 512 (a row over 16 warps, their sums through shared memory), the last chunk of 9 pieces; M = 9, 16
+# warps: R = 16, G = 32, two groups.
+V2_NORM_CASES = [(F16, True, 3, 24, 264, 4, "resid"), (BF16, False, 16, 12, 136, 4, "silu"),
+                 pytest.param(BF16, True, 5, 40, 1096, 8, "bias", marks=SLOW),
+                 pytest.param(F16, False, 1, 40, 1096, 16, None, marks=SLOW),
+                 pytest.param(BF16, True, 9, 12, 264, 16, "silu", marks=SLOW),
+                 pytest.param(F16, True, 16, 24, 136, 4, "bias", marks=SLOW),
+                 pytest.param(BF16, False, 3, 40, 520, 4, "resid", marks=SLOW)]
+
+
+@pytest.mark.parametrize("dtype, add, M, N, K, kwarps, epilogue", V2_NORM_CASES)
+@pytest.mark.filterwarnings("ignore:overflow encountered")       # the simulator's exp of a large -g
+def test_v2_norm_prologue(dtype, add, M, N, K, kwarps, epilogue):
+    """v2 with the prologue: the plain product (with the bias where the case has one) within v1's prologue
+    bound of float64 applied to reference/layers.py's norm; residual_out exactly round(residual + x); the
+    residual and SiLU epilogues against the unfused ops applied to that plain output (as for the plain
+    kernel: bit for bit, and within expf's last bit)."""
+    silu = epilogue == "silu"
+    rows = 2 * N if silu else N                                  # silu: N is the intermediate size
+    x, w = case(M, rows, K, dtype, seed=51)
+    gamma, r, r_out = norm_inputs(M, K, dtype, add, seed=52)
+    bias = randn(rows, seed=54, dtype=dtype) if epilogue == "bias" else None
+    kw = dict(norm_weight=gamma, eps=1e-6, norm_residual=r, residual_out=r_out, variant=2, warps_per_tile=kwarps)
+    plain = sg.skinny_linear(x, w, bias, **kw)
+    want, scale, normed, new_res = ref.norm_linear(x, gamma, 1e-6, w, NAME[dtype], norm_residual=r, bias=bias)
+    # the kernel's normed x may be one unit off the reference's (its own order of the sum of squares)
+    scale_x = ref.gemm(ULP[dtype] * np.abs(normed), w)[1]
+    assert_close(plain, want, scale + scale_x / (K * F32_SUM), K, dtype, f"v2: norm then linear ({kwarps} warps)")
+    if add:
+        assert np.array_equal(r_out.float().cpu().numpy(), new_res), "residual_out is round(residual + x)"
+    if epilogue == "resid":
+        res = randn(M, N, seed=55, scale=4.0, dtype=dtype)
+        got = sg.skinny_linear(x, w, residual=res.clone(), **kw)
+        want = ref_layers.round_to(ref_layers._f32(plain) + ref_layers._f32(res), NAME[dtype])
+        assert np.array_equal(got.float().cpu().numpy(), want), "norm, linear, residual add"
+    elif silu:
+        got = sg.skinny_linear(x, w, silu=True, **kw)
+        chained = ref_layers.silu_and_mul(plain, NAME[dtype])
+        err = np.abs(got.double().cpu().numpy() - chained)
+        assert (err <= ULP[dtype] * np.abs(chained) + TINY[dtype]).all(), f"vs the unfused chain: max err {err.max()}"
+
+
+# (dtype, add, M, N, K, kwarps, epilogue) where every prologue thread sums at most one piece (K / 8 <= G):
+# M = 1, 4 warps: G = 128, 33 pieces (4 warps' sums in shared memory); M = 3: G = 32, 17 pieces;
+# M = 16: G = 8, 8 pieces
+V2_NORM_CHAIN_CASES = [(BF16, True, 1, 24, 264, 4, "bias"),
+                       pytest.param(F16, False, 3, 12, 136, 4, "silu", marks=SLOW),
+                       pytest.param(F16, True, 16, 40, 64, 4, "resid", marks=SLOW)]
+
+
+@pytest.mark.parametrize("dtype, add, M, N, K, kwarps, epilogue", V2_NORM_CHAIN_CASES)
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_v2_norm_prologue_is_rmsnorm_then_v2_bit_for_bit(dtype, add, M, N, K, kwarps, epilogue):
+    """With at most one piece a thread the prologue's sum of squares is rmsnorm.py's, in its order: then the
+    fused call gives the bits of kernels_numba/rmsnorm.py's kernel followed by the plain v2 GEMM (same
+    epilogue), and residual_out the bits of its fused residual add."""
+    from kernels_numba import rmsnorm
+
+    silu = epilogue == "silu"
+    rows = 2 * N if silu else N
+    x, w = case(M, rows, K, dtype, seed=61)
+    gamma, r, r_out = norm_inputs(M, K, dtype, add, seed=62)
+    bias = randn(rows, seed=64, dtype=dtype) if epilogue == "bias" else None
+    res = randn(M, N, seed=65, scale=4.0, dtype=dtype) if epilogue == "resid" else None
+    fused = sg.skinny_linear(x, w, bias, residual=None if res is None else res.clone(), silu=silu, norm_weight=gamma,
+                             eps=1e-6, norm_residual=r, residual_out=r_out, variant=2, warps_per_tile=kwarps)
+    if add:
+        stream = r.clone()
+        normed, _ = rmsnorm.fused_add_rms_norm(x, stream, gamma, 1e-6)
+        assert same_bits(r_out, stream), "residual_out"
+    else:
+        normed = rmsnorm.rms_norm(x, gamma, 1e-6)
+    chained = sg.skinny_linear(normed, w, bias, residual=res, silu=silu, variant=2, warps_per_tile=kwarps)
+    assert same_bits(fused, chained), f"max diff {(fused.double() - chained.double()).abs().max().item():.3e}"
+
+
 # ---- the plan and the checks -----------------------------------------------------------------------
 QWEN_SHAPES = {  # (N, K, silu) of Qwen2-0.5B's and 7B's decode GEMMs
     "0.5B qkv": (1152, 896, False), "0.5B o": (896, 896, False), "0.5B gate_up": (9728, 896, True),
@@ -258,7 +351,9 @@ def test_launch_errors_name_the_field():
     ]
     r = randn(2, 64)
     cases.append((lambda: sg.skinny_linear(x, w, norm_weight=randn(64), eps=1e-6, norm_residual=r, residual_out=r),
-                  "not norm_residual itself"))
+                  "neither norm_residual nor x"))
+    cases.append((lambda: sg.skinny_linear(x, w, norm_weight=randn(64), eps=1e-6, norm_residual=r, residual_out=x,
+                                           variant=2), "neither norm_residual nor x"))
     for call, message in cases:
         with pytest.raises(KernelLaunchError, match=message):
             call()
@@ -275,13 +370,15 @@ u32, i16, f32, i64 = types.uint32[::1], types.int16[::1], types.float32[::1], ty
 SIG = (u32, i64, u32, i16, f32, types.int32[::1], i16, i16, u32, i64, u32, u32, types.float32,
        i64, i64, i64, i64, i64, i64)
 RSIG = (f32, i64, i16, i16, i16, i64, i64, i64)
-V2SIG = (u32, i64, u32, i16, i16, i16, i64, i64, i64, i64)
+V2SIG = (u32, i64, u32, i16, i16, i16, u32, i64, u32, u32, types.float32, i64, i64, i64, i64)
 out = {}
 for name, flags in json.loads(sys.argv[1]).items():
     if name.startswith("reduce"):
         ptx, _ = cuda.compile_ptx(sg.make_reduce_kernel(*flags).py_func, RSIG, cc=(9, 0))
     elif name.startswith("v2"):
-        ptx, _ = cuda.compile_ptx(sg.make_gemm_kernel_v2(*flags).py_func, V2SIG, cc=(9, 0))
+        kernel = sg.make_gemm_kernel_v2(*flags)
+        ptx, _ = cuda.compile_ptx(kernel.py_func, V2SIG, cc=(9, 0),
+                                  launch_bounds=kernel.targetoptions.get("launch_bounds"))
     else:
         ptx, _ = cuda.compile_ptx(sg.make_gemm_kernel(*flags).py_func, SIG, cc=(9, 0))
     open(f"{sys.argv[2]}/{name}.ptx", "w").write(ptx)
@@ -291,6 +388,7 @@ for name, flags in json.loads(sys.argv[1]).items():
                  "ld_shared_v4": count("ld.shared.v4"), "shfl": count("shfl.sync"), "atomic": count("atom."),
                  "bar": count("bar.sync") + count("barrier.sync"),
                  "cp_async": len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)),
+                 "st_global_v4": count("st.global.v4"),
                  "ld_global_v4_no_l1": len(re.findall(r"ld\.global\.L1::no_allocate\.v4", ptx)),
                  "f64_ops": sum(1 for o in ops if ".f64" in o),
                  "local": bool(re.search(r"\.local\b|ld\.local|st\.local", ptx))}
@@ -307,12 +405,15 @@ CODEGEN = {
     "resid_split_kernel_bf16": (True, False, False, False, False, False, False, sg.SPLIT_KERNEL),
     "silu_split_f16": (False, False, False, False, False, True, True, sg.SPLIT_WARP),
     "reduce_silu_bias_bf16": (True, True, True, False),
-    # make_gemm_kernel_v2(is_bf16, two_groups, kwarps, bias, silu, resid, l1_no_allocate)
+    # make_gemm_kernel_v2(is_bf16, two_groups, kwarps, bias, silu, resid, l1_no_allocate, norm, add)
     "v2_plain_bf16": (True, False, 4, False, False, False, True),
     "v2_silu_bias_f16_m16_w16": (False, True, 16, True, True, False, True),
     "v2_resid_bf16_w8_l1": (True, False, 8, False, False, True, False),
+    "v2_norm_add_bias_bf16_m16_w16": (True, True, 16, True, False, False, True, True, True),
+    "v2_norm_silu_f16_m16": (False, True, 4, False, True, False, True, True, False),
+    "v2_norm_add_resid_f16_w8": (False, False, 8, False, False, True, True, True, True),
 }
-CODEGEN_DEFAULT = ("plain_f16", "norm_add_split_bf16_m16", "v2_plain_bf16")
+CODEGEN_DEFAULT = ("plain_f16", "norm_add_split_bf16_m16", "v2_plain_bf16", "v2_norm_add_bias_bf16_m16_w16")
 CODEGEN_PARAMS = [n if n in CODEGEN_DEFAULT else pytest.param(n, marks=SLOW) for n in sorted(CODEGEN)]
 
 
@@ -348,9 +449,15 @@ def test_ptx_has_wide_loads_mma_and_no_fp64(compiled, name):
         # the name says _l1), 4 activation pieces per group; 4 steps x 2 halves x groups mma; one barrier
         # (the warps' sums), no staging, no atomics, no shuffles
         weights = 0 if name.endswith("_l1") else 16
-        assert s["ld_global_v4_no_l1"] == weights and s["ld_global_v4"] == 16 - weights + 4 * groups, s
-        assert s["mma"] == 8 * groups and s["bar"] == 1, s
-        assert s["cp_async"] == 0 and s["shfl"] == 0 and s["ld_shared_v4"] == 0, s
+        norm, add = "norm" in name, "add" in name
+        # the norm prologue: its sum of squares reads 4 pieces of x (and of the residual) ahead, one butterfly
+        # (5 shuffles), two more barriers (the warps' sums, the scales), CTA 0's 4 stores of the new residual;
+        # the loop reads each step's norm weights once for both groups and x (and the residual) per group
+        acts = (4 * (1 + add) + 4 + 4 * groups * (1 + add)) if norm else 4 * groups
+        assert s["ld_global_v4_no_l1"] == weights and s["ld_global_v4"] == 16 - weights + acts, s
+        assert s["mma"] == 8 * groups and s["bar"] == (3 if norm else 1), s
+        assert s["shfl"] == (5 if norm else 0) and s["st_global_v4"] == (4 if add else 0), s
+        assert s["cp_async"] == 0 and s["ld_shared_v4"] == 0, s
         return
     # 4 steps of 2 rows: 8 16-byte weight loads per unrolled iteration; x staged by cp.async, or (norm) by
     # 16-byte loads of x, the residual and the norm weight, 4 pieces at a time
@@ -364,7 +471,8 @@ def test_ptx_has_wide_loads_mma_and_no_fp64(compiled, name):
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not installed")
-@pytest.mark.parametrize("name", ["plain_f16", "norm_add_split_bf16_m16", "v2_plain_bf16"])
+@pytest.mark.parametrize("name", ["plain_f16", "norm_add_split_bf16_m16", "v2_plain_bf16",
+                                  "v2_norm_add_bias_bf16_m16_w16"])
 def test_ptxas_no_spills(compiled, name):
     ptx = open(os.path.join(compiled[1], name + ".ptx")).read()
     m = re.search(r"release (\d+)\.(\d+)", subprocess.run(["ptxas", "--version"], capture_output=True,
@@ -416,20 +524,61 @@ def test_gpu_real_shapes_match_float64_and_repeat_bit_for_bit(name, M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", sg.VARIANTS)
-def test_gpu_graph_capture_and_replay(variant):
+@pytest.mark.parametrize("name", ["0.5B qkv", "0.5B gate_up", "0.5B lm_head", "7B qkv", "7B gate_up"])
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_gpu_v2_norm_prologue_real_shapes(name, M):
+    """v2's prologue as a decoder calls it (qkv: the residual add and the bias; gate_up: the residual add and
+    SiLU-and-mul; the LM head: the norm alone) within the bench's bound of torch's float32 reference, the
+    residual stream exact, repeated calls bit for bit, and, where every prologue thread sums at most one
+    piece, the bits of rmsnorm.py's kernel followed by the plain v2 GEMM."""
+    from kernels_numba import rmsnorm
+    from scripts.bench_skinny_gemm import DTYPE, EPS, torch_reference
+
+    N, K, silu = QWEN_SHAPES[name]
+    add = "lm_head" not in name
+    x, w = case(M, N, K, DTYPE, seed=24)
+    gamma, r, r_out = norm_inputs(M, K, DTYPE, add, seed=25)
+    bias = randn(N, seed=27, dtype=DTYPE) if "qkv" in name else None
+    kw = dict(silu=silu, norm_weight=gamma, eps=EPS, norm_residual=r, residual_out=r_out, variant=2)
+    got = sg.skinny_linear(x, w, bias, **kw)
+    variant = "norm" + "_add" * add + "_bias" * (bias is not None) + "_silu" * silu
+    want, bound, new_res = torch_reference(x, w, variant, bias=bias, gamma=gamma, norm_residual=r)
+    ratio = ((got.double() - want).abs() / bound).max().item()
+    assert ratio <= 1, f"{name} M={M}: max err / bound {ratio:.3f}"
+    if add:
+        assert torch.equal(r_out.float(), new_res), "residual_out"
+    assert same_bits(sg.skinny_linear(x, w, bias, **kw), got)
+    kwarps = sg.plan_v2(M, N, K, silu)[1]
+    if K // 8 <= 32 * kwarps // (1 << (M - 1).bit_length()):
+        normed = rmsnorm.fused_add_rms_norm(x, r.clone(), gamma, EPS)[0] if add else rmsnorm.rms_norm(x, gamma, EPS)
+        assert same_bits(sg.skinny_linear(normed, w, bias, silu=silu, variant=2), got), "vs rmsnorm then v2"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant, norm", [(1, False), (2, False), (2, True)])
+def test_gpu_graph_capture_and_replay(variant, norm):
+    """Captured launches replay the same bits (with the prologue: the output and residual_out)."""
     x, w = case(4, 896, 4864, torch.float16, seed=22)
     out = torch.empty(4, 896, dtype=torch.float16, device="cuda")
-    sg.skinny_linear(x, w, out=out, variant=variant)                      # compile, make the scratch
+    kw = {}
+    if norm:
+        gamma, r, r_out = norm_inputs(4, 4864, torch.float16, True, seed=28)
+        kw = dict(norm_weight=gamma, eps=1e-6, norm_residual=r, residual_out=r_out)
+    sg.skinny_linear(x, w, out=out, variant=variant, **kw)                # compile, make the scratch
     torch.cuda.synchronize()
     want = out.clone()
+    want_res = kw["residual_out"].clone() if norm else None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        sg.skinny_linear(x, w, out=out, variant=variant)
+        sg.skinny_linear(x, w, out=out, variant=variant, **kw)
     out.zero_()
+    if norm:
+        kw["residual_out"].zero_()
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    if norm:
+        assert torch.equal(kw["residual_out"].view(torch.int16), want_res.view(torch.int16))
 
 
 @pytest.mark.gpu
@@ -458,3 +607,21 @@ def test_bench_validation_accepts_the_kernel_and_rejects_a_wrong_row():
     assert bool(((y.cpu().double() - want).abs() <= bound).all())
     wrong = sg.skinny_linear(x, torch.roll(w, 1, 0))                       # every output from its neighbour's row
     assert not bool(((wrong.cpu().double() - want).abs() <= bound).all())
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_bench_unfused_chain_and_v2_fused_pass_its_validation():
+    """The bench times v2's prologue + SiLU-and-mul against rmsnorm.py's kernel, cuBLAS (here torch's CPU
+    GEMM) and activation.py's kernel: both within the bench's bound of its torch reference, and the chain's
+    residual stream is the reference's new residual."""
+    from scripts.bench_skinny_gemm import DTYPE, EPS, torch_reference, unfused_chain
+
+    M, inter, K = 3, 8, 64
+    x, w = case(M, 2 * inter, K, DTYPE, seed=32)
+    gamma, r, r_out = norm_inputs(M, K, DTYPE, True, seed=33)
+    kw = dict(norm_weight=gamma, eps=EPS, norm_residual=r, residual_out=r_out, silu=True)
+    want, bound, new_res = torch_reference(x.cpu(), w.cpu(), "norm_add_silu", gamma=gamma.cpu(), norm_residual=r.cpu())
+    run, stream = unfused_chain("norm_add_silu", x, None, kw)
+    for what, y in (("unfused", run(w)), ("v2 fused", sg.skinny_linear(x, w, variant=2, **kw))):
+        assert bool(((y.cpu().double() - want).abs() <= bound).all()), what
+    assert torch.equal(stream.cpu().float(), new_res) and torch.equal(r_out.cpu().float(), new_res)
