@@ -832,7 +832,7 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
     norm_weight, eps: RMSNorm prologue: x is normed (per row, over K) before the product.
     norm_residual, residual_out: with the prologue, z = round(norm_residual + x) is normed instead, and z
         is written to residual_out ([M, K], contiguous, a buffer other than norm_residual).
-    out: optional [M, N or I] contiguous output (may be `residual`).
+    out: optional [M, N or I] contiguous output (may be `residual`, not x or norm_residual).
     steps_per_split: force the split-K span (steps of 32 k; a multiple of 4, <= 32); None: plan().
     reduce: how v1's split-K partials are added (in split order either way): "warp" (the last warp of each
         tile, after an atomic count; one kernel) or "kernel" (a second kernel).
@@ -879,6 +879,8 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
             check_tensor("out", out, 2, (x.dtype,))
             if tuple(out.shape) != (M, n_out) or not out.is_contiguous():
                 raise KernelLaunchError(f"out must be a contiguous [{M}, {n_out}], got {tuple(out.shape)}")
+            if out.data_ptr() in (x.data_ptr(), norm_residual.data_ptr() if add else x.data_ptr()):
+                raise KernelLaunchError("out must be neither x nor norm_residual (other CTAs still read them)")
         if norm:
             _check_vector("norm_weight", norm_weight, K, x.dtype)
             if eps is None or not eps > 0:

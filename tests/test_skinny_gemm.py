@@ -354,6 +354,8 @@ def test_launch_errors_name_the_field():
                   "neither norm_residual nor x"))
     cases.append((lambda: sg.skinny_linear(x, w, norm_weight=randn(64), eps=1e-6, norm_residual=r, residual_out=x,
                                            variant=2), "neither norm_residual nor x"))
+    square = randn(16, 16)                                        # y [2, 16] written over x [2, 16]
+    cases.append((lambda: sg.skinny_linear(square[:2], square, out=square[:2]), "out must be neither"))
     for call, message in cases:
         with pytest.raises(KernelLaunchError, match=message):
             call()
