@@ -6,8 +6,9 @@ codegen, GPU.
 * Every version runs in numba's CUDA simulator on tiny shapes against the float64 reference
   (ragged chunks, prefixes ending mid-block, NaN in every unused pool slot, shuffled tables).
   The simulator runs each CUDA thread as a Python thread (~0.3 s of CPU per CTA and KV tile), so
-  the default run keeps one case per feature; the fuzz and the full matrix on its smaller shapes are
-  `slow`, the whole matrix runs on the GPU.
+  the default run keeps one case per feature; the fuzz and one case per version and code path of the
+  matrix's smaller shapes are `slow` (SLOW_PICKS), all of those shapes with
+  PAGEDATTN_FULL_MATRIX=1 python -m pytest -m slow tests/test_prefill_fa2.py; the whole matrix runs on the GPU.
 * Codegen: kernels compiled for sm_90 in a subprocess (no simulator), PTX and ptxas -v checked.
 * `gpu`: real shapes against 2x torch SDPA's own error, forced splits, CUDA-graph capture.
 """
@@ -28,7 +29,7 @@ from numba import cuda
 from kernels_numba import paged_prefill_fa2 as fa, prefill_journey as journey
 from pagedattn.errors import KernelLaunchError
 from reference.attention import gather_paged_kv, paged_prefill_attention
-from helpers import compile_in_subprocesses
+from helpers import compile_in_subprocesses, full_matrix_param
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -203,15 +204,16 @@ def test_matches_reference(case):
 
 ALL_CASES = [(version, None, shape) for version in VERSIONS for shape in SLOW_SHAPES] + [
     (version, splits, shape) for version in journey.SPLITS_KV for splits in (3, 5) for shape in SLOW_SHAPES[:3]]
-# The simulator takes the matrix's three smaller shapes (seconds each); the three with ~100-query chunks
+# The simulator takes the matrix's three smaller shapes (10-90 s each); the three with ~100-query chunks
 # over 4-16 heads run minutes each there, so they run on the GPU, with the rest (test_gpu_full_matrix)
 SIM_SHAPES = SLOW_SHAPES[1:4]
-SLOW_CASES = [c for c in ALL_CASES if c[2] in SIM_SHAPES]
+D128, TWO_KV_HEADS, LONG_CHUNK = SIM_SHAPES  # d=128 GQA 3 bs32 bf16; GQA 7 x 2 KV heads bs8 bf16; 40 new f16 bs32
+SIM_MATRIX = [c for c in ALL_CASES if c[2] in SIM_SHAPES]
 
 
 # v7: ragged short chunks (1, 19: two q tiles of 18 queries, 3) behind prefixes of 0, 20 (mid-block)
 # and 61; at d=128 a chunk of two q tiles; a forced split at head_dim 128: 70 keys in 3 parts of one 32-key tile each (20 s each here)
-SLOW_CASES += [(7, None, (7, 1, 64, 16, torch.float16, [1, 19, 3], [0, 20, 61])),
+V7_V8_CASES = [(7, None, (7, 1, 64, 16, torch.float16, [1, 19, 3], [0, 20, 61])),
                (7, None, (4, 1, 128, 8, torch.bfloat16, [1, 33], [40, 0])),  # 1 token; two q tiles
                (7, 3, (4, 1, 128, 32, torch.float16, [5], [65]))]
 
@@ -220,9 +222,23 @@ SLOW_CASES += [(7, None, (7, 1, 64, 16, torch.float16, [1, 19, 3], [0, 20, 61]))
 # GQA 4, bf16, block 8, a 1-token chunk and a chunk of 33 (two q tiles of 32) behind a prefix of 40 (three
 # 32-key tiles, blocks loaded ahead); at d=64 GQA 7 ragged chunks of 1, 19 and 3 behind prefixes of 0, 20
 # and 61 (as v7's); a split in 3 at d=128
-SLOW_CASES += [(8, None, (4, 1, 128, 8, torch.bfloat16, [1, 33], [40, 0])),
-               (8, None, (7, 1, 64, 16, torch.float16, [1, 19, 3], [0, 20, 61])),
-               (8, 3, (4, 1, 128, 32, torch.float16, [5], [65]))]
+V7_V8_CASES += [(8, None, (4, 1, 128, 8, torch.bfloat16, [1, 33], [40, 0])),
+                (8, None, (7, 1, 64, 16, torch.float16, [1, 19, 3], [0, 20, 61])),
+                (8, 3, (4, 1, 128, 32, torch.float16, [5], [65]))]
+
+# The slow run takes one simulator case per version and code path from SIM_MATRIX (the whole of it runs
+# with PAGEDATTN_FULL_MATRIX=1, and on the GPU): every version at both head dims (v7, v8 at d=128 through
+# V7_V8_CASES), both dtypes and block sizes 8, 16 and 32; two KV heads (the grid's KV-head index, Qwen2's
+# 14/2 layout) on v7 and v8, the engine's kernels (v5 and v7 also meet two KV heads in test_fuzz_random_lengths'
+# seeds 1 and 3; v4 and v6 only in the full matrix); forced splits on each split version: v6 in 5 parts at d=128 (parts with
+# no KV tile: all -inf partials; v6's split of a long d=64 chunk runs by default), v7 in 5 at d=128, v8 in 3
+# over two KV heads at d=64 (v7's and v8's 3 parts at d=128 in V7_V8_CASES)
+SLOW_PICKS = [(4, None, D128), (4, None, LONG_CHUNK), (5, None, D128), (5, None, LONG_CHUNK),
+              (6, None, D128), (6, None, LONG_CHUNK), (6, 5, D128),
+              (7, None, TWO_KV_HEADS), (7, 5, D128),
+              (8, 3, TWO_KV_HEADS)]
+SLOW_CASES = ([c if c in SLOW_PICKS else full_matrix_param(c, id=case_id(c)) for c in SIM_MATRIX]
+              + V7_V8_CASES)
 
 
 @pytest.mark.slow
