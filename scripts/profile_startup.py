@@ -222,26 +222,41 @@ def child_prefill(args):
             engine.step()
         return wall
 
+    def profiled(name, run, top):
+        """cProfile of run() into OUT/{name}_cprofile_{tag}.txt; returns run()'s result."""
+        prof = cProfile.Profile()
+        prof.enable()
+        result = run()
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(top)
+        with open(os.path.join(args.out, f"{name}_cprofile_{args.tag}.txt"), "w") as f:
+            f.write(s.getvalue())
+        return result
+
+    def gpu_ms_of(run, table=None):
+        """GPU time of run() from torch.profiler (ms), its kernel table into OUT/table if given."""
+        try:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CUDA]) as p:
+                run()
+            if table:
+                with open(os.path.join(args.out, table), "w") as f:
+                    f.write(p.key_averages().table(sort_by="device_time_total", row_limit=25))
+            return sum(e.device_time_total for e in p.key_averages()) / 1e3
+        except Exception as e:  # the profiler is optional for the rest of the table
+            return f"profiler failed: {e}"
+
+    def mixed_step(tag):
+        engine.add_request(tag, prompt(512), SamplingParams(temperature=0, max_tokens=1))
+        return timed_step()
+
     for i in range(3):
         prefill_step(f"warm{i}")
     walls = [prefill_step(f"t{i}") for i in range(5)]
-    prof = cProfile.Profile()
-    prof.enable()
-    prof_wall = prefill_step("prof")
-    prof.disable()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
-    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
-    with open(os.path.join(args.out, f"prefill_step_cprofile_{args.tag}.txt"), "w") as f:
-        f.write(s.getvalue())
-    gpu_ms = None
-    try:
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA]) as p:
-            prefill_step("gpu")
-        gpu_ms = sum(e.device_time_total for e in p.key_averages()) / 1e3
-    except Exception as e:  # the profiler is optional for the rest of the table
-        gpu_ms = f"profiler failed: {e}"
+    prof_wall = profiled("prefill_step", lambda: prefill_step("prof"), 40)
+    gpu_ms = gpu_ms_of(lambda: prefill_step("gpu"))
     # a serving step: 64 streams decode while one new 512-token prompt joins them (an eager mixed step),
     # beside the pure decode steps of the same 64 streams (graphs)
     for i in range(64):
@@ -250,30 +265,10 @@ def child_prefill(args):
         engine.step()
     mixed, decode = [], []
     for r in range(7):
-        engine.add_request(f"m{r}", prompt(512), SamplingParams(temperature=0, max_tokens=1))
-        mixed.append(timed_step())
+        mixed.append(mixed_step(f"m{r}"))
         decode += [timed_step() for _ in range(3)]
-    engine.add_request("mprof", prompt(512), SamplingParams(temperature=0, max_tokens=1))
-    prof = cProfile.Profile()
-    prof.enable()
-    timed_step()
-    prof.disable()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
-    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(50)
-    with open(os.path.join(args.out, f"mixed_step_cprofile_{args.tag}.txt"), "w") as f:
-        f.write(s.getvalue())
-    mixed_gpu_ms = None
-    try:
-        from torch.profiler import ProfilerActivity, profile
-        engine.add_request("mgpu", prompt(512), SamplingParams(temperature=0, max_tokens=1))
-        with profile(activities=[ProfilerActivity.CUDA]) as p:
-            timed_step()
-        mixed_gpu_ms = sum(e.device_time_total for e in p.key_averages()) / 1e3
-        with open(os.path.join(args.out, f"mixed_step_kernels_{args.tag}.txt"), "w") as f:
-            f.write(p.key_averages().table(sort_by="device_time_total", row_limit=25))
-    except Exception as e:  # the profiler is optional for the rest of the table
-        mixed_gpu_ms = f"profiler failed: {e}"
+    profiled("mixed_step", lambda: mixed_step("mprof"), 50)
+    mixed_gpu_ms = gpu_ms_of(lambda: mixed_step("mgpu"), f"mixed_step_kernels_{args.tag}.txt")
     walls.sort()
     mixed.sort()
     decode.sort()
