@@ -276,7 +276,9 @@ def test_shutdown_fails_streams_and_refuses_new_requests(make_llm):
             llm.add_request([1], params(3), "late")
         return first
 
-    assert run(main()).outputs[0].delta_token_ids == [0]
+    # the first output holds the first token, and any that came before the reader took it (a stream merges
+    # the outputs it has not handed out yet, so a slow reader may see [0, 1])
+    assert run(main()).outputs[0].delta_token_ids[:1] == [0]
     assert not llm.is_alive and not llm.engine.has_unfinished_requests()
 
 
