@@ -171,17 +171,20 @@ class Qwen2DecoderLayer(nn.Module):
     def forward(self, positions, x, residual, k_cache, v_cache, attn_metadata):
         """x: (T, hidden), the previous layer's output; residual: the residual stream before it (None in
         the first layer, whose input x is the embedding). Returns this layer's (output, residual stream)."""
-        q, residual = self.before_attention(positions, x, residual, k_cache, v_cache, attn_metadata.slot_mapping)
-        o = self.self_attn.ops.attention(q, k_cache, v_cache, attn_metadata)
-        return self.after_attention(o, residual)
+        x, residual = self._input_norm(x, residual)
+        x = self.self_attn(positions, x, k_cache, v_cache, attn_metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+    def _input_norm(self, x, residual):
+        if residual is None:
+            return self.input_layernorm(x), x
+        return self.input_layernorm(x, residual)
 
     # The layer in two halves around its attention (pagedattn.engine.piecewise_graph captures the halves)
     def before_attention(self, positions, x, residual, k_cache, v_cache, slot_mapping):
         """-> (q (T, H, D), residual): the input norm, the q/k/v projection, rotary, the K/V write."""
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = self._input_norm(x, residual)
         return self.self_attn.project_q(positions, x, k_cache, v_cache, slot_mapping), residual
 
     def after_attention(self, o, residual):
