@@ -51,9 +51,6 @@ _FORMATS = {  # numba scalar type -> struct format of its 8-byte slot
     types.uint8: "B7x", types.uint16: "H6x", types.uint32: "I4x", types.uint64: "Q",
     types.float16: "e6x", types.float32: "f4x", types.float64: "d", types.boolean: "?7x",
 }
-_SIZES = {"b7x": 1, "h6x": 2, "i4x": 4, "q": 8, "B7x": 1, "H6x": 2, "I4x": 4, "Q": 8, "e6x": 2, "f4x": 4, "d": 8,
-          "?7x": 1}
-
 
 def slot_formats(argtypes):
     """The struct format of each parameter slot of a kernel with numba argument types `argtypes`
@@ -77,7 +74,7 @@ def slot_formats(argtypes):
 def param_sizes(argtypes):
     """Bytes of each kernel parameter (what the compiled kernel's parameter table says), or None."""
     formats = slot_formats(argtypes)
-    return None if formats is None else [8 if f in ("q", "Q") else _SIZES[f] for f in formats]
+    return None if formats is None else [struct.calcsize("<" + f[0]) for f in formats]   # the slot's own value
 
 
 def _array_values(a):

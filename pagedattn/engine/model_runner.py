@@ -238,7 +238,7 @@ class ModelRunner:
         else:
             dev = self.staging.upload(step.data) if self.cuda else torch.from_numpy(step.data)
             # a small CPU step: the sampler's torch ops on one thread too (CpuStep.scope)
-            piecewise = self.piecewise_graphs() if self.use_piecewise else None
+            piecewise = self.piecewise_graphs()
             if piecewise is not None and not piecewise.can_run(step):
                 piecewise = None
             with self.model.ops.step_scope(len(host["input_ids"])):

@@ -56,7 +56,6 @@ class _Bucket:
     tests) the closure called."""
 
     def __init__(self, tokens, num_heads, head_dim, dtype, device):
-        self.tokens = tokens
         self.ids = torch.zeros(tokens, dtype=torch.int32, device=device)
         self.positions = torch.zeros(tokens, dtype=torch.int32, device=device)
         self.slots = torch.full((tokens,), -1, dtype=torch.int32, device=device)
