@@ -39,7 +39,8 @@ class EngineConfig:
     enforce_eager: no CUDA graphs (pure-decode steps on CUDA replay captured graphs otherwise).
     piecewise_graphs: steps that hold prompt tokens replay the forward as CUDA graphs of the pieces between
         attentions, attention launched between them (pagedattn.engine.piecewise_graph); off: such steps run
-        eagerly. Off by default for now; ignored with enforce_eager or where graphs cannot run.
+        eagerly. None = on for CUDA (every padded size captured at start-up with the warm-up), off for CPU;
+        ignored with enforce_eager, tensor_parallel_size > 1 or where graphs cannot run.
     async_scheduling: schedule and prepare step N+1 while the device runs step N (the sampled tokens
         stay on the device); the tokens are exactly those of the serial engine. None = on for CUDA
         (where it hides the host's work), off for CPU (where host and model share the cores).
@@ -72,7 +73,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attn_backend: str = "auto"
     enforce_eager: bool = False
-    piecewise_graphs: bool = False
+    piecewise_graphs: bool | None = None
     async_scheduling: bool | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_fraction: float = 0.1
@@ -125,6 +126,8 @@ class EngineConfig:
             self.async_scheduling = kind == "cuda"
         if self.warmup is None:
             self.warmup = kind == "cuda"
+        if self.piecewise_graphs is None:
+            self.piecewise_graphs = kind == "cuda"
         for name in ("enable_prefix_caching", "enforce_eager", "piecewise_graphs", "async_scheduling", "warmup"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -179,12 +182,18 @@ class EngineConfig:
 
 def activation_reserve_bytes(config, model_config):
     """Memory a step needs beside the weights and the KV pool: activations of a full token budget,
-    the logits of max_num_seqs rows (and their float32 copy), and a fixed 512 MiB for the CUDA
-    context's and the graphs' workspaces."""
+    the logits of max_num_seqs rows (and their float32 copy), a fixed 512 MiB for the CUDA
+    context's and the graphs' workspaces, and with piecewise graphs the outputs every piece keeps
+    (pagedattn.engine.piecewise_graph: per padded size T, L + 1 pieces x T rows x (q + residual); the
+    ladder's sizes sum to < 2x the budget)."""
     mc = model_config
     itemsize = torch.empty((), dtype=config.dtype).element_size()
-    return (config.max_num_batched_tokens * (mc.hidden_size * 8 + mc.intermediate_size * 3) * itemsize
-            + config.max_num_seqs * mc.vocab_size * 4 * 2 + (512 << 20))
+    reserve = (config.max_num_batched_tokens * (mc.hidden_size * 8 + mc.intermediate_size * 3) * itemsize
+               + config.max_num_seqs * mc.vocab_size * 4 * 2 + (512 << 20))
+    if config.piecewise_graphs and not config.enforce_eager and config.tensor_parallel_size == 1:
+        q = mc.num_attention_heads * mc.head_dim
+        reserve += 2 * config.max_num_batched_tokens * (mc.num_hidden_layers + 1) * (q + mc.hidden_size) * itemsize
+    return reserve
 
 
 def kv_pool_blocks(config, model_config, bytes_per_block, max_model_len, device=None):

@@ -319,11 +319,13 @@ def server_command(name, model_dir, port, engine_args):
            "--served-model-name", "bench", "--log-level", "warning", *engine_args]
     if name == "inproc":
         return cmd + ["--in-process"]
-    m = re.fullmatch(r"mp(\d+)(?:@([0-9.]+))?", name)
+    m = re.fullmatch(r"mp(\d+)(?:@([0-9.]+))?(-eager)?", name)
     if not m:
         raise ValueError(f"unknown server {name!r}: mp<N> (the engine core and N API servers), mp<N>@<F> (and "
-                         f"--prefill-delay-factor F) or inproc")
+                         f"--prefill-delay-factor F), mp<N>-eager (and --no-piecewise-graphs) or inproc")
     cmd += ["--api-server-count", m.group(1)]
+    if m.group(3):
+        cmd += ["--no-piecewise-graphs"]
     return cmd + (["--prefill-delay-factor", m.group(2)] if m.group(2) is not None else [])
 
 
@@ -595,7 +597,8 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
     servers: default mp1, mp2, mp4, inproc (smoke: mp2, inproc). fake_step_ms: every engine (offline and
     served) on the synthetic device of pagedattn.serving.fake_engine: steps of that many ms, random tokens
     (the serving stack's own overhead, measurable on a CPU); fake_prefill_ms: what a step with a prompt chunk
-    costs on top there (a GPU's eager mixed step). A server mp<N>@<F> is mp<N> with --prefill-delay-factor F."""
+    costs on top there (a GPU's eager mixed step). A server mp<N>@<F> is mp<N> with --prefill-delay-factor F;
+    mp<N>-eager: with --no-piecewise-graphs."""
     from scripts import benchlib
 
     t_start = time.monotonic()

@@ -59,7 +59,9 @@ def test_server_commands():
     assert inproc[1:4] == ["-m", "pagedattn", "serve"] and inproc[-1] == "--in-process"
     held0 = bench_serving.server_command("mp4@0", "M", 123, [])
     assert held0[-4:] == ["--api-server-count", "4", "--prefill-delay-factor", "0"]
-    for bad in ("mpx", "mp4@", "mp4@x"):
+    eager = bench_serving.server_command("mp1@0-eager", "M", 123, [])
+    assert eager[-5:] == ["--api-server-count", "1", "--no-piecewise-graphs", "--prefill-delay-factor", "0"]
+    for bad in ("mpx", "mp4@", "mp4@x", "mp1eager"):
         with pytest.raises(ValueError):
             bench_serving.server_command(bad, "M", 123, [])
 

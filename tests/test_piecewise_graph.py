@@ -85,9 +85,11 @@ def test_captured_pieces_replay_the_forward(tmp_path):
     kwargs = dict(device="cuda", dtype="float16", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256)
     prompts = _prompts(16, 128, seed=1)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = [o.outputs[0].token_ids for o in LLM(ckpt, **kwargs).generate(prompts, params, use_tqdm=False)]
+    with LLM(ckpt, piecewise_graphs=False, **kwargs) as eager:
+        assert eager.engine.executor.runner.piecewise_graphs() is None
+        plain = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
 
-    llm = LLM(ckpt, piecewise_graphs=True, **kwargs)
+    llm = LLM(ckpt, warmup=False, **kwargs)                  # on by default on CUDA
     runner = llm.engine.executor.runner
     seen = _compare_steps(llm, runner.piecewise_graphs())
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -96,7 +98,9 @@ def test_captured_pieces_replay_the_forward(tmp_path):
         assert diff <= 2e-2 * scale, (rows, padded, diff, scale, kind)   # fp16: ~1e-3 relative per op
     assert tokens == plain                                   # run_step keeps the eager forward's tokens
 
-    fresh = LLM(ckpt, piecewise_graphs=True, **kwargs)        # tokens from the replayed pieces themselves
+    fresh = LLM(ckpt, **kwargs)              # tokens from the replayed pieces themselves; the warm-up captured
+    ladder = fresh.engine.executor.runner.piecewise   # every padded size, so no step captures
+    assert ladder is not None and sorted(ladder.buckets) == ladder.sizes == [16, 32, 64, 128, 256]
     replayed = [o.outputs[0].token_ids for o in fresh.generate(prompts, params, use_tqdm=False)]
     same = sum(a == b for a, b in zip(replayed, plain))
     assert same >= len(prompts) - 2, same

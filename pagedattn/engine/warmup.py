@@ -1,6 +1,6 @@
 """Start-up work done once, when the engine is built, so that the first request meets the same program as
-every later one: every kernel a step can launch is compiled (or loaded from the disk cache) and the decode
-graphs are captured.
+every later one: every kernel a step can launch is compiled (or loaded from the disk cache), the decode
+graphs are captured, and so are the piecewise graphs of steps with prompt tokens (every padded size).
 
 The engine runs a small, fixed workload of its own (warm_up_requests): a greedy prompt, then a sampled one
 (temperature, top-k, top-p, a seed) arriving while the first decodes, so the steps are a prefill, pure
@@ -117,6 +117,11 @@ def warm_up(engine, workers=None):
     logger.info("loading kernels and capturing CUDA graphs ..." if cuda else "loading kernels ...")
     run_workload(engine)
     times["warm_up"] = time.perf_counter() - t
+    if runner is not None and runner.use_piecewise:
+        t = time.perf_counter()
+        logger.info("capturing the piecewise CUDA graphs ...")
+        runner.piecewise_graphs().capture()          # every padded size: no capture inside a request's step
+        times["capture_piecewise"] = time.perf_counter() - t
     hits2, misses2 = bridge.disk_cache_stats()
     times["kernels_loaded"], times["kernels_compiled"] = hits2 - hits, misses2 - misses
     if marker is not None and times["kernels_compiled"] == 0:

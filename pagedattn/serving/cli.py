@@ -44,7 +44,10 @@ def parse_args(argv=None):
     ap.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: sized from memory)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA-graph decode")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--no-piecewise-graphs", action="store_true",
+                    help="steps with prompt tokens run eagerly (default on CUDA: the forward's pieces between "
+                         "attentions replayed as CUDA graphs)")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="send a stream's tokens once at least this many are waiting (first and last at once)")
     ap.add_argument("--switch-interval-ms", type=float, default=1.0,
@@ -143,7 +146,8 @@ def main(argv=None):
     llm = LLM(a.model, device=a.device, dtype=a.dtype, block_size=a.block_size, num_blocks=a.num_blocks,
               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=not a.no_prefix_caching,
-              enforce_eager=a.enforce_eager, tensor_parallel_size=a.tensor_parallel_size)
+              enforce_eager=a.enforce_eager, piecewise_graphs=False if a.no_piecewise_graphs else None,
+              tensor_parallel_size=a.tensor_parallel_size)
     if a.fake_step_ms:
         from pagedattn.serving.fake_engine import install_fake_executor
         install_fake_executor(llm, a.fake_step_ms, prefill_ms=a.fake_prefill_ms or 0.0)

@@ -86,6 +86,8 @@ class ServeConfig:
             engine["enable_prefix_caching"] = False
         if a.get("enforce_eager"):
             engine["enforce_eager"] = True
+        if a.get("no_piecewise_graphs"):
+            engine["piecewise_graphs"] = False
         return cls(**config, engine={k: v for k, v in engine.items() if v is not None}, limits=limits_from_args(args))
 
     def engine_kwargs(self):
