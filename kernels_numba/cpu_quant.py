@@ -25,9 +25,10 @@ vectorises in 64-bit lanes or not at all. Each format has its own compiled copy 
 format's branches fold away. A fused layer's parts (q / k / v in Q5_0 and Q8_0, gate / up) run in one
 call, `linear_parts`, their outputs written into their columns of one result.
 
-`dequantize` and `embedding` give the blocks' float32 values bit for bit (a row at a time, fp16 scales
-decoded by integer arithmetic in `_half`: exact for normal and subnormal values, inf and NaN kept);
-above MAX_ROWS input rows (a prefill) `linear` dequantizes tiles of W for torch's GEMM.
+`dequantize` and `embedding` give the blocks' float32 values bit for bit: the same runs and scales, each
+value lo / hi * q (Q4_K: sc * q - mn) rounded on its own (fp16 scales through a table of all 65536, so
+subnormals, inf and NaN are kept). Above MAX_ROWS input rows (a prefill) `linear` dequantizes tiles of
+TILE_ROWS weight rows into one buffer and multiplies them with torch's GEMM.
 
 Threads: the output features (of all parts) are cut into one contiguous range per thread of numba's
 parallel loop, as in cpu_linear.
@@ -37,7 +38,8 @@ import torch
 from numba import njit, prange
 
 from kernels_numba.cpu_simd import (load_u16, load_u32, vb_add, vb_and, vb_bits, vb_load, vb_nibbles, vb_or, vb_shl, vb_shr,
-                                     vb_sub, vb_to_f32, vf_add, vf_fma, vf_load, vf_mul, vf_splat, vf_store, vf_sum, vf_zero)
+                                     vb_sub, vb_to_f32, vf_add, vf_fma, vf_load, vf_mul, vf_mul_rounded, vf_splat, vf_store,
+                                     vf_sub_rounded, vf_sum, vf_zero)
 from kernels_numba.cpu_threads import numba_threads
 from kernels_numba.errors import KernelLaunchError
 
@@ -48,103 +50,8 @@ TILE_ROWS = 1024             # weight rows per dequantized tile above MAX_ROWS (
 FORMATS = {"Q8_0": (0, 32, 34), "Q5_0": (1, 32, 22), "Q6_K": (2, 256, 210), "Q4_K": (3, 256, 144)}
 _Q8_0, _Q5_0, _Q6_K, _Q4_K = 0, 1, 2, 3
 
-LANES = 32                   # values per inner loop of _dequant_row, an argument so LLVM vectorises rather than unrolls it
-# 2^(e - 25) for the fp16 exponent field e: an fp16 normal is (1024 + mantissa) * 2^(e - 25)
-_POW2 = np.array([2.0 ** (e - 25) for e in range(32)], np.float32)
 # every fp16 bit pattern's float32 value (256 KB; a model's scales touch a few of its lines)
 _F16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-
-
-@njit(inline="always")
-def _half(lo, hi):
-    """The float32 value of the fp16 whose little-endian bytes are lo, hi (uint8)."""
-    h = np.int32(lo) | (np.int32(hi) << 8)
-    e = (h >> 10) & 31
-    m = h & 1023
-    if e == 0:                                     # zero and subnormals: m * 2^-24
-        v = np.float32(m) * _POW2[1]
-    elif e == 31:
-        v = np.float32(np.inf) if m == 0 else np.float32(np.nan)
-    else:
-        v = np.float32(m + 1024) * _POW2[e]
-    return -v if h & 0x8000 else v
-
-
-@njit(cache=True, nogil=True)
-def _dequant_row(fmt, w, n, out, scale, minimum, qhbuf, lanes):
-    """out[:K] = the float32 values of weight row n (w: uint8 [N, bytes_per_row]) in format fmt.
-
-    Two passes: the row's block scales first (scalar, one per 16-32 values) into scale / minimum
-    (float32 [>= K / 16]) and Q5_0's high bits into qhbuf (uint32 [>= K / 32]), then the values, an inner
-    loop of `lanes` (= 32, passed at run time) or lanes // 2 values per block. Both halves matter for
-    speed: LLVM fully unrolls a loop of a constant 32 trips into scalar code before its vectoriser sees
-    it, and an fp16 decode (with its branches) inside the block loop keeps that loop from vectorising.
-    No fast-math here: the products round as reference/quant.py's, bit for bit."""
-    row = w[n]
-    half = lanes // 2
-    if fmt == _Q8_0:
-        nb = row.shape[0] // 34
-        for b in range(nb):
-            scale[b] = _half(row[b * 34], row[b * 34 + 1])
-        for b in range(nb):
-            p, o, d = b * 34 + 2, b * 32, scale[b]
-            for j in range(lanes):
-                out[o + j] = d * np.float32((np.int32(row[p + j]) ^ 128) - 128)   # int8 from its byte
-    elif fmt == _Q5_0:
-        nb = row.shape[0] // 22
-        for b in range(nb):
-            p = b * 22
-            scale[b] = _half(row[p], row[p + 1])
-            qhbuf[b] = (np.uint32(row[p + 2]) | (np.uint32(row[p + 3]) << 8) | (np.uint32(row[p + 4]) << 16)
-                        | (np.uint32(row[p + 5]) << 24))
-        for b in range(nb):
-            p, o, d, qh = b * 22 + 6, b * 32, scale[b], qhbuf[b]
-            for j in range(16):
-                q = np.int32(row[p + j])
-                lo = (q & 15) | np.int32(((qh >> j) & 1) << 4)
-                hi = (q >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
-                out[o + j] = d * np.float32(lo - 16)
-                out[o + j + 16] = d * np.float32(hi - 16)
-    elif fmt == _Q6_K:
-        nb = row.shape[0] // 210
-        for b in range(nb):                          # 16 sub-block scales d * scales[s]
-            p = b * 210
-            d = _half(row[p + 208], row[p + 209])
-            for s in range(16):
-                scale[16 * b + s] = d * np.float32((np.int32(row[p + 192 + s]) ^ 128) - 128)
-        for b in range(nb):
-            p, o = b * 210, b * 256
-            for h in range(2):                       # halves of 128: ql[64], qh[32], scales[8] each
-                ql, qh, oh = p + 64 * h, p + 128 + 32 * h, o + 128 * h
-                for i in range(4):                   # runs of 32 values: sub-blocks s0 (l < 16), s0 + 1
-                    s0 = 16 * b + 8 * h + 2 * i
-                    src, shift, dst = ql + 32 * (i & 1), 4 * (i >> 1), oh + 32 * i
-                    sa, sb = scale[s0], scale[s0 + 1]
-                    for l in range(lanes):
-                        low = (np.int32(row[src + l]) >> shift) & 15
-                        high = ((np.int32(row[qh + l]) >> (2 * i)) & 3) << 4
-                        out[dst + l] = (sa if l < 16 else sb) * np.float32((low | high) - 32)
-    else:                                            # Q4_K
-        nb = row.shape[0] // 144
-        for b in range(nb):                          # 8 sub-blocks' d * sc and dmin * m
-            p = b * 144
-            d, dmin = _half(row[p], row[p + 1]), _half(row[p + 2], row[p + 3])
-            q = p + 4                                # the 12 packed scale bytes
-            for s in range(8):
-                if s < 4:
-                    sc = np.int32(row[q + s]) & 63
-                    mn = np.int32(row[q + s + 4]) & 63
-                else:
-                    sc = (np.int32(row[q + s + 4]) & 15) | ((np.int32(row[q + s - 4]) >> 6) << 4)
-                    mn = (np.int32(row[q + s + 4]) >> 4) | ((np.int32(row[q + s]) >> 6) << 4)
-                scale[8 * b + s], minimum[8 * b + s] = d * np.float32(sc), dmin * np.float32(mn)
-        for b in range(nb):
-            p, o = b * 144, b * 256
-            for s in range(8):
-                src, shift, dst = p + 16 + 32 * (s >> 1), 4 * (s & 1), o + 32 * s
-                sc, mn = scale[8 * b + s], minimum[8 * b + s]
-                for l in range(lanes):
-                    out[dst + l] = sc * np.float32((np.int32(row[src + l]) >> shift) & 15) - mn
 
 
 # ---- the product: one pass over the blocks, 32 values (one run) at a time ----------------------------
@@ -317,21 +224,56 @@ def _run_sums(x, xsum):
                                        vf_add(vf_load(xf, o + 16), vf_load(xf, o + 24))))
 
 
+# ---- dequantization: the same runs, each value rounded as reference/quant.py rounds it -------------------
 @njit(inline="always")
-def _scratch(K):
-    """A row's block scales (float32, up to one per 16 values), Q4_K's mins, Q5_0's high bits."""
-    return np.empty(K // 16 + 1, np.float32), np.empty(K // 32 + 1, np.float32), np.empty(K // 32 + 1, np.uint32)
+def _dequant(fmt, row, out, lo, hi, mn, f16):
+    """out[:K] = the float32 values of the row (uint8 [bytes_per_row]): lo / hi * q (Q4_K: sc * q - mn),
+    each product and difference rounded on its own, so the bits are the reference's."""
+    _run_scales(fmt, row, lo, hi, mn, f16)
+    for r in range(lo.shape[0]):
+        q0, q1, q2, q3 = vb_to_f32(_run_values(fmt, row, r))
+        a, b, o = vf_splat(lo[r]), vf_splat(hi[r]), 32 * r
+        if fmt == _Q4_K:
+            m = vf_splat(mn[r])
+            vf_store(out, o, vf_sub_rounded(vf_mul_rounded(a, q0), m))
+            vf_store(out, o + 8, vf_sub_rounded(vf_mul_rounded(a, q1), m))
+            vf_store(out, o + 16, vf_sub_rounded(vf_mul_rounded(a, q2), m))
+            vf_store(out, o + 24, vf_sub_rounded(vf_mul_rounded(a, q3), m))
+        else:
+            vf_store(out, o, vf_mul_rounded(a, q0))
+            vf_store(out, o + 8, vf_mul_rounded(a, q1))
+            vf_store(out, o + 16, vf_mul_rounded(b, q2))
+            vf_store(out, o + 24, vf_mul_rounded(b, q3))
+
+
+def _gather_of(fmt):
+    """out[i] = dequant(w[ids[i]]) for i in i0..i1-1, compiled for one format."""
+    def gather(w, ids, out, i0, i1, f16):
+        R = out.shape[1] // 32
+        lo, hi, mn = np.empty(R, np.float32), np.empty(R, np.float32), np.zeros(R, np.float32)
+        for i in range(i0, i1):
+            _dequant(fmt, w[ids[i]], out[i], lo, hi, mn, f16)
+    return njit(cache=True, nogil=True)(gather)
+
+
+_gather_q8_0, _gather_q5_0, _gather_q6_k, _gather_q4_k = (_gather_of(f) for f in (_Q8_0, _Q5_0, _Q6_K, _Q4_K))
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _gather(num_threads, fmt, w, ids, out, lanes):
+def _gather(num_threads, fmt, w, ids, out, f16):
     """out[i] = dequant(w[ids[i]]), the ids dealt to threads in contiguous ranges."""
     T = ids.shape[0]
     per = (T + num_threads - 1) // num_threads
     for t in prange(num_threads):
-        scale, minimum, qhbuf = _scratch(out.shape[1])
-        for i in range(t * per, min(T, (t + 1) * per)):
-            _dequant_row(fmt, w, ids[i], out[i], scale, minimum, qhbuf, lanes)
+        i0, i1 = t * per, min(T, (t + 1) * per)
+        if fmt == _Q8_0:
+            _gather_q8_0(w, ids, out, i0, i1, f16)
+        elif fmt == _Q5_0:
+            _gather_q5_0(w, ids, out, i0, i1, f16)
+        elif fmt == _Q6_K:
+            _gather_q6_k(w, ids, out, i0, i1, f16)
+        else:
+            _gather_q4_k(w, ids, out, i0, i1, f16)
 
 
 _NO_BIAS = np.zeros(0, np.float32)
@@ -387,9 +329,10 @@ def linear_parts(x, parts, bias=None, num_threads=None):
     out = torch.empty(M, N, dtype=torch.float32)
     if M > MAX_ROWS:
         xt = torch.from_numpy(xa)
+        tile = np.empty((min(TILE_ROWS, max(wa.shape[0] for wa in blocks)), xa.shape[1]), np.float32)
         for wa, (_, fmt), c in zip(blocks, parts, offsets):
             for n0 in range(0, wa.shape[0], TILE_ROWS):
-                w = dequantize(wa[n0:n0 + TILE_ROWS], fmt, threads)
+                w = _dequantize_into(wa[n0:n0 + TILE_ROWS], fmt, tile, threads)
                 torch.matmul(xt, torch.from_numpy(w).T, out=out[:, c + n0:c + n0 + w.shape[0]])
         if bias is not None:
             out += torch.from_numpy(ba)
@@ -405,10 +348,14 @@ def dequantize(blocks, fmt, num_threads=None):
     """float32 numpy [N, K] from the blocks uint8 [N, bytes_per_row] of format fmt (every row)."""
     wa = _check(blocks, "blocks", np.uint8, 2)
     K = row_values(fmt, wa.shape[1])
-    out = np.empty((wa.shape[0], K), np.float32)
+    return _dequantize_into(wa, fmt, np.empty((wa.shape[0], K), np.float32), num_threads or torch.get_num_threads())
+
+
+def _dequantize_into(wa, fmt, buf, threads):
+    """buf[:N] = the float32 values of the checked blocks wa [N, bytes_per_row]; returns that view."""
+    out = buf[:wa.shape[0]]
     ids = np.arange(wa.shape[0], dtype=np.int64)
-    _gather(numba_threads(min(num_threads or torch.get_num_threads(), max(1, wa.shape[0] // 16))),
-            _CODE[fmt], wa, ids, out, LANES)
+    _gather(numba_threads(min(threads, max(1, wa.shape[0] // 16))), _CODE[fmt], wa, ids, out, _F16)
     return out
 
 
@@ -426,7 +373,7 @@ def embedding(ids, blocks, fmt, num_threads=None):
         raise KernelLaunchError(f"ids: values {ia.min()}..{ia.max()} outside the table's {wa.shape[0]} rows")
     out = torch.empty(ia.shape[0], K, dtype=torch.float32)
     _gather(numba_threads(min(num_threads or torch.get_num_threads(), max(1, ia.shape[0] // 8))),
-            _CODE[fmt], wa, ia, out.numpy(), LANES)
+            _CODE[fmt], wa, ia, out.numpy(), _F16)
     return out
 
 

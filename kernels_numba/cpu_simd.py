@@ -6,7 +6,8 @@ a 64 -> 32-bit conversion before every float). The GGUF block kernels (kernels_n
 instead say what they mean at the width they mean it, through the few operations here, each a numba
 intrinsic emitting plain LLVM vector IR:
 
-    F32x8  <8 x float>   vf_load / vf_store / vf_splat / vf_zero / vf_fma / vf_add / vf_mul / vf_sum
+    F32x8  <8 x float>   vf_load / vf_store / vf_splat / vf_zero / vf_fma / vf_add / vf_mul / vf_sum,
+                         vf_mul_rounded / vf_sub_rounded (each result rounded on its own: no contraction)
     U8x32  <32 x i8>     vb_load (32 bytes), vb_nibbles (16 bytes -> low nibbles then high nibbles),
                          vb_bits (a uint32 -> one byte in the lanes whose bit is set, another elsewhere),
                          vb_shr / vb_shl / vb_and / vb_or / vb_add / vb_sub (byte lanes, wrapping), vb_to_f32 (signed bytes -> four F32x8)
@@ -14,11 +15,11 @@ intrinsic emitting plain LLVM vector IR:
 
 No target-specific instruction is named: LLVM's instruction selection maps the vector ops to what the
 compile target has (two SSE registers per vector on a generic x86-64, one AVX2 register on a recent
-one), so the kernels run on any CPU numba targets. The float ops carry LLVM's `contract` flag and
-nothing else: a product feeding a sum may become one FMA where the target has it (the same code, the
-same choice every time), nothing is reassociated, and vf_sum adds the lanes in one fixed order, so a
-result does not depend on the thread count or the call. Byte lanes are little-endian words' bytes
-(load_u32's byte k is bits 8k..8k+7), as GGUF stores them.
+one), so the kernels run on any CPU numba targets. The float ops (but the two `_rounded` ones, for the
+dequantizer's bits) carry LLVM's `contract` flag and nothing else: a product feeding a sum may become
+one FMA where the target has it (the same code, the same choice every time), nothing is reassociated,
+and vf_sum adds the lanes in one fixed order, so a result does not depend on the thread count or the
+call. Byte lanes are little-endian words' bytes (load_u32's byte k is bits 8k..8k+7), as GGUF stores them.
 """
 from llvmlite import ir
 from numba import types
@@ -120,6 +121,8 @@ def _binary(name, fuse):
 
 vf_add = _binary("fadd", True)
 vf_mul = _binary("fmul", True)
+vf_mul_rounded = _binary("fmul", False)         # never fused into a later add: rounds as a scalar product would
+vf_sub_rounded = _binary("fsub", False)
 
 
 @intrinsic
