@@ -34,6 +34,8 @@ def _compare_steps(llm, piecewise):
     run_step, seen = runner.run_step, []
 
     def both(step, dev, max_context_len=None, gather=True, piecewise_arg=None, **kw):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return run_step(step, dev, max_context_len, gather)          # a decode graph's capture
         # the step reads in-flight ids from the sampled-token buffer and samples into it: both runs must read
         # the previous step's tokens
         saved = runner.sampled_tokens.clone()
