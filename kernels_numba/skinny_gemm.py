@@ -940,6 +940,15 @@ def skinny_linear(x, weight, bias=None, *, out=None, residual=None, silu=False, 
     return out
 
 
+def v2_kernel_flags(M, N, K, is_bf16, bias, silu, resid, norm=False, add=False, kwarps=None, l1_no_allocate=True,
+                    num_sms=132):
+    """make_gemm_kernel_v2's arguments for a v2 call of M rows on an [N, K] weight (launch_v2's choice):
+    (is_bf16, M > 8, warps per tile (plan_v2's unless kwarps), bias, silu, resid, l1_no_allocate, norm, add)."""
+    kwarps = kwarps or plan_v2(M, N, K, silu, num_sms)[1]
+    return (bool(is_bf16), M > 8, kwarps, bool(bias), bool(silu), bool(resid), bool(l1_no_allocate), bool(norm),
+            bool(add))
+
+
 def launch_v2(x, weight, bias, out, residual, silu, kwarps=None, l1_no_allocate=True, norm_weight=None, eps=None,
               norm_residual=None, residual_out=None):
     """v2's launch with its tuning knobs, for the tests and the bench (skinny_linear checks the arguments;
@@ -949,16 +958,18 @@ def launch_v2(x, weight, bias, out, residual, silu, kwarps=None, l1_no_allocate=
 
     M, K = x.shape
     N = weight.shape[0]
-    tiles, planned, _ = plan_v2(M, N, K, silu, bridge.num_sms(x.device))
-    kwarps = kwarps or planned
+    num_sms = bridge.num_sms(x.device)
+    tiles = plan_v2(M, N, K, silu, num_sms)[0]
     norm = norm_weight is not None
     add = norm_residual is not None
+    flags = v2_kernel_flags(M, N, K, x.dtype == torch.bfloat16, bias is not None, silu, residual is not None,
+                            norm, add, kwarps, l1_no_allocate, num_sms)
+    kwarps = flags[2]
     out16 = _halves(out)
     bias16 = _halves(bias) if bias is not None else out16
     res16 = _halves(residual) if residual is not None else out16
     x_words = words(x)
-    kernel = make_gemm_kernel_v2(x.dtype == torch.bfloat16, M > 8, kwarps, bias is not None, silu,
-                                 residual is not None, l1_no_allocate, norm, add)
+    kernel = make_gemm_kernel_v2(*flags)
     launch_kernel(kernel, tiles, 32 * kwarps,
                   (x_words, _row_words(x), words(weight), out16, bias16, res16,
                    words(norm_residual) if add else x_words, _row_words(norm_residual) if add else 0,

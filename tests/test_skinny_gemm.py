@@ -392,7 +392,7 @@ for name, flags in json.loads(sys.argv[1]).items():
                  "cp_async": len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)),
                  "st_global_v4": count("st.global.v4"),
                  "ld_global_v4_no_l1": len(re.findall(r"ld\.global\.L1::no_allocate\.v4", ptx)),
-                 "f64_ops": sum(1 for o in ops if ".f64" in o),
+                 "ex2": count("ex2.approx"), "f64_ops": sum(1 for o in ops if ".f64" in o),
                  "local": bool(re.search(r"\.local\b|ld\.local|st\.local", ptx))}
 print(json.dumps(out))
 """
@@ -417,6 +417,24 @@ CODEGEN = {
 }
 CODEGEN_DEFAULT = ("plain_f16", "norm_add_split_bf16_m16", "v2_plain_bf16", "v2_norm_add_bias_bf16_m16_w16")
 CODEGEN_PARAMS = [n if n in CODEGEN_DEFAULT else pytest.param(n, marks=SLOW) for n in sorted(CODEGEN)]
+
+
+def assert_v2_ptx(s, two_groups, l1_no_allocate, norm, add, what):
+    """The PTX counts `s` (from _SCRIPT) of a v2 kernel with these flags: the first chunk's 8 weight loads and
+    the next chunk's 8 inside the loop (not allocating in L1 unless l1_no_allocate is off), 4 activation
+    pieces per group; 4 steps x 2 halves x groups mma; one barrier (the warps' sums), no staging, no atomics,
+    no shuffles. The norm prologue adds: its sum of squares reads 4 pieces of x (and of the residual) ahead,
+    one butterfly (5 shuffles), two more barriers (the warps' sums, the scales), CTA 0's 4 stores of the new
+    residual; the loop reads each step's norm weights once for both groups and x (and the residual) per
+    group."""
+    groups = 2 if two_groups else 1
+    weights = 16 if l1_no_allocate else 0
+    acts = (4 * (1 + add) + 4 + 4 * groups * (1 + add)) if norm else 4 * groups
+    assert s["ld_global_v4_no_l1"] == weights and s["ld_global_v4"] == 16 - weights + acts, (what, s)
+    assert s["mma"] == 8 * groups and s["bar"] == (3 if norm else 1), (what, s)
+    assert s["shfl"] == (5 if norm else 0) and s["st_global_v4"] == (4 if add else 0), (what, s)
+    assert s["cp_async"] == 0 and s["ld_shared_v4"] == 0 and s["atomic"] == 0, (what, s)
+    assert s["f64_ops"] == 0 and not s["local"], (what, s)
 
 
 @pytest.fixture(scope="module")
@@ -447,19 +465,10 @@ def test_ptx_has_wide_loads_mma_and_no_fp64(compiled, name):
         return
     groups = 2 if "m16" in name else 1
     if name.startswith("v2"):
-        # the first chunk's 8 weight loads, the next chunk's 8 inside the loop (not allocating in L1 unless
-        # the name says _l1), 4 activation pieces per group; 4 steps x 2 halves x groups mma; one barrier
-        # (the warps' sums), no staging, no atomics, no shuffles
-        weights = 0 if name.endswith("_l1") else 16
-        norm, add = "norm" in name, "add" in name
-        # the norm prologue: its sum of squares reads 4 pieces of x (and of the residual) ahead, one butterfly
-        # (5 shuffles), two more barriers (the warps' sums, the scales), CTA 0's 4 stores of the new residual;
-        # the loop reads each step's norm weights once for both groups and x (and the residual) per group
-        acts = (4 * (1 + add) + 4 + 4 * groups * (1 + add)) if norm else 4 * groups
-        assert s["ld_global_v4_no_l1"] == weights and s["ld_global_v4"] == 16 - weights + acts, s
-        assert s["mma"] == 8 * groups and s["bar"] == (3 if norm else 1), s
-        assert s["shfl"] == (5 if norm else 0) and s["st_global_v4"] == (4 if add else 0), s
-        assert s["cp_async"] == 0 and s["ld_shared_v4"] == 0, s
+        flags = dict(zip(("is_bf16", "two_groups", "kwarps", "bias", "silu", "resid", "l1_no_allocate", "norm",
+                          "add"), CODEGEN[name]))
+        assert_v2_ptx(s, flags.get("two_groups"), flags.get("l1_no_allocate", True), flags.get("norm", False),
+                      flags.get("add", False), name)
         return
     # 4 steps of 2 rows: 8 16-byte weight loads per unrolled iteration; x staged by cp.async, or (norm) by
     # 16-byte loads of x, the residual and the norm weight, 4 pieces at a time

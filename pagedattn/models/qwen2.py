@@ -5,7 +5,7 @@ token per decoding sequence) described by AttentionMetadata. There is no batch d
 padding: every projection, norm and MLP is a row-wise op on [T, hidden]; only attention needs to know
 which tokens belong to which sequence, and the backend reads that from the metadata.
 
-A decoder layer, and the kernels of a decode step with the numba backend on fp16/bf16 (~9 per layer):
+A decoder layer, and the kernels of a step with the numba backend on fp16/bf16 (~9 per layer):
 
     x, residual = input_layernorm(x, residual)      fused residual add + RMSNorm           1 kernel
     qkv = qkv_proj(x)                               q, k, v in one GEMM (+ bias)            1 GEMM
@@ -15,9 +15,14 @@ A decoder layer, and the kernels of a decode step with the numba backend on fp16
     x, residual = post_attention_layernorm(x, residual)                                     1 kernel
     x = down_proj(silu_and_mul(gate_up_proj(x)))    gate and up in one GEMM                 3
 
+Steps of a few rows (decode at batch sizes up to 8 by default) run each layer in 5 launches plus attention's
+1-2 instead: the norms and SiLU-and-mul ride in the skinny GEMM's prologue and epilogue
+(pagedattn/layers/skinny_decode.py; the same roundings, the same (x, residual) between layers).
+
 Which kernel runs each op is decided once, when the model is built, from the backend, the device and the
-dtype: the model's ops table (pagedattn/layers/ops.py), handed to every layer at construction. With the
-torch backend, on CPU or in float32 the same layers run as torch ops with the same math.
+dtype: the model's ops table (pagedattn/layers/ops.py), handed to every layer at construction, and
+`model.skinny` (a SkinnyDecode, or None) for the few-row path. With the torch backend, on CPU or in float32
+the same layers run as torch ops with the same math.
 Tensor parallelism: built for rank tp_rank of tp_size (pagedattn/layers/linear.py); the checkpoint stays
 Hugging Face's (q_proj / k_proj / v_proj and gate_proj / up_proj are merged at load time:
 `packed_modules_mapping`, pagedattn/models/loader.py).
@@ -39,6 +44,7 @@ from pagedattn.layers.linear import (
 from pagedattn.layers.norm import RMSNorm
 from pagedattn.layers.ops import make_ops
 from pagedattn.layers.rotary import RotaryEmbedding
+from pagedattn.layers.skinny_decode import skinny_decode_for
 
 
 @dataclass
@@ -120,7 +126,7 @@ def checkpoint_shapes(config):
 
 
 class Qwen2Attention(nn.Module):
-    def __init__(self, config, rotary_emb, ops, tp_rank=0, tp_size=1):
+    def __init__(self, config, rotary_emb, ops, tp_rank=0, tp_size=1, skinny=None):
         super().__init__()
         D = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, D, config.num_attention_heads,
@@ -129,48 +135,69 @@ class Qwen2Attention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * D, config.hidden_size, False, tp_rank, tp_size,
                                         ops)
         self.rotary_emb = rotary_emb                     # shared by every layer (one cos/sin cache)
-        self.ops = ops
+        self.ops, self.skinny = ops, skinny
 
-    def forward(self, positions, x, k_cache, v_cache, attn_metadata):
-        q = self.project_q(positions, x, k_cache, v_cache, attn_metadata.slot_mapping)
+    def forward(self, positions, x, k_cache, v_cache, attn_metadata, prologue=None):
+        """x (T, hidden) -> o_proj's output (T, hidden). prologue: None, or (the few-row path) the input norm
+        that the q/k/v GEMM applies to x first (a skinny_decode.Prologue); o_proj then runs as a skinny GEMM."""
+        q = self.project_q(positions, x, k_cache, v_cache, attn_metadata.slot_mapping, prologue)
         o = self.ops.attention(q, k_cache, v_cache, attn_metadata)          # (T, H, D)
-        return self.project_out(o)
+        return self.project_out(o, skinny=prologue is not None)
 
-    def project_q(self, positions, x, k_cache, v_cache, slot_mapping):
-        """x (T, hidden) -> q (T, H, D) rotated; k rotated and v written into this layer's pool at slot_mapping."""
+    def project_q(self, positions, x, k_cache, v_cache, slot_mapping, prologue=None):
+        """x (T, hidden) -> q (T, H, D) rotated; k rotated and v written into this layer's pool at slot_mapping.
+        prologue: see forward."""
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)                                              # (T, (H + 2 Hkv) D)
+        if prologue is None:
+            qkv = self.qkv_proj(x)                                          # (T, (H + 2 Hkv) D)
+        else:
+            qkv = self.skinny.linear(x, self.qkv_proj, prologue)            # norm, GEMM, bias: one launch
         return self.ops.rotary_and_cache_write(positions, qkv, H, Hkv, D, self.rotary_emb.cos_sin_cache,
                                                k_cache, v_cache, slot_mapping)
 
-    def project_out(self, o):
-        """The attention's output o (T, H, D) -> (T, hidden)."""
-        return self.o_proj(o.view(o.shape[0], self.num_heads * self.head_dim))
+    def project_out(self, o, skinny=False):
+        """The attention's output o (T, H, D) -> (T, hidden) (skinny: through the skinny GEMM)."""
+        o = o.view(o.shape[0], self.num_heads * self.head_dim)              # (T, H D)
+        return self.skinny.linear(o, self.o_proj) if skinny else self.o_proj(o)
 
 
 class Qwen2MLP(nn.Module):
-    def __init__(self, config, ops, tp_rank=0, tp_size=1):
+    def __init__(self, config, ops, tp_rank=0, tp_size=1, skinny=None):
         super().__init__()
         I = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [I, I], False, tp_rank, tp_size, ops)
         self.act_fn = SiluAndMul(ops)
         self.down_proj = RowParallelLinear(I, config.hidden_size, False, tp_rank, tp_size, ops)
+        self.skinny = skinny
 
-    def forward(self, x):                                                   # SwiGLU: (T, hidden) -> (T, hidden)
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))           # via (T, 2 I/P) and (T, I/P)
+    def forward(self, x, prologue=None):                                    # SwiGLU: (T, hidden) -> (T, hidden)
+        """prologue: None, or (the few-row path) the post-attention norm that the gate_up GEMM applies to x
+        first (a skinny_decode.Prologue): then two launches, gate_up with SiLU-and-mul, and down."""
+        if prologue is None:
+            return self.down_proj(self.act_fn(self.gate_up_proj(x)))       # via (T, 2 I/P) and (T, I/P)
+        a = self.skinny.linear(x, self.gate_up_proj, prologue, silu=True)  # (T, I)
+        return self.skinny.linear(a, self.down_proj)
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, config, rotary_emb, ops, tp_rank=0, tp_size=1):
+    def __init__(self, config, rotary_emb, ops, tp_rank=0, tp_size=1, skinny=None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Qwen2Attention(config, rotary_emb, ops, tp_rank, tp_size)
+        self.self_attn = Qwen2Attention(config, rotary_emb, ops, tp_rank, tp_size, skinny)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = Qwen2MLP(config, ops, tp_rank, tp_size)
+        self.mlp = Qwen2MLP(config, ops, tp_rank, tp_size, skinny)
+        self.skinny = skinny
 
     def forward(self, positions, x, residual, k_cache, v_cache, attn_metadata):
         """x: (T, hidden), the previous layer's output; residual: the residual stream before it (None in
-        the first layer, whose input x is the embedding). Returns this layer's (output, residual stream)."""
+        the first layer, whose input x is the embedding). Returns this layer's (output, residual stream).
+        A step of few rows (self.skinny.takes(T)) runs the norms inside the GEMMs after them
+        (pagedattn/layers/skinny_decode.py); self_attn and mlp return the same quantities either way."""
+        if self.skinny is not None and self.skinny.takes(x.shape[0]):
+            prologue, residual = self.skinny.prologue(self.input_layernorm, x, residual)
+            x = self.self_attn(positions, x, k_cache, v_cache, attn_metadata, prologue)
+            prologue, residual = self.skinny.prologue(self.post_attention_layernorm, x, residual)
+            return self.mlp(x, prologue), residual
         x, residual = self._input_norm(x, residual)
         x = self.self_attn(positions, x, k_cache, v_cache, attn_metadata)
         x, residual = self.post_attention_layernorm(x, residual)
@@ -194,11 +221,11 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, config, ops, tp_rank=0, tp_size=1):
+    def __init__(self, config, ops, tp_rank=0, tp_size=1, skinny=None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size, ops)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
-        self.layers = nn.ModuleList([Qwen2DecoderLayer(config, self.rotary_emb, ops, tp_rank, tp_size)
+        self.layers = nn.ModuleList([Qwen2DecoderLayer(config, self.rotary_emb, ops, tp_rank, tp_size, skinny)
                                      for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -210,7 +237,9 @@ class Qwen2ForCausalLM(nn.Module):
     pagedattn.layers.attention.get_backend). The model is built for the current default device and dtype
     (pagedattn.models.loader.build_model sets both): with them the backend's choices are made once, into the
     ops table `model.ops` (pagedattn.layers.ops) that every layer gets at construction; `model.attn_backend`
-    is the resolved backend. Parameters are created uninitialised: load them
+    is the resolved backend. `model.skinny`: the few-row layer path (pagedattn.layers.skinny_decode), or None
+    where it does not apply; skinny_rows: its row threshold (None: the module's default or
+    PAGEDATTN_SKINNY_ROWS; 0: off). Parameters are created uninitialised: load them
     (pagedattn.models.loader.load_model).
     """
 
@@ -220,13 +249,15 @@ class Qwen2ForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, attn_backend="auto", tp_rank=0, tp_size=1, weights="float32"):
+    def __init__(self, config, attn_backend="auto", tp_rank=0, tp_size=1, weights="float32", skinny_rows=None):
         super().__init__()
         self.config, self.tp_rank, self.tp_size = config, tp_rank, tp_size
-        self.ops = make_ops(attn_backend, torch.empty(0).device, torch.get_default_dtype(), config.hidden_size,
-                            config.intermediate_size // tp_size, config.head_dim, weights=weights)
+        device, dtype = torch.empty(0).device, torch.get_default_dtype()
+        self.ops = make_ops(attn_backend, device, dtype, config.hidden_size, config.intermediate_size // tp_size,
+                            config.head_dim, weights=weights)
         self.attn_backend = self.ops.backend
-        self.model = Qwen2Model(config, self.ops, tp_rank, tp_size)
+        self.skinny = skinny_decode_for(self.ops, config, tp_size, device, dtype, skinny_rows)
+        self.model = Qwen2Model(config, self.ops, tp_rank, tp_size, self.skinny)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size, self.ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
