@@ -150,6 +150,22 @@ def test_step_message_round_trips_as_arrays():
     assert core_endpoints("tcp://10.0.0.2:5550") == ("tcp://10.0.0.2:5550", "tcp://10.0.0.2:5551")
 
 
+def test_run_profiled_writes_the_process_profile_only_when_asked(tmp_path, monkeypatch):
+    import pstats
+
+    from pagedattn.serving.engine_core import run_profiled
+
+    def body():
+        return sum(i * i for i in range(1000))
+
+    monkeypatch.delenv("PAGEDATTN_PROFILE_DIR", raising=False)
+    assert run_profiled("core0", body) == 332833500 and not list(tmp_path.iterdir())
+    monkeypatch.setenv("PAGEDATTN_PROFILE_DIR", str(tmp_path / "prof"))
+    assert run_profiled("core0", body) == 332833500
+    stats = pstats.Stats(str(tmp_path / "prof" / "core0.prof"))
+    assert any(func[2] == "body" for func in stats.stats)
+
+
 def test_core_steps_carry_only_each_steps_new_tokens(checkpoint):
     """The core's output processor (deltas_only): a running request's step output is a StepDeltas holding
     the step's new token ids and logprobs alone; joined, they are the final output (n=2; with this seed

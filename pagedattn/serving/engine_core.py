@@ -43,6 +43,7 @@ import itertools
 import logging
 import os
 import signal
+import sys
 import tempfile
 import time
 
@@ -456,6 +457,26 @@ def name_process(name):
         libc.prctl(15, ctypes.create_string_buffer(name.encode()[:15]), 0, 0, 0)      # PR_SET_NAME
 
 
+def run_profiled(name, fn):
+    """fn(), under cProfile when $PAGEDATTN_PROFILE_DIR names a directory: the process's profile goes to
+    DIR/<name>.prof when fn returns (a clean stop: SIGTERM to a core, the launcher's shutdown of an API
+    server). For studying where a serving process's time goes:
+        PAGEDATTN_PROFILE_DIR=/tmp/prof python -m pagedattn serve ...;  python -m pstats /tmp/prof/core0.prof"""
+    directory = os.environ.get("PAGEDATTN_PROFILE_DIR")
+    if not directory:
+        return fn()
+    import cProfile
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:      # a SIGTERM ends fn with SystemExit: the
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # profile is still written (uvicorn re-raises it)
+    profile = cProfile.Profile()
+    try:
+        return profile.runcall(fn)
+    finally:
+        os.makedirs(directory, exist_ok=True)
+        profile.dump_stats(os.path.join(directory, f"{name}.prof"))
+
+
 def run_engine_core(address, engine_kwargs, rank=0, visible_devices=None):
     """A core process's body (a spawn target): build the LLM, serve `address` until stopped.
 
@@ -480,7 +501,7 @@ def run_engine_core(address, engine_kwargs, rank=0, visible_devices=None):
         install_fake_executor(llm, fake_step_ms, seed=rank, prefill_ms=fake_prefill_ms)
     core = EngineCore(llm, address, rank, PREFILL_DELAY_FACTOR if delay is None else delay)
     signal.signal(signal.SIGTERM, lambda *_: core.stop())
-    core.run()
+    run_profiled(f"core{rank}", core.run)
 
 
 def local_addresses(count, directory=None):

@@ -129,7 +129,7 @@ def run_api_server(config, addresses, index, port, events):
         server = uvicorn.Server(uvicorn_config(app, config.host, port, config.log_level, config.limits,
                                                lifespan="off", timeout_graceful_shutdown=5))
         events.put(("ready", index, {"name": name, "cores": client.info}))
-        server.run(sockets=[sock])
+        ec.run_profiled(f"api{index}", lambda: server.run(sockets=[sock]))
     finally:
         client.shutdown()
 
