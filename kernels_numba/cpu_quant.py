@@ -191,9 +191,11 @@ _rows_q8_0, _rows_q5_0, _rows_q6_k, _rows_q4_k = (_rows_of(f) for f in (_Q8_0, _
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _run(num_threads, fmts, parts, offsets, x, xsum, bias, out, f16):
+def _run(num_threads, fmts, parts, offsets, x, bias, out, f16):
     """out[:, offsets[p] + n] = x @ dequant(parts[p][n]) (+ bias): the parts' output features (a fused
     layer's, end to end) cut into one contiguous range per thread of numba's pool."""
+    xsum = np.empty((x.shape[0], x.shape[1] // 32), np.float32)
+    _run_sums(x, xsum)
     N = offsets[-1]
     per = -(-N // num_threads)
     for t in prange(num_threads):
@@ -213,7 +215,7 @@ def _run(num_threads, fmts, parts, offsets, x, xsum, bias, out, f16):
                 _rows_q4_k(*args)
 
 
-@njit(cache=True, nogil=True)
+@njit(inline="always")
 def _run_sums(x, xsum):
     """xsum[m, r] = sum(x[m, 32 r:32 r + 32]) in float32."""
     xf = x.reshape(x.size)
@@ -306,42 +308,70 @@ def linear_parts(x, parts, bias=None, num_threads=None):
     """x [M, K] @ [W_0; W_1; ...]^T (+ bias) -> float32 torch tensor [M, N_0 + N_1 + ...] in one call: a
     fused layer whose parts are stored apart, each in its own format (q / k / v, gate / up).
 
-    parts: [(blocks, fmt), ...] as `linear` takes them, every part K values a row. bias: float32
-    [sum of N_p] or None. The rest as `linear`."""
+    parts: [(blocks, fmt), ...] as `linear` takes them, every part K values a row, or a Parts of them
+    (checked once: a layer called every step keeps one). bias: float32 [sum of N_p] or None. The rest
+    as `linear`."""
     xa = _check(x, "x", np.float32, 2)
-    M = xa.shape[0]
-    blocks, codes, offsets = [], [], [0]
-    for wb, fmt in parts:
-        wa = _check(wb, "blocks", np.uint8, 2)
-        K = row_values(fmt, wa.shape[1])
-        if K != xa.shape[1]:
-            raise KernelLaunchError(f"blocks: rows of {K} {fmt} values do not take x's {xa.shape[1]} input features")
-        ro = wa.view()
-        ro.flags.writeable = False                   # one array type for every part (a mapped file's is read-only)
-        blocks.append(ro)
-        codes.append(_CODE[fmt])
-        offsets.append(offsets[-1] + wa.shape[0])
-    N = offsets[-1]
-    ba = _NO_BIAS if bias is None else _check(bias, "bias", np.float32, 1)
-    if bias is not None and ba.shape[0] != N:
-        raise KernelLaunchError(f"bias: {ba.shape[0]} elements for {N} output features")
+    parts = parts if isinstance(parts, Parts) else Parts(parts)
+    parts.check_input(xa)
+    M, N = xa.shape[0], parts.N
+    ba = _bias(bias, N)
     threads = num_threads or torch.get_num_threads()
     out = torch.empty(M, N, dtype=torch.float32)
     if M > MAX_ROWS:
         xt = torch.from_numpy(xa)
-        tile = np.empty((min(TILE_ROWS, max(wa.shape[0] for wa in blocks)), xa.shape[1]), np.float32)
-        for wa, (_, fmt), c in zip(blocks, parts, offsets):
+        tile = np.empty((min(TILE_ROWS, max(wa.shape[0] for wa in parts.blocks)), xa.shape[1]), np.float32)
+        for wa, fmt, c in zip(parts.blocks, parts.fmts, parts.offsets):
             for n0 in range(0, wa.shape[0], TILE_ROWS):
                 w = _dequantize_into(wa[n0:n0 + TILE_ROWS], fmt, tile, threads)
                 torch.matmul(xt, torch.from_numpy(w).T, out=out[:, c + n0:c + n0 + w.shape[0]])
         if bias is not None:
             out += torch.from_numpy(ba)
         return out
-    xsum = np.empty((M, xa.shape[1] // 32), np.float32)
-    _run_sums(xa, xsum)
-    _run(numba_threads(min(threads, max(1, N // 64))), np.array(codes, np.int64), tuple(blocks),
-         np.array(offsets, np.int64), xa, xsum, ba, out.numpy(), _F16)
+    _run(numba_threads(min(threads, max(1, N // 64))), parts.codes, parts.blocks, parts.offsets, xa, ba,
+         out.numpy(), _F16)
     return out
+
+
+class Parts:
+    """A fused layer's parts [(blocks, fmt), ...] checked once: `blocks` (read-only uint8 views, one array
+    type for every part: a mapped file's is read-only), `fmts`, `codes` (int64, the kernels' format codes),
+    `offsets` (int64 [parts + 1]: each part's first output feature, then N), K and N. KernelLaunchError
+    naming `blocks` for a part that is not whole blocks or whose K differs from the first part's."""
+
+    def __init__(self, parts):
+        blocks, fmts, offsets, K = [], [], [0], None
+        for wb, fmt in parts:
+            wa = _check(wb, "blocks", np.uint8, 2)
+            k = row_values(fmt, wa.shape[1])
+            if K is not None and k != K:
+                raise KernelLaunchError(f"blocks: parts of {K} and {k} input features")
+            K = k
+            ro = wa.view()
+            ro.flags.writeable = False
+            blocks.append(ro)
+            fmts.append(fmt)
+            offsets.append(offsets[-1] + wa.shape[0])
+        if not blocks:
+            raise KernelLaunchError("blocks: no parts")
+        self.blocks, self.fmts, self.K, self.N = tuple(blocks), fmts, K, offsets[-1]
+        self.codes = np.array([_CODE[f] for f in fmts], np.int64)
+        self.offsets = np.array(offsets, np.int64)
+
+    def check_input(self, xa):
+        if xa.shape[1] != self.K:
+            raise KernelLaunchError(f"blocks: rows of {self.K} {self.fmts[0]} values do not take x's "
+                                    f"{xa.shape[1]} input features")
+
+
+def _bias(bias, N):
+    """The bias as float32 numpy [N] (an empty array for None), or KernelLaunchError naming `bias`."""
+    if bias is None:
+        return _NO_BIAS
+    ba = _check(bias, "bias", np.float32, 1)
+    if ba.shape[0] != N:
+        raise KernelLaunchError(f"bias: {ba.shape[0]} elements for {N} output features")
+    return ba
 
 
 def dequantize(blocks, fmt, num_threads=None):

@@ -11,9 +11,12 @@ intrinsic emitting plain LLVM vector IR:
     U8x32  <32 x i8>     vb_load (32 bytes), vb_nibbles (16 bytes -> low nibbles then high nibbles),
                          vb_bits (a uint32 -> one byte in the lanes whose bit is set, another elsewhere),
                          vb_shr / vb_shl / vb_and / vb_or / vb_add / vb_sub (byte lanes, wrapping), vb_to_f32 (signed bytes -> four F32x8)
-    scalars              load_u16 / load_u32 (little-endian words at any byte offset)
+    scalars              load_u16 / load_u32 (little-endian words at any byte offset), f32_bits / f32_from_bits
+    int8 products        vb_dot4 / vb_udot4 (target-independent), vb_dot4_avx2 / vb_udot4_avx2 (x86 AVX2's
+                         vpmaddubsw + vpmaddwd, only where target_has_avx2()): 32 byte products summed
+                         in fours into an F32x8, exactly; vf_halves (two scalars, four lanes each)
 
-No target-specific instruction is named: LLVM's instruction selection maps the vector ops to what the
+Nothing but the _avx2 products names a target-specific instruction: LLVM's instruction selection maps the vector ops to what the
 compile target has (two SSE registers per vector on a generic x86-64, one AVX2 register on a recent
 one), so the kernels run on any CPU numba targets. The float ops (but the two `_rounded` ones, for the
 dequantizer's bits) carry LLVM's `contract` flag and nothing else: a product feeding a sum may become
@@ -235,3 +238,100 @@ def _word_loader(bits):
 
 load_u16 = _word_loader(16)
 load_u32 = _word_loader(32)
+
+
+# ---- integer dot products of byte lanes (int8 activations) -----------------------------------------
+# dot4(a, b): F32x8 whose lane k is the exact integer sum a[4k]*b[4k] + ... + a[4k+3]*b[4k+3] of the 32
+# byte lanes, converted to float32 (exact: |sum| <= 4 * 128 * 127 < 2^24); b signed, -127..127; a signed
+# (-128..127), or with a_unsigned 0..128 (Q4_K's 0..15). Two spellings of the same integers:
+#   target-independent IR: bytes widened to 16 bits, multiplied, adjacent pairs added twice (32 bits)
+#   x86 AVX2:              vpmaddubsw (unsigned bytes x signed bytes, adjacent pairs summed into 16 bits)
+#                          + vpmaddwd by ones (adjacent 16-bit pairs -> 32 bits); a signed `a` goes in as
+#                          |a| with its sign moved onto b (vpsignb), as llama.cpp does
+# In those ranges a pair is at most 2 * 128 * 127 = 32512 < 2^15: vpmaddubsw never saturates, so both
+# give the same lanes bit for bit.
+_I16x16, _I32x8, _I16x32, _I32x16 = (ir.VectorType(ir.IntType(16), 16), ir.VectorType(_I32, 8),
+                                     ir.VectorType(ir.IntType(16), 32), ir.VectorType(_I32, 16))
+
+
+def _pairs(builder, v, vty, wide):
+    """Adjacent lanes of v (vector type vty) sign-extended to `wide` lanes and added: half as many lanes."""
+    n = vty.count
+    u = ir.Constant(vty, ir.Undefined)
+    even = builder.shuffle_vector(v, u, ir.Constant(ir.VectorType(_I32, n // 2), list(range(0, n, 2))))
+    odd = builder.shuffle_vector(v, u, ir.Constant(ir.VectorType(_I32, n // 2), list(range(1, n, 2))))
+    w = ir.VectorType(wide, n // 2)
+    return builder.add(builder.sext(even, w), builder.sext(odd, w))
+
+
+def _x86(module, name, ret, *params):
+    return module.globals.get(name) or ir.Function(module, ir.FunctionType(ret, list(params)), name=name)
+
+
+def _dot4(avx2, a_unsigned):
+    @intrinsic
+    def dot4(typingctx, a, b):
+        def codegen(context, builder, sig, args):
+            a, b = args
+            if avx2:
+                m = builder.module
+                if not a_unsigned:
+                    sign = _x86(m, "llvm.x86.avx2.psign.b", _B32, _B32, _B32)
+                    a, b = builder.call(sign, [a, a]), builder.call(sign, [b, a])     # |a|, b * sign(a)
+                p16 = builder.call(_x86(m, "llvm.x86.avx2.pmadd.ub.sw", _I16x16, _B32, _B32), [a, b])
+                p32 = builder.call(_x86(m, "llvm.x86.avx2.pmadd.wd", _I32x8, _I16x16, _I16x16),
+                                   [p16, ir.Constant(_I16x16, [1] * 16)])
+            else:
+                wide_a = builder.zext(a, _I16x32) if a_unsigned else builder.sext(a, _I16x32)
+                prod = builder.mul(wide_a, builder.sext(b, _I16x32))                # |a b| <= 128 * 127: 16 bits
+                p16 = _pairs(builder, prod, _I16x32, _I32)                           # i32 x 16 (no overflow)
+                u = ir.Constant(_I32x16, ir.Undefined)
+                even = builder.shuffle_vector(p16, u, ir.Constant(ir.VectorType(_I32, 8), list(range(0, 16, 2))))
+                odd = builder.shuffle_vector(p16, u, ir.Constant(ir.VectorType(_I32, 8), list(range(1, 16, 2))))
+                p32 = builder.add(even, odd)
+            return builder.sitofp(p32, _F8)
+        return f32x8(a, b), codegen
+    return dot4
+
+
+vb_dot4 = _dot4(False, False)                    # any target
+vb_udot4 = _dot4(False, True)
+vb_dot4_avx2 = _dot4(True, False)                # x86 with AVX2 only (LLVM cannot select it elsewhere)
+vb_udot4_avx2 = _dot4(True, True)
+
+
+@intrinsic
+def vf_halves(typingctx, a, b):
+    """a in lanes 0-3, b in lanes 4-7 (float32 scalars): a scale per 16 bytes of a dot4's 32."""
+    def codegen(context, builder, sig, args):
+        v = ir.Constant(_F8, ir.Undefined)
+        a = context.cast(builder, args[0], sig.args[0], types.float32)
+        b = context.cast(builder, args[1], sig.args[1], types.float32)
+        for k in range(8):
+            v = builder.insert_element(v, a if k < 4 else b, ir.Constant(_I32, k))
+        return v
+    return f32x8(a, b), codegen
+
+
+@intrinsic
+def f32_bits(typingctx, x):
+    """The IEEE bits of a float32 as a uint32 (and f32_from_bits back)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.float32), _I32)
+    return types.uint32(x), codegen
+
+
+@intrinsic
+def f32_from_bits(typingctx, u):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.uint32), ir.FloatType())
+    return types.float32(u), codegen
+
+
+def target_has_avx2():
+    """Whether the CPU numba compiles for has AVX2 (its target's features: the host's, or none under
+    NUMBA_CPU_NAME=generic), so the _avx2 dot products can be selected."""
+    from numba.core.registry import cpu_target
+
+    codegen = cpu_target.target_context.codegen()
+    return "+avx2" in str(getattr(codegen, "_tm_features", "")).split(",")

@@ -54,12 +54,17 @@ class EngineConfig:
         None = on for CUDA (where compilation and capture are the cost), off for CPU.
     seed: the engine-level seed unseeded requests take their random keys from.
     weights: "auto", "quantized" or "float32". "quantized": the model's matrices stay the GGUF file's
-        blocks (CPU, float32 activations, one rank; ~0.5 GB for the bundled model instead of 2.5 GB):
-        the bundled model's GGUF, or the one *.gguf file in the model directory. "float32": the
-        safetensors checkpoint (the bundled one dequantized). "auto": float32 for now — the block
-        kernels read 5x fewer bytes but do not yet decode faster than the float32 path on the CPU
-        (docs/cpu_quant.md), so the smaller path is asked for by name.
-        with_model_path resolves it to "quantized" or "float32" and sets gguf_file.
+        blocks (CPU, float32, one rank; ~0.46 GB for the bundled model instead of 2.4 GB, and ~1.5x the
+        float32 path's decode speed, docs/cpu_quant.md): the bundled model's GGUF, or the one *.gguf
+        file in the model directory. "float32": the safetensors checkpoint (the bundled one
+        dequantized). "auto": "quantized" where it can run (CPU, float32, one rank) and a GGUF file is
+        there, "float32" otherwise. with_model_path resolves it and sets gguf_file.
+    activations: "float32" or "int8", the quantized path's activations. "float32" (default): every
+        product is the dequantized float32 matrix's (greedy tokens as HF's on the converted
+        checkpoint). "int8": each 32-value block of x rounded to int8 with its own scale, as llama.cpp
+        does, and integer dot products per block (kernels_numba/cpu_quant_int8.py): faster, but a
+        different function (outputs off by ~1e-3 of their scale; greedy tokens may differ). Needs
+        weights="quantized" (or "auto" resolving to it).
     """
 
     model: str | None = None
@@ -81,6 +86,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     seed: int = 0
     weights: str = "auto"
+    activations: str = "float32"
     gguf_file: str | None = None             # resolved by with_model_path on the quantized path
     warmup: bool | None = None
 
@@ -138,6 +144,11 @@ class EngineConfig:
             raise InvalidRequestError(f"weights='quantized' (the GGUF blocks) runs on the CPU in float32 on one rank, "
                                       f"not device={self.device!r}, dtype={str(self.dtype).replace('torch.', '')}, "
                                       f"tensor_parallel_size={self.tensor_parallel_size}: use weights='float32'")
+        if self.activations not in ("float32", "int8"):
+            raise InvalidRequestError(f"activations must be 'float32' or 'int8', got {self.activations!r}")
+        if self.activations == "int8" and (self.weights == "float32" or not self.can_quantize):
+            raise InvalidRequestError(f"activations='int8' runs on the quantized weights only (CPU, float32, one rank), "
+                                      f"not weights={self.weights!r} on device={self.device!r}")
         if self.tensor_parallel_size > 1 and kind == "cuda" and self.device not in ("cuda", "cuda:0"):
             raise InvalidRequestError(f"tensor_parallel_size={self.tensor_parallel_size} runs rank r on cuda:r: "
                                       f"device must be 'auto', 'cuda' or 'cuda:0', got {self.device!r}")
@@ -154,27 +165,38 @@ class EngineConfig:
     def with_model_path(self, path):
         """A copy whose `model` is a resolved directory (the bundled one converted on first use) and whose
         `weights` is "quantized" (with its gguf_file) or "float32". InvalidRequestError naming `weights`
-        when "quantized" was asked for a checkpoint without a GGUF file."""
+        when "quantized" was asked for a checkpoint without a GGUF file, or naming `activations` when
+        "int8" was asked and "auto" found none."""
         from dataclasses import replace
 
         from pagedattn import bundled
+        from pagedattn.errors import ModelLoadError
         from pagedattn.models.gguf_weights import find_gguf
 
         if self.weights in ("quantized", "float32") and self.gguf_file is not None:
             return replace(self, model=os.fspath(path))                # resolved already
+        wanted = self.weights == "quantized" or (self.weights == "auto" and self.can_quantize)
         gguf = None
         if path is None:
             path = bundled.bundled_model_path()
-            if self.weights == "quantized":
-                gguf = bundled.bundled_gguf_path()
-        elif self.weights == "quantized":
+            if wanted:
+                try:
+                    gguf = bundled.bundled_gguf_path()
+                except ModelLoadError:
+                    if self.weights == "quantized":
+                        raise
+        elif wanted:
             path = os.fspath(path)
             gguf = find_gguf(path)
-            if gguf is None and self.weights == "quantized" and bundled.is_converted(path):
-                gguf = bundled.bundled_gguf_path(os.path.dirname(os.path.abspath(path)))
+            if gguf is None and bundled.is_converted(path):
+                root = os.path.dirname(os.path.abspath(path))
+                if self.weights == "quantized" or os.path.isfile(bundled.gguf_cache_path(root)):
+                    gguf = bundled.bundled_gguf_path(root)
         if self.weights == "quantized" and gguf is None:
             raise InvalidRequestError(f"weights='quantized' needs a GGUF file: {path!r} holds no *.gguf "
                                       "(use weights='float32')")
+        if self.activations == "int8" and gguf is None:
+            raise InvalidRequestError(f"activations='int8' runs on the quantized weights: {path!r} holds no *.gguf")
         quantized = gguf is not None
         return replace(self, model=os.fspath(path), weights="quantized" if quantized else "float32",
                        gguf_file=gguf if quantized else None)

@@ -57,11 +57,15 @@ class LLM:
     EngineConfig's (device, dtype, block_size, num_blocks, max_model_len, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, attn_backend, enforce_eager, async_scheduling, seed, ...).
 
-    weights: "auto" (default: "float32" for now), "quantized" or "float32". "quantized" runs the bundled
-    model's (or a directory's one .gguf file's) quantized blocks on the CPU, ~0.5 GB of weights instead
-    of the float32 copy's 2.4 GB (docs/cpu.md); it does not yet decode faster than float32, so it is
-    asked for by name. "quantized" on a GPU, in float16/bfloat16, with tensor parallelism or for a
-    checkpoint without a GGUF file raises InvalidRequestError.
+    weights: "auto" (default), "quantized" or "float32". "quantized" runs the bundled model's (or a
+    directory's one .gguf file's) quantized blocks on the CPU: ~0.46 GB of weights instead of the
+    float32 copy's 2.4 GB, and faster decoding (docs/cpu_quant.md); "auto" takes it on the CPU (float32,
+    one rank) where there is a GGUF file, "float32" elsewhere. "quantized" on a GPU, in
+    float16/bfloat16, with tensor parallelism or for a checkpoint without a GGUF file raises
+    InvalidRequestError.
+    activations: "float32" (default) or "int8" on the quantized weights: "int8" rounds each 32-value
+    block of a matrix's input to int8, as llama.cpp does, for integer dot products — faster, not the same
+    function (greedy tokens may differ from the float32 model's); InvalidRequestError elsewhere.
 
     tensor_parallel_size: P > 1 shards the model over P ranks (see docs/tensor_parallel.md): this process
     is rank 0 and starts P - 1 worker processes (spawn; NCCL on cuda:0..P-1, gloo on CPU). They stop on

@@ -121,3 +121,82 @@ def dequantize(raw, fmt):
     for i in range(blocks.shape[0]):
         out[i] = fn(blocks[i])
     return out.reshape(*raw.shape[:-1], raw.shape[-1] // nbytes * qk)
+
+
+# ---- int8 activations (kernels_numba/cpu_quant_int8.py): x rounded per block of 32, integer sums ------
+def quantize_rows_int8(x):
+    """(xq int8 [M, K], dx float32 [M, K / 32], xs float32 [M, K / 32]) of x float32 [M, K], per block of 32
+    values as ggml rounds a row to Q8_0 on AVX2: amax = max |x|, xq = round-half-even(x * (127 / amax))
+    (0 where amax = 0), dx = amax / 127 rounded to fp16, xs = dx * sum(xq) (for Q4_K's mins)."""
+    x = np.asarray(x, np.float32)
+    M, K = x.shape
+    blocks = x.reshape(M, K // 32, 32)
+    amax = np.abs(blocks).max(-1)                                              # (M, K/32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    xq = np.rint(blocks * inv[..., None]).astype(np.int8)                      # |xq| <= 127
+    dx = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+    xs = (dx * xq.astype(np.int64).sum(-1).astype(np.float32)).astype(np.float32)
+    return xq.reshape(M, K), dx, xs
+
+
+def integer_form(raw, fmt):
+    """(q int64, s float32, m float32), each [rows, K]: the blocks' integers and the float32 scale and min
+    of each value, w = s * q - m (s, m the products written in the layouts above; m = 0 but for Q4_K)."""
+    qk, nbytes = BLOCK[fmt]
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, nbytes)
+    q = np.empty((blocks.shape[0], qk), np.int64)
+    s = np.empty((blocks.shape[0], qk), np.float32)
+    m = np.zeros((blocks.shape[0], qk), np.float32)
+    for i, b in enumerate(blocks):
+        if fmt == "Q8_0":
+            q[i], s[i] = b[2:34].view(np.int8), _fp16(b[0:2])
+        elif fmt == "Q5_0":
+            qh = int(np.frombuffer(b[2:6].tobytes(), "<u4")[0])
+            for j in range(16):
+                q[i, j] = ((int(b[6 + j]) & 15) | (((qh >> j) & 1) << 4)) - 16
+                q[i, j + 16] = ((int(b[6 + j]) >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16
+            s[i] = _fp16(b[0:2])
+        elif fmt == "Q6_K":
+            d, scales = _fp16(b[208:210]), b[192:208].view(np.int8)
+            for h in range(2):
+                for r in range(4):
+                    for l in range(32):
+                        low = int(b[64 * h + l + 32 * (r & 1)])
+                        low = low & 15 if r < 2 else low >> 4
+                        high = (int(b[128 + 32 * h + l]) >> (2 * r)) & 3
+                        q[i, 128 * h + 32 * r + l] = (low | high << 4) - 32
+                        s[i, 128 * h + 32 * r + l] = d * np.float32(scales[8 * h + 2 * r + l // 16])
+        else:
+            d, dmin = _fp16(b[0:2]), _fp16(b[2:4])
+            sc, mn = q4_k_scale_min(b[4:16])
+            for t in range(8):
+                for l in range(32):
+                    byte = int(b[16 + 32 * (t // 2) + l])
+                    q[i, 32 * t + l] = byte & 15 if t % 2 == 0 else byte >> 4
+                s[i, 32 * t:32 * t + 32] = d * np.float32(sc[t])
+                m[i, 32 * t:32 * t + 32] = dmin * np.float32(mn[t])
+    return q.reshape(rows, -1), s.reshape(rows, -1), m.reshape(rows, -1)
+
+
+def linear_int8(x, raw, fmt, bias=None):
+    """float64 [M, N]: x float32 [M, K] times the blocks raw [N, bytes_per_row] with x rounded to int8
+    (quantize_rows_int8): per run of 32 (16 for a Q6_K sub-block) the exact integer sum of q * xq, times
+    the float32 product (weight scale * dx), minus (Q4_K) the run's min * xs, summed in float64. What the
+    int8 kernel computes, up to its float32 accumulation."""
+    xq, dx, xs = quantize_rows_int8(x)
+    q, s, mn = integer_form(raw, fmt)
+    M, K = xq.shape
+    out = np.zeros((M, q.shape[0]))
+    for r in range(K // 32):
+        for h in range(2):                                 # halves of 16: Q6_K's sub-blocks (the rest: one scale)
+            c = slice(32 * r + 16 * h, 32 * r + 16 * h + 16)
+            ints = xq[:, c].astype(np.int64) @ q[:, c].T                  # (M, N) exact
+            scale = (s[None, :, 32 * r] if h == 0 else s[None, :, 32 * r + 16]) * dx[:, r, None]   # float32
+            out += scale.astype(np.float32).astype(np.float64) * ints
+        out -= mn[None, :, 32 * r].astype(np.float64) * xs[:, r, None]
+    if bias is not None:
+        out += np.asarray(bias, np.float64)
+    return out

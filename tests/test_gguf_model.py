@@ -60,18 +60,49 @@ def test_quantized_needs_a_gguf_file(tiny_checkpoint):  # noqa: F811
 
 
 def test_bundled_model_weights_resolve(bundled_model_dir, bundled_gguf, monkeypatch):  # noqa: F811
-    """"auto" is float32 (the block kernels are not yet faster); "quantized" takes the bundled GGUF."""
+    """"auto" is the bundled GGUF's blocks on the CPU (float32, one rank), the float32 checkpoint otherwise;
+    "quantized" and "float32" are taken as asked."""
     monkeypatch.setenv("PAGEDATTN_CACHE_DIR", os.path.dirname(bundled_model_dir))
     config = EngineConfig(device="cpu").with_model_path(None)
-    assert (config.model, config.weights, config.gguf_file) == (bundled_model_dir, "float32", None)
+    assert (config.model, config.weights, config.gguf_file) == (bundled_model_dir, "quantized", bundled_gguf)
     quantized = EngineConfig(device="cpu", weights="quantized").with_model_path(None)
     assert (quantized.weights, quantized.gguf_file) == ("quantized", bundled_gguf)
     f32 = EngineConfig(device="cpu", weights="float32").with_model_path(None)
     assert (f32.weights, f32.gguf_file) == ("float32", None)
-    # the converted directory given by path: float32 unless asked, then its GGUF beside it
-    assert EngineConfig(device="cpu").with_model_path(bundled_model_dir).weights == "float32"
+    half = EngineConfig(device="cpu", dtype="bfloat16").with_model_path(None)
+    assert (half.weights, half.gguf_file) == ("float32", None)
+    # the converted directory given by path: its GGUF beside it
+    assert EngineConfig(device="cpu").with_model_path(bundled_model_dir).gguf_file == bundled_gguf
     asked = EngineConfig(device="cpu", weights="quantized").with_model_path(bundled_model_dir)
     assert asked.gguf_file == bundled_gguf
+
+
+def test_auto_without_the_joined_file_stays_float32(tmp_path, monkeypatch):
+    """A bundled model whose pieces are not installed (and no joined GGUF): "auto" falls back to float32
+    instead of failing; "quantized" says why it cannot."""
+    monkeypatch.setattr(bundled, "bundled_model_path", lambda: str(tmp_path))
+
+    def no_pieces(cache_dir=None):
+        raise ModelLoadError("bundled model piece x is not installed")
+    monkeypatch.setattr(bundled, "bundled_gguf_path", no_pieces)
+    assert EngineConfig(device="cpu").with_model_path(None).weights == "float32"
+    with pytest.raises(ModelLoadError, match="not installed"):
+        EngineConfig(device="cpu", weights="quantized").with_model_path(None)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"activations": "int4"}, "activations must be 'float32' or 'int8'"),
+    ({"activations": "int8", "weights": "float32"}, "activations='int8' runs on the quantized weights"),
+    ({"activations": "int8", "dtype": "bfloat16"}, "activations='int8' runs on the quantized weights"),
+])
+def test_activations_are_validated(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        EngineConfig(model="x", device="cpu", **kwargs)
+
+
+def test_int8_activations_need_a_gguf_file(tiny_checkpoint):  # noqa: F811
+    with pytest.raises(InvalidRequestError, match="activations='int8'.*no \\*.gguf"):
+        EngineConfig(model=tiny_checkpoint, device="cpu", activations="int8").with_model_path(tiny_checkpoint)
 
 
 def test_kept_gguf_is_joined_when_missing(tmp_path, monkeypatch):
@@ -201,6 +232,44 @@ def test_seeded_sampling_is_reproducible(bundled_model_dir, bundled_gguf):  # no
     a, b = (llm.generate(["def fib(n):"], params, use_tqdm=False)[0] for _ in range(2))
     assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert all(len(c.token_ids) == 3 for c in a.outputs)
+
+
+def test_int8_activations_on_the_bundled_layers(quant_model):
+    """Layer 3's matrices with activations="int8" (QuantWeight(parts, "int8")): off the float32 product by
+    at most what rounding x costs, |W| |x_hat - x| (x_hat the reference's dx * xq), plus the float32
+    summation bound; the kernel's output over the largest error is printed (docs/cpu_quant.md's figure)."""
+    from pagedattn.models.gguf_weights import QuantWeight
+    from reference import quant
+
+    model, _ = quant_model
+    layer = model.model.layers[3]
+    g = torch.Generator().manual_seed(3)
+    for module in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        w = module.weight.dequantize().double()
+        x = torch.randn(3, w.shape[1], generator=g)
+        y = QuantWeight(module.weight.parts, "int8")(x).double()
+        xq, dx, _ = quant.quantize_rows_int8(x.numpy())
+        x_hat = torch.from_numpy(xq.astype(np.float64) * np.repeat(dx, 32, 1))
+        exact = x.double() @ w.T
+        tol = (x_hat - x.double()).abs() @ w.abs().T + 2 * (w.shape[1] + 1) * 2.0 ** -24 * (x_hat.abs() @ w.abs().T)
+        err = (y - exact).abs()
+        assert (err <= tol).all(), f"{module.weight}: max error {err.max():.2e}"
+        print(f"{module.weight.parts[0].name}: int8 activations, max error / max |output| "
+              f"{err.max() / exact.abs().max():.1e}")
+
+
+def test_int8_activations_in_the_engine(bundled_model_dir, bundled_gguf):  # noqa: F811
+    """LLM(activations="int8"): every matrix but the embedding's gather takes int8 activations, and greedy
+    decoding runs (its tokens are compared with the float32 path's in scripts/bench_cpu.py, not here: a
+    different function need not give the same tokens)."""
+    from pagedattn import LLM, SamplingParams
+
+    llm = LLM(bundled_model_dir, device="cpu", activations="int8", num_blocks=16, max_model_len=256)
+    model = llm.engine.model
+    assert llm.engine.config.weights == "quantized" and llm.engine.config.activations == "int8"
+    assert model.lm_head.weight.activations == "int8" and model.model.layers[0].mlp.down_proj.weight.activations == "int8"
+    out = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
 
 
 @pytest.mark.slow

@@ -71,14 +71,15 @@ class _Staging:
 def load_shard(config, rank, world_size, device):
     """(model, model_config) of rank `rank`: the checkpoint's shard for world_size ranks, its attention
     backend's host-side checks off (each step's metadata is checked once on the host: ModelRunner._check).
-    config.weights "quantized": the GGUF file's blocks (config.gguf_file; CPU, one rank)."""
+    config.weights "quantized": the GGUF file's blocks (config.gguf_file; CPU, one rank), config.activations their
+    activations ("float32" or "int8")."""
     from pagedattn.models.loader import load_gguf_model, load_model
 
     backend = get_backend(config.attn_backend, device)
     if hasattr(backend, "validate"):
         backend.validate = False
     if config.weights == "quantized":
-        return load_gguf_model(config.model, config.gguf_file, backend)
+        return load_gguf_model(config.model, config.gguf_file, backend, config.activations)
     return load_model(config.model, device, config.dtype, backend, tp_rank=rank, tp_size=world_size)
 
 

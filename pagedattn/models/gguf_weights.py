@@ -242,17 +242,23 @@ class QuantWeight:
 
         w = QuantWeight([q, k, v])           # shape (Nq + Nk + Nv, K)
         y = w(x, bias)                       # x float32 [M, K] -> [M, N]
+        QuantWeight([q, k, v], "int8")       # the same with x rounded to int8 per block of 32
+                                             # (kernels_numba/cpu_quant_int8.py; 1-16 rows)
         rows = w.embedding(ids)              # one part only: rows of the table
     """
 
-    def __init__(self, parts):
+    def __init__(self, parts, activations="float32"):
         parts = list(parts)
+        if activations not in ("float32", "int8"):
+            raise ModelLoadError(f"activations must be 'float32' or 'int8', got {activations!r}")
+        self.activations = activations
         if not parts or any(p.fmt not in cpu_quant.FORMATS or len(p.shape) != 2 for p in parts):
             raise ModelLoadError(f"QuantWeight takes quantized matrices, got {[(p.name, p.fmt) for p in parts]}")
         K = parts[0].shape[1]
         if any(p.shape[1] != K for p in parts):
             raise ModelLoadError(f"parts {[p.name for p in parts]} have different input widths")
         self.parts = parts
+        self.checked = cpu_quant.Parts([(p.data, p.fmt) for p in parts])      # checked once for every call
         self.shape = (sum(p.shape[0] for p in parts), K)
         self.offsets = [0]
         for p in parts:
@@ -268,7 +274,11 @@ class QuantWeight:
         outputs written into its columns of the one result."""
         if bias is not None and not isinstance(bias, torch.Tensor):
             bias = torch.from_numpy(np.asarray(getattr(bias, "data", bias)))
-        return cpu_quant.linear_parts(x, [(p.data, p.fmt) for p in self.parts], bias, num_threads=num_threads)
+        if self.activations == "int8":
+            from kernels_numba import cpu_quant_int8
+
+            return cpu_quant_int8.linear_parts(x, self.checked, bias, num_threads=num_threads)
+        return cpu_quant.linear_parts(x, self.checked, bias, num_threads=num_threads)
 
     def embedding(self, ids, num_threads=None):
         """float32 [T, K]: rows ids (int [T]) of a one-part table."""

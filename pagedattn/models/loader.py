@@ -152,11 +152,13 @@ def load_model(path, device="cpu", dtype=torch.float32, attn_backend="auto", tp_
     return model.eval().requires_grad_(False), config  # inference only: no autograd graphs
 
 
-def load_gguf_model(path, gguf_file=None, attn_backend="auto"):
+def load_gguf_model(path, gguf_file=None, attn_backend="auto", activations="float32"):
     """Qwen2ForCausalLM on the CPU whose matrices are the GGUF file's blocks (no float32 copy).
 
     path: directory with config.json (and the tokenizer). gguf_file: the GGUF file (default: the one
-    *.gguf in path). attn_backend: as load_model's. Every tensor's name and shape is checked against the
+    *.gguf in path). attn_backend: as load_model's. activations: "float32" (the dequantized matrices'
+    products) or "int8" (x rounded per block of 32, integer products: kernels_numba/cpu_quant_int8.py) for
+    every matrix but the embedding table's gather. Every tensor's name and shape is checked against the
     config. Returns (model in eval mode, Qwen2Config); its resident size grows to about the file's as
     the kernels touch the blocks (pagedattn.engine.metrics.model_weight_bytes counts them).
     """
@@ -190,7 +192,7 @@ def load_gguf_model(path, gguf_file=None, attn_backend="auto"):
     load_weights(model, plain)
     order = {"q": 0, "k": 1, "v": 2}
     for module, parts in fused.items():
-        weight = QuantWeight([parts[s] for s in sorted(parts, key=lambda s: order.get(s, s or 0))])
+        weight = QuantWeight([parts[s] for s in sorted(parts, key=lambda s: order.get(s, s or 0))], activations)
         if weight.shape != tuple(module.weight.shape):
             raise ModelLoadError(f"GGUF parts {weight} do not fill {tuple(module.weight.shape)}")
         tied = config.tie_word_embeddings and module is model.model.embed_tokens

@@ -1,0 +1,235 @@
+"""y = x W^T (+ b) with W in a GGUF block format and x rounded to int8: llama.cpp's method, on the CPU, by numba.
+
+An option beside kernels_numba/cpu_quant.py (whose products are the dequantized float32 matrix's), not a
+replacement: rounding x to 8 bits changes the function (outputs off by ~1e-3 of their scale; greedy tokens
+may differ from the float32 model's). What it buys is arithmetic: a run's 32 products become two integer
+instructions on AVX2 instead of an int -> float conversion and a float FMA per value.
+
+Activations (`quantize_rows`), per input row, per block of 32 values, as ggml quantizes a row to Q8_0
+on AVX2:
+
+    amax = max |x[32r:32r+32]|,  xq = round-half-even(x * (127 / amax)) (int8, |xq| <= 127; 0 where amax = 0)
+    dx = fp16(amax / 127) as float32,  xs = dx * sum(xq)   (xs: Q4_K's mins)
+
+One block size for every weight format: ggml pairs its K-quants with Q8_K activations (one float32
+scale per 256 values); here the K-quants' runs of 32 (a Q4_K sub-block, two Q6_K sub-blocks of 16) take
+the same 32-value blocks as Q8_0 / Q5_0, a finer grid and one quantized x for a fused layer whose parts
+differ in format (q / k / v: Q5_0 and Q8_0).
+
+The product, per weight row n, run r (the weight's integers q exactly as cpu_quant unpacks them):
+
+    lane k of dot4(q, xq[32r:32r+32]) = the exact integer sum of products 4k..4k+3   (k = 0..7)
+    acc += [lo, lo, lo, lo, hi, hi, hi, hi] * dx[r] * float(lanes)    (lo == hi but for Q6_K)
+    out[m, n] = sum of acc's lanes - (Q4_K) sum over runs of mn[r] * xs[r] (+ bias)
+
+The integer sums are written twice (kernels_numba/cpu_simd.py): with x86 AVX2's vpmaddubsw + vpmaddwd
+where the CPU numba compiles for has AVX2 (`AVX2`), in target-independent LLVM IR otherwise (or with
+PAGEDATTN_INT8_DOT=generic in the environment); both give the same integers, so the same float32 results
+(tests/test_cpu_quant_int8.py). reference/quant.py: quantize_rows_int8 / linear_int8 do the same in numpy.
+
+At most cpu_quant.MAX_ROWS input rows; `linear_parts` hands larger calls (a prefill) to cpu_quant's
+float32 tiles. Threads: the output features cut into one contiguous range per thread, as cpu_quant.
+"""
+import os
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from kernels_numba import cpu_quant
+from kernels_numba.cpu_quant import _F16, _NO_BIAS, _Q4_K, _Q5_0, _Q6_K, _Q8_0, _run_scales, _run_values, _store
+from kernels_numba.cpu_simd import (f32_bits, f32_from_bits, target_has_avx2, vb_dot4, vb_dot4_avx2, vb_load,
+                                    vb_udot4, vb_udot4_avx2, vf_fma, vf_halves, vf_mul, vf_splat, vf_sum, vf_zero)
+from kernels_numba.cpu_threads import numba_threads
+from kernels_numba.errors import KernelLaunchError
+
+# the integer products' spelling: AVX2's byte multiply-adds where the compile target has them
+AVX2 = target_has_avx2() and os.environ.get("PAGEDATTN_INT8_DOT", "") != "generic"
+
+
+@njit(inline="always")
+def _round_to_f16(v):
+    """The float32 v rounded to the nearest fp16 (ties to even), as float32: normal fp16 range by
+    rounding the mantissa to 10 bits, subnormal fp16 (|v| < 2^-14) to a multiple of 2^-24; v >= 0."""
+    if v < np.float32(6.103515625e-05):
+        return np.float32(np.rint(v * np.float32(16777216.0))) * np.float32(5.9604644775390625e-08)
+    u = f32_bits(v)
+    u = (u + np.uint32(0xFFF) + ((u >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+    return f32_from_bits(u)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _quantize_rows(x, xq, dx, xs):
+    """xq int8 [M, K], dx / xs float32 [M, K // 32] from x float32 [M, K] (module docstring)."""
+    M, K = x.shape
+    for m in range(M):
+        for r in range(K // 32):
+            o = 32 * r
+            amax = np.float32(0)
+            for j in range(32):
+                amax = max(amax, abs(x[m, o + j]))
+            inv = np.float32(127) / amax if amax > 0 else np.float32(0)
+            s = 0
+            for j in range(32):
+                q = np.int32(np.rint(x[m, o + j] * inv))
+                xq[m, o + j] = q
+                s += q
+            dx[m, r] = _round_to_f16(amax / np.float32(127))
+            xs[m, r] = dx[m, r] * np.float32(s)
+
+
+def quantize_rows(x):
+    """(xq int8 [M, K], dx float32 [M, K // 32], xs float32 [M, K // 32]) of x float32 [M, K], K a multiple
+    of 32: x's blocks of 32 rounded to int8 with their fp16 scales, and each block's dx * sum(xq)."""
+    xa = cpu_quant._check(x, "x", np.float32, 2)
+    if xa.shape[1] % 32:
+        raise KernelLaunchError(f"x: {xa.shape[1]} input features, not a multiple of 32")
+    M, K = xa.shape
+    xq, dx, xs = np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
+    _quantize_rows(xa, xq, dx, xs)
+    return xq, dx, xs
+
+
+@njit(inline="always")
+def _run_idot(fmt, avx2, q, xq, o, ws, d, acc):
+    """acc + ws * (d * dot4(q, xq[o:o + 32])): a run's integer sums times its activation scale d, then its
+    weight scales ws ([lo x4, hi x4]: Q6_K's scale per 16 values; the other formats' lo == hi)."""
+    b = vb_load(xq, o)
+    if fmt == _Q4_K:                                  # q 0..15: no sign to move
+        s = vb_udot4_avx2(q, b) if avx2 else vb_udot4(q, b)
+    else:
+        s = vb_dot4_avx2(q, b) if avx2 else vb_dot4(q, b)
+    return vf_fma(ws, vf_mul(vf_splat(d), s), acc)
+
+
+@njit(inline="always")
+def _weight_scales(fmt, lo, hi):
+    return vf_halves(lo, hi) if fmt == _Q6_K else vf_splat(lo)
+
+
+@njit(inline="always")
+def _rows(fmt, avx2, xq, dx, xs, w, bias, out, n0, n1, col, f16):
+    """out[:, col + n] = the int8 product of rows n0..n1-1 of w (uint8 [N, bytes_per_row]) with xq int8
+    [M * K] (flat), dx / xs float32 [M, K // 32]; 4 input rows at a time, as cpu_quant._rows."""
+    M, R = dx.shape
+    K = 32 * R
+    has_bias = bias.shape[0] > 0
+    lo, hi, mn = np.empty(R, np.float32), np.empty(R, np.float32), np.zeros(R, np.float32)
+    M4 = M - M % 4
+    for n in range(n0, n1):
+        row = w[n]
+        _run_scales(fmt, row, lo, hi, mn, f16)
+        for m in range(0, M4, 4):
+            a0, a1, a2, a3 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
+            for r in range(R):
+                q, ws = _run_values(fmt, row, r), _weight_scales(fmt, lo[r], hi[r])
+                o = m * K + 32 * r
+                a0 = _run_idot(fmt, avx2, q, xq, o, ws, dx[m, r], a0)
+                a1 = _run_idot(fmt, avx2, q, xq, o + K, ws, dx[m + 1, r], a1)
+                a2 = _run_idot(fmt, avx2, q, xq, o + 2 * K, ws, dx[m + 2, r], a2)
+                a3 = _run_idot(fmt, avx2, q, xq, o + 3 * K, ws, dx[m + 3, r], a3)
+            _store(fmt, vf_sum(a0), m, col + n, mn, xs, bias, has_bias, out)
+            _store(fmt, vf_sum(a1), m + 1, col + n, mn, xs, bias, has_bias, out)
+            _store(fmt, vf_sum(a2), m + 2, col + n, mn, xs, bias, has_bias, out)
+            _store(fmt, vf_sum(a3), m + 3, col + n, mn, xs, bias, has_bias, out)
+        for m in range(M4, M):
+            a0 = vf_zero()
+            for r in range(R):
+                a0 = _run_idot(fmt, avx2, _run_values(fmt, row, r), xq, m * K + 32 * r, _weight_scales(fmt, lo[r], hi[r]),
+                               dx[m, r], a0)
+            _store(fmt, vf_sum(a0), m, col + n, mn, xs, bias, has_bias, out)
+
+
+def _rows_of(fmt, avx2):
+    def rows(xq, dx, xs, w, bias, out, n0, n1, col, f16):
+        return _rows(fmt, avx2, xq, dx, xs, w, bias, out, n0, n1, col, f16)
+    return njit(cache=True, nogil=True)(rows)
+
+
+# (format code, avx2) -> that format's rows, compiled for one spelling of the integer sums
+ROWS = {(f, avx2): _rows_of(f, avx2) for f in (_Q8_0, _Q5_0, _Q6_K, _Q4_K) for avx2 in (False, True)}
+_q8_0, _q5_0, _q6_k, _q4_k = (ROWS[f, False] for f in (_Q8_0, _Q5_0, _Q6_K, _Q4_K))
+_q8_0_avx2, _q5_0_avx2, _q6_k_avx2, _q4_k_avx2 = (ROWS[f, True] for f in (_Q8_0, _Q5_0, _Q6_K, _Q4_K))
+
+
+@njit(inline="always")
+def _quantized(x):
+    """quantize_rows inside a kernel: (xq flat int8 [M * K], dx, xs)."""
+    M, K = x.shape
+    xq, dx, xs = np.empty(M * K, np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
+    _quantize_rows(x, xq.reshape(M, K), dx, xs)
+    return xq, dx, xs
+
+
+# The threaded drivers over a fused layer's parts: x quantized once, then the parts' output features cut
+# into one contiguous range per thread. Two copies, one per spelling of the integer sums (module-level
+# functions, so numba's cache keeps them); _run_avx2 is compiled only when called, where AVX2 is there.
+@njit(parallel=True, cache=True, nogil=True)
+def _run_generic(num_threads, fmts, parts, offsets, x, bias, out, f16):
+    xq, dx, xs = _quantized(x)
+    N = offsets[-1]
+    per = -(-N // num_threads)
+    for t in prange(num_threads):
+        a, e = t * per, min(N, (t + 1) * per)
+        for p in range(len(parts)):
+            n0, n1 = max(a, offsets[p]), min(e, offsets[p + 1])
+            if n0 < n1:
+                args = (xq, dx, xs, parts[p], bias, out, n0 - offsets[p], n1 - offsets[p], offsets[p], f16)
+                if fmts[p] == _Q8_0:
+                    _q8_0(*args)
+                elif fmts[p] == _Q5_0:
+                    _q5_0(*args)
+                elif fmts[p] == _Q6_K:
+                    _q6_k(*args)
+                else:
+                    _q4_k(*args)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _run_avx2(num_threads, fmts, parts, offsets, x, bias, out, f16):
+    xq, dx, xs = _quantized(x)
+    N = offsets[-1]
+    per = -(-N // num_threads)
+    for t in prange(num_threads):
+        a, e = t * per, min(N, (t + 1) * per)
+        for p in range(len(parts)):
+            n0, n1 = max(a, offsets[p]), min(e, offsets[p + 1])
+            if n0 < n1:
+                args = (xq, dx, xs, parts[p], bias, out, n0 - offsets[p], n1 - offsets[p], offsets[p], f16)
+                if fmts[p] == _Q8_0:
+                    _q8_0_avx2(*args)
+                elif fmts[p] == _Q5_0:
+                    _q5_0_avx2(*args)
+                elif fmts[p] == _Q6_K:
+                    _q6_k_avx2(*args)
+                else:
+                    _q4_k_avx2(*args)
+
+
+def linear(x, blocks, fmt, bias=None, num_threads=None, avx2=None):
+    """x [M, K] @ W[N, K]^T (+ bias) -> float32 torch tensor [M, N] with x rounded to int8 per block of 32;
+    the arguments as cpu_quant.linear's. avx2: the integer sums' spelling (default AVX2; True raises
+    KernelLaunchError where the target has no AVX2)."""
+    return linear_parts(x, [(blocks, fmt)], bias, num_threads, avx2)
+
+
+def linear_parts(x, parts, bias=None, num_threads=None, avx2=None):
+    """cpu_quant.linear_parts with int8 activations: x quantized once for every part (parts: a list or a
+    cpu_quant.Parts). Above cpu_quant.MAX_ROWS rows (a prefill): cpu_quant's float32 tiles (x not rounded)."""
+    xa = cpu_quant._check(x, "x", np.float32, 2)
+    if xa.shape[0] > cpu_quant.MAX_ROWS:
+        return cpu_quant.linear_parts(xa, parts, bias, num_threads)
+    avx2 = AVX2 if avx2 is None else avx2
+    if avx2 and not target_has_avx2():
+        raise KernelLaunchError("avx2: the CPU numba compiles for has no AVX2 (NUMBA_CPU_NAME / the host)")
+    parts = parts if isinstance(parts, cpu_quant.Parts) else cpu_quant.Parts(parts)
+    parts.check_input(xa)
+    if xa.shape[1] % 32:
+        raise KernelLaunchError(f"x: {xa.shape[1]} input features, not a multiple of 32")
+    ba = cpu_quant._bias(bias, parts.N)
+    out = torch.empty(xa.shape[0], parts.N, dtype=torch.float32)
+    threads = num_threads or torch.get_num_threads()
+    run = _run_avx2 if avx2 else _run_generic
+    run(numba_threads(min(threads, max(1, parts.N // 64))), parts.codes, parts.blocks, parts.offsets, xa, ba,
+        out.numpy(), _F16)
+    return out

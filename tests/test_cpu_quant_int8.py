@@ -1,0 +1,223 @@
+"""int8 activations on GGUF blocks (kernels_numba/cpu_quant_int8.py) against reference/quant.py's numpy
+version: the same quantization of x bit for bit, the same integer sums, the two spellings of those sums
+(x86 AVX2 and target-independent IR) giving identical bits, and the error against the float32 product
+bounded by what rounding x costs.
+
+Tolerances: the kernel and reference.linear_int8 share the integers and the float32 scale products, and
+differ only in how the per-run terms are summed (float32 in the kernel, float64 in the reference): within
+(R + 2) * u * sum |terms| for R runs of 32 (+ the bias's rounding), u = 2^-24. Against the float32 product
+of the dequantized matrix the difference is x's rounding: |y - W x| <= |W| |x_hat - x| (x_hat = dx * xq,
+the reference's), plus the float32 summation bound of tests/test_cpu_quant.py.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from numba import njit
+from test_cpu_quant import FORMATS, U, bound, synthetic_blocks
+
+from kernels_numba import cpu_quant, cpu_quant_int8
+from kernels_numba.cpu_simd import target_has_avx2
+from pagedattn.errors import KernelLaunchError
+from reference import quant
+
+AVX2 = target_has_avx2()
+
+
+def awkward_x(M, K, seed):
+    """float32 [M, K]: normal values at scales 1e-6..1e3 per block, an all-zero block, exact .5 ties of
+    x * 127 / amax, a block whose largest magnitude is negative, fp16-subnormal scales."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((M, K)) * 10.0 ** rng.integers(-6, 4, (M, K // 32)).repeat(32, 1)
+    x = x.astype(np.float32)
+    x[0, :32] = 0
+    if K >= 64:
+        x[0, 32:64] = np.arange(32, dtype=np.float32) - 15.5          # x * 127 / amax = x exactly: ties .5
+        x[0, 32] = -127.0                                             # amax 127, the largest negative
+    if M > 1:
+        x[1, :32] *= np.float32(1e-4)                                             # dx an fp16 subnormal
+    return x
+
+
+@pytest.mark.parametrize("M, K", [(1, 32), (3, 96), (7, 256)])
+def test_quantization_is_the_references_bit_for_bit(M, K):
+    x = awkward_x(M, K, seed=M * K)
+    for got, want in zip(cpu_quant_int8.quantize_rows(x), quant.quantize_rows_int8(x)):
+        assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    xq, dx, _ = quant.quantize_rows_int8(x)
+    assert np.abs(xq.astype(np.int32)).max() <= 127 and (xq[0, :32] == 0).all() and dx[0, 0] == 0
+
+
+@njit
+def _round_all(a, out):
+    for i in range(a.shape[0]):
+        out[i] = cpu_quant_int8._round_to_f16(a[i])
+
+
+def test_fp16_rounding_of_the_scales():
+    """The kernels' fp16 rounding of dx (no float16 type in numba) against numpy's on every kind of value:
+    fp16 normals, subnormals, ties between neighbours, values at the edges of both ranges."""
+    rng = np.random.default_rng(3)
+    h = np.arange(0, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)         # every finite fp16 >= 0
+    mid = ((h[:-1].astype(np.float64) + h[1:]) / 2).astype(np.float32)                     # ties (exact in float32)
+    v = np.concatenate([h, mid, np.nextafter(mid, 0), np.nextafter(mid, 1),
+                        np.abs(rng.standard_normal(10000) * 10.0 ** rng.integers(-9, 4, 10000)).astype(np.float32)])
+    v = v[v < 65504]
+    out = np.empty_like(v)
+    _round_all(v, out)
+    want = v.astype(np.float16).astype(np.float32)
+    bad = np.flatnonzero(out.view(np.uint32) != want.view(np.uint32))
+    assert bad.size == 0, f"{bad.size} values, e.g. {v[bad[:3]]} -> {out[bad[:3]]}, numpy {want[bad[:3]]}"
+
+
+def check_against_reference(y, x, raw, fmt, b=None):
+    """y (the kernel's) within float32 summation of reference.linear_int8's float64 sum of the same terms."""
+    ref = quant.linear_int8(x, raw, fmt, b)
+    xq, dx, xs = quant.quantize_rows_int8(x)
+    q, s, mn = quant.integer_form(raw, fmt)
+    x_hat = np.abs(xq.astype(np.float64) * np.repeat(dx, 32, 1))
+    mag = x_hat @ (np.abs(s.astype(np.float64)) * np.abs(q)).T + np.abs(xs.astype(np.float64)) @ np.abs(mn[:, ::32]).T
+    R = x.shape[1] // 32
+    tol = (R + 4) * U * (mag + (np.abs(b.astype(np.float64)) if b is not None else 0)) + 1e-30
+    err = np.abs(y.double().numpy() - ref)
+    assert (err <= tol).all(), f"{fmt}: max err {err.max():.3g}, worst err/bound {(err / tol).max():.2f}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 16])
+@pytest.mark.parametrize("N, blocks", [(67, 3), (5, 1)])
+def test_product_matches_reference(fmt, M, N, blocks):
+    seed = FORMATS.index(fmt) * 1000 + M * 10 + N + blocks
+    raw = synthetic_blocks(fmt, N, blocks, seed)
+    K = blocks * quant.BLOCK[fmt][0]
+    x = awkward_x(M, K, seed)
+    b = np.random.default_rng(seed).standard_normal(N).astype(np.float32) if M % 2 else None
+    y = cpu_quant_int8.linear(x, raw, fmt, None if b is None else torch.from_numpy(b), num_threads=2)
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    check_against_reference(y, x, raw, fmt, b)
+
+
+@pytest.mark.skipif(not AVX2, reason="the CPU numba compiles for has no AVX2")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_avx2_and_generic_sums_give_identical_bits(fmt):
+    """The same integers either way (exact sums), then the same float32 operations: the same bits."""
+    raw = synthetic_blocks(fmt, 45, 2, seed=40)
+    x = awkward_x(6, 2 * quant.BLOCK[fmt][0], seed=41)
+    a = cpu_quant_int8.linear(x, raw, fmt, num_threads=2, avx2=True)
+    g = cpu_quant_int8.linear(x, raw, fmt, num_threads=2, avx2=False)
+    assert np.array_equal(a.numpy().view(np.uint32), g.numpy().view(np.uint32))
+
+
+_CHILD = """
+import json, sys
+import numpy as np
+from kernels_numba import cpu_quant_int8
+from test_cpu_quant import synthetic_blocks
+from test_cpu_quant_int8 import awkward_x
+out = {"AVX2": cpu_quant_int8.AVX2}
+for fmt in ("Q8_0", "Q5_0", "Q6_K", "Q4_K"):
+    raw = synthetic_blocks(fmt, 21, 1, seed=50)
+    x = awkward_x(5, raw.shape[1] // {"Q8_0": 34, "Q5_0": 22, "Q6_K": 210, "Q4_K": 144}[fmt] * 32
+                  * (8 if fmt[-1] == "K" else 1), seed=51)
+    out[fmt] = cpu_quant_int8.linear(x, raw, fmt, num_threads=1).numpy().view(np.uint32).tolist()
+json.dump(out, sys.stdout)
+"""
+
+
+def test_generic_path_forced_off_in_a_subprocess():
+    """PAGEDATTN_INT8_DOT=generic: a process that never selects the AVX2 products gives this process's
+    bits (both compiled for the same target: numba's, as NUMBA_CPU_NAME says)."""
+    env = dict(os.environ, PAGEDATTN_INT8_DOT="generic")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), env.get("PYTHONPATH", "")])
+    child = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    theirs = json.loads(child.stdout)
+    assert theirs["AVX2"] is False
+    for fmt in FORMATS:
+        raw = synthetic_blocks(fmt, 21, 1, seed=50)
+        x = awkward_x(5, quant.BLOCK[fmt][0], seed=51)
+        ours = cpu_quant_int8.linear(x, raw, fmt, num_threads=1).numpy().view(np.uint32).tolist()
+        assert ours == theirs[fmt], fmt
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_error_against_float32_is_the_rounding_of_x(fmt):
+    """|y_int8 - W x| <= |W| |x_hat - x| + the float32 summation bound: the only other function is x's."""
+    raw = synthetic_blocks(fmt, 40, 2, seed=60)
+    w = quant.dequantize(raw, fmt)
+    x = np.random.default_rng(61).standard_normal((4, w.shape[1])).astype(np.float32)
+    xq, dx, _ = quant.quantize_rows_int8(x)
+    x_hat = xq.astype(np.float64) * np.repeat(dx, 32, 1)
+    y = cpu_quant_int8.linear(x, raw, fmt).double().numpy()
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    tol = np.abs(x_hat - x) @ np.abs(w.astype(np.float64)).T + 2 * bound(x_hat.astype(np.float32), w) + 1e-30
+    err = np.abs(y - exact)
+    assert (err <= tol).all(), f"max err {err.max():.3g}, worst err/bound {(err / tol).max():.2f}"
+    # and it is an approximation, not the float32 product: some output differs by more than float32 rounding
+    assert (err > bound(x, w)).any()
+
+
+def test_threads_and_neighbours_do_not_change_a_row():
+    raw = synthetic_blocks("Q6_K", 301, 1, seed=70)
+    x = awkward_x(7, 256, seed=71)
+    y = cpu_quant_int8.linear(x, raw, "Q6_K", num_threads=1)
+    assert torch.equal(cpu_quant_int8.linear(x, raw, "Q6_K", num_threads=3), y)
+    for m in (0, 4, 6):
+        assert torch.equal(cpu_quant_int8.linear(x[m:m + 1], raw, "Q6_K", num_threads=2)[0], y[m])
+
+
+def test_parts_and_prefill_rows():
+    """A fused layer's parts in one call, each part's columns its own product; above MAX_ROWS rows the
+    float32 tiles of cpu_quant (x not rounded)."""
+    fmts = ["Q5_0", "Q8_0", "Q6_K", "Q4_K"]
+    parts = [synthetic_blocks(f, n, 256 // quant.BLOCK[f][0], seed=80 + i) for i, (f, n) in enumerate(zip(fmts, [9, 4, 13, 6]))]
+    x = torch.from_numpy(awkward_x(5, 256, seed=81))
+    y = cpu_quant_int8.linear_parts(x, list(zip(parts, fmts)), num_threads=2)
+    col = 0
+    for raw, fmt in zip(parts, fmts):
+        assert torch.equal(y[:, col:col + raw.shape[0]], cpu_quant_int8.linear(x, raw, fmt, num_threads=1)), fmt
+        col += raw.shape[0]
+    big = torch.randn(cpu_quant.MAX_ROWS + 1, 256)
+    assert torch.equal(cpu_quant_int8.linear_parts(big, list(zip(parts, fmts))),
+                       cpu_quant.linear_parts(big, list(zip(parts, fmts))))
+
+
+def test_bad_arguments_name_the_field():
+    raw = synthetic_blocks("Q5_0", 4, 1, seed=90)
+    with pytest.raises(KernelLaunchError, match="blocks"):
+        cpu_quant_int8.linear(torch.randn(1, 64), raw, "Q5_0")
+    with pytest.raises(KernelLaunchError, match="bias"):
+        cpu_quant_int8.linear(torch.randn(1, 32), raw, "Q5_0", torch.zeros(3))
+    if not AVX2:
+        with pytest.raises(KernelLaunchError, match="avx2"):
+            cpu_quant_int8.linear(torch.randn(1, 32), raw, "Q5_0", avx2=True)
+
+
+X86 = __import__("platform").machine() in ("x86_64", "AMD64")
+
+
+@pytest.mark.skipif(not (X86 and AVX2), reason="checks x86 AVX2 instructions")
+def test_codegen_avx2_uses_the_byte_multiply_adds():
+    """The AVX2 spelling compiles to vpmaddubsw + vpmaddwd (and vpsignb for signed weights); the
+    target-independent one names none of them, and neither converts a value from int to float alone."""
+    import re
+
+    from numba import njit
+
+    ops = {}
+    for avx2 in (True, False):
+        fresh = njit(nogil=True)(cpu_quant_int8.ROWS[cpu_quant._Q5_0, avx2].py_func)
+        raw = synthetic_blocks("Q5_0", 4, 1, seed=95).view()
+        raw.flags.writeable = False
+        xq = np.ones(32, np.int8)
+        one = np.ones((1, 1), np.float32)
+        fresh(xq, one, one, raw, np.zeros(0, np.float32), np.zeros((1, 4), np.float32), 0, 4, 0, cpu_quant._F16)
+        ops[avx2] = set(re.findall(r"^\s+([a-z][a-z0-9]*)", fresh.inspect_asm(fresh.signatures[0]), re.M))
+    assert {"vpmaddubsw", "vpmaddwd", "vpsignb"} <= ops[True]
+    assert not {"vpmaddubsw", "vpsignb"} & ops[False]
+    assert not any(o.endswith("cvtsi2ss") for o in ops[True] | ops[False])
