@@ -5,7 +5,7 @@ a few microseconds of latency, and at batch 1 a Qwen2 layer was ~10.7 launches, 
 move real bytes. kernels_numba/skinny_gemm.py's GEMM (v2) takes the glue with it: an RMSNorm prologue (with
 the residual add) and a bias or SiLU-and-mul epilogue. A layer of a step with T <= max_rows rows runs as
 
-    unfused (every other step)                        fused (this module)
+    unfused (larger steps)                            fused (this module)
     x, r = add_rms_norm(x, r)      norm kernel        qkv = skinny(x, W_qkv, b; prologue: r' = r + x, norm)
     qkv = x W_qkv^T + b            cuBLAS
     q = rotary + K/V write         rotary kernel      q = rotary + K/V write          the same op
