@@ -59,10 +59,7 @@ def short_name(name, width=48):
 
 def layer_launches(step):
     """Kernels of one call of step() (an engine step at pure decode: one graph replay) from torch.profiler
-    (kernels inside a CUDA graph appear one by one): {"kernels": all, "layers": how many, "per_layer": the
-    kernels from one layer's rotary kernel to the next's (averaged over the layers), "outside": the rest
-    (embedding, final norm, LM head, sampling), "layer": one layer's kernel names in order, from its rotary
-    kernel}."""
+    (kernels inside a CUDA graph appear one by one), counted by layer_counts."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -72,14 +69,22 @@ def layer_launches(step):
         torch.cuda.synchronize()
     events = sorted((ev for ev in prof.events() if ev.device_type == DeviceType.CUDA
                      and not ev.name.startswith(("Memcpy", "Memset"))), key=lambda ev: ev.time_range.start)
-    names = [ev.name for ev in events]
+    return layer_counts([ev.name for ev in events])
+
+
+def layer_counts(names):
+    """Kernel names in launch order -> {"kernels": all, "layers": rotary kernels seen (one per layer),
+    "per_layer": the median count from one layer's rotary kernel to the next's (a step's boundary, where an
+    asynchronous engine's profile holds parts of two steps, is an outlier), "outside": the rest (embedding,
+    final norm, LM head, sampling), "layer": one layer's kernel names in order, from its rotary kernel}."""
     marks = [i for i, n in enumerate(names) if ROTARY in n]
-    layers = len(marks)
-    if layers < 2:
-        raise RuntimeError(f"{layers} rotary kernels in the profile of one step: cannot find the layers")
-    per_layer = (marks[-1] - marks[0]) / (layers - 1)
-    return dict(kernels=len(names), layers=layers, per_layer=per_layer, outside=len(names) - per_layer * layers,
-                layer=[short_name(n) for n in names[marks[0]:marks[1]]])
+    if len(marks) < 3:
+        raise RuntimeError(f"{len(marks)} rotary kernels in the profile of one step: cannot find the layers")
+    gaps = [b - a for a, b in zip(marks, marks[1:])]
+    per_layer = sorted(gaps)[len(gaps) // 2]
+    first = marks[gaps.index(per_layer)]
+    return dict(kernels=len(names), layers=len(marks), per_layer=per_layer, outside=len(names) - per_layer * len(marks),
+                layer=[short_name(n) for n in names[first:first + per_layer]])
 
 
 def checked_decode_steps(llm, stats):

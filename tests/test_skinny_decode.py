@@ -344,7 +344,12 @@ def test_bench_helpers_name_kernels_and_compare_tokens():
     cmp = bench.compare_tokens(a, b)
     assert cmp["requests"] == 2 and cmp["same"] == 1 and cmp["parted"][0]["at"] == 1
     assert abs(cmp["parted"][0]["gap"] - 0.05) < 1e-12
-    launches = dict(kernels=100, layers=4, per_layer=6.0, outside=76.0, layer=["rotary_cache_kernel", "x"])
+    # the tail of one step (its last layer, the final norm, LM head, sampling), then a whole step of 4 layers
+    layer = ["rotary_cache_kernel", "paged_attention", "o", "gate_up", "down", "qkv"]
+    names = layer[:5] + ["norm", "lm_head", "sample", "embedding", "qkv"] + layer * 3 + layer[:5] + ["norm"]
+    launches = bench.layer_counts(names)
+    assert launches["per_layer"] == 6 and launches["layers"] == 5 and launches["layer"] == layer
+    assert launches["outside"] == len(names) - 30
     check = dict(steps=30, fused_steps=20, sizes=[1, 2, 4], worst=0.01, mismatch=0, near_ties=1)
     run = lambda rows, tok_s: dict(rows=rows, startup_s=1.0, launches=launches, check=check, rates=[
         dict(kind="greedy", batch=1, wall_ms=1.0, tok_s=tok_s, gpu_ms=0.9, kernels=100)])
@@ -399,6 +404,6 @@ def test_gpu_engine_fused_path_tokens_and_launches_per_layer(monkeypatch):
     same = bench.compare_tokens(on["tokens"], off["tokens"])
     print(same)
     assert same["same"] >= 12, same
-    assert on["launches"]["layers"] == off["launches"]["layers"] == GPU_CONFIG["num_hidden_layers"]
+    assert on["launches"]["layers"] >= GPU_CONFIG["num_hidden_layers"], on["launches"]
     assert on["launches"]["per_layer"] <= 7, on["launches"]
     assert on["launches"]["per_layer"] <= off["launches"]["per_layer"] - 3, (on["launches"], off["launches"])
