@@ -61,7 +61,9 @@ def test_server_commands():
     assert held0[-4:] == ["--api-server-count", "4", "--prefill-delay-factor", "0"]
     eager = bench_serving.server_command("mp1@0-eager", "M", 123, [])
     assert eager[-5:] == ["--api-server-count", "1", "--no-piecewise-graphs", "--prefill-delay-factor", "0"]
-    for bad in ("mpx", "mp4@", "mp4@x", "mp1eager"):
+    h11 = bench_serving.server_command("mp2-eager-h11", "M", 123, [])
+    assert h11[-5:] == ["--api-server-count", "2", "--no-piecewise-graphs", "--http-impl", "h11"]
+    for bad in ("mpx", "mp4@", "mp4@x", "mp1eager", "mp1-h2"):
         with pytest.raises(ValueError):
             bench_serving.server_command(bad, "M", 123, [])
 

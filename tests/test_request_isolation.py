@@ -21,6 +21,7 @@ import json
 import math
 import socket
 import threading
+import time
 
 import httpx
 import openai
@@ -379,6 +380,32 @@ def test_a_slow_sender_is_cut_off(server):
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
         assert s.recv(100) == b""
     assert httpx.get(server.url + "/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
+
+
+@pytest.mark.parametrize("impl", ["h11", "httptools"])
+def test_either_http_parser_cuts_off_headers_that_never_end(impl):
+    """The head timeout wraps whichever uvicorn protocol serves (httptools by default where installed)."""
+    pytest.importorskip(impl)
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from pagedattn.serving.api_server import http_protocol
+
+    app = Starlette(routes=[Route("/health", lambda request: PlainTextResponse("ok"))])
+    with ServerThread(app, ServerLimits(head_timeout_s=0.5), http_impl=impl) as srv:
+        assert issubclass(srv.config.http, H11Protocol) == (impl == "h11")
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            t = time.monotonic()
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")           # a keep-alive's next head, unfinished
+            assert s.recv(100) == b"" and time.monotonic() - t < 10
+    assert http_protocol("h11") is H11Protocol
+    with pytest.raises(ValueError, match="http_impl"):
+        http_protocol("h2")
 
 
 # ---------------------------------------------------------------- strict types, roles, Unicode, control tokens

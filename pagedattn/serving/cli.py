@@ -44,6 +44,8 @@ def parse_args(argv=None):
     ap.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: sized from memory)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--http-impl", default="auto", choices=["auto", "httptools", "h11"],
+                    help="uvicorn's HTTP parser (auto: httptools where installed)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--no-piecewise-graphs", action="store_true",
                     help="steps with prompt tokens run eagerly (default on CUDA: the forward's pieces between "
@@ -160,7 +162,7 @@ def main(argv=None):
           f"{engine.config.block_size} tokens, max_model_len {engine.max_model_len}) at "
           f"http://{a.host}:{a.port}/v1{' (API key required)' if a.api_key else ''}", file=sys.stderr, flush=True)
     try:
-        uvicorn.Server(uvicorn_config(app, a.host, a.port, a.log_level, limits)).run()
+        uvicorn.Server(uvicorn_config(app, a.host, a.port, a.log_level, limits, http_impl=a.http_impl)).run()
     finally:
         async_llm.shutdown()
         llm.close()

@@ -62,6 +62,7 @@ class ServeConfig:
     startup_timeout_s: float = 900.0
     limits: ServerLimits = field(default_factory=ServerLimits)
     enable_docs: bool = False
+    http_impl: str = "auto"
 
     def __post_init__(self):
         for name in ("data_parallel_size", "api_server_count", "stream_interval"):
@@ -127,6 +128,7 @@ def run_api_server(config, addresses, index, port, events):
         sock.bind((config.host, port))
         sock.listen(2048)                 # connections queue from now on, before uvicorn accepts them
         server = uvicorn.Server(uvicorn_config(app, config.host, port, config.log_level, config.limits,
+                                               http_impl=config.http_impl,
                                                lifespan="off", timeout_graceful_shutdown=5))
         events.put(("ready", index, {"name": name, "cores": client.info}))
         ec.run_profiled(f"api{index}", lambda: server.run(sockets=[sock]))
