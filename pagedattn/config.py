@@ -52,6 +52,9 @@ class EngineConfig:
     warmup: compile every kernel and capture the CUDA graphs when the engine is built (a small workload of
         its own, pagedattn.engine.warmup), so the first request runs the program every later one does.
         None = on for CUDA (where compilation and capture are the cost), off for CPU.
+    admission_interval: while sequences decode, waiting requests join at most every this many steps unless
+        they would fill half the token budget or the step holds a prompt chunk anyway (pagedattn.engine.scheduler):
+        fewer mixed prefill + decode steps under a trickle of arrivals. 1 (default): every step.
     seed: the engine-level seed unseeded requests take their random keys from.
     weights: "auto", "quantized" or "float32". "quantized": the model's matrices stay the GGUF file's
         blocks (CPU, float32, one rank; ~0.46 GB for the bundled model instead of 2.4 GB, and ~1.5x the
@@ -84,6 +87,7 @@ class EngineConfig:
     cpu_kv_cache_fraction: float = 0.1
     cpu_kv_cache_max_gib: float = 1.0
     tensor_parallel_size: int = 1
+    admission_interval: int = 1
     seed: int = 0
     weights: str = "auto"
     activations: str = "float32"
@@ -116,7 +120,7 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 8192 if kind == "cuda" else 2048
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "admission_interval"):
             _check_int(name, getattr(self, name))
         if self.num_blocks is not None:
             _check_int("num_blocks", self.num_blocks)

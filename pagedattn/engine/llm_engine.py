@@ -111,7 +111,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.block_size), self.block_manager)
+                                                   config.block_size, config.admission_interval),
+                                   self.block_manager)
         self.groups = {}                   # request_id -> SequenceGroup, unfinished requests
         self.seq_ids = itertools.count()
         self.serials = itertools.count()   # unseeded requests' random keys
