@@ -28,7 +28,7 @@ call, `linear_parts`, their outputs written into their columns of one result.
 `dequantize` and `embedding` give the blocks' float32 values bit for bit: the same runs and scales, each
 value lo / hi * q (Q4_K: sc * q - mn) rounded on its own (fp16 scales through a table of all 65536, so
 subnormals, inf and NaN are kept). Above MAX_ROWS input rows (a prefill) `linear` dequantizes tiles of
-TILE_ROWS weight rows into one buffer and multiplies them with torch's GEMM.
+TILE_VALUES weights (whole rows) at a time into one buffer and multiplies them with torch's GEMM.
 
 Threads: the output features (of all parts) are cut into one contiguous range per thread of numba's
 parallel loop, as in cpu_linear.
@@ -44,7 +44,8 @@ from kernels_numba.cpu_threads import numba_threads
 from kernels_numba.errors import KernelLaunchError
 
 MAX_ROWS = 16                # above: `linear` dequantizes tiles of W and runs torch's GEMM
-TILE_ROWS = 1024             # weight rows per dequantized tile above MAX_ROWS (3.5 MB at K = 896)
+TILE_VALUES = 1 << 20        # weights per dequantized tile above MAX_ROWS: 4 MB of float32, in cache while
+                             # the GEMM reads it (1024 rows at K = 896, 128 at K = 4864; >= 1024 rows from 128 rows of x)
 
 # format name -> (code used inside the kernels, values per block, bytes per block)
 FORMATS = {"Q8_0": (0, 32, 34), "Q5_0": (1, 32, 22), "Q6_K": (2, 256, 210), "Q4_K": (3, 256, 144)}
@@ -297,7 +298,7 @@ def linear(x, blocks, fmt, bias=None, num_threads=None):
     x: float32 CPU torch tensor or numpy array [M, K]. blocks: uint8 numpy array (or CPU tensor)
     [N, K / QK * bytes_per_block], rows C-contiguous (a memory-mapped GGUF tensor is taken as it is).
     fmt: "Q8_0", "Q5_0", "Q6_K" or "Q4_K". bias: float32 [N] or None. num_threads: default
-    torch.get_num_threads(). At most MAX_ROWS rows run the block kernel; more rows dequantize TILE_ROWS
+    torch.get_num_threads(). At most MAX_ROWS rows run the block kernel; more rows dequantize TILE_VALUES
     weight rows at a time (this kernel's threads) and multiply with torch's GEMM.
     Raises KernelLaunchError naming the argument whose device, dtype or shape does not fit.
     """
@@ -320,10 +321,14 @@ def linear_parts(x, parts, bias=None, num_threads=None):
     out = torch.empty(M, N, dtype=torch.float32)
     if M > MAX_ROWS:
         xt = torch.from_numpy(xa)
-        tile = np.empty((min(TILE_ROWS, max(wa.shape[0] for wa in parts.blocks)), xa.shape[1]), np.float32)
+        # few input rows: a tile that stays in cache for the GEMM; many: the GEMM is compute-bound and
+        # runs best on wide tiles (1024 rows or more), rewritten to memory or not
+        # (a power of two: torch's GEMM ran 1170-row tiles 1.3x slower than 1024-row ones)
+        rows = max(16 if M < 128 else 1024, 1 << (TILE_VALUES // xa.shape[1]).bit_length() - 1)
+        tile = np.empty((min(rows, max(wa.shape[0] for wa in parts.blocks)), xa.shape[1]), np.float32)
         for wa, fmt, c in zip(parts.blocks, parts.fmts, parts.offsets):
-            for n0 in range(0, wa.shape[0], TILE_ROWS):
-                w = _dequantize_into(wa[n0:n0 + TILE_ROWS], fmt, tile, threads)
+            for n0 in range(0, wa.shape[0], rows):
+                w = _dequantize_into(wa[n0:n0 + rows], fmt, tile, threads)
                 torch.matmul(xt, torch.from_numpy(w).T, out=out[:, c + n0:c + n0 + w.shape[0]])
         if bias is not None:
             out += torch.from_numpy(ba)
