@@ -106,3 +106,28 @@ def test_captured_pieces_replay_the_forward(tmp_path):
     replayed = [o.outputs[0].token_ids for o in fresh.generate(prompts, params, use_tqdm=False)]
     same = sum(a == b for a, b in zip(replayed, plain))
     assert same >= len(prompts) - 2, same
+
+
+def test_captures_run_without_the_cyclic_collector():
+    """A dead graph freed by the collector inside a capture would invalidate it: no_collection collects
+    first, keeps the collector off inside (nested too) and restores it after."""
+    import gc
+
+    from pagedattn.engine.cuda_graph import no_collection
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+    freed = []
+    c = Cycle()
+    import weakref
+    weakref.finalize(c, freed.append, 1)
+    del c
+    assert gc.isenabled()
+    with no_collection():
+        assert freed == [1] and not gc.isenabled()
+        with no_collection():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()

@@ -18,6 +18,8 @@ The captured step begins by reading the ids of in-flight tokens from the shared 
 (input_src >= 0) and ends by writing its own sampled tokens into that buffer, so consecutive steps chain
 on the device (asynchronous scheduling) without the host in between.
 """
+import contextlib
+import gc
 import weakref
 
 import numpy as np
@@ -27,6 +29,22 @@ from pagedattn.engine.step_inputs import StepInputs, layout
 
 
 _CAPTURE_STREAMS = {}
+
+
+@contextlib.contextmanager
+def no_collection():
+    """Collect garbage now, then none until the block ends. A dead CUDAGraph (the graphs an engine dropped,
+    held in reference cycles) freed by Python's cyclic collector in the middle of a capture resets itself
+    there, which CUDA refuses and which invalidates the capture; torch no longer collects before a capture
+    (torch.compiler.config.force_cudagraph_gc), so every capture here runs inside this."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def capture_stream(device):
@@ -134,15 +152,16 @@ class CudaGraphRunner:
                 self.runner.run_step(self._step(batch), self.dev)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        for batch in reversed(self.sizes):
-            self._fill_padding(batch)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                _, self.logits[batch] = self.runner.run_step(self._step(batch), self.dev)
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[batch] = g
+        with no_collection():
+            for batch in reversed(self.sizes):
+                self._fill_padding(batch)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    _, self.logits[batch] = self.runner.run_step(self._step(batch), self.dev)
+                if self.pool is None:
+                    self.pool = g.pool()
+                self.graphs[batch] = g
         torch.cuda.synchronize()
 
     def run(self, step):

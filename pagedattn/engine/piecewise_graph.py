@@ -34,7 +34,7 @@ import weakref
 
 import torch
 
-from pagedattn.engine.cuda_graph import capture_stream
+from pagedattn.engine.cuda_graph import capture_stream, no_collection
 
 MIN_TOKENS = 16
 
@@ -156,15 +156,16 @@ class PiecewiseGraphs:
             torch.cuda.synchronize()
             # Every piece's outputs are kept: a later piece (or the eager attention) reads them at their
             # capture-time addresses, so the pool must never hand their memory to another piece.
-            for piece in b.pieces:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    out, residual = piece()
-                if self.pool is None:
-                    self.pool = g.pool()
-                b.graphs.append(g)
-                b.outputs.append(out)
-                b.kept.append(residual)
+            with no_collection():
+                for piece in b.pieces:
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool):
+                        out, residual = piece()
+                    if self.pool is None:
+                        self.pool = g.pool()
+                    b.graphs.append(g)
+                    b.outputs.append(out)
+                    b.kept.append(residual)
             torch.cuda.synchronize()
         self.buckets[tokens] = b
         return b
