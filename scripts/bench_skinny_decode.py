@@ -1,9 +1,9 @@
 """Decode with the few-row layer path (pagedattn/layers/skinny_decode.py) on and off, on one GPU.
 
-Steps of at most PAGEDATTN_SKINNY_ROWS rows (default 8) run each decoder layer as five launches plus
+Steps of at most PAGEDATTN_SKINNY_ROWS rows (off by default; 8 here) run each decoder layer as five launches plus
 attention: the RMSNorms and SiLU-and-mul inside the skinny GEMM (kernels_numba/skinny_gemm.py). This runs the
-engine (LLM, CUDA graphs, random Qwen2 weights of --config from scripts/benchlib.py) twice, the path on (the
-default threshold) and off (PAGEDATTN_SKINNY_ROWS=0), and for each:
+engine (LLM, CUDA graphs, random Qwen2 weights of --config from scripts/benchlib.py) twice, the path on
+(PAGEDATTN_SKINNY_ROWS=8, skinny_decode.FUSED_ROWS) and off (PAGEDATTN_SKINNY_ROWS=0), and for each:
 
   1. validates before timing: every decode step of a greedy run of --prompts requests (of different lengths,
      so the batch shrinks through every graph size) runs eagerly through the unfused path and then replays its
@@ -35,6 +35,7 @@ import torch  # noqa: E402
 from scripts import benchlib  # noqa: E402
 
 ENV_ROWS = "PAGEDATTN_SKINNY_ROWS"
+FUSED_ROWS = 8                   # pagedattn.layers.skinny_decode.FUSED_ROWS
 SAMPLED = dict(temperature=0.8, top_p=0.95)
 ROTARY = "rotary_cache_kernel"       # one per layer on both paths: the layers' boundaries in a profile
 
@@ -283,7 +284,7 @@ def main(out=".", config="0.5b", batches=(1, 8, 16), steps=30, profile_steps=3, 
         raise SystemExit("--batches must include 1 (the kernels per layer are counted at batch 1)")
     kw = dict(batches=batches, steps=steps, profile_steps=profile_steps, requests=validation_requests(num_prompts),
               max_num_seqs=max(batches), max_model_len=max_model_len)
-    on = run_engine(ckpt, None, **kw)
+    on = run_engine(ckpt, FUSED_ROWS, **kw)
     off = run_engine(ckpt, 0, **kw)
     tokens = compare_tokens(on["tokens"], off["tokens"])
     meta = dict(model=ckpt, config=config, num_layers=cfg.num_hidden_layers, steps=steps,

@@ -218,8 +218,7 @@ def test_threshold_rows_above_it_run_unfused(steps):
 
 def test_where_the_path_applies(monkeypatch):
     """Only the numba backend's glue kernels (fp16/bf16 on their device), tensor_parallel_size 1 and widths
-    in 16-byte pieces; max_rows from the argument, PAGEDATTN_SKINNY_ROWS or the default (0 under the
-    simulator, DEFAULT_ROWS on the GPU)."""
+    in 16-byte pieces; max_rows from the argument, PAGEDATTN_SKINNY_ROWS or the default (DEFAULT_ROWS: off)."""
     fp16 = torch.float16
     monkeypatch.delenv(skinny_decode.ENV_ROWS, raising=False)
 
@@ -233,7 +232,7 @@ def test_where_the_path_applies(monkeypatch):
         return model.skinny
 
     on_gpu = DEVICE == "cuda"
-    assert built().max_rows == (skinny_decode.DEFAULT_ROWS if on_gpu else 0)
+    assert built().max_rows == skinny_decode.DEFAULT_ROWS == 0
     assert built(torch.bfloat16, rows=5).max_rows == 5
     assert built(tp_size=2, num_key_value_heads=2) is None            # row-parallel outputs need the all-reduce
     assert built(torch.float32) is None
@@ -382,14 +381,11 @@ def test_gpu_engine_fused_path_tokens_and_launches_per_layer(monkeypatch):
     cfg = read_config(ckpt)
     requests = bench.validation_requests(16, vocab=GPU_CONFIG["vocab_size"])
     runs = {}
-    for rows in (None, 0):
-        if rows is None:
-            monkeypatch.delenv(skinny_decode.ENV_ROWS, raising=False)
-        else:
-            monkeypatch.setenv(skinny_decode.ENV_ROWS, str(rows))
+    for rows in (skinny_decode.FUSED_ROWS, 0):
+        monkeypatch.setenv(skinny_decode.ENV_ROWS, str(rows))
         with LLM(ckpt, device="cuda", max_num_seqs=16, max_model_len=512) as llm:
             skinny = llm.engine.runner.model.skinny
-            assert skinny is not None and skinny.max_rows == (skinny_decode.DEFAULT_ROWS if rows is None else 0)
+            assert skinny is not None and skinny.max_rows == rows
             tokens, check = bench.greedy_run(llm, *requests)
             _, launches = bench.decode_rate(llm, cfg, 1, dict(temperature=0), steps=2, profile_steps=1, seed=1,
                                             launches=True)

@@ -29,7 +29,10 @@ What differs: the order of the float32 sums (the tensor cores' k order against c
 squares, which is rmsnorm.py's while a prologue thread holds at most one 16-byte piece).
 
 Which steps: T <= max_rows (decode graphs are captured per batch size, so the branch on T is fixed inside
-each graph). The default, DEFAULT_ROWS = 8, comes from the H200 measurements (docs/kernels.md, "Skinny
+each graph). Off by default (DEFAULT_ROWS = 0): measured end to end on the H200 (docs/kernels.md, "The skinny
+GEMM in the model: outcome") the fused steps are correct and 6 kernels per layer, but no faster at batch 1
+(1.02x) and slower at batch 8 (0.87x): the fused kernels' GPU time exceeds what the dropped launches saved.
+PAGEDATTN_SKINNY_ROWS=8 (FUSED_ROWS) turns it on. That threshold comes from the kernel measurements (docs/kernels.md, "Skinny
 GEMM for decode"): at M <= 8 rows the plain v2 GEMM is 0.88-1.11x cuBLAS on Qwen2-0.5B's four layer
 shapes (their sum within ~1 us of cuBLAS's) and the fused path drops three launches of ~2-2.5 us each; at
 M = 16 v2 is 0.70-0.81x cuBLAS (+8 us per layer), more than the launches it saves. The final norm and the
@@ -47,7 +50,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-DEFAULT_ROWS = 8             # steps of at most this many rows run fused (see the module docstring)
+DEFAULT_ROWS = 0             # off by default: not faster end to end yet (see the module docstring)
+FUSED_ROWS = 8               # the threshold the kernel measurements give, for PAGEDATTN_SKINNY_ROWS
 MAX_ROWS = 16                # what the skinny GEMM takes
 ENV_ROWS = "PAGEDATTN_SKINNY_ROWS"
 
@@ -70,7 +74,7 @@ class SkinnyDecode:
     (the backend's setting). Shared by every layer of a model: changing max_rows changes them all (graphs
     already captured keep the path they were captured with)."""
 
-    def __init__(self, max_rows=DEFAULT_ROWS, validate=True):
+    def __init__(self, max_rows=FUSED_ROWS, validate=True):
         if not 0 <= max_rows <= MAX_ROWS:
             raise ValueError(f"the skinny decode path takes 0 to {MAX_ROWS} rows, got max_rows={max_rows}")
         from kernels_numba.skinny_gemm import skinny_linear
@@ -104,7 +108,7 @@ class SkinnyDecode:
         return self._skinny_linear(x, layer.weight, layer.bias, silu=silu, validate=self.validate, **kw)
 
 
-def layer_kernels(config, is_bf16, max_rows=DEFAULT_ROWS, num_sms=132):
+def layer_kernels(config, is_bf16, max_rows=FUSED_ROWS, num_sms=132):
     """{name: make_gemm_kernel_v2 arguments} of every skinny kernel a few-row step of a Qwen2 model with
     `config` launches (kernels_numba.skinny_gemm.v2_kernel_flags: the launch's own choice), for steps of 1
     to max_rows rows; names like "qkv_norm_bias" (the first layer), "qkv_norm_add_bias", "o", "gate_up_norm_add_silu",
@@ -145,7 +149,7 @@ def skinny_decode_for(ops, config, tp_size, device, dtype, max_rows=None):
     a width not a multiple of 8, the kernel module missing).
 
     config: the Qwen2Config; max_rows: steps of at most this many rows run fused; None: PAGEDATTN_SKINNY_ROWS
-    if set, else DEFAULT_ROWS on the GPU and 0 under the simulator."""
+    if set, else DEFAULT_ROWS (0: off)."""
     from pagedattn.layers.attention import NumbaBackend
 
     backend = ops.backend
@@ -159,5 +163,5 @@ def skinny_decode_for(ops, config, tp_size, device, dtype, max_rows=None):
     except ImportError:
         return None
     if max_rows is None:
-        max_rows = rows_from_env(0 if backend.simulated else DEFAULT_ROWS)
+        max_rows = rows_from_env(DEFAULT_ROWS)
     return SkinnyDecode(max_rows, validate=backend.validate)
