@@ -267,6 +267,21 @@ def test_core_holds_arrivals_while_decoding_so_they_share_a_prefill_step(checkpo
         core, waits, metrics = run(2.0)
         assert waits == [1, 2, 3, 4, 5]                 # a few 1 ms steps << 2 x the 50 ms prefill: all held
         assert metrics["num_waiting"] == 5 and metrics["num_admissions"] == 1
+
+        core.held.append(AddRequest(b"c", 10, [5, 17, 301], params))      # a crowd is not held:
+        core._admit_due()
+        for _ in range(4):
+            core._step()
+        held = []
+        for wid in range(11, 16):                       # 5 x 210 prompt tokens >= half the 2048-token budget
+            core.held.append(AddRequest(b"c", wid, [7] * 210, params))
+            core._admit_due()
+            held.append(len(core.held))
+            core._step()
+        assert held == [1, 2, 3, 4, 0]
+        while llm.engine.has_unfinished_requests() or core.held:
+            core._admit_due()
+            core._step()
         _, waits, metrics = run(0.0)
         assert waits == [0] * 5 and metrics["num_waiting"] == 0 and metrics["num_admissions"] == 6
 

@@ -198,7 +198,8 @@ class EngineCore:
     Admission: a request that arrives while sequences decode (and none waits in the engine) is held
     here until prefill_delay_factor x the last prefill's duration has passed since that prefill ended,
     then every held request joins the engine at once: arrivals share one prefill step instead of making
-    one each. An idle engine, or one with requests already waiting, takes them at once; 0 turns the
+    one each. An idle engine, one with requests already waiting, or held prompts that fill half a step's
+    token budget (a crowd: its prefill step is efficient as it is) take them at once; 0 turns the
     holding off. Held requests count as waiting in the metrics (routing, wait_until_idle).
     """
 
@@ -325,7 +326,8 @@ class EngineCore:
     def _admit_due(self):
         """Give the held requests to the engine unless holding them is still worth it (see the class)."""
         sched = self.engine.scheduler
-        if (self.prefill_delay_factor and sched.running and not sched.waiting and now() < self.hold_until):
+        if (self.prefill_delay_factor and sched.running and not sched.waiting and now() < self.hold_until
+                and not self._crowd()):
             return
         held, self.held = self.held, []
         for msg in held:
@@ -333,6 +335,16 @@ class EngineCore:
         self.num_admissions += 1
         if self.prefill_delay_factor:
             self.prefill_s, self.steps_to_time = 0.0, 2
+
+    def _crowd(self):
+        """Do the held prompts fill at least half a step's token budget? Then they make an efficient prefill
+        step of their own, and holding them longer only delays them."""
+        half, tokens = self.engine.config.max_num_batched_tokens / 2, 0
+        for msg in self.held:
+            tokens += len(msg.prompt_token_ids)
+            if tokens >= half:
+                return True
+        return False
 
     def _add(self, msg):
         rid = (msg.client, msg.wire_id)        # the engine's request id: unique across clients
