@@ -594,7 +594,7 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
          nano_requests=256, min_len=100, max_len=1024, light_requests=20, light_prompt_len=100, max_model_len=2048,
          max_num_seqs=256,
          num_blocks=None, stream_interval=1, warmup=16, server_timeout_s=600, time_budget_s=None,
-         request_timeout_s=600.0, smoke=False, seed=0, fake_step_ms=None, fake_prefill_ms=None):
+         request_timeout_s=600.0, smoke=False, seed=0, fake_step_ms=None, fake_prefill_ms=None, admission_interval=1):
     """Run the benchmark; returns the table rows (also written under `out`). time_budget_s: a server row is
     skipped (and marked so) when the time spent so far plus the longest server row so far would pass it.
     servers: default mp1, mp2, mp4, inproc (smoke: mp2, inproc). fake_step_ms: every engine (offline and
@@ -619,7 +619,7 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
     if num_blocks is None:              # enough for every sequence at full length: no preemption in either run
         num_blocks = max_num_seqs * -(-max_model_len // 16)
     llm_kwargs = dict(device=device, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                      num_blocks=num_blocks, enable_prefix_caching=False)
+                      num_blocks=num_blocks, enable_prefix_caching=False, admission_interval=admission_interval)
     os.makedirs(out, exist_ok=True)
     print(benchlib.env_line())
     print(f"model {model_dir}; loads {loads}; servers {servers}; engine {llm_kwargs}", flush=True)
@@ -668,7 +668,7 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
         llm_kwargs["num_blocks"] = num_blocks
         engine_args = ["--device", device, "--dtype", dtype, "--max-model-len", str(max_model_len),
                        "--max-num-seqs", str(max_num_seqs), "--num-blocks", str(num_blocks), "--no-prefix-caching",
-                       "--stream-interval", str(stream_interval)]
+                       "--stream-interval", str(stream_interval), "--admission-interval", str(admission_interval)]
         if fake_step_ms:
             engine_args += ["--fake-step-ms", str(fake_step_ms)]
             if fake_prefill_ms:
@@ -768,8 +768,11 @@ if __name__ == "__main__":
                     help="a synthetic device (steps of this many ms, random tokens): the serving overhead on a CPU")
     ap.add_argument("--fake-prefill-ms", type=float, default=None,
                     help="with --fake-step-ms: extra ms for a step holding a prompt chunk (a GPU's eager step)")
+    ap.add_argument("--admission-interval", type=int, default=1,
+                    help="the scheduler's admission_interval, offline and served (1: every step)")
     a = ap.parse_args()
     main(a.out, a.model, a.servers, a.loads, a.device, a.dtype, a.chat_requests, a.chat_max_tokens, a.concurrency,
          a.client_processes, a.nano_requests, a.min_len, a.max_len, a.light_requests, a.light_prompt_len,
          a.max_model_len, a.max_num_seqs, a.num_blocks, a.stream_interval, a.warmup, time_budget_s=a.time_budget,
-         smoke=a.smoke, fake_step_ms=a.fake_step_ms, fake_prefill_ms=a.fake_prefill_ms)
+         smoke=a.smoke, fake_step_ms=a.fake_step_ms, fake_prefill_ms=a.fake_prefill_ms,
+         admission_interval=a.admission_interval)
