@@ -209,16 +209,18 @@ class Config:
     tile, and where a CTA finds its (sequence, q tile): find_tile's search (v4-v6) or the work
     list a plan kernel wrote before it (v7)."""
 
-    def __init__(self, m_tiles, stages=2, q_in_smem=False, bn=BN, planned=False, ahead=False):
+    def __init__(self, m_tiles, stages=2, q_in_smem=False, bn=BN, planned=False, ahead=False, persistent=False):
         self.m_tiles = m_tiles
         self.stages = stages
         self.q_in_smem = q_in_smem
         self.bn = bn
         self.planned = planned
         self.ahead = ahead  # v8: block ids one tile ahead, and the running max moved only when it grows
+        # v9: a CTA loops over work items, the next item's Q and first KV tile copied during this one's last
+        self.persistent = persistent
 
     def key(self):
-        return (self.m_tiles, self.stages, self.q_in_smem, self.bn, self.planned, self.ahead)
+        return (self.m_tiles, self.stages, self.q_in_smem, self.bn, self.planned, self.ahead, self.persistent)
 
 
 BN_D128_V7 = 32  # v7 at d=128: 128 rows x 32 keys keeps S in 32 registers beside O's 128
@@ -228,11 +230,17 @@ def version_config(version, head_dim, stages=None):
     """v4: 64 rows per CTA; v5, v6: 128 at d=64, 64 at d=128 (two m-tiles of 64-key tiles need
     more than 255 registers there: O alone is 128, S 64); v7: 128 rows at both, d=128 with tiles
     of 32 keys, and the work list; v8: v7's shape with the block ids loaded a tile ahead and the
-    lazy rescale. stages: override the ring's 2 stages (bench sweeps)."""
+    lazy rescale; v9: v7's shape in a persistent loop over the work list (two Q buffers, 2 stages only).
+    stages: override the ring's 2 stages (bench sweeps)."""
     stages = 2 if stages is None else stages
+    if version == 9:
+        if stages != 2:
+            raise KernelLaunchError(f"v9 runs a ring of 2 stages (its prefetch across items), got stages={stages}")
+        return Config(m_tiles=2, stages=2, q_in_smem=True, bn=BN_D128_V7 if head_dim == 128 else BN, planned=True,
+                      persistent=True)
     if version >= 7:
         return Config(m_tiles=2, stages=stages, q_in_smem=True, bn=BN_D128_V7 if head_dim == 128 else BN,
-                      planned=True, ahead=version >= 8)
+                      planned=True, ahead=version == 8)
     if version == 4 or head_dim == 128:
         return Config(m_tiles=1, stages=stages)
     return Config(m_tiles=2, stages=stages, q_in_smem=True)
@@ -245,10 +253,10 @@ def tile_rows(version, head_dim):
 
 def smem_bytes(version, head_dim, stages=None):
     """Dynamic shared memory of one CTA: ST stages of a K and a V tile (+ the Q tile when its
-    fragments are re-read at every KV tile)."""
+    fragments are re-read at every KV tile; v9: two Q tiles, this item's and the next one's)."""
     cfg = version_config(version, head_dim, stages)
     q_tile = tile_rows(version, head_dim) * head_dim * 2 if cfg.q_in_smem else 0
-    return cfg.stages * 2 * cfg.bn * head_dim * 2 + q_tile
+    return cfg.stages * 2 * cfg.bn * head_dim * 2 + q_tile * (2 if cfg.persistent else 1)
 
 
 _KERNELS = {}
@@ -294,9 +302,13 @@ def find_tile(t, cu_seqlens_q, num_seqs, bq):
     return -1, 0
 
 
-def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, ahead):
+def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, ahead, persistent):
     """The kernel for one (head_dim, "f16" | "bf16", block_size) and Config."""
     D, BS, MT, ST, Q_SMEM, BN, PLANNED, AHEAD = head_dim, block_size, m_tiles, stages, q_in_smem, bn, planned, ahead
+    PERSISTENT = persistent
+    # v9's prefetch of the next item: its Q into the other Q buffer, its first tile into the stage the last
+    # tile's predecessor used (2 stages: the ring's only free one); the work list says what comes next
+    assert not PERSISTENT or (ST == 2 and Q_SMEM and PLANNED and not AHEAD)
     BM = 64 * MT  # rows per CTA
     W = D // 2  # words (pairs of halves) per row
     CPR = D // 8  # 16-byte chunks per row
@@ -316,7 +328,8 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, 
     TILE = BN * W  # words of a K (or V) tile
     STAGE = 2 * TILE
     RING = ST * STAGE
-    SMEM_WORDS = RING + (BM * W if Q_SMEM else 0)
+    QW = BM * W  # words of a Q tile (and of a CTA's O tile)
+    SMEM_WORDS = RING + (QW * (2 if PERSISTENT else 1) if Q_SMEM else 0)
     # Q (v4) goes to the ring's last stage; O is staged at the start of shared memory
     assert BM * W <= (SMEM_WORDS if Q_SMEM else STAGE), "the Q and O tiles fit"
     assert PASSES >= 1 and BN % 16 == 0
@@ -329,6 +342,44 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, 
     POISON = SIMULATOR  # fill the ring with NaN first, so a read of an unwritten word shows
     # 2 CTAs (8 warps) per SM, as FA2 at d=64: up to 255 registers (v4 needs ~210, v5 255)
     jit_options = {} if SIMULATOR else {"launch_bounds": LAUNCH_BOUNDS}
+
+    @cuda.jit(device=True, inline="always")
+    def issue_q(ring, qs, q, q_start, q_len, q0, head, num_heads, group, rows_used, row0, chunk):
+        # the Q tile of queries q0 .. q0 + bq - 1 of the chunk at q_start (q_len queries) into the region
+        # at word qs (rows past the chunk: zeros): this thread copies chunk `chunk` of rows row0 + RPP i.
+        # Row r = row0 + RPP i is query r // group of head-in-group r % group: v7 at d=64 steps both from
+        # row0's by RPP's (two divisions per thread instead of two per pass; the epilogue divides: keeping
+        # the steps live through the KV loop costs registers there)
+        rq = row0 // group
+        rh = row0 - rq * group
+        step_q = RPP // group
+        step_h = RPP - step_q * group
+        for i in range(Q_PASSES):
+            r = row0 + RPP * i
+            if STEP_ROWS:
+                qi = q0 + rq
+                hr = rh
+                rq += step_q
+                rh += step_h
+                if rh >= group:
+                    rh -= group
+                    rq += 1
+            else:
+                qi = q0 + r // group
+                hr = r % group
+            dst = qs + r * W + ((chunk ^ (r & 7)) << 2)
+            if r < rows_used and qi < q_len:
+                src = ((q_start + qi) * num_heads + head * group + hr) * W + chunk * 4
+                cp_async16(ring, dst, q, src)
+            else:
+                store_u32x4(ring, dst, 0, 0, 0, 0)
+
+    @cuda.jit(device=True, inline="always")
+    def item_index(rnd, first, per_round):
+        # v9: the work-list item of a CTA's round rnd (first: its item in round 0; per_round: CTAs per
+        # KV head). Rounds run the list in a snake, forward then backward, so a CTA given one of a round's
+        # heaviest items gets one of the next round's lightest (the list falls in weight)
+        return rnd * per_round + (first if rnd % 2 == 0 else per_round - 1 - first)
 
     @cuda.jit(device=True, inline="always")
     def issue_tile(ring, dst0, k_cache, v_cache, block_tables, s, block_words, n0, kv_stop, row0, tdst, tsrc):
@@ -399,112 +450,24 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, 
 
         # ---- which (sequence, q tile, KV head): heaviest first (see find_tile), heads interleaved
         head = cuda.blockIdx.x % num_kv_heads
+        item = cuda.blockIdx.x // num_kv_heads
+        bound = work.shape[0] // 3  # v7+: items in the work list (v7, v8: the grid's x // num_kv_heads)
         if PLANNED:  # two loads from the plan's work list (build_plan)
-            item = cuda.blockIdx.x // num_kv_heads
             s = work[item]
-            tile = work[cuda.gridDim.x // num_kv_heads + item]
+            tile = work[bound + item]
         else:
-            s, tile = find_tile(cuda.blockIdx.x // num_kv_heads, cu_seqlens_q, context_lens.shape[0], bq)
+            s, tile = find_tile(item, cu_seqlens_q, context_lens.shape[0], bq)
         if s < 0:
             return  # past the last tile: the grid is an upper bound
-        q_start = cu_seqlens_q[s]
-        q_len = cu_seqlens_q[s + 1] - q_start
-        first_pos = context_lens[s] - q_len  # position of the chunk's query 0
-        q0 = tile * bq
-        kv_end = first_pos + min(q0 + bq, q_len)  # one past the tile's last visible position
-        unmasked_end = first_pos + q0 + 1  # keys below it are visible to every row of the tile
         total_rows = q.shape[0] // W  # total_q * num_heads
-
-        # ---- this split's KV tiles [t_lo, t_hi) (all of them without a split)
-        n_tiles = (kv_end + BN - 1) // BN
-        per_split = (n_tiles + num_splits - 1) // num_splits
-        t_lo = split * per_split
-        t_hi = min(n_tiles, t_lo + per_split)
-        if t_lo >= t_hi:  # an empty part of a split tile: nothing to add to the merge
-            for r in range(tid, rows_used, THREADS):
-                qi = q0 + r // group
-                if qi < q_len:
-                    part_lse[split * total_rows + (q_start + qi) * num_heads + head * group + r % group] = NEG_INF
-            return
-        kv_stop = min(kv_end, t_hi * BN)
-
-        if POISON:
-            for i in range(tid, SMEM_WORDS, THREADS):
-                ring[i] = uint32(NAN_WORD)
-            cuda.syncthreads()
-
-        # ---- Q tile -> past the ring, or the last stage when its fragments move to registers
-        # (rows past the chunk: zeros), then tiles t_lo .. t_lo + ST - 2
-        qs = RING if Q_SMEM else (ST - 1) * STAGE
         chunk = tid % CPR
         row0 = tid // CPR
         tdst = row0 * W + ((chunk ^ (row0 & 7)) << 2)
         tsrc = (head * BS + (row0 & (BS - 1))) * W + chunk * 4
         block_words = num_kv_heads * BS * W
-        # row r = row0 + RPP i is query r // group of head-in-group r % group: v7 at d=64 steps both
-        # from row0's by RPP's (two divisions per thread instead of two per pass; the epilogue
-        # divides: keeping the steps live through the KV loop costs registers there)
-        rq0 = row0 // group
-        rh0 = row0 - rq0 * group
-        step_q = RPP // group
-        step_h = RPP - step_q * group
-        rq, rh = rq0, rh0
-        for i in range(Q_PASSES):
-            r = row0 + RPP * i
-            if STEP_ROWS:
-                qi = q0 + rq
-                hr = rh
-                rq += step_q
-                rh += step_h
-                if rh >= group:
-                    rh -= group
-                    rq += 1
-            else:
-                qi = q0 + r // group
-                hr = r % group
-            dst = qs + r * W + ((chunk ^ (r & 7)) << 2)
-            if r < rows_used and qi < q_len:
-                src = ((q_start + qi) * num_heads + head * group + hr) * W + chunk * 4
-                cp_async16(ring, dst, q, src)
-            else:
-                store_u32x4(ring, dst, 0, 0, 0, 0)
-        cp_async_commit()
         nb = cuda.local.array(PASSES, np.int32)  # v8: the blocks of the next tile to issue
-        for k in range(ST - 1):
-            if t_lo + k < t_hi:
-                if AHEAD:
-                    tile_blocks(nb, block_tables, s, (t_lo + k) * BN, kv_stop, row0)
-                    issue_blocks(ring, k * STAGE, k_cache, v_cache, nb, block_words, (t_lo + k) * BN, kv_stop,
-                                 row0, tdst, tsrc)
-                else:
-                    issue_tile(ring, k * STAGE, k_cache, v_cache, block_tables, s, block_words, (t_lo + k) * BN,
-                               kv_stop, row0, tdst, tsrc)
-            cp_async_commit()
-        if AHEAD and t_lo + ST - 1 < t_hi:
-            tile_blocks(nb, block_tables, s, (t_lo + ST - 1) * BN, kv_stop, row0)
-
-        # ---- per lane: rows (warp MT + mt) 16 + fg + 8 h, their positions, Q fragments
-        lrow = (lane & 7) + ((lane >> 3) & 1) * 8  # ldmatrix row of Q and V this lane addresses
-        lhi = lane >> 4  # ... and its chunk offset (0 or 1)
         pos = cuda.local.array((MT, 2), POS_TYPE)  # v7: int32, four registers fewer
-        for mt in range(MT):
-            for h in range(2):
-                r = (warp * MT + mt) * 16 + fg + 8 * h
-                qi = q0 + r // group
-                pos[mt, h] = first_pos + qi if (r < rows_used and qi < q_len) else kv_end - 1
-        qrow = qs + (warp * MT * 16 + lrow) * W  # + 16 W mt: this lane's ldmatrix row of Q
         qa = cuda.local.array((MT, KS, 4), uint32)  # Q fragments (when held in registers)
-        if not Q_SMEM:
-            wait_q()
-            cuda.syncthreads()
-            for mt in range(MT):
-                for ks in range(KS):
-                    a0, a1, a2, a3 = ldmatrix_x4(ring, qrow + mt * 16 * W + (((2 * ks + lhi) ^ (lane & 7)) << 2))
-                    qa[mt, ks, 0] = a0
-                    qa[mt, ks, 1] = a1
-                    qa[mt, ks, 2] = a2
-                    qa[mt, ks, 3] = a3
-
         sc = cuda.local.array((MT, NT, 4), float32)  # S, then P, of this tile
         # O's d-tiles in two halves (dims 0 .. D/2 - 1, D/2 .. D - 1): each loop over O below runs
         # over one half, short enough that the compiler unrolls it fully at MT = 2, d = 128 (one loop
@@ -514,225 +477,317 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, 
         m = cuda.local.array((MT, 2), float32)  # running max per row (raw score units)
         lsum = cuda.local.array((MT, 2), float32)  # this lane's part of the row sums
         tmax = cuda.local.array((MT, 2), float32)  # v8: this tile's row maxima
-        for mt in range(MT):
-            for h in range(2):
-                m[mt, h] = NEG_INF
-                lsum[mt, h] = float32(0.0)
-            for dt in range(DH):
-                for e in range(4):
-                    oa[mt, dt, e] = float32(0.0)
-            for dt in range(DH):
-                for e in range(4):
-                    ob[mt, dt, e] = float32(0.0)
+        lrow = (lane & 7) + ((lane >> 3) & 1) * 8  # ldmatrix row of Q and V this lane addresses
+        lhi = lane >> 4  # ... and its chunk offset (0 or 1)
         sl = scale * float32(LOG2E)
         krow = (lane & 7) * W  # K: this lane addresses key 8 nt + lane % 8 of chunk 4 kp + lane // 8
         vrow = lrow * W  # V: key 16 kk + lrow of chunk 2 dp + lhi
 
         read = 0  # word offset of tile j's stage
         write = (ST - 1) * STAGE  # ... and of the stage tile j + ST - 1 goes to
-        for j in range(t_lo, t_hi):
-            wait_tile()
-            cuda.syncthreads()
-            if j + ST - 1 < t_hi:
-                if AHEAD:
-                    issue_blocks(ring, write, k_cache, v_cache, nb, block_words, (j + ST - 1) * BN, kv_stop, row0,
-                                 tdst, tsrc)
-                else:
-                    issue_tile(ring, write, k_cache, v_cache, block_tables, s, block_words, (j + ST - 1) * BN,
-                               kv_stop, row0, tdst, tsrc)
-            cp_async_commit()
-            if AHEAD and j + ST < t_hi:  # the blocks of the tile the next iteration issues
-                tile_blocks(nb, block_tables, s, (j + ST) * BN, kv_stop, row0)
-            n0 = j * BN
+        rnd = 0  # v9: this CTA's round (its item is item_index(rnd, ...)); Q buffer rnd % 2
+        while True:  # v9: one work item per pass, until the list ends; v4-v8: one pass
+            q_start = cu_seqlens_q[s]
+            q_len = cu_seqlens_q[s + 1] - q_start
+            first_pos = context_lens[s] - q_len  # position of the chunk's query 0
+            q0 = tile * bq
+            kv_end = first_pos + min(q0 + bq, q_len)  # one past the tile's last visible position
+            unmasked_end = first_pos + q0 + 1  # keys below it are visible to every row of the tile
 
-            # ---- S = Q K^T: per n-tile, KP ldmatrix.x4 of K, each feeding 2 MT mma
+            # ---- this split's KV tiles [t_lo, t_hi) (all of them without a split)
+            n_tiles = (kv_end + BN - 1) // BN
+            per_split = (n_tiles + num_splits - 1) // num_splits
+            t_lo = split * per_split
+            t_hi = min(n_tiles, t_lo + per_split)
+            if t_lo >= t_hi:  # an empty part of a split tile: nothing to add to the merge
+                for r in range(tid, rows_used, THREADS):
+                    qi = q0 + r // group
+                    if qi < q_len:
+                        part_lse[split * total_rows + (q_start + qi) * num_heads + head * group + r % group] = NEG_INF
+                return
+            kv_stop = min(kv_end, t_hi * BN)
+            # Q tile (v5+: past the ring; v9: buffer rnd % 2 there; v4: the last stage, its fragments go to
+            # registers)
+            qs = RING + (rnd % 2) * QW if PERSISTENT else (RING if Q_SMEM else (ST - 1) * STAGE)
+
+            if rnd == 0:  # v9: later items' Q and first tile were copied during the item before
+                if POISON:
+                    for i in range(tid, SMEM_WORDS, THREADS):
+                        ring[i] = uint32(NAN_WORD)
+                    cuda.syncthreads()
+                # ---- Q tile (rows past the chunk: zeros), then tiles t_lo .. t_lo + ST - 2
+                issue_q(ring, qs, q, q_start, q_len, q0, head, num_heads, group, rows_used, row0, chunk)
+                cp_async_commit()
+                for k in range(ST - 1):
+                    if t_lo + k < t_hi:
+                        if AHEAD:
+                            tile_blocks(nb, block_tables, s, (t_lo + k) * BN, kv_stop, row0)
+                            issue_blocks(ring, k * STAGE, k_cache, v_cache, nb, block_words, (t_lo + k) * BN, kv_stop,
+                                         row0, tdst, tsrc)
+                        else:
+                            issue_tile(ring, k * STAGE, k_cache, v_cache, block_tables, s, block_words, (t_lo + k) * BN,
+                                       kv_stop, row0, tdst, tsrc)
+                    cp_async_commit()
+                if AHEAD and t_lo + ST - 1 < t_hi:
+                    tile_blocks(nb, block_tables, s, (t_lo + ST - 1) * BN, kv_stop, row0)
+
+            # ---- per lane: rows (warp MT + mt) 16 + fg + 8 h, their positions, Q fragments (v4)
             for mt in range(MT):
-                for nt in range(NT):
-                    for e in range(4):
-                        sc[mt, nt, e] = float32(0.0)
-            for kp in range(KP):
-                if Q_SMEM:  # this k-step pair's Q fragments, re-read (the tile stays in shared memory)
-                    for mt in range(MT):
-                        for ks in range(2 * kp, 2 * kp + 2):
-                            a0, a1, a2, a3 = ldmatrix_x4(ring, qrow + mt * 16 * W + (((2 * ks + lhi) ^ (lane & 7)) << 2))
-                            qa[mt, ks, 0] = a0
-                            qa[mt, ks, 1] = a1
-                            qa[mt, ks, 2] = a2
-                            qa[mt, ks, 3] = a3
-                kaddr = read + krow + (((4 * kp + (lane >> 3)) ^ (lane & 7)) << 2)
-                for nt in range(NT):
-                    b0, b1, b2, b3 = ldmatrix_x4(ring, kaddr + nt * 8 * W)
-                    for mt in range(MT):
-                        c0, c1, c2, c3 = mma(qa[mt, 2 * kp, 0], qa[mt, 2 * kp, 1], qa[mt, 2 * kp, 2],
-                                             qa[mt, 2 * kp, 3], b0, b1,
-                                             sc[mt, nt, 0], sc[mt, nt, 1], sc[mt, nt, 2], sc[mt, nt, 3])
-                        c0, c1, c2, c3 = mma(qa[mt, 2 * kp + 1, 0], qa[mt, 2 * kp + 1, 1], qa[mt, 2 * kp + 1, 2],
-                                             qa[mt, 2 * kp + 1, 3], b2, b3, c0, c1, c2, c3)
-                        sc[mt, nt, 0] = c0
-                        sc[mt, nt, 1] = c1
-                        sc[mt, nt, 2] = c2
-                        sc[mt, nt, 3] = c3
+                for h in range(2):
+                    r = (warp * MT + mt) * 16 + fg + 8 * h
+                    qi = q0 + r // group
+                    pos[mt, h] = first_pos + qi if (r < rows_used and qi < q_len) else kv_end - 1
+            qrow = qs + (warp * MT * 16 + lrow) * W  # + 16 W mt: this lane's ldmatrix row of Q
+            if not Q_SMEM:
+                wait_q()
+                cuda.syncthreads()
+                for mt in range(MT):
+                    for ks in range(KS):
+                        a0, a1, a2, a3 = ldmatrix_x4(ring, qrow + mt * 16 * W + (((2 * ks + lhi) ^ (lane & 7)) << 2))
+                        qa[mt, ks, 0] = a0
+                        qa[mt, ks, 1] = a1
+                        qa[mt, ks, 2] = a2
+                        qa[mt, ks, 3] = a3
 
-            # ---- causal mask, only where some key of the tile is past some row's position
-            if n0 + BN > unmasked_end:
+            for mt in range(MT):
+                for h in range(2):
+                    m[mt, h] = NEG_INF
+                    lsum[mt, h] = float32(0.0)
+                for dt in range(DH):
+                    for e in range(4):
+                        oa[mt, dt, e] = float32(0.0)
+                for dt in range(DH):
+                    for e in range(4):
+                        ob[mt, dt, e] = float32(0.0)
+            for j in range(t_lo, t_hi):
+                wait_tile()
+                cuda.syncthreads()
+                if j + ST - 1 < t_hi:
+                    if AHEAD:
+                        issue_blocks(ring, write, k_cache, v_cache, nb, block_words, (j + ST - 1) * BN, kv_stop, row0,
+                                     tdst, tsrc)
+                    else:
+                        issue_tile(ring, write, k_cache, v_cache, block_tables, s, block_words, (j + ST - 1) * BN,
+                                   kv_stop, row0, tdst, tsrc)
+                elif PERSISTENT:  # v9, the item's last tile: the next item's Q and first tile, if there is one
+                    nxt = item_index(rnd + 1, item, cuda.gridDim.x // num_kv_heads)
+                    s_n = work[nxt] if nxt < bound else -1
+                    if s_n >= 0:
+                        start_n = cu_seqlens_q[s_n]
+                        len_n = cu_seqlens_q[s_n + 1] - start_n
+                        q0_n = work[bound + nxt] * bq
+                        end_n = context_lens[s_n] - len_n + min(q0_n + bq, len_n)  # its kv_end (no split in v9)
+                        issue_q(ring, RING + ((rnd + 1) % 2) * QW, q, start_n, len_n, q0_n, head, num_heads, group,
+                                rows_used, row0, chunk)
+                        issue_tile(ring, write, k_cache, v_cache, block_tables, s_n, block_words, 0, end_n, row0, tdst,
+                                   tsrc)
+                cp_async_commit()
+                if AHEAD and j + ST < t_hi:  # the blocks of the tile the next iteration issues
+                    tile_blocks(nb, block_tables, s, (j + ST) * BN, kv_stop, row0)
+                n0 = j * BN
+
+                # ---- S = Q K^T: per n-tile, KP ldmatrix.x4 of K, each feeding 2 MT mma
                 for mt in range(MT):
                     for nt in range(NT):
                         for e in range(4):
-                            if n0 + nt * 8 + 2 * ft + (e & 1) > pos[mt, e >> 1]:
-                                sc[mt, nt, e] = NEG_INF
+                            sc[mt, nt, e] = float32(0.0)
+                for kp in range(KP):
+                    if Q_SMEM:  # this k-step pair's Q fragments, re-read (the tile stays in shared memory)
+                        for mt in range(MT):
+                            for ks in range(2 * kp, 2 * kp + 2):
+                                a0, a1, a2, a3 = ldmatrix_x4(ring, qrow + mt * 16 * W + (((2 * ks + lhi) ^ (lane & 7)) << 2))
+                                qa[mt, ks, 0] = a0
+                                qa[mt, ks, 1] = a1
+                                qa[mt, ks, 2] = a2
+                                qa[mt, ks, 3] = a3
+                    kaddr = read + krow + (((4 * kp + (lane >> 3)) ^ (lane & 7)) << 2)
+                    for nt in range(NT):
+                        b0, b1, b2, b3 = ldmatrix_x4(ring, kaddr + nt * 8 * W)
+                        for mt in range(MT):
+                            c0, c1, c2, c3 = mma(qa[mt, 2 * kp, 0], qa[mt, 2 * kp, 1], qa[mt, 2 * kp, 2],
+                                                 qa[mt, 2 * kp, 3], b0, b1,
+                                                 sc[mt, nt, 0], sc[mt, nt, 1], sc[mt, nt, 2], sc[mt, nt, 3])
+                            c0, c1, c2, c3 = mma(qa[mt, 2 * kp + 1, 0], qa[mt, 2 * kp + 1, 1], qa[mt, 2 * kp + 1, 2],
+                                                 qa[mt, 2 * kp + 1, 3], b2, b3, c0, c1, c2, c3)
+                            sc[mt, nt, 0] = c0
+                            sc[mt, nt, 1] = c1
+                            sc[mt, nt, 2] = c2
+                            sc[mt, nt, 3] = c3
 
-            # ---- online softmax in base 2 (a row lives in the 4 lanes of its fg)
-            if AHEAD:
-                # v8: the running max m moves only when some row of the warp would see a p above
-                # 2^RESCALE_LOG2 (or sees its first key); otherwise p = 2^((s - m) sl) <= 2^RESCALE_LOG2
-                # with the old m and O, l need no rescale: O / l is the same for any m (fp16/bf16 P and
-                # fp32 sums hold 2^8 without loss). Warp-uniform (rows' flags OR-ed by shuffles), so
-                # the branch costs 3 shuffles a tile and skips MT * D / 2 multiplies most tiles
-                grow = float32(0.0)  # a float flag: 32-bit shuffles (numba widens integer flags to 64 bits)
-                for mt in range(MT):
-                    for h in range(2):
-                        tx = NEG_INF
+                # ---- causal mask, only where some key of the tile is past some row's position
+                if n0 + BN > unmasked_end:
+                    for mt in range(MT):
                         for nt in range(NT):
-                            tx = max(tx, max(sc[mt, nt, 2 * h], sc[mt, nt, 2 * h + 1]))
-                        tx = max(tx, cuda.shfl_xor_sync(0xFFFFFFFF, tx, 1))
-                        tx = max(tx, cuda.shfl_xor_sync(0xFFFFFFFF, tx, 2))
-                        tmax[mt, h] = tx
-                        # m = -inf, tx finite: inf, grows; both -inf (a split's empty rows): NaN, does not
-                        if (tx - m[mt, h]) * sl > float32(RESCALE_LOG2):
-                            grow = float32(1.0)
-                grow = max(grow, cuda.shfl_xor_sync(0xFFFFFFFF, grow, 4))
-                grow = max(grow, cuda.shfl_xor_sync(0xFFFFFFFF, grow, 8))
-                grow = max(grow, cuda.shfl_xor_sync(0xFFFFFFFF, grow, 16))
-                if grow != float32(0.0):
+                            for e in range(4):
+                                if n0 + nt * 8 + 2 * ft + (e & 1) > pos[mt, e >> 1]:
+                                    sc[mt, nt, e] = NEG_INF
+
+                # ---- online softmax in base 2 (a row lives in the 4 lanes of its fg)
+                if AHEAD:
+                    # v8: the running max m moves only when some row of the warp would see a p above
+                    # 2^RESCALE_LOG2 (or sees its first key); otherwise p = 2^((s - m) sl) <= 2^RESCALE_LOG2
+                    # with the old m and O, l need no rescale: O / l is the same for any m (fp16/bf16 P and
+                    # fp32 sums hold 2^8 without loss). Warp-uniform (rows' flags OR-ed by shuffles), so
+                    # the branch costs 3 shuffles a tile and skips MT * D / 2 multiplies most tiles
+                    grow = float32(0.0)  # a float flag: 32-bit shuffles (numba widens integer flags to 64 bits)
                     for mt in range(MT):
                         for h in range(2):
-                            mx = max(m[mt, h], tmax[mt, h])
-                            ms = mx * sl if mx != NEG_INF else float32(0.0)
+                            tx = NEG_INF
+                            for nt in range(NT):
+                                tx = max(tx, max(sc[mt, nt, 2 * h], sc[mt, nt, 2 * h + 1]))
+                            tx = max(tx, cuda.shfl_xor_sync(0xFFFFFFFF, tx, 1))
+                            tx = max(tx, cuda.shfl_xor_sync(0xFFFFFFFF, tx, 2))
+                            tmax[mt, h] = tx
+                            # m = -inf, tx finite: inf, grows; both -inf (a split's empty rows): NaN, does not
+                            if (tx - m[mt, h]) * sl > float32(RESCALE_LOG2):
+                                grow = float32(1.0)
+                    grow = max(grow, cuda.shfl_xor_sync(0xFFFFFFFF, grow, 4))
+                    grow = max(grow, cuda.shfl_xor_sync(0xFFFFFFFF, grow, 8))
+                    grow = max(grow, cuda.shfl_xor_sync(0xFFFFFFFF, grow, 16))
+                    if grow != float32(0.0):
+                        for mt in range(MT):
+                            for h in range(2):
+                                mx = max(m[mt, h], tmax[mt, h])
+                                ms = mx * sl if mx != NEG_INF else float32(0.0)
+                                alpha = ex2(m[mt, h] * sl - ms)  # 0 while the row has seen nothing
+                                m[mt, h] = mx
+                                lsum[mt, h] *= alpha
+                                for dt in range(DH):
+                                    oa[mt, dt, 2 * h] *= alpha
+                                    oa[mt, dt, 2 * h + 1] *= alpha
+                                for dt in range(DH):
+                                    ob[mt, dt, 2 * h] *= alpha
+                                    ob[mt, dt, 2 * h + 1] *= alpha
+                    for mt in range(MT):
+                        for h in range(2):
+                            ms = m[mt, h] * sl if m[mt, h] != NEG_INF else float32(0.0)  # nothing seen: p = 0
+                            total = float32(0.0)
+                            for nt in range(NT):
+                                p0 = ex2(sc[mt, nt, 2 * h] * sl - ms)
+                                p1 = ex2(sc[mt, nt, 2 * h + 1] * sl - ms)
+                                sc[mt, nt, 2 * h] = p0
+                                sc[mt, nt, 2 * h + 1] = p1
+                                total += p0 + p1
+                            lsum[mt, h] += total
+                else:  # v4-v7: the max moves with every tile
+                    for mt in range(MT):
+                        for h in range(2):
+                            mx = m[mt, h]
+                            for nt in range(NT):
+                                mx = max(mx, max(sc[mt, nt, 2 * h], sc[mt, nt, 2 * h + 1]))
+                            mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 1))
+                            mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 2))
+                            ms = mx * sl if mx != NEG_INF else float32(0.0)  # a fully masked row: p = 0
                             alpha = ex2(m[mt, h] * sl - ms)  # 0 while the row has seen nothing
                             m[mt, h] = mx
-                            lsum[mt, h] *= alpha
+                            total = float32(0.0)
+                            for nt in range(NT):
+                                p0 = ex2(sc[mt, nt, 2 * h] * sl - ms)
+                                p1 = ex2(sc[mt, nt, 2 * h + 1] * sl - ms)
+                                sc[mt, nt, 2 * h] = p0
+                                sc[mt, nt, 2 * h + 1] = p1
+                                total += p0 + p1
+                            lsum[mt, h] = lsum[mt, h] * alpha + total
                             for dt in range(DH):
                                 oa[mt, dt, 2 * h] *= alpha
                                 oa[mt, dt, 2 * h + 1] *= alpha
                             for dt in range(DH):
                                 ob[mt, dt, 2 * h] *= alpha
                                 ob[mt, dt, 2 * h + 1] *= alpha
-                for mt in range(MT):
-                    for h in range(2):
-                        ms = m[mt, h] * sl if m[mt, h] != NEG_INF else float32(0.0)  # nothing seen: p = 0
-                        total = float32(0.0)
-                        for nt in range(NT):
-                            p0 = ex2(sc[mt, nt, 2 * h] * sl - ms)
-                            p1 = ex2(sc[mt, nt, 2 * h + 1] * sl - ms)
-                            sc[mt, nt, 2 * h] = p0
-                            sc[mt, nt, 2 * h + 1] = p1
-                            total += p0 + p1
-                        lsum[mt, h] += total
-            else:  # v4-v7: the max moves with every tile
-                for mt in range(MT):
-                    for h in range(2):
-                        mx = m[mt, h]
-                        for nt in range(NT):
-                            mx = max(mx, max(sc[mt, nt, 2 * h], sc[mt, nt, 2 * h + 1]))
-                        mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 1))
-                        mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 2))
-                        ms = mx * sl if mx != NEG_INF else float32(0.0)  # a fully masked row: p = 0
-                        alpha = ex2(m[mt, h] * sl - ms)  # 0 while the row has seen nothing
-                        m[mt, h] = mx
-                        total = float32(0.0)
-                        for nt in range(NT):
-                            p0 = ex2(sc[mt, nt, 2 * h] * sl - ms)
-                            p1 = ex2(sc[mt, nt, 2 * h + 1] * sl - ms)
-                            sc[mt, nt, 2 * h] = p0
-                            sc[mt, nt, 2 * h + 1] = p1
-                            total += p0 + p1
-                        lsum[mt, h] = lsum[mt, h] * alpha + total
-                        for dt in range(DH):
-                            oa[mt, dt, 2 * h] *= alpha
-                            oa[mt, dt, 2 * h + 1] *= alpha
-                        for dt in range(DH):
-                            ob[mt, dt, 2 * h] *= alpha
-                            ob[mt, dt, 2 * h + 1] *= alpha
 
-            # ---- O += P V: P from the S fragments, V by ldmatrix.trans
-            for kk in range(KK):
-                vaddr = read + TILE + kk * 16 * W + vrow
-                pa = cuda.local.array((MT, 4), uint32)
-                for mt in range(MT):
-                    pa[mt, 0] = pack(sc[mt, 2 * kk, 0], sc[mt, 2 * kk, 1])
-                    pa[mt, 1] = pack(sc[mt, 2 * kk, 2], sc[mt, 2 * kk, 3])
-                    pa[mt, 2] = pack(sc[mt, 2 * kk + 1, 0], sc[mt, 2 * kk + 1, 1])
-                    pa[mt, 3] = pack(sc[mt, 2 * kk + 1, 2], sc[mt, 2 * kk + 1, 3])
-                for dp in range(DP // 2):  # d-tiles 2 dp, 2 dp + 1 of the first half
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(ring, vaddr + (((2 * dp + lhi) ^ (lane & 7)) << 2))
+                # ---- O += P V: P from the S fragments, V by ldmatrix.trans
+                for kk in range(KK):
+                    vaddr = read + TILE + kk * 16 * W + vrow
+                    pa = cuda.local.array((MT, 4), uint32)
                     for mt in range(MT):
-                        oa[mt, 2 * dp, 0], oa[mt, 2 * dp, 1], oa[mt, 2 * dp, 2], oa[mt, 2 * dp, 3] = mma(
-                            pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], b0, b1,
-                            oa[mt, 2 * dp, 0], oa[mt, 2 * dp, 1], oa[mt, 2 * dp, 2], oa[mt, 2 * dp, 3])
-                        oa[mt, 2 * dp + 1, 0], oa[mt, 2 * dp + 1, 1], oa[mt, 2 * dp + 1, 2], oa[mt, 2 * dp + 1, 3] = mma(
-                            pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], b2, b3,
-                            oa[mt, 2 * dp + 1, 0], oa[mt, 2 * dp + 1, 1], oa[mt, 2 * dp + 1, 2], oa[mt, 2 * dp + 1, 3])
-                for dp in range(DP // 2):  # ... and of the second half
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(ring, vaddr + (((2 * (dp + DP // 2) + lhi) ^ (lane & 7)) << 2))
-                    for mt in range(MT):
-                        ob[mt, 2 * dp, 0], ob[mt, 2 * dp, 1], ob[mt, 2 * dp, 2], ob[mt, 2 * dp, 3] = mma(
-                            pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], b0, b1,
-                            ob[mt, 2 * dp, 0], ob[mt, 2 * dp, 1], ob[mt, 2 * dp, 2], ob[mt, 2 * dp, 3])
-                        ob[mt, 2 * dp + 1, 0], ob[mt, 2 * dp + 1, 1], ob[mt, 2 * dp + 1, 2], ob[mt, 2 * dp + 1, 3] = mma(
-                            pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], b2, b3,
-                            ob[mt, 2 * dp + 1, 0], ob[mt, 2 * dp + 1, 1], ob[mt, 2 * dp + 1, 2], ob[mt, 2 * dp + 1, 3])
+                        pa[mt, 0] = pack(sc[mt, 2 * kk, 0], sc[mt, 2 * kk, 1])
+                        pa[mt, 1] = pack(sc[mt, 2 * kk, 2], sc[mt, 2 * kk, 3])
+                        pa[mt, 2] = pack(sc[mt, 2 * kk + 1, 0], sc[mt, 2 * kk + 1, 1])
+                        pa[mt, 3] = pack(sc[mt, 2 * kk + 1, 2], sc[mt, 2 * kk + 1, 3])
+                    for dp in range(DP // 2):  # d-tiles 2 dp, 2 dp + 1 of the first half
+                        b0, b1, b2, b3 = ldmatrix_x4_trans(ring, vaddr + (((2 * dp + lhi) ^ (lane & 7)) << 2))
+                        for mt in range(MT):
+                            oa[mt, 2 * dp, 0], oa[mt, 2 * dp, 1], oa[mt, 2 * dp, 2], oa[mt, 2 * dp, 3] = mma(
+                                pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], b0, b1,
+                                oa[mt, 2 * dp, 0], oa[mt, 2 * dp, 1], oa[mt, 2 * dp, 2], oa[mt, 2 * dp, 3])
+                            oa[mt, 2 * dp + 1, 0], oa[mt, 2 * dp + 1, 1], oa[mt, 2 * dp + 1, 2], oa[mt, 2 * dp + 1, 3] = mma(
+                                pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], b2, b3,
+                                oa[mt, 2 * dp + 1, 0], oa[mt, 2 * dp + 1, 1], oa[mt, 2 * dp + 1, 2], oa[mt, 2 * dp + 1, 3])
+                    for dp in range(DP // 2):  # ... and of the second half
+                        b0, b1, b2, b3 = ldmatrix_x4_trans(ring, vaddr + (((2 * (dp + DP // 2) + lhi) ^ (lane & 7)) << 2))
+                        for mt in range(MT):
+                            ob[mt, 2 * dp, 0], ob[mt, 2 * dp, 1], ob[mt, 2 * dp, 2], ob[mt, 2 * dp, 3] = mma(
+                                pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], b0, b1,
+                                ob[mt, 2 * dp, 0], ob[mt, 2 * dp, 1], ob[mt, 2 * dp, 2], ob[mt, 2 * dp, 3])
+                            ob[mt, 2 * dp + 1, 0], ob[mt, 2 * dp + 1, 1], ob[mt, 2 * dp + 1, 2], ob[mt, 2 * dp + 1, 3] = mma(
+                                pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], b2, b3,
+                                ob[mt, 2 * dp + 1, 0], ob[mt, 2 * dp + 1, 1], ob[mt, 2 * dp + 1, 2], ob[mt, 2 * dp + 1, 3])
 
-            write = read
-            read += STAGE
-            if read == RING:
-                read = 0
+                write = read
+                read += STAGE
+                if read == RING:
+                    read = 0
 
-        # ---- full row sums; write O / l
-        for mt in range(MT):
-            for h in range(2):
-                x = lsum[mt, h]
-                x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 1)
-                x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 2)
-                lsum[mt, h] = x
-        if num_splits == 1:
-            # packed rows into shared memory (swizzled as the tiles), then 16-byte stores
-            cuda.syncthreads()  # every warp is done reading the ring
+            # ---- full row sums; write O / l
             for mt in range(MT):
                 for h in range(2):
-                    r = (warp * MT + mt) * 16 + fg + 8 * h  # r & 7 == fg
-                    inv = float32(1.0) / lsum[mt, h]
-                    for dt in range(DH):
-                        ring[r * W + ((dt ^ fg) << 2) + ft] = pack(oa[mt, dt, 2 * h] * inv, oa[mt, dt, 2 * h + 1] * inv)
-                    for dt in range(DH):
-                        ring[r * W + (((dt + DH) ^ fg) << 2) + ft] = pack(ob[mt, dt, 2 * h] * inv,
-                                                                          ob[mt, dt, 2 * h + 1] * inv)
-            cuda.syncthreads()
-            for i in range(Q_PASSES):
-                r = row0 + RPP * i
-                qi = q0 + r // group
-                hr = r % group
-                if r < rows_used and qi < q_len:
-                    w0, w1, w2, w3 = load_u32x4(ring, r * W + ((chunk ^ (r & 7)) << 2))
-                    dst = ((q_start + qi) * num_heads + head * group + hr) * W + chunk * 4
-                    store_u32x4(out, dst, w0, w1, w2, w3)
-        else:
-            # this part's normalised O (fp32) and log2-sum-exp per row; merged by _build_merge
-            for mt in range(MT):
-                for h in range(2):
-                    r = (warp * MT + mt) * 16 + fg + 8 * h
+                    x = lsum[mt, h]
+                    x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 1)
+                    x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 2)
+                    lsum[mt, h] = x
+            if num_splits == 1:
+                # packed rows into shared memory (swizzled as the tiles), then 16-byte stores; v9 stages them in
+                # this item's Q tile (the next item's tile is in flight into the ring)
+                obase = qs if PERSISTENT else 0
+                cuda.syncthreads()  # every warp is done reading the ring (v9: this item's Q tile, where O goes)
+                for mt in range(MT):
+                    for h in range(2):
+                        r = (warp * MT + mt) * 16 + fg + 8 * h  # r & 7 == fg
+                        inv = float32(1.0) / lsum[mt, h]
+                        for dt in range(DH):
+                            ring[obase + r * W + ((dt ^ fg) << 2) + ft] = pack(oa[mt, dt, 2 * h] * inv, oa[mt, dt, 2 * h + 1] * inv)
+                        for dt in range(DH):
+                            ring[obase + r * W + (((dt + DH) ^ fg) << 2) + ft] = pack(ob[mt, dt, 2 * h] * inv,
+                                                                              ob[mt, dt, 2 * h + 1] * inv)
+                cuda.syncthreads()
+                for i in range(Q_PASSES):
+                    r = row0 + RPP * i
                     qi = q0 + r // group
+                    hr = r % group
                     if r < rows_used and qi < q_len:
-                        row = split * total_rows + (q_start + qi) * num_heads + head * group + r % group
-                        x = lsum[mt, h]
-                        inv = float32(1.0) / x if x > float32(0.0) else float32(0.0)
-                        for dt in range(DH):
-                            part_o[row * D + dt * 8 + 2 * ft] = oa[mt, dt, 2 * h] * inv
-                            part_o[row * D + dt * 8 + 2 * ft + 1] = oa[mt, dt, 2 * h + 1] * inv
-                        for dt in range(DH):
-                            part_o[row * D + (dt + DH) * 8 + 2 * ft] = ob[mt, dt, 2 * h] * inv
-                            part_o[row * D + (dt + DH) * 8 + 2 * ft + 1] = ob[mt, dt, 2 * h + 1] * inv
-                        if ft == 0:
-                            part_lse[row] = m[mt, h] * sl + math.log2(x) if x > float32(0.0) else NEG_INF
+                        w0, w1, w2, w3 = load_u32x4(ring, obase + r * W + ((chunk ^ (r & 7)) << 2))
+                        dst = ((q_start + qi) * num_heads + head * group + hr) * W + chunk * 4
+                        store_u32x4(out, dst, w0, w1, w2, w3)
+            else:
+                # this part's normalised O (fp32) and log2-sum-exp per row; merged by _build_merge
+                for mt in range(MT):
+                    for h in range(2):
+                        r = (warp * MT + mt) * 16 + fg + 8 * h
+                        qi = q0 + r // group
+                        if r < rows_used and qi < q_len:
+                            row = split * total_rows + (q_start + qi) * num_heads + head * group + r % group
+                            x = lsum[mt, h]
+                            inv = float32(1.0) / x if x > float32(0.0) else float32(0.0)
+                            for dt in range(DH):
+                                part_o[row * D + dt * 8 + 2 * ft] = oa[mt, dt, 2 * h] * inv
+                                part_o[row * D + dt * 8 + 2 * ft + 1] = oa[mt, dt, 2 * h + 1] * inv
+                            for dt in range(DH):
+                                part_o[row * D + (dt + DH) * 8 + 2 * ft] = ob[mt, dt, 2 * h] * inv
+                                part_o[row * D + (dt + DH) * 8 + 2 * ft + 1] = ob[mt, dt, 2 * h + 1] * inv
+                            if ft == 0:
+                                part_lse[row] = m[mt, h] * sl + math.log2(x) if x > float32(0.0) else NEG_INF
+
+            # ---- v9: the next item (its Q and first tile are in flight), or the end of the work list
+            if not PERSISTENT:
+                break
+            rnd += 1
+            nxt = item_index(rnd, item, cuda.gridDim.x // num_kv_heads)
+            if nxt >= bound:
+                break
+            s = work[nxt]
+            if s < 0:
+                break
+            tile = work[bound + nxt]
 
     return kernel
 
@@ -893,14 +948,37 @@ def split_plan(num_ctas, max_context_len, num_sms, bn=BN):
 
 
 VERSION = 7  # the version the engine runs: the work list (v7); 6: v5's kernel and the split plan
-KERNEL_VERSIONS = (4, 5, 6, 7, 8)  # the kernels this file builds (v4, v5 are v6's building blocks)
+KERNEL_VERSIONS = (4, 5, 6, 7, 8, 9)  # the kernels this file builds (v4, v5 are v6's building blocks)
 SPLITS_KV = (6, 7, 8)
-PLANNED = (7, 8)  # the versions whose CTAs read a work list (build_plan) instead of searching
+PLANNED = (7, 8, 9)  # the versions whose CTAs read a work list (build_plan) instead of searching
+PERSISTENT = (9,)  # the versions whose CTAs loop over the work list (a grid of at most one wave)
+
+# v9 for short prompts: paged_prefill(short_prompts=True) runs it instead of VERSION where short_plan says
+# so. Off by default (the engine runs VERSION) until the GPU measures where v9 is the faster one.
+SHORT_PROMPTS = False
+SHORT_CONTEXT = 2048  # predicted: v9 where no context is longer (docs/prefill.md, "v9", says why)
+
+
+def short_plan(num_ctas, max_context_len, num_sms):
+    """Whether a launch of v7's shape should run as v9: its grid needs no KV split (split_plan: at least
+    one CTA per SM) and no context is longer than SHORT_CONTEXT, so a work item is a few KV tiles and a
+    CTA's fixed cost (the chain of dependent loads before its first tile, the epilogue) is a large part
+    of an item's time: v9 hides it behind the item before. Longer items amortise it themselves, and
+    v9's static order (item_index) balances them worse than the hardware's dispatch of v7's CTAs."""
+    return num_ctas >= num_sms and max_context_len <= SHORT_CONTEXT
+
+
+def persistent_grid(items, num_kv_heads, num_sms, ctas=None):
+    """v9's grid x: CTAs per KV head (at most the items; by default one wave of LAUNCH_BOUNDS[1] per SM
+    over all heads; ctas: a test's or a bench's override) times num_kv_heads."""
+    per_head = max(1, LAUNCH_BOUNDS[1] * num_sms // num_kv_heads) if ctas is None else ctas
+    return min(items, per_head) * num_kv_heads
 
 
 def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse, work,
-           num_heads, num_kv_heads, head_dim, block_size, scale, kind, splits=1, stream=0, stages=None):
-    """Launch on raw arrays, no checks (v7: the plan kernel, then attention, then the merge of a split).
+           num_heads, num_kv_heads, head_dim, block_size, scale, kind, splits=1, stream=0, stages=None,
+           planned=False, num_sms=None, ctas=None):
+    """Launch on raw arrays, no checks (v7+: the plan kernel, then attention, then the merge of a split).
 
     q, out: 1-D uint32 views of [total_q, num_heads, head_dim], 16-byte aligned
     k_cache, v_cache: 1-D uint32 views of [num_blocks, num_kv_heads, block_size, head_dim]
@@ -909,6 +987,9 @@ def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
         [splits * total_q * num_heads] (any 1-element arrays when splits == 1)
     work: int32 [plan_words(total_q, num_seqs, group, version, head_dim)] for v7 (PLANNED): the
         work list's space; any 1-element array before
+    planned: `work` already holds this launch's work list (the plan of the same cu_seqlens_q, tile shape
+        and sizes, built by an earlier launch of the step): the plan kernel is not launched again
+    num_sms, ctas: v9's grid (persistent_grid); without num_sms one CTA per item (correct, not persistent)
     numba device arrays or contiguous torch tensors of those dtypes (numpy in the simulator).
     """
     total_q = q.shape[0] // (num_heads * head_dim // 2)
@@ -917,8 +998,13 @@ def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
         return
     group = num_heads // num_kv_heads
     items = num_tiles_bound(total_q, num_seqs, group, version, head_dim)
-    grid = (items * num_kv_heads, 1, splits)
-    if version in PLANNED:
+    if version in PERSISTENT and splits != 1:
+        raise KernelLaunchError(f"v{version} does not split the KV range (splits={splits})")
+    x = items * num_kv_heads
+    if version in PERSISTENT and (num_sms is not None or ctas is not None):
+        x = persistent_grid(items, num_kv_heads, num_sms or 1, ctas)
+    grid = (x, 1, splits)
+    if version in PLANNED and not planned:
         bq = tile_rows(version, head_dim) // group
         launch_kernel(get_plan(), 1, PLAN_THREADS, (cu_seqlens_q, bq, work), stream)
     kernel = get_kernel(version, head_dim, kind, block_size, stages)
@@ -945,7 +1031,7 @@ def _words(name, t):
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
-                  validate=False, max_context_len=None, splits=None, stages=None):
+                  validate=False, max_context_len=None, splits=None, stages=None, plans=None, short_prompts=None):
     """Causal prefill attention over the paged pool (new K/V already written): VERSION, the engine's kernel.
 
     q: [total_q, num_heads, head_dim] float16/bfloat16, the chunks of num_seqs sequences packed
@@ -959,17 +1045,39 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     max_context_len: an upper bound of context_lens for the split plan (default max_blocks * block_size)
     splits: force the number of KV parts (tests); None: split_plan
     stages: override the ring's number of stages (2; bench sweeps, tests)
+    plans: a dict that lives as long as one step's metadata (pagedattn's AttentionMetadata.prefill_plans):
+        the first launch of the step stores its work list there, the step's later launches (its other
+        layers) reuse it instead of launching the plan kernel again. Never share one across steps.
+    short_prompts: run v9 where short_plan says so (default SHORT_PROMPTS)
     Returns out [total_q, num_heads, head_dim] in q's dtype. Runs on torch's current stream; with
     validate=False (or while capturing) there is no host sync.
     """
-    return launch_torch(VERSION, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, validate,
-                        max_context_len, splits, stages)
+    version = VERSION
+    if SHORT_PROMPTS if short_prompts is None else short_prompts:
+        version = choose_version(q, k_cache, block_tables, context_lens, max_context_len, splits)
+    return launch_torch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, validate,
+                        max_context_len, splits, stages, plans)
+
+
+def choose_version(q, k_cache, block_tables, context_lens, max_context_len=None, splits=None):
+    """9 where short_plan picks v9 for this launch (from shapes and max_context_len: no host sync), else VERSION."""
+    if splits not in (None, 1) or q.dim() != 3 or k_cache.dim() != 4 or q.shape[1] % k_cache.shape[1]:
+        return VERSION  # launch_torch reports what is wrong
+    total_q, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    if head_dim not in HEAD_DIMS or num_heads // num_kv_heads > tile_rows(9, head_dim):
+        return VERSION
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * block_size
+    ctas = num_tiles_bound(total_q, context_lens.shape[0], num_heads // num_kv_heads, 9, head_dim) * num_kv_heads
+    return 9 if short_plan(ctas, max_context_len, bridge.num_sms(q.device)) else VERSION
 
 
 def launch_torch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
-                 validate=False, max_context_len=None, splits=None, stages=None):
+                 validate=False, max_context_len=None, splits=None, stages=None, plans=None, ctas=None):
     """The kernel of `version` (KERNEL_VERSIONS) on torch tensors: paged_prefill's arguments after
-    the version. paged_prefill runs VERSION; the journey (prefill_journey.py) runs the others here."""
+    the version. paged_prefill runs VERSION; the journey (prefill_journey.py) runs the others here.
+    ctas: v9's CTAs per KV head (persistent_grid; tests and bench sweeps)."""
     out, group = check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, HEAD_DIMS, BLOCK_SIZES)
     total_q, num_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
@@ -988,15 +1096,15 @@ def launch_torch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
     if splits is None:
         splits = 1
         if version in SPLITS_KV:
-            ctas = num_tiles_bound(total_q, num_seqs, group, version, head_dim) * num_kv_heads
-            splits = split_plan(ctas, max_context_len, bridge.num_sms(q.device),
+            ctas_needed = num_tiles_bound(total_q, num_seqs, group, version, head_dim) * num_kv_heads
+            splits = split_plan(ctas_needed, max_context_len, bridge.num_sms(q.device),
                                 version_config(version, head_dim).bn)
     elif version not in SPLITS_KV and splits != 1:
         raise KernelLaunchError(f"splits={splits}: only v{SPLITS_KV} split the KV range")
     rows = total_q * num_heads
     part_o = torch.empty(splits * rows * head_dim if splits > 1 else 1, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(splits * rows if splits > 1 else 1, dtype=torch.float32, device=q.device)
-    work = torch.empty(plan_words(total_q, num_seqs, group, version, head_dim), dtype=torch.int32, device=q.device)
+    work, planned = work_list(plans, version, cu_seqlens_q, total_q, num_seqs, group, head_dim, q.device)
     q_c = q.contiguous()
     if q_c.data_ptr() % 16:
         q_c = q_c.clone()
@@ -1005,7 +1113,24 @@ def launch_torch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
     launch(version, _words("q", q_c), _words("k_cache", k_cache), _words("v_cache", v_cache),
            block_tables.contiguous(), cu_seqlens_q.contiguous(), context_lens.contiguous(), _words("out", target),
            part_o, part_lse, work, num_heads, num_kv_heads, head_dim, block_size, scale, DTYPES[q.dtype], splits,
-           bridge.torch_stream(q.device), stages)
+           bridge.torch_stream(q.device), stages, planned, bridge.num_sms(q.device), ctas)
     if target is not out:
         out.copy_(target)
     return out
+
+
+def work_list(plans, version, cu_seqlens_q, total_q, num_seqs, group, head_dim, device):
+    """(work, planned): the int32 work list's space for a launch of `version`, and whether it already holds
+    the plan (an earlier launch of the same step built it: plans[key], keyed on what the plan depends on,
+    the cu_seqlens_q tensor, the tile's queries and the sizes, and on whether a CUDA graph is being
+    captured: a plan written outside a capture is not one a graph's replay would rebuild, and one written
+    inside it holds nothing until the graph replays)."""
+    words = plan_words(total_q, num_seqs, group, version, head_dim)
+    if plans is None or version not in PLANNED:
+        return torch.empty(words, dtype=torch.int32, device=device), False
+    key = ("work", cu_seqlens_q.data_ptr(), str(device), tile_rows(version, head_dim) // group, total_q,
+           num_seqs, bridge.capturing())
+    if key in plans:
+        return plans[key], True
+    work = plans[key] = torch.empty(words, dtype=torch.int32, device=device)
+    return work, False
