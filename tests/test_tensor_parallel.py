@@ -232,6 +232,206 @@ def test_fused_all_reduce_add_rms_norm_equals_unfused_on_gloo():
                        start_method="spawn")
 
 
+# ---- the fused path wired into the model ----------------------------------------------------------
+FUSED_ENV = "PAGEDATTN_FUSED_ALLREDUCE"
+
+
+def test_fused_allreduce_threshold_and_env(monkeypatch):
+    """auto: on CUDA, steps whose [T, hidden] message is >= FUSED_MIN_BYTES (decode steps of <= 256 rows
+    stay below it at every Qwen2 width), off on gloo; on / off / N override it; one rank: never."""
+    from pagedattn.distributed import allreduce_norm as arn
+
+    monkeypatch.delenv(FUSED_ENV, raising=False)
+    seven_b = arn.fused_allreduce_for(2, "cuda", torch.float16, 3584)
+    assert seven_b.min_tokens == 2341 and 2341 * 3584 * 2 >= arn.FUSED_MIN_BYTES > 2340 * 3584 * 2
+    assert arn.fused_allreduce_for(2, "cuda", torch.float16, 896).min_tokens == 9363
+    assert arn.fused_allreduce_for(2, "cuda", torch.float32, 896).min_tokens == 4682
+    assert min(arn.default_min_tokens(h, 2, "cuda") for h in (896, 1536, 3584, 8192)) > 256
+    assert arn.fused_allreduce_for(2, "cpu", torch.float32, 64) is None
+    assert arn.fused_allreduce_for(1, "cuda", torch.float16, 3584) is None
+    for value, want in (("on", 1), ("off", None), ("auto", 2341), ("700", 700), ("0", None)):
+        monkeypatch.setenv(FUSED_ENV, value)
+        got = arn.fused_allreduce_for(2, "cuda", torch.float16, 3584)
+        assert (got and got.min_tokens) == want, (value, got)
+    monkeypatch.setenv(FUSED_ENV, "sometimes")
+    with pytest.raises(ValueError, match=FUSED_ENV):
+        arn.fused_allreduce_for(2, "cpu", torch.float32, 64)
+    assert arn.fused_allreduce_for(2, "cpu", torch.float32, 64, min_tokens=3).takes(3)       # the argument wins
+    assert not arn.fused_allreduce_for(2, "cpu", torch.float32, 64, min_tokens=3).takes(2)
+
+
+FUSED_LAYER_PROMPTS = [1, 5, 17, 40]   # steps of 63 (odd: a padding row), 4 and 1 rows
+FUSED_LAYER_CHUNKS = [None, 12]         # whole prompts; 12-token chunks starting mid-block (8-token blocks)
+
+
+class _PiecewiseRunner:
+    """What PiecewiseGraphs reads of a ModelRunner."""
+
+    def __init__(self, model, config, kv_cache, world_size):
+        self.model, self.model_config, self.kv_cache, self.world_size = model, config, kv_cache, world_size
+        self.device = torch.device("cpu")
+
+
+def _fused_sites(model, T, record):
+    """Forward hooks recording, per layer, the attention output, the MLP output and the hidden state after the
+    layer (x + residual), whole: a step that `model` fuses has self_attn / mlp return partial sums and the
+    layer return (partial sum, this rank's residual rows), so the hooks reduce and gather them (collectives
+    inside hooks: every rank runs the same hooks in the same order)."""
+    import torch.distributed as dist
+
+    from pagedattn.distributed.allreduce_norm import gather_rows, token_rows
+
+    fused = model.fused_allreduce is not None and model.fused_allreduce.takes(T)
+
+    def whole(t):
+        t = t.clone()
+        if fused:
+            dist.all_reduce(t)
+        return t
+
+    def layer_out(module, args, output):
+        x, residual = output
+        if fused:
+            assert residual.shape[0] == token_rows(T, dist.get_world_size()), residual.shape   # rows, not all
+            residual = gather_rows(residual, T)
+        return x if not fused else whole(x), residual
+
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        handles += [layer.self_attn.register_forward_hook(
+                        lambda m, a, o, i=i: record.__setitem__(f"L{i} attn", whole(o))),
+                    layer.mlp.register_forward_hook(lambda m, a, o, i=i: record.__setitem__(f"L{i} mlp", whole(o))),
+                    layer.register_forward_hook(
+                        lambda m, a, o, i=i: record.__setitem__(f"L{i} out", torch.add(*layer_out(m, a, o))))]
+    return handles
+
+
+def _run_fused_plan(model, config, plan, tokens, tables, num_blocks, block_size, world_size, piecewise=False):
+    """Run the plan's steps through `model` (or through PiecewiseGraphs' pieces, graphs off); returns one
+    {site: tensor} per step (the pieces: the final hidden state only)."""
+    from pagedattn.engine.piecewise_graph import PiecewiseGraphs
+    from pagedattn.kv_cache import KVCache
+    from pagedattn.layers.attention import AttentionMetadata
+
+    kv = KVCache(config.num_hidden_layers, num_blocks, config.num_key_value_heads // world_size, block_size,
+                 config.head_dim, dtype=torch.float32, device="cpu")
+    for pool in kv.k_caches + kv.v_caches:
+        pool.fill_(float("nan"))                    # a read past a sequence's end poisons the output
+    runner = _PiecewiseRunner(model, config, kv, world_size)
+    pieces = PiecewiseGraphs(runner, 64, graphs=False) if piecewise else None
+    steps = []
+    for step in plan:
+        ids = torch.tensor([t for s, start, q, _ in step for t in tokens[s][start:start + q]])          # (T,)
+        pos = torch.tensor([p for _, start, q, _ in step for p in range(start, start + q)])              # (T,)
+        meta = AttentionMetadata.build([q for _, _, q, _ in step], [start + q for _, start, q, _ in step],
+                                       [tables[s] for s, *_ in step], block_size,
+                                       sum(prefill for *_, prefill in step), "cpu")
+        record, T = {}, len(ids)
+        with torch.inference_mode(), model.ops.step_scope(T):
+            if pieces is not None:
+                record["hidden"] = pieces.forward(ids.int(), pos.int(), meta.slot_mapping, meta).clone()
+            else:
+                handles = _fused_sites(model, T, record)
+                try:
+                    record["hidden"] = model.forward(ids, pos, kv, meta).clone()
+                finally:
+                    for h in handles:
+                        h.remove()
+        steps.append(record)
+    return steps
+
+
+def _fused_layers_rank(rank, world_size, init_method, ckpt):
+    """One gloo rank: the tiny model loaded twice (PAGEDATTN_FUSED_ALLREDUCE=on, =off) runs the same steps;
+    every recorded site of every step must be equal (see the test)."""
+    import torch.distributed as dist
+
+    from pagedattn.models.loader import load_model
+    from scripts.tp_layer_diff import make_inputs, make_plan
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        models = {}
+        for mode in ("on", "off"):
+            os.environ[FUSED_ENV] = mode
+            models[mode], config = load_model(ckpt, "cpu", torch.float32, "auto", rank, world_size)
+        assert models["on"].fused_allreduce.min_tokens == 1 and models["off"].fused_allreduce is None
+        block_size = 8
+        for chunk in FUSED_LAYER_CHUNKS:
+            plan = make_plan(FUSED_LAYER_PROMPTS, 2, chunk)
+            plan[-1] = plan[-1][:1]                                        # a 1-token step
+            tokens, tables, num_blocks = make_inputs(FUSED_LAYER_PROMPTS, 2, config.vocab_size, block_size, 0)
+            args = (config, plan, tokens, tables, num_blocks, block_size, world_size)
+            runs = {mode: _run_fused_plan(models[mode], *args) for mode in models}
+            runs.update({f"{mode} pieces": _run_fused_plan(models[mode], *args, piecewise=True) for mode in models})
+            for k, step in enumerate(plan):
+                T = sum(q for _, _, q, _ in step)
+                want = runs["off"][k]
+                for run in ("on", "on pieces", "off pieces"):
+                    got = runs[run][k]
+                    base = want if run == "on" else runs["off pieces"][k]
+                    for site in got:
+                        a, b = got[site], base[site]
+                        assert a.shape == b.shape, (chunk, k, T, run, site, a.shape, b.shape)
+                        assert torch.equal(a, b), (f"chunk {chunk} step {k} (T={T}) {run} {site}: max |diff| "
+                                                   f"{(a - b).abs().max().item():.3g} of {b.abs().max().item():.3g}")
+                assert len(want) == 3 * config.num_hidden_layers + 1
+                assert torch.isfinite(want["hidden"]).all()
+                # the pieces' GEMMs see the padded row count: within float32 rounding of the forward
+                assert torch.allclose(runs["off pieces"][k]["hidden"], want["hidden"], rtol=0, atol=1e-5 *
+                                      float(want["hidden"].abs().max())), (chunk, k)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fused_allreduce_model_equals_unfused_layer_by_layer_on_gloo(tiny_checkpoint):  # noqa: F811
+    """Two gloo ranks, the tiny model in float32 loaded with the fused path forced on and off, the same steps:
+    ragged whole prompts (63 rows: a padding row), 12-token chunks starting mid-block over cached tokens,
+    decode steps of 4 rows and a 1-token step (one real row, rank 1 holds only padding). Every layer's
+    attention output, MLP output and hidden state (partial sums reduced and residual rows gathered in the
+    hooks) and the final hidden state equal the unfused path's bit for bit: at P = 2 every sum is one
+    two-term addition in either path, the norms work row by row and every GEMM sees the same rows, so
+    float32 allows no difference. The same through the forward's halves (PiecewiseGraphs' pieces, graphs
+    off, padded to 16-64 rows): fused equal to unfused, and within float32 rounding of the forward."""
+    import torch.multiprocessing as mp
+
+    from pagedattn.distributed.parallel import free_port
+
+    mp.start_processes(_fused_layers_rank, args=(TP, f"tcp://127.0.0.1:{free_port()}", tiny_checkpoint), nprocs=TP,
+                       join=True, start_method="spawn")
+
+
+ONE_TOKEN = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def test_fused_allreduce_engine_at_tp2_equals_tp1(tiny_checkpoint, monkeypatch):  # noqa: F811
+    """The engine at TP=2 with the fused path forced on for every step (PAGEDATTN_FUSED_ALLREDUCE=on, read by
+    both ranks' model builds): the workload (ragged prompts, padding rows, chunked prefill, a prefix-cache
+    hit, n=2 forks), a 1-token prompt alone (1-row steps) and beam search give TP=1's token ids, float32."""
+    from pagedattn.sampling_params import BeamSearchParams
+
+    beams = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+    tp1 = LLM(tiny_checkpoint, **ENGINE_ARGS)
+    expected = (run_workload(tp1), tp1.generate([[9]], ONE_TOKEN, use_tqdm=False)[0].outputs[0].token_ids,
+                tp1.beam_search(BEAM_PROMPTS, beams, use_tqdm=False))
+    monkeypatch.setenv(FUSED_ENV, "on")
+    with LLM(tiny_checkpoint, tensor_parallel_size=TP, **ENGINE_ARGS) as llm:
+        model = llm.engine.executor.runner.model
+        assert model.fused_allreduce.min_tokens == 1
+        assert model.model.layers[0].mlp.down_proj.fused is model.model.norm.fused is model.fused_allreduce
+        got = (run_workload(llm), llm.generate([[9]], ONE_TOKEN, use_tqdm=False)[0].outputs[0].token_ids,
+               llm.beam_search(BEAM_PROMPTS, beams, use_tqdm=False))
+        assert llm.metrics()["kv_cache_usage"] == 0
+    for i, (e, g) in enumerate(zip(expected[0], got[0])):
+        assert e == g, f"sequence {i}: TP=1 {e} != TP={TP} fused {g}"
+    assert expected[1] == got[1]
+    for i, (e, g) in enumerate(zip(expected[2], got[2])):
+        for b, (se, sg) in enumerate(zip(e.sequences, g.sequences)):
+            assert se.output_token_ids == sg.output_token_ids, f"prompt {i} beam {b}"
+            assert sg.cumulative_logprob == pytest.approx(se.cumulative_logprob, rel=1e-5, abs=1e-5)
+
+
 @pytest.mark.slow
 def test_bench_allreduce_norm_runs_on_gloo():
     """scripts/bench_allreduce_norm.py (the GPU timing of the fused step) on two CPU ranks, tiny shapes: it

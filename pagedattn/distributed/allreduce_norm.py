@@ -25,11 +25,32 @@ partials, the same row-wise norm (tests/test_tensor_parallel.py checks it on glo
 
 On gloo (CPU) the collectives are torch.distributed's; on NCCL they are the same calls, so the path runs
 unchanged on GPUs, where the model's fused add-norm kernel runs on the rank's rows.
-Using it in the model means carrying the residual as rows between layers (Qwen2DecoderLayer.forward, the
-first layer's input and the final norm): the model code's change, not made here.
+
+In the model (pagedattn/models/qwen2.py) a FusedAllReduceNorm, made once at build by fused_allreduce_for(),
+says which steps take the path: those of at least `min_tokens` rows. The modules it is handed to decide
+from the step's row count alone, so every module of a step, and every rank, decides the same way:
+o_proj / down_proj (RowParallelLinear) leave their partial sums un-reduced, the norms after them
+(RMSNorm with a residual) run all_reduce_add_rms_norm, the first layer keeps its rows of the embedding
+(shard_rows) and the final norm's all-gather returns the whole normed hidden state.
+
+The default threshold (auto) comes from a cost model, not yet from a GPU measurement. Both paths move the
+same bytes over the wire; the fused one adds a second collective (several microseconds of NCCL latency
+and launch) and saves (P-1)/P of the add-norm's memory traffic (it reads x and the residual and writes
+both: 4 messages of [T, hidden]), 2 messages at P = 2: ~8 us for a 16 MiB message at ~4 TB/s. So on CUDA
+the path pays only for messages of FUSED_MIN_BYTES or more: T >= 16 MiB / (hidden · itemsize), 2341 rows
+for Qwen2-7B in fp16 (large prompt steps), 9363 for the 0.5B (beyond the 8192-token budget: never). Decode
+steps (at most max_num_seqs = 256 rows by default: < 2 MB) keep the one all-reduce. On gloo (CPU) two
+collectives cost more than one at every size measured (docs/tensor_parallel.md), so auto is off there. PAGEDATTN_FUSED_ALLREDUCE=auto|on|off|N overrides it (on: every
+step; N: steps of >= N rows), read when the model is built. A CUDA graph's capture (decode steps) always
+keeps the all-reduce.
 """
+import os
+
 import torch
 import torch.distributed as dist
+
+FUSED_MIN_BYTES = 16 << 20          # auto on CUDA: steps whose [T, hidden] message is at least this big
+ENV = "PAGEDATTN_FUSED_ALLREDUCE"   # auto | on | off | N (steps of >= N rows)
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -79,3 +100,58 @@ def all_reduce_add_rms_norm(partial, residual_rows, weight, eps, add_norm, group
     _reduce_scatter(summed, _padded(partial, rows, P).contiguous(), group=group)
     normed_rows, residual_rows = add_norm(summed, residual_rows, weight, eps)   # (rows, hidden) each
     return gather_rows(normed_rows, T, group), residual_rows
+
+
+class FusedAllReduceNorm:
+    """Which steps run a row-parallel layer's all-reduce fused with the add + RMSNorm after it: those of at
+    least min_tokens rows (>= 1), except inside a CUDA graph's capture (cuda: the model is on a GPU).
+    One object is shared by a model's RowParallelLinear and RMSNorm modules (see the module docstring)."""
+
+    def __init__(self, min_tokens, cuda=False):
+        assert min_tokens >= 1, min_tokens
+        self.min_tokens, self.cuda = min_tokens, cuda
+
+    def takes(self, num_tokens):
+        """Whether a step of num_tokens rows runs fused (the same answer on every rank and in every module)."""
+        if num_tokens < self.min_tokens:
+            return False
+        return not (self.cuda and torch.cuda.is_current_stream_capturing())
+
+    def __repr__(self):
+        return f"FusedAllReduceNorm(min_tokens={self.min_tokens})"
+
+
+def default_min_tokens(hidden_size, itemsize, device_type):
+    """auto's threshold: rows of a FUSED_MIN_BYTES message on CUDA; 0 (off) elsewhere (gloo)."""
+    if device_type != "cuda":
+        return 0
+    return -(-FUSED_MIN_BYTES // (hidden_size * itemsize))
+
+
+def min_tokens_from_env(default):
+    """PAGEDATTN_FUSED_ALLREDUCE as a row threshold: auto (or unset) -> default, on -> 1, off -> 0, N -> N."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return default
+    if value in ("on", "off"):
+        return 1 if value == "on" else 0
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{ENV}={value!r}: expected auto, on, off or a row count >= 0")
+    return n
+
+
+def fused_allreduce_for(tp_size, device, dtype, hidden_size, min_tokens=None):
+    """The FusedAllReduceNorm of a model of tp_size ranks on `device` in `dtype`, or None where no step
+    fuses (tp_size 1, a threshold of 0). min_tokens: None -> PAGEDATTN_FUSED_ALLREDUCE, else auto
+    (default_min_tokens); 0 -> off; n -> steps of >= n rows."""
+    if tp_size == 1:
+        return None
+    device = torch.device(device)
+    if min_tokens is None:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        min_tokens = min_tokens_from_env(default_min_tokens(hidden_size, itemsize, device.type))
+    return FusedAllReduceNorm(min_tokens, cuda=device.type == "cuda") if min_tokens > 0 else None

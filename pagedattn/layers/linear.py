@@ -7,13 +7,15 @@ With P = tp_size ranks, rank r = tp_rank holds (P = 1: the whole layer, no commu
                                  each sliced per rank: rank r holds [gate_r; up_r]
     QKVParallelLinear            the same for q, k, v: [q heads of rank r; its k heads; its v heads]
     RowParallelLinear            columns [r in/P, (r+1) in/P): partial sums all-reduced over the default
-                                 process group (the bias, if any, added once, by rank 0)
+                                 process group (the bias, if any, added once, by rank 0), or, in a step
+                                 that fuses the all-reduce with the norm after it, left un-reduced
     VocabParallelEmbedding       vocab rows [r V/P, (r+1) V/P): other ids give 0 and the all-reduce fills them
     ParallelLMHead               the same rows: [N, V/P] logits all-gathered into [N, V]
 
-So a decoder layer costs two all-reduces of [T, hidden] (after o_proj and after down_proj); attention needs
-none, because a rank's query heads read only its own KV heads (GQA groups never straddle ranks when H/P and
-Hkv/P are whole).
+So a decoder layer costs two all-reduces of [T, hidden] (after o_proj and after down_proj; in a large step
+each may be a reduce-scatter and an all-gather around the add + RMSNorm after it instead:
+pagedattn/distributed/allreduce_norm.py); attention needs none, because a rank's query heads read only its
+own KV heads (GQA groups never straddle ranks when H/P and Hkv/P are whole).
 
 Loading: `weight_loader(param, loaded, shard_id=None)` copies this rank's part of ONE checkpoint tensor
 into `param` (`shard_id` names the part of a merged layer: "q"/"k"/"v", or 0/1 for gate/up). `loaded` is a
@@ -103,10 +105,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """input_size / tp_size features of the input -> all output features, summed over ranks."""
+    """input_size / tp_size features of the input -> all output features, summed over ranks.
 
-    def __init__(self, input_size, output_size, bias, tp_rank, tp_size, ops):
+    fused: None, or the model's FusedAllReduceNorm (pagedattn/distributed/allreduce_norm.py): in a step it
+    takes, the output is this rank's partial sum, un-reduced, for the RMSNorm after this layer to reduce
+    (all_reduce_add_rms_norm); give it only to a layer whose every output goes to such a norm."""
+
+    def __init__(self, input_size, output_size, bias, tp_rank, tp_size, ops, fused=None):
         super().__init__(divide(input_size, tp_size, "input_size"), output_size, bias, tp_rank, tp_size, ops)
+        self.fused = fused
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 1:                                                  # the bias: whole on every rank
@@ -116,7 +123,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x):                                                     # (T, in/P) -> (T, out)
         y = self.ops.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and not (self.fused is not None and self.fused.takes(x.shape[0])):
             dist.all_reduce(y)
         return y
 

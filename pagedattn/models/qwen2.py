@@ -25,13 +25,21 @@ dtype: the model's ops table (pagedattn/layers/ops.py), handed to every layer at
 the same layers run as torch ops with the same math.
 Tensor parallelism: built for rank tp_rank of tp_size (pagedattn/layers/linear.py); the checkpoint stays
 Hugging Face's (q_proj / k_proj / v_proj and gate_proj / up_proj are merged at load time:
-`packed_modules_mapping`, pagedattn/models/loader.py).
+`packed_modules_mapping`, pagedattn/models/loader.py). Steps of many rows may fuse the all-reduces after
+o_proj and down_proj with the norms after them (`model.fused_allreduce`): then the residual stream between
+layers is each rank's rows of it, and the layers pass partial sums (pagedattn/distributed/allreduce_norm.py):
+
+    x, residual_rows = input_layernorm(x_partial, residual_rows)   reduce-scatter, add + norm, all-gather
+    x_partial = o_proj(...)                                        no all-reduce
+    x, residual_rows = post_attention_layernorm(x_partial, residual_rows)
+    x_partial = down_proj(...)                                     no all-reduce
 """
 from dataclasses import MISSING, dataclass, fields
 
 import torch
 from torch import nn
 
+from pagedattn.distributed.allreduce_norm import fused_allreduce_for, shard_rows
 from pagedattn.errors import ModelLoadError
 from pagedattn.layers.activation import SiluAndMul
 from pagedattn.layers.linear import (
@@ -126,20 +134,21 @@ def checkpoint_shapes(config):
 
 
 class Qwen2Attention(nn.Module):
-    def __init__(self, config, rotary_emb, ops, tp_rank=0, tp_size=1, skinny=None):
+    def __init__(self, config, rotary_emb, ops, tp_rank=0, tp_size=1, skinny=None, fused=None):
         super().__init__()
         D = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, D, config.num_attention_heads,
                                           config.num_key_value_heads, True, tp_rank, tp_size, ops)
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, D
         self.o_proj = RowParallelLinear(config.num_attention_heads * D, config.hidden_size, False, tp_rank, tp_size,
-                                        ops)
+                                        ops, fused)
         self.rotary_emb = rotary_emb                     # shared by every layer (one cos/sin cache)
         self.ops, self.skinny = ops, skinny
 
     def forward(self, positions, x, k_cache, v_cache, attn_metadata, prologue=None):
-        """x (T, hidden) -> o_proj's output (T, hidden). prologue: None, or (the few-row path) the input norm
-        that the q/k/v GEMM applies to x first (a skinny_decode.Prologue); o_proj then runs as a skinny GEMM."""
+        """x (T, hidden) -> o_proj's output (T, hidden) (this rank's partial sum in a step whose all-reduce
+        is fused with the norm after it). prologue: None, or (the few-row path) the input norm that the
+        q/k/v GEMM applies to x first (a skinny_decode.Prologue); o_proj then runs as a skinny GEMM."""
         q = self.project_q(positions, x, k_cache, v_cache, attn_metadata.slot_mapping, prologue)
         o = self.ops.attention(q, k_cache, v_cache, attn_metadata)          # (T, H, D)
         return self.project_out(o, skinny=prologue is not None)
@@ -162,12 +171,12 @@ class Qwen2Attention(nn.Module):
 
 
 class Qwen2MLP(nn.Module):
-    def __init__(self, config, ops, tp_rank=0, tp_size=1, skinny=None):
+    def __init__(self, config, ops, tp_rank=0, tp_size=1, skinny=None, fused=None):
         super().__init__()
         I = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [I, I], False, tp_rank, tp_size, ops)
         self.act_fn = SiluAndMul(ops)
-        self.down_proj = RowParallelLinear(I, config.hidden_size, False, tp_rank, tp_size, ops)
+        self.down_proj = RowParallelLinear(I, config.hidden_size, False, tp_rank, tp_size, ops, fused)
         self.skinny = skinny
 
     def forward(self, x, prologue=None):                                    # SwiGLU: (T, hidden) -> (T, hidden)
@@ -180,19 +189,22 @@ class Qwen2MLP(nn.Module):
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, config, rotary_emb, ops, tp_rank=0, tp_size=1, skinny=None):
+    def __init__(self, config, rotary_emb, ops, tp_rank=0, tp_size=1, skinny=None, fused=None):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Qwen2Attention(config, rotary_emb, ops, tp_rank, tp_size, skinny)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = Qwen2MLP(config, ops, tp_rank, tp_size, skinny)
-        self.skinny = skinny
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, fused)
+        self.self_attn = Qwen2Attention(config, rotary_emb, ops, tp_rank, tp_size, skinny, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, fused)
+        self.mlp = Qwen2MLP(config, ops, tp_rank, tp_size, skinny, fused)
+        self.skinny, self.fused, self.tp_rank, self.tp_size = skinny, fused, tp_rank, tp_size
 
     def forward(self, positions, x, residual, k_cache, v_cache, attn_metadata):
         """x: (T, hidden), the previous layer's output; residual: the residual stream before it (None in
         the first layer, whose input x is the embedding). Returns this layer's (output, residual stream).
-        A step of few rows (self.skinny.takes(T)) runs the norms inside the GEMMs after them
-        (pagedattn/layers/skinny_decode.py); self_attn and mlp return the same quantities either way."""
+        A step of few rows (self.skinny.takes(T), one rank) runs the norms inside the GEMMs after them
+        (pagedattn/layers/skinny_decode.py); self_attn and mlp return the same quantities either way.
+        A step whose all-reduces are fused with the norms after them (self.fused.takes(T), several ranks)
+        carries the residual stream as this rank's rows [token_rows(T, P), hidden], and x, the output of
+        self_attn and of mlp are this rank's partial sums (pagedattn/distributed/allreduce_norm.py)."""
         if self.skinny is not None and self.skinny.takes(x.shape[0]):
             prologue, residual = self.skinny.prologue(self.input_layernorm, x, residual)
             x = self.self_attn(positions, x, k_cache, v_cache, attn_metadata, prologue)
@@ -204,13 +216,16 @@ class Qwen2DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
     def _input_norm(self, x, residual):
-        if residual is None:
+        if residual is None:                              # the first layer: x is the (all-reduced) embedding
+            if self.fused is not None and self.fused.takes(x.shape[0]):
+                return self.input_layernorm(x), shard_rows(x, self.tp_rank, self.tp_size)
             return self.input_layernorm(x), x
         return self.input_layernorm(x, residual)
 
     # The layer in two halves around its attention (pagedattn.engine.piecewise_graph captures the halves)
     def before_attention(self, positions, x, residual, k_cache, v_cache, slot_mapping):
-        """-> (q (T, H, D), residual): the input norm, the q/k/v projection, rotary, the K/V write."""
+        """-> (q (T, H, D), residual): the input norm, the q/k/v projection, rotary, the K/V write (x and
+        residual as forward's)."""
         x, residual = self._input_norm(x, residual)
         return self.self_attn.project_q(positions, x, k_cache, v_cache, slot_mapping), residual
 
@@ -221,13 +236,14 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, config, ops, tp_rank=0, tp_size=1, skinny=None):
+    def __init__(self, config, ops, tp_rank=0, tp_size=1, skinny=None, fused=None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size, ops)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
-        self.layers = nn.ModuleList([Qwen2DecoderLayer(config, self.rotary_emb, ops, tp_rank, tp_size, skinny)
+        self.layers = nn.ModuleList([Qwen2DecoderLayer(config, self.rotary_emb, ops, tp_rank, tp_size, skinny,
+                                                       fused)
                                      for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, fused)    # gathers the rows when fused
 
 
 class Qwen2ForCausalLM(nn.Module):
@@ -239,8 +255,11 @@ class Qwen2ForCausalLM(nn.Module):
     ops table `model.ops` (pagedattn.layers.ops) that every layer gets at construction; `model.attn_backend`
     is the resolved backend. `model.skinny`: the few-row layer path (pagedattn.layers.skinny_decode), or None
     where it does not apply; skinny_rows: its row threshold (None: the module's default or
-    PAGEDATTN_SKINNY_ROWS; 0: off). Parameters are created uninitialised: load them
-    (pagedattn.models.loader.load_model).
+    PAGEDATTN_SKINNY_ROWS; 0: off). `model.fused_allreduce`: at tp_size > 1, which steps run the
+    all-reduces after o_proj and down_proj fused with the add + RMSNorm after them (a FusedAllReduceNorm,
+    pagedattn/distributed/allreduce_norm.py), or None; fused_allreduce_min_tokens: steps of at least this
+    many rows (None: PAGEDATTN_FUSED_ALLREDUCE, else the module's default; 0: off). Parameters are created
+    uninitialised: load them (pagedattn.models.loader.load_model).
     """
 
     # checkpoint name -> (parameter name, shard id) for the weights merged at load time
@@ -249,7 +268,8 @@ class Qwen2ForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, attn_backend="auto", tp_rank=0, tp_size=1, weights="float32", skinny_rows=None):
+    def __init__(self, config, attn_backend="auto", tp_rank=0, tp_size=1, weights="float32", skinny_rows=None,
+                 fused_allreduce_min_tokens=None):
         super().__init__()
         self.config, self.tp_rank, self.tp_size = config, tp_rank, tp_size
         device, dtype = torch.empty(0).device, torch.get_default_dtype()
@@ -257,7 +277,9 @@ class Qwen2ForCausalLM(nn.Module):
                             config.head_dim, weights=weights)
         self.attn_backend = self.ops.backend
         self.skinny = skinny_decode_for(self.ops, config, tp_size, device, dtype, skinny_rows)
-        self.model = Qwen2Model(config, self.ops, tp_rank, tp_size, self.skinny)
+        self.fused_allreduce = fused_allreduce_for(tp_size, device, dtype, config.hidden_size,
+                                                   fused_allreduce_min_tokens)
+        self.model = Qwen2Model(config, self.ops, tp_rank, tp_size, self.skinny, self.fused_allreduce)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size, self.ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -267,7 +289,8 @@ class Qwen2ForCausalLM(nn.Module):
 
         input_ids: [T] int32/int64 token ids; positions: [T] int32/int64, each token's position in its sequence.
         kv_cache: KVCache with one pool per layer (written at attn_metadata.slot_mapping).
-        attn_metadata: AttentionMetadata of the step. Returns the final-normed hidden states [T, hidden].
+        attn_metadata: AttentionMetadata of the step. Returns the final-normed hidden states [T, hidden]
+        (whole on every rank; with the fused all-reduce, the final norm all-gathers its rows).
         """
         with self.ops.step_scope(input_ids.shape[0]):
             x, residual = self.model.embed_tokens(input_ids), None              # (T, hidden)
