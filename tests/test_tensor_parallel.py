@@ -17,7 +17,10 @@ The tiny Qwen2 (tests/helpers.py: 6 query heads, 2 KV heads, vocab 128, intermed
   them (rank 0's heartbeat).
 
 - The fused all-reduce + residual add + RMSNorm (pagedattn/distributed/allreduce_norm.py) equals the
-  unfused path on two gloo ranks.
+  unfused path on two gloo ranks: the function alone; the model with it wired in (PAGEDATTN_FUSED_ALLREDUCE
+  =on against =off), layer by layer and through the forward's halves (PiecewiseGraphs' pieces), bit for
+  bit; the engine with it on for every step gives TP=1's greedy ids and beams. Its threshold and the
+  environment variable.
 
 Launches by torchrun (the ranks on several hosts) are tests/test_torchrun.py's.
 """
@@ -443,6 +446,20 @@ def test_bench_allreduce_norm_runs_on_gloo():
     assert all(r["equal"] and r["unfused_us"] > 0 and r["fused_us"] > 0 for r in rows), rows
 
 
+@pytest.mark.slow
+def test_bench_tp_fused_norm_runs_on_gloo(tiny_checkpoint, tmp_path):  # noqa: F811
+    """scripts/bench_tp_fused_norm.py (the engine at TP=2, fused path on against off) on two CPU ranks with the
+    tiny model: both modes run, the fused one with every step fused, their greedy ids agree, results saved."""
+    from scripts.bench_tp_fused_norm import main
+
+    res = main(device="cpu", model=tiny_checkpoint, prefill_tokens=(8, 24), decode_batch=(1, 3), decode_prompt=6,
+               decode_tokens=4, repeats=1, out=str(tmp_path))
+    assert [(r["mode"], r["min_tokens"]) for r in res["rows"]] == [("off", None), ("on", 1)]
+    assert res["ratios"][0]["greedy_equal"] == "4/4", res["ratios"]
+    assert all(v > 0 for r in res["rows"] for v in [*r["prefill_ms"].values(), *r["decode_tok_s"].values()])
+    assert "| model | on |" in (tmp_path / "bench_tp_fused_norm.md").read_text()
+
+
 CTRL_C_SCRIPT = textwrap.dedent("""
     import faulthandler, signal, sys
     from pagedattn import LLM, SamplingParams
@@ -489,8 +506,11 @@ def test_ctrl_c_stops_workers(tiny_checkpoint, tmp_path):  # noqa: F811
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < TP, reason=f"needs {TP} GPUs")
-def test_gpu_nccl_greedy_matches_tp1(tiny_checkpoint):  # noqa: F811
-    """The same workload on GPUs: rank r on cuda:r, NCCL all-reduces, float32 (no fp16 near-ties)."""
+@pytest.mark.parametrize("fused", ["off", "on"])
+def test_gpu_nccl_greedy_matches_tp1(tiny_checkpoint, fused, monkeypatch):  # noqa: F811
+    """The same workload on GPUs: rank r on cuda:r, NCCL all-reduces, float32 (no fp16 near-ties), eager. fused
+    on: every step, decodes included (1-7 rows: padding rows), through NCCL's reduce-scatter + all-gather."""
+    monkeypatch.setenv(FUSED_ENV, fused)
     args = dict(ENGINE_ARGS, device="cuda", dtype="float32", attn_backend="torch", enforce_eager=True)
     expected = run_workload(LLM(tiny_checkpoint, **args))
     with LLM(tiny_checkpoint, tensor_parallel_size=TP, **args) as llm:
@@ -503,12 +523,16 @@ def test_gpu_nccl_greedy_matches_tp1(tiny_checkpoint):  # noqa: F811
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < TP, reason=f"needs {TP} GPUs")
 @pytest.mark.parametrize("chunk", [None, 48])
-def test_gpu_layer_by_layer_at_qwen2_0p5b_shapes(chunk):
+def test_gpu_layer_by_layer_at_qwen2_0p5b_shapes(chunk, monkeypatch):
     """TP=2 against TP=1 on the 0.5B shapes in fp16 with the numba kernels (7 query heads / 1 KV head per
     rank), ragged prompts, optionally in 48-token chunks that start mid-block, then decode steps: every
     attention, MLP and layer output stays within the noise of TP=1 against a float32 reference
-    (scripts/tp_layer_diff.py's rule), and the greedy tokens agree."""
+    (scripts/tp_layer_diff.py's rule), and the greedy tokens agree. The fused all-reduce stays off (its
+    hooks read self_attn's and mlp's outputs as whole sums; the fused path is compared layer by layer in
+    test_fused_allreduce_model_equals_unfused_layer_by_layer_on_gloo)."""
     from scripts.tp_layer_diff import main
+
+    monkeypatch.setenv(FUSED_ENV, "off")                  # the spawned ranks inherit it
 
     res = main(device="cuda", backend="numba", config="0.5b", dtype="float16", chunk=chunk)
     assert res["first_jump"] is None, res["first_jump"]
@@ -517,10 +541,15 @@ def test_gpu_layer_by_layer_at_qwen2_0p5b_shapes(chunk):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < TP, reason=f"needs {TP} GPUs")
-def test_gpu_engine_tp2_equals_tp1_at_qwen2_0p5b_shapes():
+@pytest.mark.parametrize("fused", ["auto", "on"])
+def test_gpu_engine_tp2_equals_tp1_at_qwen2_0p5b_shapes(fused, monkeypatch):
     """The whole engine path at TP=2 (the executor, the broadcast step, each rank's pool and runner) on the
-    0.5B shapes in float32 (no fp16 near-ties): 64 mixed requests give TP=1's greedy ids, every one."""
+    0.5B shapes in float32 (no fp16 near-ties): 64 mixed requests give TP=1's greedy ids, every one. fused:
+    PAGEDATTN_FUSED_ALLREDUCE (on: every eager step through NCCL's reduce-scatter + all-gather, the decode
+    graphs with their all-reduce)."""
     from scripts.benchlib import nano_vllm_workload, random_checkpoint
+
+    monkeypatch.setenv(FUSED_ENV, fused)
 
     ckpt = random_checkpoint("0.5b")
     prompts, _ = nano_vllm_workload(64, 20, 300)
