@@ -38,7 +38,7 @@ import torch
 from numba import njit, prange
 
 from kernels_numba.cpu_simd import (load_u16, load_u32, vb_add, vb_and, vb_bits, vb_load, vb_nibbles, vb_or, vb_shl, vb_shr,
-                                     vb_sub, vb_to_f32, vf_add, vf_fma, vf_load, vf_mul, vf_mul_rounded, vf_splat, vf_store,
+                                     prefetch, vb_sub, vb_to_f32, vf_add, vf_fma, vf_load, vf_mul, vf_mul_rounded, vf_splat, vf_store,
                                      vf_sub_rounded, vf_sum, vf_zero)
 from kernels_numba.cpu_threads import numba_threads
 from kernels_numba.errors import KernelLaunchError
@@ -80,6 +80,15 @@ def _run_values(fmt, row, r):
     b, s = r >> 3, r & 7                             # Q4_K: sub-blocks 2c, 2c + 1 the low, high nibbles
     q = vb_load(row, b * 144 + 16 + 32 * (s >> 1))
     return vb_and(vb_shr(q, 4) if s & 1 else q, 15)
+
+
+PREFETCH_ROWS = 2            # the product asks for row n + 2's cache lines while it computes row n
+
+
+@njit(inline="always")
+def _prefetch_row(row):
+    for b in range(0, row.shape[0], 64):
+        prefetch(row, b)
 
 
 @njit(inline="always")
@@ -149,6 +158,8 @@ def _rows(fmt, x, xsum, w, bias, out, n0, n1, col, f16):
     M4 = M - M % 4
     for n in range(n0, n1):
         row = w[n]
+        if n + PREFETCH_ROWS < n1:                   # the row after next on its way from memory meanwhile
+            _prefetch_row(w[n + PREFETCH_ROWS])
         _run_scales(fmt, row, lo, hi, mn, f16)
         for m in range(0, M4, 4):                    # 4 input rows: 4 x 8 partial sums in registers
             a0, a1, a2, a3 = vf_zero(), vf_zero(), vf_zero(), vf_zero()

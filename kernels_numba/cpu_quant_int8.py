@@ -37,9 +37,10 @@ import torch
 from numba import njit, prange
 
 from kernels_numba import cpu_quant
-from kernels_numba.cpu_quant import _F16, _NO_BIAS, _Q4_K, _Q5_0, _Q6_K, _Q8_0, _run_scales, _run_values, _store
+from kernels_numba.cpu_quant import (_F16, _NO_BIAS, _Q4_K, _Q5_0, _Q6_K, _Q8_0, PREFETCH_ROWS, _prefetch_row, _run_scales,
+                                     _run_values, _store)
 from kernels_numba.cpu_simd import (f32_bits, f32_from_bits, target_has_avx2, vb_dot4, vb_dot4_avx2, vb_load,
-                                    vb_udot4, vb_udot4_avx2, vf_fma, vf_halves, vf_mul, vf_splat, vf_sum, vf_zero)
+                                    prefetch, vb_udot4, vb_udot4_avx2, vf_fma, vf_halves, vf_mul, vf_splat, vf_sum, vf_zero)
 from kernels_numba.cpu_threads import numba_threads
 from kernels_numba.errors import KernelLaunchError
 
@@ -118,6 +119,8 @@ def _rows(fmt, avx2, xq, dx, xs, w, bias, out, n0, n1, col, f16):
     M4 = M - M % 4
     for n in range(n0, n1):
         row = w[n]
+        if n + PREFETCH_ROWS < n1:                   # the row after next on its way from memory meanwhile
+            _prefetch_row(w[n + PREFETCH_ROWS])
         _run_scales(fmt, row, lo, hi, mn, f16)
         for m in range(0, M4, 4):
             a0, a1, a2, a3 = vf_zero(), vf_zero(), vf_zero(), vf_zero()

@@ -11,7 +11,8 @@ intrinsic emitting plain LLVM vector IR:
     U8x32  <32 x i8>     vb_load (32 bytes), vb_nibbles (16 bytes -> low nibbles then high nibbles),
                          vb_bits (a uint32 -> one byte in the lanes whose bit is set, another elsewhere),
                          vb_shr / vb_shl / vb_and / vb_or / vb_add / vb_sub (byte lanes, wrapping), vb_to_f32 (signed bytes -> four F32x8)
-    scalars              load_u16 / load_u32 (little-endian words at any byte offset), f32_bits / f32_from_bits
+    scalars              load_u16 / load_u32 (little-endian words at any byte offset), f32_bits / f32_from_bits,
+                         prefetch (a cache-line hint: llvm.prefetch)
     int8 products        vb_dot4 / vb_udot4 (target-independent), vb_dot4_avx2 / vb_udot4_avx2 (x86 AVX2's
                          vpmaddubsw + vpmaddwd, only where target_has_avx2()): 32 byte products summed
                          in fours into an F32x8, exactly; vf_halves (two scalars, four lanes each)
@@ -264,7 +265,8 @@ def _pairs(builder, v, vty, wide):
     return builder.add(builder.sext(even, w), builder.sext(odd, w))
 
 
-def _x86(module, name, ret, *params):
+def _declare(module, name, ret, *params):
+    """The function `name` (an LLVM intrinsic) declared once in module."""
     return module.globals.get(name) or ir.Function(module, ir.FunctionType(ret, list(params)), name=name)
 
 
@@ -276,10 +278,10 @@ def _dot4(avx2, a_unsigned):
             if avx2:
                 m = builder.module
                 if not a_unsigned:
-                    sign = _x86(m, "llvm.x86.avx2.psign.b", _B32, _B32, _B32)
+                    sign = _declare(m, "llvm.x86.avx2.psign.b", _B32, _B32, _B32)
                     a, b = builder.call(sign, [a, a]), builder.call(sign, [b, a])     # |a|, b * sign(a)
-                p16 = builder.call(_x86(m, "llvm.x86.avx2.pmadd.ub.sw", _I16x16, _B32, _B32), [a, b])
-                p32 = builder.call(_x86(m, "llvm.x86.avx2.pmadd.wd", _I32x8, _I16x16, _I16x16),
+                p16 = builder.call(_declare(m, "llvm.x86.avx2.pmadd.ub.sw", _I16x16, _B32, _B32), [a, b])
+                p32 = builder.call(_declare(m, "llvm.x86.avx2.pmadd.wd", _I32x8, _I16x16, _I16x16),
                                    [p16, ir.Constant(_I16x16, [1] * 16)])
             else:
                 wide_a = builder.zext(a, _I16x32) if a_unsigned else builder.sext(a, _I16x32)
@@ -335,3 +337,15 @@ def target_has_avx2():
 
     codegen = cpu_target.target_context.codegen()
     return "+avx2" in str(getattr(codegen, "_tm_features", "")).split(",")
+
+
+@intrinsic
+def prefetch(typingctx, ary, idx):
+    """A hint to bring the cache line holding byte idx of the 1-D array ary into the cache (for reading,
+    kept: llvm.prefetch, any target; a no-op where the target has no such instruction)."""
+    def codegen(context, builder, sig, args):
+        p = _ptr(context, builder, sig.args[0], args[0], args[1], ir.IntType(8))
+        fn = _declare(builder.module, "llvm.prefetch.p0", ir.VoidType(), p.type, _I32, _I32, _I32)
+        builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return types.none(ary, idx), codegen

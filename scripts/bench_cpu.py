@@ -1,5 +1,5 @@
-"""pagedattn against HF transformers `generate` on the CPU: same model (the bundled Qwen2.5-Coder-0.5B-Instruct,
-float32), same machine, same thread count, greedy, prompts the tests never use. Goals (issue 19):
+"""pagedattn against HF transformers `generate` on the CPU: same model (the bundled Qwen2.5-Coder-0.5B-Instruct;
+HF on its float32 conversion, pagedattn on what LLM() picks: the GGUF blocks), same machine, same thread count, greedy, prompts the tests never use. Goals (issue 19):
 
   one prompt   chat template, a 100-token answer: pagedattn >= 1.05x HF's tokens/s, same tokens
   mixed batch  8 requests, two of them long (~1000-token prompts: two standard-library modules to explain),
@@ -17,7 +17,11 @@ exact at --threads 1). Loading is not timed.
     python scripts/bench_cpu.py --threads 4 --repeats 5 --out OUT
     python scripts/bench_cpu.py --profile --out OUT       # where a decode step's milliseconds go
     python scripts/bench_cpu.py --decode --repeats 5 --out OUT   # one prompt's decode tok/s: the GGUF
-                                                          # blocks, float32, HF, llama.cpp if it imports
+                                                          # blocks (float32 and int8 activations), float32,
+                                                          # HF, llama.cpp if it imports
+    python scripts/bench_cpu.py --memory --out OUT        # resident memory after LLM() and an answer
+    python scripts/bench_cpu.py --weights float32 ...     # the HF comparison on the float32 path (default:
+                                                          # LLM()'s own choice, the GGUF blocks on the CPU)
 
 Writes OUT/bench_cpu.json and .md (benchlib.save); --profile writes OUT/profile_cpu.json and .md: per
 piece of a decode step (scheduling, packing, each layer's GEMMs, norms, rotary, the attention write and
@@ -70,11 +74,18 @@ def decode_llama_cpp(llama, prompt, tokens):
     return (len(stamps) - 1) / (stamps[-1] - stamps[0]), (cpu[-1] - cpu[0]) / (len(cpu) - 1), ids
 
 
+def first_difference(a, b):
+    """'same' when the token lists agree, else the index of the first token where they differ."""
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return "same" if i is None and len(a) == len(b) else f"differ from token {i if i is not None else min(len(a), len(b))}"
+
+
 def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS):
     """One chat prompt, greedy, `tokens` tokens: decode tok/s after the first token of the bundled model on
-    its GGUF blocks (weights="quantized"), on the float32 checkpoint, HF generate (float32), and llama.cpp on
-    the same GGUF file when llama_cpp imports; the systems alternate within each of `repeats` rounds after one
-    warm-up each; the table gives the median and the range."""
+    its GGUF blocks (weights="quantized", the CPU default) with float32 and with int8 activations, on the
+    float32 checkpoint, HF generate (float32), and llama.cpp on the same GGUF file when llama_cpp imports;
+    the systems alternate within each of `repeats` rounds after one warm-up each; the table gives the
+    median, the range, and each system's tokens against the float32 model's and llama.cpp's."""
     from transformers import AutoModelForCausalLM
 
     from pagedattn import LLM
@@ -86,10 +97,14 @@ def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS)
     engine_args = dict(device="cpu", max_model_len=1024, max_num_seqs=4, num_blocks=128, enable_prefix_caching=False)
     systems = {}
     quant = LLM(path, weights="quantized", **engine_args)
+    int8 = LLM(path, weights="quantized", activations="int8", **engine_args)
     f32 = LLM(path, weights="float32", **engine_args)
     tok = quant.get_tokenizer()
     prompt = chat(tok, ONE_PROMPT)
-    systems["pagedattn, GGUF blocks"] = (lambda: decode_ours(quant, prompt, tokens), model_weight_bytes(quant.engine.model))
+    systems["pagedattn, GGUF blocks, float32 x (default)"] = (lambda: decode_ours(quant, prompt, tokens),
+                                                             model_weight_bytes(quant.engine.model))
+    systems["pagedattn, GGUF blocks, int8 x"] = (lambda: decode_ours(int8, prompt, tokens),
+                                                 model_weight_bytes(int8.engine.model))
     systems["pagedattn, float32"] = (lambda: decode_ours(f32, prompt, tokens), model_weight_bytes(f32.engine.model))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     systems["HF generate, float32"] = (lambda: decode_hf(hf, prompt, tokens),
@@ -99,33 +114,78 @@ def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS)
     except ImportError:
         llama_cpp = None
         print("llama_cpp does not import: llama.cpp left out (docs/cpu.md says how to build it)")
+    llama_name = None
     if llama_cpp is not None:
         llama = llama_cpp.Llama(gguf, n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
-        systems[f"llama.cpp {llama_cpp.__version__}"] = (lambda: decode_llama_cpp(llama, prompt, tokens),
-                                                          os.path.getsize(gguf))
+        llama_name = f"llama.cpp {llama_cpp.__version__}"
+        systems[llama_name] = (lambda: decode_llama_cpp(llama, prompt, tokens), os.path.getsize(gguf))
     print(benchlib.env_line())
-    rates, cpus = {name: [] for name in systems}, {name: [] for name in systems}
+    rates, cpus, loads = {name: [] for name in systems}, {name: [] for name in systems}, []
     ids = {}
     for r in range(repeats + 1):                  # round 0: warm-up, not counted
         for name, (run, _) in systems.items():
             rate, cpu, ids[name] = run()
+            load = os.getloadavg()[0]
             print(f"  round {r}/{repeats} ({'warm-up' if r == 0 else 'timed'}): {name} {rate:.2f} tok/s, "
-                  f"{1e3 * cpu:.0f} CPU ms/token, load average {os.getloadavg()[0]:.1f}", flush=True)
+                  f"{1e3 * cpu:.0f} CPU ms/token, load average {load:.1f}", flush=True)
             if r:
                 rates[name].append(rate)
                 cpus[name].append(cpu)
-    first = ids["pagedattn, GGUF blocks"]
+                loads.append(load)
     rows = [{"system": name, "weight bytes": f"{size / 2**20:.0f} MiB",
              "decode tok/s (median)": statistics.median(rates[name]),
              "range": f"{min(rates[name]):.1f}-{max(rates[name]):.1f}",
              "CPU ms/token (median)": 1e3 * statistics.median(cpus[name]),
-             "same tokens as GGUF blocks": sum(a == b for a, b in zip(first, ids[name])) == len(first)}
+             "tokens vs float32 model": first_difference(ids[name], ids["pagedattn, float32"]),
+             "tokens vs llama.cpp": first_difference(ids[name], ids[llama_name]) if llama_name else "-"}
             for name, (_, size) in systems.items()]
     table = benchlib.markdown_table(rows, list(rows[0]))
     print(table)
     meta = {"threads": threads, "repeats": repeats, "tokens": tokens, "prompt tokens": len(prompt),
-            "load average": os.getloadavg()}
+            "load average after each timed run": loads, "load average at the end": os.getloadavg(),
+            "cpu": benchlib.env_line()}
     print("\n".join(benchlib.save(out, "bench_cpu_decode", rows, meta, table)))
+    return rows
+
+
+_RESIDENT = """
+import json, sys, time
+import torch
+torch.set_num_threads(2)
+t = time.perf_counter()
+from pagedattn import LLM, SamplingParams
+llm = LLM(device="cpu", **json.loads(sys.argv[1]))
+load = time.perf_counter() - t
+llm.generate([[9707] * 16], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+print(json.dumps({"weights": llm.metrics()["weights"], "model_weight_bytes": llm.metrics()["model_weight_bytes"],
+                  "kv_pool_bytes": llm.engine.num_blocks * llm.engine.kv_cache.bytes_per_block,
+                  "VmRSS": status["VmRSS"].strip(), "VmHWM": status["VmHWM"].strip(), "import + LLM() s": load}))
+"""
+
+
+def main_memory(out="bench_cpu_out"):
+    """Resident memory of a fresh process after LLM() (the bundled model, its defaults on the CPU) and a
+    64-token answer, for each weights= setting: VmRSS and its peak VmHWM, the KV pool included."""
+    import json
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rows = []
+    for kwargs in ({}, {"activations": "int8"}, {"weights": "float32"}):
+        child = subprocess.run([sys.executable, "-c", _RESIDENT, json.dumps(kwargs)], capture_output=True, text=True,
+                               cwd=root, env=dict(os.environ, PYTHONPATH=root))
+        if child.returncode:
+            raise RuntimeError(child.stderr[-2000:])
+        r = json.loads(child.stdout.strip().splitlines()[-1])
+        rows.append({"LLM(...)": ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "defaults",
+                     "weights": r["weights"], "weight MiB": r["model_weight_bytes"] / 2**20,
+                     "KV pool MiB": r["kv_pool_bytes"] / 2**20, "VmRSS": r["VmRSS"], "VmHWM": r["VmHWM"],
+                     "import + LLM() s": r["import + LLM() s"]})
+        print(rows[-1], flush=True)
+    table = benchlib.markdown_table(rows, list(rows[0]))
+    print(table)
+    print("\n".join(benchlib.save(out, "bench_cpu_memory", rows, {"load average": os.getloadavg()}, table)))
     return rows
 
 
@@ -331,7 +391,7 @@ def main_profile(out="bench_cpu_out", threads=2, model=None, steps=30):
     return rows
 
 
-def main(out="bench_cpu_out", threads=2, repeats=3, model=None):
+def main(out="bench_cpu_out", threads=2, repeats=3, model=None, weights="auto"):
     from transformers import AutoModelForCausalLM
 
     from pagedattn import LLM
@@ -340,13 +400,13 @@ def main(out="bench_cpu_out", threads=2, repeats=3, model=None):
     torch.set_num_threads(threads)
     path = model or bundled_model_path()
     llm = LLM(path, device="cpu", dtype="float32", max_model_len=2048, max_num_seqs=16, num_blocks=512,
-              enable_prefix_caching=False)      # the runs repeat the same prompts
+              enable_prefix_caching=False, weights=weights)      # the runs repeat the same prompts
     backend = llm.engine.model.attn_backend
     tok = llm.get_tokenizer()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     eos = set(llm.engine.eos_token_ids)
     print(benchlib.env_line())
-    print(f"pagedattn attention backend: {getattr(backend, 'name', backend)}; HF attention: "
+    print(f"pagedattn weights: {llm.engine.config.weights}; attention backend: {getattr(backend, 'name', backend)}; HF attention: "
           f"{hf.config._attn_implementation}")
 
     one = [chat(tok, ONE_PROMPT)]
@@ -358,6 +418,7 @@ def main(out="bench_cpu_out", threads=2, repeats=3, model=None):
     table = benchlib.markdown_table(rows, columns)
     print(table)
     meta = {"threads": threads, "repeats": repeats, "model": path, "dtype": "float32", "greedy": True,
+            "weights": llm.engine.config.weights, "load average": os.getloadavg(),
             "attention backend": getattr(backend, "name", str(backend)),
             "mixed max_tokens": MIXED_MAX_TOKENS, "long prompts": [f"{m} source, {LONG_TOKENS} tokens"
                                                                    for m in LONG_MODULES]}
@@ -375,12 +436,17 @@ if __name__ == "__main__":
     ap.add_argument("--model", default=None, help="HF Qwen2 directory with a tokenizer (default: the bundled model)")
     ap.add_argument("--profile", action="store_true", help="the decode-step breakdown instead of the HF comparison")
     ap.add_argument("--steps", type=int, default=30, help="--profile: decode steps timed per case")
-    ap.add_argument("--decode", action="store_true", help="one prompt's decode tok/s: GGUF blocks, float32, HF, "
-                                                          "llama.cpp (when llama_cpp imports)")
+    ap.add_argument("--decode", action="store_true", help="one prompt's decode tok/s: GGUF blocks (float32 and int8 "
+                                                          "activations), float32, HF, llama.cpp (when llama_cpp imports)")
+    ap.add_argument("--memory", action="store_true", help="resident memory after LLM() and a 64-token answer")
+    ap.add_argument("--weights", default="auto", help="the HF comparison's LLM(weights=...): auto (the GGUF blocks on "
+                                                      "the CPU), quantized or float32")
     a = ap.parse_args()
-    if a.profile:
+    if a.memory:
+        main_memory(a.out)
+    elif a.profile:
         main_profile(a.out, a.threads, a.model, a.steps)
     elif a.decode:
         main_decode(a.out, a.threads, a.repeats)
     else:
-        main(a.out, a.threads, a.repeats, a.model)
+        main(a.out, a.threads, a.repeats, a.model, a.weights)
