@@ -202,22 +202,22 @@ X86 = __import__("platform").machine() in ("x86_64", "AMD64")
 
 
 @pytest.mark.skipif(not (X86 and AVX2), reason="checks x86 AVX2 instructions")
-def test_codegen_avx2_uses_the_byte_multiply_adds():
+@pytest.mark.parametrize("avx2", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_codegen_of_the_integer_sums(avx2):
     """The AVX2 spelling compiles to vpmaddubsw + vpmaddwd (and vpsignb for signed weights); the
-    target-independent one names none of them, and neither converts a value from int to float alone."""
+    target-independent one names none of them (-m slow: a fresh compile is 5-10 s); neither converts a
+    value from int to float alone (cvtsi2ss)."""
     import re
 
-    from numba import njit
-
-    ops = {}
-    for avx2 in (True, False):
-        fresh = njit(nogil=True)(cpu_quant_int8.ROWS[cpu_quant._Q5_0, avx2].py_func)
-        raw = synthetic_blocks("Q5_0", 4, 1, seed=95).view()
-        raw.flags.writeable = False
-        xq = np.ones(32, np.int8)
-        one = np.ones((1, 1), np.float32)
-        fresh(xq, one, one, raw, np.zeros(0, np.float32), np.zeros((1, 4), np.float32), 0, 4, 0, cpu_quant._F16)
-        ops[avx2] = set(re.findall(r"^\s+([a-z][a-z0-9]*)", fresh.inspect_asm(fresh.signatures[0]), re.M))
-    assert {"vpmaddubsw", "vpmaddwd", "vpsignb"} <= ops[True]
-    assert not {"vpmaddubsw", "vpsignb"} & ops[False]
-    assert not any(o.endswith("cvtsi2ss") for o in ops[True] | ops[False])
+    fresh = njit(nogil=True)(cpu_quant_int8.ROWS[cpu_quant._Q5_0, avx2].py_func)     # not from the cache
+    raw = synthetic_blocks("Q5_0", 4, 1, seed=95).view()
+    raw.flags.writeable = False
+    one = np.ones((1, 1), np.float32)
+    fresh(np.ones(32, np.int8), one, one, raw, np.zeros(0, np.float32), np.zeros((1, 4), np.float32), 0, 4, 0,
+          cpu_quant._F16)
+    ops = set(re.findall(r"^\s+([a-z][a-z0-9]*)", fresh.inspect_asm(fresh.signatures[0]), re.M))
+    if avx2:
+        assert {"vpmaddubsw", "vpmaddwd", "vpsignb"} <= ops
+    else:
+        assert not {"vpmaddubsw", "vpsignb"} & ops
+    assert any(o.endswith("cvtdq2ps") for o in ops) and not any(o.endswith("cvtsi2ss") for o in ops)
