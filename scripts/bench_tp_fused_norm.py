@@ -25,6 +25,7 @@ asserted). Then timed, prefix caching off, prompts of fresh random ids:
 
 Results: <out>/bench_tp_fused_norm.{json,md}, one row per config and mode, and on / off ratios.
 """
+import gc
 import os
 import random
 import statistics
@@ -78,8 +79,9 @@ def run_mode(ckpt, device, mode, eager, args, vocab):
     os.environ[ENV] = mode
     try:
         with LLM(ckpt, **engine_kw) as llm:
-            model = llm.engine.executor.runner.model
-            fused = model.fused_allreduce
+            fused = llm.engine.executor.runner.model.fused_allreduce         # rank 0's (every rank's alike)
+            min_tokens = fused.min_tokens if fused is not None else None
+            del fused                                                        # nothing outlives the engine
             _, check = _seconds(llm, _prompts(CHECK_PROMPTS, 24, vocab, random.Random(7)), CHECK_TOKENS)
             for T in args["prefill_tokens"]:                              # warm-up: kernels, graphs, cuBLAS
                 _seconds(llm, _prompts(1, T, vocab, rng), 1)
@@ -96,8 +98,15 @@ def run_mode(ckpt, device, mode, eager, args, vocab):
                 decode[B] = B * (n - 1) / max(tn - t1, 1e-9)
     finally:
         os.environ.pop(ENV, None)
-    return dict(mode=mode, graphs=not eager and device == "cuda", min_tokens=fused.min_tokens if fused else None,
+    return dict(mode=mode, graphs=not eager and device == "cuda", min_tokens=min_tokens,
                 prefill_ms=prefill, decode_tok_s=decode, check_ids=check)
+
+
+def _release(device):
+    """Give a closed engine's memory back to the driver before the next one sizes its KV pool."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _markdown(rows, ratios, meta):
@@ -146,7 +155,7 @@ def main(device=None, configs=None, model=None, prefill_tokens=None, decode_batc
                       f"decode tok/s { {b: round(v, 1) for b, v in r['decode_tok_s'].items()} }", flush=True)
                 rows.append(r)
                 pair[mode] = r
-                benchlib.release(device)
+                _release(device)
             on, off = pair["on"], pair["off"]
             ratios.append(dict(config=name, graphs=on["graphs"],
                                **{f"prefill {T}": on["prefill_ms"][T] / off["prefill_ms"][T]
