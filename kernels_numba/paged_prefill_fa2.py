@@ -559,6 +559,13 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, 
                 for dt in range(DH):
                     for e in range(4):
                         ob[mt, dt, e] = float32(0.0)
+            s_n = -1
+            tile_n = 0
+            if PERSISTENT:  # v9: the next item's place in the work list, loaded now, used after the last tile
+                nxt = item_index(rnd + 1, item, cuda.gridDim.x // num_kv_heads)
+                if nxt < bound:
+                    s_n = work[nxt]
+                    tile_n = work[bound + nxt]
             for j in range(t_lo, t_hi):
                 wait_tile()
                 cuda.syncthreads()
@@ -569,18 +576,6 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, 
                     else:
                         issue_tile(ring, write, k_cache, v_cache, block_tables, s, block_words, (j + ST - 1) * BN,
                                    kv_stop, row0, tdst, tsrc)
-                elif PERSISTENT:  # v9, the item's last tile: the next item's Q and first tile, if there is one
-                    nxt = item_index(rnd + 1, item, cuda.gridDim.x // num_kv_heads)
-                    s_n = work[nxt] if nxt < bound else -1
-                    if s_n >= 0:
-                        start_n = cu_seqlens_q[s_n]
-                        len_n = cu_seqlens_q[s_n + 1] - start_n
-                        q0_n = work[bound + nxt] * bq
-                        end_n = context_lens[s_n] - len_n + min(q0_n + bq, len_n)  # its kv_end (no split in v9)
-                        issue_q(ring, RING + ((rnd + 1) % 2) * QW, q, start_n, len_n, q0_n, head, num_heads, group,
-                                rows_used, row0, chunk)
-                        issue_tile(ring, write, k_cache, v_cache, block_tables, s_n, block_words, 0, end_n, row0, tdst,
-                                   tsrc)
                 cp_async_commit()
                 if AHEAD and j + ST < t_hi:  # the blocks of the tile the next iteration issues
                     tile_blocks(nb, block_tables, s, (j + ST) * BN, kv_stop, row0)
@@ -728,6 +723,20 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, 
                 if read == RING:
                     read = 0
 
+            if PERSISTENT and s_n >= 0:
+                # v9: the next item's Q into the other Q buffer and its first KV tile into the stage tile
+                # t_hi - 2 used (`read` now; free since the last tile's barrier), in flight during this
+                # item's epilogue and the next item's set-up
+                start_n = cu_seqlens_q[s_n]
+                len_n = cu_seqlens_q[s_n + 1] - start_n
+                q0_n = tile_n * bq
+                end_n = context_lens[s_n] - len_n + min(q0_n + bq, len_n)  # its kv_end (v9 does not split)
+                issue_q(ring, RING + ((rnd + 1) % 2) * QW, q, start_n, len_n, q0_n, head, num_heads, group, rows_used,
+                        row0, chunk)
+                issue_tile(ring, read, k_cache, v_cache, block_tables, s_n, block_words, 0, end_n, row0, tdst, tsrc)
+            if PERSISTENT:
+                cp_async_commit()
+
             # ---- full row sums; write O / l
             for mt in range(MT):
                 for h in range(2):
@@ -780,14 +789,11 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, 
             # ---- v9: the next item (its Q and first tile are in flight), or the end of the work list
             if not PERSISTENT:
                 break
+            if s_n < 0:
+                break
             rnd += 1
-            nxt = item_index(rnd, item, cuda.gridDim.x // num_kv_heads)
-            if nxt >= bound:
-                break
-            s = work[nxt]
-            if s < 0:
-                break
-            tile = work[bound + nxt]
+            s = s_n
+            tile = tile_n
 
     return kernel
 
@@ -959,13 +965,14 @@ SHORT_PROMPTS = False
 SHORT_CONTEXT = 2048  # predicted: v9 where no context is longer (docs/prefill.md, "v9", says why)
 
 
-def short_plan(num_ctas, max_context_len, num_sms):
+def short_plan(num_ctas, max_context_len, num_sms, head_dim=64):
     """Whether a launch of v7's shape should run as v9: its grid needs no KV split (split_plan: at least
     one CTA per SM) and no context is longer than SHORT_CONTEXT, so a work item is a few KV tiles and a
     CTA's fixed cost (the chain of dependent loads before its first tile, the epilogue) is a large part
-    of an item's time: v9 hides it behind the item before. Longer items amortise it themselves, and
-    v9's static order (item_index) balances them worse than the hardware's dispatch of v7's CTAs."""
-    return num_ctas >= num_sms and max_context_len <= SHORT_CONTEXT
+    of an item's time: v9 hides part of it behind the item before. Longer items amortise it themselves,
+    and v9's static order (item_index) balances them worse than the hardware's dispatch of v7's CTAs.
+    head_dim 64 only: at 128, v9's item loop costs ptxas ~1.7 KB of spill reloads (v7: 64 bytes)."""
+    return head_dim == 64 and num_ctas >= num_sms and max_context_len <= SHORT_CONTEXT
 
 
 def persistent_grid(items, num_kv_heads, num_sms, ctas=None):
@@ -1070,7 +1077,7 @@ def choose_version(q, k_cache, block_tables, context_lens, max_context_len=None,
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * block_size
     ctas = num_tiles_bound(total_q, context_lens.shape[0], num_heads // num_kv_heads, 9, head_dim) * num_kv_heads
-    return 9 if short_plan(ctas, max_context_len, bridge.num_sms(q.device)) else VERSION
+    return 9 if short_plan(ctas, max_context_len, bridge.num_sms(q.device), head_dim) else VERSION
 
 
 def launch_torch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,

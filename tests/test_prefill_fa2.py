@@ -189,9 +189,9 @@ def case_id(c):
     return f"v{version}-s{splits}-H{h}-Hkv{hkv}-d{d}-bs{bs}-{str(dtype)[6:]}-q{'.'.join(map(str, q_lens))}"
 
 
-def run_case(version, splits, shape, seed=1):
+def run_case(version, splits, shape, seed=1, **options):
     q, k, v, bt, cu, ctx = make_batch(*shape, seed=seed)
-    out = journey.paged_prefill(q, k, v, bt, cu, ctx, version=version, splits=splits)
+    out = journey.paged_prefill(q, k, v, bt, cu, ctx, version=version, splits=splits, **options)
     ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
     assert out.shape == q.shape and out.dtype == q.dtype
     return check(out, ref, tolerance(ref, v, q.dtype))
@@ -251,6 +251,70 @@ def test_matches_reference_full_matrix(case):
 @pytest.mark.parametrize("case", ALL_CASES, ids=case_id)
 def test_gpu_full_matrix(case):
     run_case(*case)
+
+
+# v9 (v7's kernel looping over the work list; the next item's Q and first KV tile copied during this item's
+# epilogue): (CTAs per KV head, shape). With few CTAs each runs several items of different sequences, its two
+# Q buffers alternating and the ring's stages carried from one item to the next; snake order (a CTA's second
+# item is the round's last); a CTA stopping at the list's end (-1) or at the bound
+V9_FAST = [
+    # one CTA for all 3 items: a 1-token sequence, a 19-token chunk behind a prefix of 20 (mid-block; two q
+    # tiles of 18 queries, the second with one query), GQA 7, d=64
+    (1, (7, 1, 64, 16, torch.float16, [1, 19], [0, 20])),
+]
+V9_SLOW = [
+    # d=128 (tiles of 32 keys), GQA 4, bf16, block 8: 3 items on 2 CTAs (the second runs items 1 and 2, the
+    # first finds -1 in its second round); the 33-token chunk's first tile sees two KV tiles
+    (2, (4, 1, 128, 8, torch.bfloat16, [1, 33], [40, 0])),
+    # Qwen2's 14/2 layout (CTA x = item * 2 + KV head), bf16, block 8: a 33-token chunk behind 7 cached and a
+    # 1-token chunk behind 130 (three KV tiles): one CTA per head runs every item
+    (1, (14, 2, 64, 8, torch.bfloat16, [33, 1], [7, 130])),
+    # many 1-token and short sequences (prompts of a chat batch) on 3 CTAs: 7 items, 3 rounds
+    (3, (7, 1, 64, 32, torch.float16, [1, 1, 5, 1, 2, 20, 1], [0, 3, 0, 40, 7, 0, 0])),
+    # d=128 MHA-like group 2, fp16, block 16: a chunk of 70 (three q tiles of 64, the last a partial) behind 45
+    (2, (2, 1, 128, 16, torch.float16, [70, 9], [45, 0])),
+    # one CTA per item (the default grid: fewer items than a wave), d=64
+    (None, (7, 1, 64, 16, torch.float16, [1, 19, 3], [0, 20, 61])),
+]
+
+
+def v9_id(c):
+    return f"ctas{c[0]}-" + case_id((9, None, c[1]))[len("v9-sNone-"):]
+
+
+@pytest.mark.parametrize("case", V9_FAST + [pytest.param(c, marks=pytest.mark.slow) for c in V9_SLOW], ids=v9_id)
+def test_v9_matches_reference(case):
+    ctas, shape = case
+    run_case(9, None, shape, ctas=ctas)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctas", [1, 3, 7, None])
+@pytest.mark.parametrize("shape", SLOW_SHAPES, ids=lambda s: case_id((9, None, s))[len("v9-sNone-"):])
+def test_gpu_v9_few_ctas(shape, ctas):
+    run_case(9, None, shape, ctas=ctas)
+
+
+def test_v9_grid_and_choice():
+    # one wave of 2 CTAs per SM over the KV heads, never more CTAs than items; ctas overrides
+    assert fa.persistent_grid(1000, 2, 132) == 264 and fa.persistent_grid(100, 2, 132) == 200
+    assert fa.persistent_grid(1000, 2, 132, ctas=3) == 6
+    # short prompts (64 x 128 at 14/2: ~1000 CTAs, contexts of 128) run v9, long contexts and grids that
+    # split (1 x (4096 + 256)) the engine's version
+    assert fa.short_plan(1040, 128, 132) and not fa.short_plan(1040, fa.SHORT_CONTEXT + 1, 132)
+    assert not fa.short_plan(32, 512, 132) and not fa.short_plan(1040, 128, 132, head_dim=128)
+    q = torch.zeros(64 * 128, 14, 64, dtype=torch.float16)
+    k = torch.zeros(1, 2, 16, 64, dtype=torch.float16)
+    assert fa.choose_version(q, k, torch.zeros(64, 8, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)) == 9
+    assert fa.choose_version(q[:256], k, torch.zeros(1, 272, dtype=torch.int32),
+                             torch.zeros(1, dtype=torch.int32)) == fa.VERSION
+    assert fa.choose_version(q, k, torch.zeros(64, 8, dtype=torch.int32), torch.zeros(64, dtype=torch.int32),
+                             splits=2) == fa.VERSION
+    with pytest.raises(KernelLaunchError, match="stages"):
+        fa.version_config(9, 64, stages=3)
+    with pytest.raises(KernelLaunchError, match="splits"):
+        q, k, v, bt, cu, ctx = make_batch(7, 1, 64, 16, torch.float16, [3], [2], seed=3)
+        fa.launch_torch(9, q, k, v, bt, cu, ctx, splits=2)
 
 
 @pytest.mark.slow
@@ -431,19 +495,22 @@ print("STATS" + json.dumps(out))
 """
 
 CODEGEN_FAST = [(4, 64, "f16", 16), (5, 64, "bf16", 8), ("merge", 0, "f16", 0), (7, 128, "f16", 16),
-                ("plan", 0, "", 0), (8, 64, "f16", 16)]
+                ("plan", 0, "", 0), (8, 64, "f16", 16), (9, 64, "f16", 16)]
 CODEGEN_SLOW = [(4, 128, "bf16", 32), (5, 128, "f16", 16), (4, 64, "bf16", 8), (5, 64, "f16", 32),
                 ("merge", 0, "bf16", 0), (7, 64, "f16", 16), (7, 128, "bf16", 8), (8, 128, "f16", 16),
-                (8, 64, "bf16", 8)]
+                (8, 64, "bf16", 8), (9, 128, "bf16", 8)]
 # ptxas register bounds: 2 CTAs of 128 threads per SM (LAUNCH_BOUNDS) allow 255; v4 at d=64
 # measured 212 (numba 0.68 / numba-cuda 0.30.4): a rise past 232 means a regression worth a look
 REGISTER_BOUND = {(4, 64): 232}
 # v7 at d=128 (128 rows: O is 128 registers, S 32) fills the 255 and ptxas spills a few words
 # (measured: 40 bytes stored, 60-64 loaded, numba-cuda 0.30.4, ptxas 13.0); more means the budget
 # broke (one of O's loops left rolled moved O to local memory: 500+ bytes)
-SPILL_BYTES = {(7, 128): 64, (8, 64): 8, (8, 128): 72}
+SPILL_BYTES = {(7, 128): 64, (8, 64): 8, (8, 128): 72, (9, 64): 72, (9, 128): 2048}
 # v8 keeps a tile's block ids (4 registers) live through the KV loop: at d=64 one word spills (4 bytes
 # each way), at d=128 56 stored / 64 loaded (numba-cuda 0.30.4, ptxas 13.0)
+# v9's item loop keeps more live through the KV loop (the next item's place in the work list, the round, the
+# Q buffer's base): 56 bytes stored / 64 loaded at d=64; at d=128 ~350 / ~1700 (reloads inside the loop:
+# short_plan leaves d=128 to v7)
 
 
 def _name(cfg):
@@ -573,7 +640,7 @@ def test_gpu_vs_sdpa_error(shape):
     # floor: one unit in the last place of the largest output (both round their result once)
     tol = 2 * base + 2 * UNIT_ROUNDOFF[q.dtype] * float(np.abs(ref).max())
     for version, splits in [(4, None), (5, None), (6, None), (6, 2), (6, 7), (6, 16), (7, None), (7, 3), (8, None),
-                           (8, 3)]:
+                           (8, 3), (9, None)]:
         out = journey.paged_prefill(q, k, v, bt, cu, ctx, version=version, splits=splits)
         torch.cuda.synchronize()
         err = check(out, ref, tol)
