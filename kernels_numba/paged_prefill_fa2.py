@@ -966,13 +966,14 @@ SHORT_CONTEXT = 2048  # predicted: v9 where no context is longer (docs/prefill.m
 
 
 def short_plan(num_ctas, max_context_len, num_sms, head_dim=64):
-    """Whether a launch of v7's shape should run as v9: its grid needs no KV split (split_plan: at least
-    one CTA per SM) and no context is longer than SHORT_CONTEXT, so a work item is a few KV tiles and a
+    """Whether a launch of v7's shape should run as v9: its grid is more than one wave of resident CTAs
+    (LAUNCH_BOUNDS[1] per SM: with fewer, each of v9's CTAs would run one item, as v7's do, and v7 may
+    split the KV range) and no context is longer than SHORT_CONTEXT, so a work item is a few KV tiles and a
     CTA's fixed cost (the chain of dependent loads before its first tile, the epilogue) is a large part
     of an item's time: v9 hides part of it behind the item before. Longer items amortise it themselves,
     and v9's static order (item_index) balances them worse than the hardware's dispatch of v7's CTAs.
     head_dim 64 only: at 128, v9's item loop costs ptxas ~1.7 KB of spill reloads (v7: 64 bytes)."""
-    return head_dim == 64 and num_ctas >= num_sms and max_context_len <= SHORT_CONTEXT
+    return head_dim == 64 and num_ctas > LAUNCH_BOUNDS[1] * num_sms and max_context_len <= SHORT_CONTEXT
 
 
 def persistent_grid(items, num_kv_heads, num_sms, ctas=None):

@@ -10,9 +10,12 @@ runs bottom-right causal (is_causal without a prefix, torch's causal_lower_right
 enable_gqa, torch's default dispatch (flash attention on the H200). Each row also shows the
 prediction written before the GPU run (docs/prefill.md) and the default version's eager cost.
 
-    python3 scripts/bench_prefill.py [--out DIR] [--kernels v3 v4 v5 v6 v7 v8] [--variant v8:stages=3] [--reps 10]
+    python3 scripts/bench_prefill.py [--out DIR] [--kernels v3 v4 v5 v6 v7 v8 v9] [--variant v9:plan=step] [--reps 10]
 
-By default it times v7 and v8 (the engine's kernel and the one after it) at every shape, SDPA beside them.
+By default it times v7 and v9 (the engine's kernel and the short prompts' one) at every shape, SDPA beside them.
+A variant overrides a v4+ kernel's launch: splits=N, stages=N, ctas=N (v9's CTAs per KV head), or plan=step:
+the work list built once for all the calls of a graph (which share one cu_seqlens_q), as the engine builds it
+once per step for all layers, so the time is a layer's in a step (each call plans for itself otherwise).
 Prints a table (µs, TFLOP/s and speed vs SDPA per version); with --out writes prefill_bench.json and
 prefill_bench.md there.
 """
@@ -39,8 +42,8 @@ SHAPES = [
 UNIT_ROUNDOFF = 2.0**-11  # fp16
 
 # kernel label -> version of the journey (kernels_numba/prefill_journey.py); v3 is the best of the first era
-KERNELS = {"v3": 3, "v4": 4, "v5": 5, "v6": 6, "v7": 7, "v8": 8}
-DEFAULT_LABELS = ("v7", "v8")  # timed unless --kernels says otherwise
+KERNELS = {"v3": 3, "v4": 4, "v5": 5, "v6": 6, "v7": 7, "v8": 8, "v9": 9}
+DEFAULT_LABELS = ("v7", "v9")  # timed unless --kernels says otherwise
 
 
 def default_label():
@@ -62,6 +65,18 @@ PREDICTED_US = {
     # a dependent load), the running max moved only when it grows by 2^8 (O's rescale skipped most tiles)
     "v8": {"1x2048 new": 64, "8x512 new": 36, "4x(1024+512)": 52, "1x(4096+256)": 35, "64x128 new": 45,
            "16x256 new": 29, "4x1024 new d128": 160, "2x4096 new d128": 850, "1x8192 new": 440},
+    # v9, written before its first GPU run (docs/prefill.md, "v9"): a persistent loop over the work list hides
+    # part of a CTA's fixed cost (~9 us a CTA in v7's numbers) behind the item before; no split (1x(4096+256):
+    # 32 CTAs of 68 tiles), ptxas spills at d=128
+    "v9": {"1x2048 new": 71, "8x512 new": 32, "4x(1024+512)": 59, "1x(4096+256)": 110, "64x128 new": 37,
+           "16x256 new": 24, "4x1024 new d128": 230, "2x4096 new d128": 1200, "1x8192 new": 500},
+    # the same with the plan once per step (its ~5 us launch and run gone from a layer's time)
+    "v9:plan=step": {"1x2048 new": 66, "8x512 new": 28, "4x(1024+512)": 54, "1x(4096+256)": 105,
+                     "64x128 new": 32, "16x256 new": 20, "4x1024 new d128": 225, "2x4096 new d128": 1195,
+                     "1x8192 new": 492},
+    "v7:plan=step": {"1x2048 new": 65, "8x512 new": 35, "4x(1024+512)": 54, "1x(4096+256)": 35,
+                     "64x128 new": 49, "16x256 new": 28, "4x1024 new d128": 181, "2x4096 new d128": 1022,
+                     "1x8192 new": 486},
 }
 
 
@@ -129,7 +144,7 @@ def reference(x):
 
 def parse_variant(text):
     """"v6:splits=2,stages=3" -> ("v6", {"splits": 2, "stages": 3}): a v4+ kernel with launch
-    overrides (prefill_journey.paged_prefill's splits= and stages=)."""
+    overrides (prefill_journey.paged_prefill's splits=, stages=, v9's ctas=), or plan=step (kernel_call)."""
     label, _, rest = text.partition(":")
     from kernels_numba.prefill_journey import FA2_VERSIONS
 
@@ -138,18 +153,27 @@ def parse_variant(text):
     extra = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        if key not in ("splits", "stages"):
-            raise ValueError(f"a variant overrides splits= or stages=, got {item!r}")
-        extra[key] = int(value)
+        if key == "plan" and value == "step":
+            extra["plan"] = "step"
+        elif key in ("splits", "stages", "ctas"):
+            extra[key] = int(value)
+        else:
+            raise ValueError(f"a variant overrides splits=, stages=, ctas= or plan=step, got {item!r}")
     return label, extra
 
 
-def kernel_call(label, **extra):
+def kernel_call(label, plan=None, **extra):
     """fn(x, out) launching kernel `label` on input set x (no host sync: capturable); extra:
-    launch overrides of a v4+ kernel (splits=, stages=)."""
+    launch overrides of a v4+ kernel (splits=, stages=, ctas=). plan="step": the calls share one dict of
+    work lists (paged_prefill's plans=), so the calls of one graph on one cu_seqlens_q plan once, as a
+    step's layers do in the engine (bench_shape gives every input set the same cu tensor)."""
     from kernels_numba.prefill_journey import entry
 
     run = entry(KERNELS[label])
+    if plan == "step":
+        extra["plans"] = {}
+    elif plan is not None:
+        raise ValueError(f"plan={plan!r}: only 'step'")
 
     def call(x, out):
         run(x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["cu"], x["context_lens"], out=out,
@@ -183,6 +207,8 @@ def bench_shape(label, num_seqs, cached, new, labels, variants, reps, calls, hea
     set_bytes = 2 * num_seqs * (cached + new) * num_kv_heads * head_dim * 2  # K and V
     rotate = benchlib.num_sets_for(set_bytes, maximum=16)
     sets = [make_inputs(num_seqs, cached, new, seed=i, heads=heads) for i in range(rotate)]
+    for x in sets:  # one cu_seqlens_q tensor (the same values in every set), as a step's layers share one
+        x["cu"] = sets[0]["cu"]
     sdpa, how = sdpa_call(cached, new)
     label_calls = {k: kernel_call(k) for k in labels}
     for text in variants:

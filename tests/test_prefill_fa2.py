@@ -299,10 +299,10 @@ def test_v9_grid_and_choice():
     # one wave of 2 CTAs per SM over the KV heads, never more CTAs than items; ctas overrides
     assert fa.persistent_grid(1000, 2, 132) == 264 and fa.persistent_grid(100, 2, 132) == 200
     assert fa.persistent_grid(1000, 2, 132, ctas=3) == 6
-    # short prompts (64 x 128 at 14/2: ~1000 CTAs, contexts of 128) run v9, long contexts and grids that
-    # split (1 x (4096 + 256)) the engine's version
+    # short prompts (64 x 128 at 14/2: 1040 CTAs, contexts of 128) run v9; long contexts, grids of one wave
+    # or less (1 x 2048: 230 CTAs, a CTA an item either way) and d=128 the engine's version
     assert fa.short_plan(1040, 128, 132) and not fa.short_plan(1040, fa.SHORT_CONTEXT + 1, 132)
-    assert not fa.short_plan(32, 512, 132) and not fa.short_plan(1040, 128, 132, head_dim=128)
+    assert not fa.short_plan(230, 2048, 132) and not fa.short_plan(1040, 128, 132, head_dim=128)
     q = torch.zeros(64 * 128, 14, 64, dtype=torch.float16)
     k = torch.zeros(1, 2, 16, 64, dtype=torch.float16)
     assert fa.choose_version(q, k, torch.zeros(64, 8, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)) == 9
@@ -666,6 +666,28 @@ def test_gpu_fuzz(seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ctas", [2, None])
+def test_gpu_v9_in_cuda_graph(ctas):
+    # v9 captures the plan and its persistent kernel; two launches on one plans dict (a step's two layers)
+    # hold one plan launch
+    q, k, v, bt, cu, ctx = make_batch(14, 2, 64, 16, torch.float16, [100, 7, 1, 40], [50, 0, 9, 0], seed=5)
+    outs = [torch.empty_like(q) for _ in range(2)]
+    journey.paged_prefill(q, k, v, bt, cu, ctx, out=outs[0], version=9, ctas=ctas)  # compile first
+    torch.cuda.synchronize()
+    plans = {}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for out in outs:
+            journey.paged_prefill(q, k, v, bt, cu, ctx, out=out, version=9, ctas=ctas, plans=plans)
+    assert len(plans) == 1
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
+    for out in outs:
+        check(out, ref, tolerance(ref, v, q.dtype))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("version", sorted({6, 7, 8, journey.PRODUCTION_VERSION}))
 @pytest.mark.parametrize("splits", [1, 4])
 def test_gpu_in_cuda_graph(splits, version):
@@ -703,6 +725,7 @@ def test_bench_parses_variants():
 
     assert bp.parse_variant("v6:splits=2,stages=3") == ("v6", {"splits": 2, "stages": 3})
     assert bp.parse_variant("v5") == ("v5", {})
+    assert bp.parse_variant("v9:plan=step,ctas=4") == ("v9", {"plan": "step", "ctas": 4})
     with pytest.raises(ValueError, match="v4\\+"):
         bp.parse_variant("v3:stages=3")
     with pytest.raises(ValueError, match="overrides"):
@@ -718,6 +741,7 @@ def test_bench_validates_every_kernel_before_timing():
     assert how == "causal_lower_right"
     calls = {k: bp.kernel_call(k) for k in bp.KERNELS}
     calls["v6:splits=2"] = bp.kernel_call("v6", splits=2)
+    calls["v9:plan=step,ctas=1"] = bp.kernel_call("v9", plan="step", ctas=1)
     errors = bp.validate(calls, x, sdpa, 1, 3)
     assert set(errors) == set(calls) | {"sdpa"}
     with pytest.raises(AssertionError, match="max err"):  # a wrong kernel stops the run
