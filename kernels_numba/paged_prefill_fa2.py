@@ -33,6 +33,14 @@ The versions (predicted times: H200, Qwen2-0.5B layer 14/2 heads, d=64, fp16, on
         row of the warp would see p > 2^8 (warp-uniform by shuffles), so O's MT * D / 2 multiplies a
         tile (as many as the tile's HMMAs at d=128) are skipped on most tiles
                              1 x 8192 new: ~440 us (v7 494); 2 x 4096 at 28/4, d=128: ~850 us (v7 1028)
+    v9  v7's kernel in a persistent loop: one wave of CTAs (2 per SM), each running work items in a snake
+        over the work list (round r: the r-th of every CTA's items, backward every other round); after an
+        item's last tile the next item's Q (into a second Q buffer) and first KV tile (into the ring's free
+        stage) are copied while this item's epilogue runs (O staged in this item's Q buffer), its place in
+        the work list loaded at the item's start. v7 pays a CTA's launch, its chain of dependent loads and
+        its first tile's latency per item (~9 us a CTA, from v7's measured short-prompt times); no split
+        (short_plan picks v9 only for grids past one wave, at d=64)
+                             64 x 128 new: ~37 us (v7 54); 16 x 256: ~24 us (v7 33)
 
 Why (written before any GPU run). 1x2048 is 7.5 GFLOP of causal attention (4 * 14 * 64 *
 2048 * 2049 / 2). v3 loads each tile synchronously (global -> registers -> shared, two barriers
@@ -51,7 +59,8 @@ Occupancy: 2 CTAs of 128 threads per SM (launch bounds: <= 255 registers; v4 use
 255, no spills), 32 KB (v4) or 48 KB (v5: + the Q tile) of dynamic shared memory per CTA at d=64.
 v7 at d=128: 255 registers and ~40 bytes of spills (ptxas), 64 KB of shared memory (2 stages of
 32-key K and V tiles, 32 KB of Q). v8 keeps the next tile's block ids live: 4 bytes of spills at d=64,
-56 at d=128.
+56 at d=128. v9: a second Q tile (64 KB at d=64, 96 KB at d=128); 56 bytes of spills at d=64, ~1.7 KB of
+reloads at d=128.
 
 Design (every version)
 ----------------------
@@ -122,8 +131,11 @@ follow the fragment layouts above element by element.
 
 Entry points (this file stands alone: the journey's versions are in prefill_journey.py):
     paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
-                  validate=False, max_context_len=None, splits=None, stages=None)
-                                    VERSION (7) on torch tensors: the engine's kernel
+                  validate=False, max_context_len=None, splits=None, stages=None, plans=None,
+                  short_prompts=None)
+                                    VERSION (7) on torch tensors: the engine's kernel; plans: a step's
+                                    dict of work lists (built by its first layer, reused by the others);
+                                    short_prompts: v9 where short_plan says so (SHORT_PROMPTS, off)
     launch_torch(version, q, ...)   a kernel of KERNEL_VERSIONS on torch tensors (the journey's others)
     launch(version, q, ...)         raw-bit numba device arrays, or numpy under the simulator
 
@@ -962,7 +974,7 @@ PERSISTENT = (9,)  # the versions whose CTAs loop over the work list (a grid of 
 # v9 for short prompts: paged_prefill(short_prompts=True) runs it instead of VERSION where short_plan says
 # so. Off by default (the engine runs VERSION) until the GPU measures where v9 is the faster one.
 SHORT_PROMPTS = False
-SHORT_CONTEXT = 2048  # predicted: v9 where no context is longer (docs/prefill.md, "v9", says why)
+SHORT_CONTEXT = 1024  # predicted: v9 where no context is longer (docs/prefill.md, "v9", says why)
 
 
 def short_plan(num_ctas, max_context_len, num_sms, head_dim=64):

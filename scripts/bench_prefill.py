@@ -27,7 +27,8 @@ import torch
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 14, 2, 64, 16, torch.float16  # Qwen2-0.5B's layer
 LARGE = (28, 4, 128)  # Qwen2-7B's layer: query heads, KV heads, head_dim
 # (label, num_seqs, cached tokens, new tokens[, (num_heads, num_kv_heads, head_dim)]): the first four are
-# this bench's own set, the next five the short prompts and head_dim 128 shapes v7 is for
+# this bench's own set, the next five the short prompts and head_dim 128 shapes v7 is for, the last two
+# where v9's advantage should end (fa2.SHORT_CONTEXT)
 SHAPES = [
     ("1x2048 new", 1, 0, 2048),
     ("8x512 new", 8, 0, 512),
@@ -38,6 +39,8 @@ SHAPES = [
     ("4x1024 new d128", 4, 0, 1024, LARGE),
     ("2x4096 new d128", 2, 0, 4096, LARGE),
     ("1x8192 new", 1, 0, 8192),
+    ("8x1024 new", 8, 0, 1024),
+    ("4x2048 new", 4, 0, 2048),
 ]
 UNIT_ROUNDOFF = 2.0**-11  # fp16
 
@@ -60,7 +63,8 @@ PREDICTED_US = {
     # v7, written before its first GPU run (docs/prefill.md, "v7"): the work list takes the per-CTA search
     # away (short prompts), 128 rows per CTA at d=128 halve the shared-memory traffic per row
     "v7": {"1x2048 new": 62, "8x512 new": 38, "4x(1024+512)": 58, "1x(4096+256)": 40, "64x128 new": 30,
-           "16x256 new": 24, "4x1024 new d128": 160, "2x4096 new d128": 950, "1x8192 new": 490},
+           "16x256 new": 24, "4x1024 new d128": 160, "2x4096 new d128": 950, "1x8192 new": 490,
+           "8x1024 new": 100, "4x2048 new": 167},  # the last two written with v9's, from v7's measured fit
     # v8, written before its first GPU run (docs/prefill.md, "v8"): block ids a tile ahead (no copy waits on
     # a dependent load), the running max moved only when it grows by 2^8 (O's rescale skipped most tiles)
     "v8": {"1x2048 new": 64, "8x512 new": 36, "4x(1024+512)": 52, "1x(4096+256)": 35, "64x128 new": 45,
@@ -69,14 +73,15 @@ PREDICTED_US = {
     # part of a CTA's fixed cost (~9 us a CTA in v7's numbers) behind the item before; no split (1x(4096+256):
     # 32 CTAs of 68 tiles), ptxas spills at d=128
     "v9": {"1x2048 new": 71, "8x512 new": 32, "4x(1024+512)": 59, "1x(4096+256)": 110, "64x128 new": 37,
-           "16x256 new": 24, "4x1024 new d128": 230, "2x4096 new d128": 1200, "1x8192 new": 500},
+           "16x256 new": 24, "4x1024 new d128": 230, "2x4096 new d128": 1200, "1x8192 new": 500,
+           "8x1024 new": 91, "4x2048 new": 167},
     # the same with the plan once per step (its ~5 us launch and run gone from a layer's time)
     "v9:plan=step": {"1x2048 new": 66, "8x512 new": 28, "4x(1024+512)": 54, "1x(4096+256)": 105,
                      "64x128 new": 32, "16x256 new": 20, "4x1024 new d128": 225, "2x4096 new d128": 1195,
-                     "1x8192 new": 492},
+                     "1x8192 new": 492, "8x1024 new": 86, "4x2048 new": 162},
     "v7:plan=step": {"1x2048 new": 65, "8x512 new": 35, "4x(1024+512)": 54, "1x(4096+256)": 35,
                      "64x128 new": 49, "16x256 new": 28, "4x1024 new d128": 181, "2x4096 new d128": 1022,
-                     "1x8192 new": 486},
+                     "1x8192 new": 486, "8x1024 new": 95, "4x2048 new": 162},
 }
 
 

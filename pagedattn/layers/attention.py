@@ -26,7 +26,9 @@ Backends:
     scaled_dot_product_attention with an explicit mask (causal + context length), in float32. Not
     capturable (it sizes the gather on the host).
   * NumbaBackend (here): the numba CUDA kernels of kernels_numba, loaded when the backend is made; a
-    piece whose kernel module does not import falls back to the torch version of that piece.
+    piece whose kernel module does not import falls back to the torch version of that piece. The prefill
+    kernel's work list is made by a step's first layer and reused by its other layers (kept in the step's
+    AttentionMetadata.prefill_plans).
   * CpuNumbaBackend (pagedattn/layers/cpu_attention.py): numba CPU kernels reading the pool in place.
 
 get_backend("auto" | "torch" | "numba" | "cpu", device) picks one.
