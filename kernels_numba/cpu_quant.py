@@ -426,13 +426,16 @@ def embedding(ids, blocks, fmt, num_threads=None):
 _CODE = {name: code for name, (code, _, _) in FORMATS.items()}
 
 
+_TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.uint8): torch.uint8, np.dtype(np.int64): torch.int64}
+
+
 def _check(t, name, dtype, ndim):
     """C-contiguous numpy view of a CPU tensor or array of `dtype` (no copy when it already is one), or
     KernelLaunchError naming `name`."""
     if isinstance(t, torch.Tensor):
         if t.device.type != "cpu":
             raise KernelLaunchError(f"{name}: on {t.device}, the CPU kernel needs a CPU tensor")
-        t = t.detach().numpy() if t.dtype == torch.from_numpy(np.zeros(0, dtype)).dtype else t
+        t = t.detach().numpy() if t.dtype == _TORCH_DTYPES.get(np.dtype(dtype)) else t
     if not isinstance(t, np.ndarray) or t.dtype != dtype:
         raise KernelLaunchError(f"{name}: dtype {getattr(t, 'dtype', type(t).__name__)}, expected {np.dtype(dtype)}")
     if t.ndim != ndim:
