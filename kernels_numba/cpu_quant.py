@@ -37,15 +37,15 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from kernels_numba.cpu_simd import (load_u16, load_u32, vb_add, vb_and, vb_bits, vb_load, vb_nibbles, vb_or, vb_shl, vb_shr,
-                                     prefetch, vb_sub, vb_to_f32, vf_add, vf_fma, vf_load, vf_mul, vf_mul_rounded, vf_splat, vf_store,
-                                     vf_sub_rounded, vf_sum, vf_zero)
+from kernels_numba.cpu_simd import (load_u16, load_u32, prefetch, vb_add, vb_and, vb_bits, vb_load, vb_nibbles, vb_or,
+                                     vb_shl, vb_shr, vb_sub, vb_to_f32, vf_add, vf_fma, vf_load, vf_mul, vf_mul_rounded,
+                                     vf_splat, vf_store, vf_sub_rounded, vf_sum, vf_zero)
 from kernels_numba.cpu_threads import numba_threads
 from kernels_numba.errors import KernelLaunchError
 
 MAX_ROWS = 16                # above: `linear` dequantizes tiles of W and runs torch's GEMM
-TILE_VALUES = 1 << 20        # weights per dequantized tile above MAX_ROWS: 4 MB of float32, in cache while
-                             # the GEMM reads it (1024 rows at K = 896, 128 at K = 4864; >= 1024 rows from 128 rows of x)
+TILE_VALUES = 1 << 20        # weights per dequantized tile above MAX_ROWS: 4 MB of float32, in cache while the
+                             # GEMM reads it (1024 rows at K = 896, 128 at K = 4864; >= 1024 rows from 128 rows of x)
 
 # format name -> (code used inside the kernels, values per block, bytes per block)
 FORMATS = {"Q8_0": (0, 32, 34), "Q5_0": (1, 32, 22), "Q6_K": (2, 256, 210), "Q4_K": (3, 256, 144)}

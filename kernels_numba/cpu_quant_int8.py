@@ -37,10 +37,10 @@ import torch
 from numba import njit, prange
 
 from kernels_numba import cpu_quant
-from kernels_numba.cpu_quant import (_F16, _NO_BIAS, _Q4_K, _Q5_0, _Q6_K, _Q8_0, PREFETCH_ROWS, _prefetch_row, _run_scales,
-                                     _run_values, _store)
+from kernels_numba.cpu_quant import (_F16, _NO_BIAS, _Q4_K, _Q5_0, _Q6_K, _Q8_0, PREFETCH_ROWS, _prefetch_row,
+                                     _run_scales, _run_values, _store)
 from kernels_numba.cpu_simd import (f32_bits, f32_from_bits, target_has_avx2, vb_dot4, vb_dot4_avx2, vb_load,
-                                    prefetch, vb_udot4, vb_udot4_avx2, vf_fma, vf_halves, vf_mul, vf_splat, vf_sum, vf_zero)
+                                    vb_udot4, vb_udot4_avx2, vf_fma, vf_halves, vf_mul, vf_splat, vf_sum, vf_zero)
 from kernels_numba.cpu_threads import numba_threads
 from kernels_numba.errors import KernelLaunchError
 
@@ -138,8 +138,8 @@ def _rows(fmt, avx2, xq, dx, xs, w, bias, out, n0, n1, col, f16):
         for m in range(M4, M):
             a0 = vf_zero()
             for r in range(R):
-                a0 = _run_idot(fmt, avx2, _run_values(fmt, row, r), xq, m * K + 32 * r, _weight_scales(fmt, lo[r], hi[r]),
-                               dx[m, r], a0)
+                ws = _weight_scales(fmt, lo[r], hi[r])
+                a0 = _run_idot(fmt, avx2, _run_values(fmt, row, r), xq, m * K + 32 * r, ws, dx[m, r], a0)
             _store(fmt, vf_sum(a0), m, col + n, mn, xs, bias, has_bias, out)
 
 

@@ -10,15 +10,16 @@ intrinsic emitting plain LLVM vector IR:
                          vf_mul_rounded / vf_sub_rounded (each result rounded on its own: no contraction)
     U8x32  <32 x i8>     vb_load (32 bytes), vb_nibbles (16 bytes -> low nibbles then high nibbles),
                          vb_bits (a uint32 -> one byte in the lanes whose bit is set, another elsewhere),
-                         vb_shr / vb_shl / vb_and / vb_or / vb_add / vb_sub (byte lanes, wrapping), vb_to_f32 (signed bytes -> four F32x8)
+                         vb_shr / vb_shl / vb_and / vb_or / vb_add / vb_sub (byte lanes, wrapping),
+                         vb_to_f32 (signed bytes -> four F32x8)
     scalars              load_u16 / load_u32 (little-endian words at any byte offset), f32_bits / f32_from_bits,
                          prefetch (a cache-line hint: llvm.prefetch)
     int8 products        vb_dot4 / vb_udot4 (target-independent), vb_dot4_avx2 / vb_udot4_avx2 (x86 AVX2's
                          vpmaddubsw + vpmaddwd, only where target_has_avx2()): 32 byte products summed
                          in fours into an F32x8, exactly; vf_halves (two scalars, four lanes each)
 
-Nothing but the _avx2 products names a target-specific instruction: LLVM's instruction selection maps the vector ops to what the
-compile target has (two SSE registers per vector on a generic x86-64, one AVX2 register on a recent
+Nothing but the _avx2 products names a target-specific instruction: LLVM's instruction selection maps
+the vector ops to what the compile target has (two SSE registers per vector on a generic x86-64, one AVX2 register on a recent
 one), so the kernels run on any CPU numba targets. The float ops (but the two `_rounded` ones, for the
 dequantizer's bits) carry LLVM's `contract` flag and nothing else: a product feeding a sum may become
 one FMA where the target has it (the same code, the same choice every time), nothing is reassociated,

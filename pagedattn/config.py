@@ -151,8 +151,8 @@ class EngineConfig:
         if self.activations not in ("float32", "int8"):
             raise InvalidRequestError(f"activations must be 'float32' or 'int8', got {self.activations!r}")
         if self.activations == "int8" and (self.weights == "float32" or not self.can_quantize):
-            raise InvalidRequestError(f"activations='int8' runs on the quantized weights only (CPU, float32, one rank), "
-                                      f"not weights={self.weights!r} on device={self.device!r}")
+            raise InvalidRequestError(f"activations='int8' runs on the quantized weights only (CPU, float32, one "
+                                      f"rank), not weights={self.weights!r} on device={self.device!r}")
         if self.tensor_parallel_size > 1 and kind == "cuda" and self.device not in ("cuda", "cuda:0"):
             raise InvalidRequestError(f"tensor_parallel_size={self.tensor_parallel_size} runs rank r on cuda:r: "
                                       f"device must be 'auto', 'cuda' or 'cuda:0', got {self.device!r}")

@@ -1,5 +1,6 @@
 """pagedattn against HF transformers `generate` on the CPU: same model (the bundled Qwen2.5-Coder-0.5B-Instruct;
-HF on its float32 conversion, pagedattn on what LLM() picks: the GGUF blocks), same machine, same thread count, greedy, prompts the tests never use. Goals (issue 19):
+HF on its float32 conversion, pagedattn on what LLM() picks: the GGUF blocks), same machine, same thread
+count, greedy, prompts the tests never use. Goals (issue 19):
 
   one prompt   chat template, a 100-token answer: pagedattn >= 1.05x HF's tokens/s, same tokens
   mixed batch  8 requests, two of them long (~1000-token prompts: two standard-library modules to explain),
@@ -77,7 +78,9 @@ def decode_llama_cpp(llama, prompt, tokens):
 def first_difference(a, b):
     """'same' when the token lists agree, else the index of the first token where they differ."""
     i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    return "same" if i is None and len(a) == len(b) else f"differ from token {i if i is not None else min(len(a), len(b))}"
+    if i is None and len(a) == len(b):
+        return "same"
+    return f"differ from token {i if i is not None else min(len(a), len(b))}"
 
 
 def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS):
@@ -142,8 +145,7 @@ def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS)
     table = benchlib.markdown_table(rows, list(rows[0]))
     print(table)
     meta = {"threads": threads, "repeats": repeats, "tokens": tokens, "prompt tokens": len(prompt),
-            "load average after each timed run": loads, "load average at the end": os.getloadavg(),
-            "cpu": benchlib.env_line()}
+            "load average after each timed run": loads, "load average at the end": os.getloadavg()}
     print("\n".join(benchlib.save(out, "bench_cpu_decode", rows, meta, table)))
     return rows
 
@@ -406,7 +408,8 @@ def main(out="bench_cpu_out", threads=2, repeats=3, model=None, weights="auto"):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     eos = set(llm.engine.eos_token_ids)
     print(benchlib.env_line())
-    print(f"pagedattn weights: {llm.engine.config.weights}; attention backend: {getattr(backend, 'name', backend)}; HF attention: "
+    print(f"pagedattn weights: {llm.engine.config.weights}; attention backend: {getattr(backend, 'name', backend)}; "
+          f"HF attention: "
           f"{hf.config._attn_implementation}")
 
     one = [chat(tok, ONE_PROMPT)]
@@ -436,8 +439,9 @@ if __name__ == "__main__":
     ap.add_argument("--model", default=None, help="HF Qwen2 directory with a tokenizer (default: the bundled model)")
     ap.add_argument("--profile", action="store_true", help="the decode-step breakdown instead of the HF comparison")
     ap.add_argument("--steps", type=int, default=30, help="--profile: decode steps timed per case")
-    ap.add_argument("--decode", action="store_true", help="one prompt's decode tok/s: GGUF blocks (float32 and int8 "
-                                                          "activations), float32, HF, llama.cpp (when llama_cpp imports)")
+    ap.add_argument("--decode", action="store_true",
+                    help="one prompt's decode tok/s: GGUF blocks (float32 and int8 activations), float32, HF, "
+                         "llama.cpp (when llama_cpp imports)")
     ap.add_argument("--memory", action="store_true", help="resident memory after LLM() and a 64-token answer")
     ap.add_argument("--weights", default="auto", help="the HF comparison's LLM(weights=...): auto (the GGUF blocks on "
                                                       "the CPU), quantized or float32")

@@ -175,7 +175,8 @@ def test_parts_and_prefill_rows():
     """A fused layer's parts in one call, each part's columns its own product; above MAX_ROWS rows the
     float32 tiles of cpu_quant (x not rounded)."""
     fmts = ["Q5_0", "Q8_0", "Q6_K", "Q4_K"]
-    parts = [synthetic_blocks(f, n, 256 // quant.BLOCK[f][0], seed=80 + i) for i, (f, n) in enumerate(zip(fmts, [9, 4, 13, 6]))]
+    parts = [synthetic_blocks(f, n, 256 // quant.BLOCK[f][0], seed=80 + i)
+             for i, (f, n) in enumerate(zip(fmts, [9, 4, 13, 6]))]
     x = torch.from_numpy(awkward_x(5, 256, seed=81))
     y = cpu_quant_int8.linear_parts(x, list(zip(parts, fmts)), num_threads=2)
     col = 0

@@ -267,7 +267,8 @@ def test_int8_activations_in_the_engine(bundled_model_dir, bundled_gguf):  # noq
     llm = LLM(bundled_model_dir, device="cpu", activations="int8", num_blocks=16, max_model_len=256)
     model = llm.engine.model
     assert llm.engine.config.weights == "quantized" and llm.engine.config.activations == "int8"
-    assert model.lm_head.weight.activations == "int8" and model.model.layers[0].mlp.down_proj.weight.activations == "int8"
+    assert model.lm_head.weight.activations == "int8"
+    assert model.model.layers[0].mlp.down_proj.weight.activations == "int8"
     out = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6
 
