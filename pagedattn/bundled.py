@@ -178,6 +178,8 @@ def convert_gguf(gguf_dir, gguf_file, out_dir):
         json.dump(config, f, indent=2, sort_keys=True)
     model.generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    from pagedattn.engine.tokenizer import load_tokenizer
+    load_tokenizer(out_dir)    # into the tokenizer cache now: the first LLM() then needs no transformers import
     return config
 
 
