@@ -34,13 +34,14 @@ The versions (predicted times: H200, Qwen2-0.5B layer 14/2 heads, d=64, fp16, on
         tile (as many as the tile's HMMAs at d=128) are skipped on most tiles
                              1 x 8192 new: ~440 us (v7 494); 2 x 4096 at 28/4, d=128: ~850 us (v7 1028)
     v9  v7's kernel in a persistent loop: one wave of CTAs (2 per SM), each running work items in a snake
-        over the work list (round r: the r-th of every CTA's items, backward every other round); after an
-        item's last tile the next item's Q (into a second Q buffer) and first KV tile (into the ring's free
-        stage) are copied while this item's epilogue runs (O staged in this item's Q buffer), its place in
-        the work list loaded at the item's start. v7 pays a CTA's launch, its chain of dependent loads and
-        its first tile's latency per item (~9 us a CTA, from v7's measured short-prompt times); no split
-        (short_plan picks v9 only for grids past one wave, at d=64)
-                             64 x 128 new: ~37 us (v7 54); 16 x 256: ~24 us (v7 33)
+        over the work list (round r: the r-th of every CTA's items, backward every other round); at the
+        start of an item's last tile the next item's Q (into a second Q buffer) and first KV tile (into the
+        ring's free stage) are issued, landing during the last tile's math and the epilogue (O staged in
+        this item's Q buffer; prefetch="epilogue": issued after the math), its place in the work list
+        loaded at the item's start. v7 pays a CTA's launch, its chain of dependent loads and its first
+        tile's latency per item (~9 us a CTA, from v7's measured short-prompt times); no split (short_plan
+        picks v9 only for grids past one wave, at d=64)
+                             64 x 128 new: ~32 us (v7 54); 16 x 256: ~22 us (v7 33)
 
 Why (written before any GPU run). 1x2048 is 7.5 GFLOP of causal attention (4 * 14 * 64 *
 2048 * 2049 / 2). v3 loads each tile synchronously (global -> registers -> shared, two barriers
@@ -59,8 +60,8 @@ Occupancy: 2 CTAs of 128 threads per SM (launch bounds: <= 255 registers; v4 use
 255, no spills), 32 KB (v4) or 48 KB (v5: + the Q tile) of dynamic shared memory per CTA at d=64.
 v7 at d=128: 255 registers and ~40 bytes of spills (ptxas), 64 KB of shared memory (2 stages of
 32-key K and V tiles, 32 KB of Q). v8 keeps the next tile's block ids live: 4 bytes of spills at d=64,
-56 at d=128. v9: a second Q tile (64 KB at d=64, 96 KB at d=128); 56 bytes of spills at d=64, ~1.7 KB of
-reloads at d=128.
+56 at d=128. v9: a second Q tile (64 KB at d=64, 96 KB at d=128); ~150 bytes of spills at d=64, ~2.5 KB of
+reloads at d=128 (prefetch="epilogue": 56 bytes at d=64, none inside the KV loop).
 
 Design (every version)
 ----------------------
@@ -221,7 +222,8 @@ class Config:
     tile, and where a CTA finds its (sequence, q tile): find_tile's search (v4-v6) or the work
     list a plan kernel wrote before it (v7)."""
 
-    def __init__(self, m_tiles, stages=2, q_in_smem=False, bn=BN, planned=False, ahead=False, persistent=False):
+    def __init__(self, m_tiles, stages=2, q_in_smem=False, bn=BN, planned=False, ahead=False, persistent=False,
+                 prefetch=None):
         self.m_tiles = m_tiles
         self.stages = stages
         self.q_in_smem = q_in_smem
@@ -229,27 +231,38 @@ class Config:
         self.planned = planned
         self.ahead = ahead  # v8: block ids one tile ahead, and the running max moved only when it grows
         # v9: a CTA loops over work items, the next item's Q and first KV tile copied during this one's last
+        # tile ("tile": issued at its start, after its barrier) or its epilogue ("epilogue": after its math)
         self.persistent = persistent
+        self.prefetch = prefetch
 
     def key(self):
-        return (self.m_tiles, self.stages, self.q_in_smem, self.bn, self.planned, self.ahead, self.persistent)
+        return (self.m_tiles, self.stages, self.q_in_smem, self.bn, self.planned, self.ahead, self.persistent,
+                self.prefetch)
 
 
 BN_D128_V7 = 32  # v7 at d=128: 128 rows x 32 keys keeps S in 32 registers beside O's 128
 
 
-def version_config(version, head_dim, stages=None):
+PREFETCH = ("tile", "epilogue")  # v9: where the next item's copies are issued (the first is the default)
+
+
+def version_config(version, head_dim, stages=None, prefetch=None):
     """v4: 64 rows per CTA; v5, v6: 128 at d=64, 64 at d=128 (two m-tiles of 64-key tiles need
     more than 255 registers there: O alone is 128, S 64); v7: 128 rows at both, d=128 with tiles
     of 32 keys, and the work list; v8: v7's shape with the block ids loaded a tile ahead and the
     lazy rescale; v9: v7's shape in a persistent loop over the work list (two Q buffers, 2 stages only).
-    stages: override the ring's 2 stages (bench sweeps)."""
+    stages: override the ring's 2 stages (bench sweeps); prefetch: v9's PREFETCH placement (default the first)."""
     stages = 2 if stages is None else stages
     if version == 9:
         if stages != 2:
             raise KernelLaunchError(f"v9 runs a ring of 2 stages (its prefetch across items), got stages={stages}")
+        prefetch = PREFETCH[0] if prefetch is None else prefetch
+        if prefetch not in PREFETCH:
+            raise KernelLaunchError(f"prefetch must be one of {PREFETCH}, got {prefetch!r}")
         return Config(m_tiles=2, stages=2, q_in_smem=True, bn=BN_D128_V7 if head_dim == 128 else BN, planned=True,
-                      persistent=True)
+                      persistent=True, prefetch=prefetch)
+    if prefetch is not None:
+        raise KernelLaunchError(f"prefetch={prefetch!r}: only v9 prefetches across work items")
     if version >= 7:
         return Config(m_tiles=2, stages=stages, q_in_smem=True, bn=BN_D128_V7 if head_dim == 128 else BN,
                       planned=True, ahead=version == 8)
@@ -314,10 +327,11 @@ def find_tile(t, cu_seqlens_q, num_seqs, bq):
     return -1, 0
 
 
-def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, ahead, persistent):
+def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, ahead, persistent, prefetch):
     """The kernel for one (head_dim, "f16" | "bf16", block_size) and Config."""
     D, BS, MT, ST, Q_SMEM, BN, PLANNED, AHEAD = head_dim, block_size, m_tiles, stages, q_in_smem, bn, planned, ahead
     PERSISTENT = persistent
+    AT_TILE = prefetch == "tile"  # v9: the next item's copies at the last tile's start, else after its math
     # v9's prefetch of the next item: its Q into the other Q buffer, its first tile into the stage the last
     # tile's predecessor used (2 stages: the ring's only free one); the work list says what comes next
     assert not PERSISTENT or (ST == 2 and Q_SMEM and PLANNED and not AHEAD)
@@ -437,6 +451,17 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, 
             else:
                 store_u32x4(ring, dst, 0, 0, 0, 0)
                 store_u32x4(ring, dst + TILE, 0, 0, 0, 0)
+
+    @cuda.jit(device=True, inline="always")
+    def issue_next(ring, dst0, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, s, q0, qs, head,
+                   num_heads, group, bq, rows_used, block_words, row0, chunk, tdst, tsrc):
+        # v9: work item (sequence s, queries q0 ..)'s Q tile into the Q buffer at qs and its first KV tile
+        # into the stage at dst0
+        q_start = cu_seqlens_q[s]
+        q_len = cu_seqlens_q[s + 1] - q_start
+        kv_end = context_lens[s] - q_len + min(q0 + bq, q_len)  # the item's (v9 does not split)
+        issue_q(ring, qs, q, q_start, q_len, q0, head, num_heads, group, rows_used, row0, chunk)
+        issue_tile(ring, dst0, k_cache, v_cache, block_tables, s, block_words, 0, kv_end, row0, tdst, tsrc)
 
     @cuda.jit(**jit_options)
     def kernel(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse, work,
@@ -588,6 +613,12 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, 
                     else:
                         issue_tile(ring, write, k_cache, v_cache, block_tables, s, block_words, (j + ST - 1) * BN,
                                    kv_stop, row0, tdst, tsrc)
+                elif PERSISTENT and AT_TILE and s_n >= 0:
+                    # v9, the item's last tile: the next item's Q into the other Q buffer and its first KV tile
+                    # into the free stage, in flight during this tile's math and the epilogue
+                    issue_next(ring, write, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, s_n,
+                               tile_n * bq, RING + ((rnd + 1) % 2) * QW, head, num_heads, group, bq, rows_used,
+                               block_words, row0, chunk, tdst, tsrc)
                 cp_async_commit()
                 if AHEAD and j + ST < t_hi:  # the blocks of the tile the next iteration issues
                     tile_blocks(nb, block_tables, s, (j + ST) * BN, kv_stop, row0)
@@ -735,18 +766,14 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, 
                 if read == RING:
                     read = 0
 
-            if PERSISTENT and s_n >= 0:
-                # v9: the next item's Q into the other Q buffer and its first KV tile into the stage tile
-                # t_hi - 2 used (`read` now; free since the last tile's barrier), in flight during this
-                # item's epilogue and the next item's set-up
-                start_n = cu_seqlens_q[s_n]
-                len_n = cu_seqlens_q[s_n + 1] - start_n
-                q0_n = tile_n * bq
-                end_n = context_lens[s_n] - len_n + min(q0_n + bq, len_n)  # its kv_end (v9 does not split)
-                issue_q(ring, RING + ((rnd + 1) % 2) * QW, q, start_n, len_n, q0_n, head, num_heads, group, rows_used,
-                        row0, chunk)
-                issue_tile(ring, read, k_cache, v_cache, block_tables, s_n, block_words, 0, end_n, row0, tdst, tsrc)
-            if PERSISTENT:
+            if PERSISTENT and not AT_TILE:
+                if s_n >= 0:
+                    # v9 (prefetch="epilogue"): the same copies after the last tile's math, into the stage
+                    # tile t_hi - 2 used (`read` now; free since the last tile's barrier): fewer values live
+                    # through the KV loop, less of the next item's latency hidden
+                    issue_next(ring, read, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, s_n,
+                               tile_n * bq, RING + ((rnd + 1) % 2) * QW, head, num_heads, group, bq, rows_used,
+                               block_words, row0, chunk, tdst, tsrc)
                 cp_async_commit()
 
             # ---- full row sums; write O / l
@@ -846,15 +873,15 @@ def _build_merge(kind):
     return merge
 
 
-def get_kernel(version, head_dim, kind, block_size, stages=None):
+def get_kernel(version, head_dim, kind, block_size, stages=None, prefetch=None):
     """The attention kernel of `version` for (head_dim, "f16" | "bf16", block_size), built once."""
-    cfg = version_config(version, head_dim, stages)
+    cfg = version_config(version, head_dim, stages, prefetch)
     key = (head_dim, kind, block_size) + cfg.key()
     if key not in _KERNELS:
         _KERNELS[key] = bridge.enable_disk_cache(_build(head_dim, kind, block_size, *cfg.key()),
                                                  ("kernels_numba.paged_prefill_fa2",) + key,
                                                  recipe=(__name__, "get_kernel", (version, head_dim, kind, block_size),
-                                                         (("stages", stages),), None))
+                                                         (("stages", stages), ("prefetch", prefetch)), None))
     return _KERNELS[key]
 
 
@@ -997,7 +1024,7 @@ def persistent_grid(items, num_kv_heads, num_sms, ctas=None):
 
 def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse, work,
            num_heads, num_kv_heads, head_dim, block_size, scale, kind, splits=1, stream=0, stages=None,
-           planned=False, num_sms=None, ctas=None):
+           planned=False, num_sms=None, ctas=None, prefetch=None):
     """Launch on raw arrays, no checks (v7+: the plan kernel, then attention, then the merge of a split).
 
     q, out: 1-D uint32 views of [total_q, num_heads, head_dim], 16-byte aligned
@@ -1010,6 +1037,7 @@ def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     planned: `work` already holds this launch's work list (the plan of the same cu_seqlens_q, tile shape
         and sizes, built by an earlier launch of the step): the plan kernel is not launched again
     num_sms, ctas: v9's grid (persistent_grid); without num_sms one CTA per item (correct, not persistent)
+    prefetch: v9's placement of the next item's copies (PREFETCH)
     numba device arrays or contiguous torch tensors of those dtypes (numpy in the simulator).
     """
     total_q = q.shape[0] // (num_heads * head_dim // 2)
@@ -1027,7 +1055,7 @@ def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     if version in PLANNED and not planned:
         bq = tile_rows(version, head_dim) // group
         launch_kernel(get_plan(), 1, PLAN_THREADS, (cu_seqlens_q, bq, work), stream)
-    kernel = get_kernel(version, head_dim, kind, block_size, stages)
+    kernel = get_kernel(version, head_dim, kind, block_size, stages, prefetch)
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse, work,
             num_heads, num_kv_heads, np.float32(scale))
     nbytes = smem_bytes(version, head_dim, stages)
@@ -1094,16 +1122,18 @@ def choose_version(q, k_cache, block_tables, context_lens, max_context_len=None,
 
 
 def launch_torch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
-                 validate=False, max_context_len=None, splits=None, stages=None, plans=None, ctas=None):
+                 validate=False, max_context_len=None, splits=None, stages=None, plans=None, ctas=None,
+                 prefetch=None):
     """The kernel of `version` (KERNEL_VERSIONS) on torch tensors: paged_prefill's arguments after
     the version. paged_prefill runs VERSION; the journey (prefill_journey.py) runs the others here.
-    ctas: v9's CTAs per KV head (persistent_grid; tests and bench sweeps)."""
+    ctas: v9's CTAs per KV head (persistent_grid); prefetch: v9's PREFETCH placement (tests, bench sweeps)."""
     out, group = check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, HEAD_DIMS, BLOCK_SIZES)
     total_q, num_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     num_seqs = context_lens.shape[0]
     if version not in KERNEL_VERSIONS:
         raise KernelLaunchError(f"version must be one of {list(KERNEL_VERSIONS)}, got {version!r}")
+    version_config(version, head_dim, stages, prefetch)  # KernelLaunchError for overrides the version lacks
     if group > tile_rows(version, head_dim):
         raise KernelLaunchError(f"GQA group {group} must be <= {tile_rows(version, head_dim)} rows for v{version}")
     if validate and not bridge.capturing():
@@ -1133,7 +1163,7 @@ def launch_torch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
     launch(version, _words("q", q_c), _words("k_cache", k_cache), _words("v_cache", v_cache),
            block_tables.contiguous(), cu_seqlens_q.contiguous(), context_lens.contiguous(), _words("out", target),
            part_o, part_lse, work, num_heads, num_kv_heads, head_dim, block_size, scale, DTYPES[q.dtype], splits,
-           bridge.torch_stream(q.device), stages, planned, bridge.num_sms(q.device), ctas)
+           bridge.torch_stream(q.device), stages, planned, bridge.num_sms(q.device), ctas, prefetch)
     if target is not out:
         out.copy_(target)
     return out

@@ -13,7 +13,8 @@ prediction written before the GPU run (docs/prefill.md) and the default version'
     python3 scripts/bench_prefill.py [--out DIR] [--kernels v3 v4 v5 v6 v7 v8 v9] [--variant v9:plan=step] [--reps 10]
 
 By default it times v7 and v9 (the engine's kernel and the short prompts' one) at every shape, SDPA beside them.
-A variant overrides a v4+ kernel's launch: splits=N, stages=N, ctas=N (v9's CTAs per KV head), or plan=step:
+A variant overrides a v4+ kernel's launch: splits=N, stages=N, ctas=N (v9's CTAs per KV head), prefetch=
+tile|epilogue (where v9 copies the next item: at its last tile's start, the default, or after its math), or plan=step:
 the work list built once for all the calls of a graph (which share one cu_seqlens_q), as the engine builds it
 once per step for all layers, so the time is a layer's in a step (each call plans for itself otherwise).
 Prints a table (µs, TFLOP/s and speed vs SDPA per version); with --out writes prefill_bench.json and
@@ -70,15 +71,19 @@ PREDICTED_US = {
     "v8": {"1x2048 new": 64, "8x512 new": 36, "4x(1024+512)": 52, "1x(4096+256)": 35, "64x128 new": 45,
            "16x256 new": 29, "4x1024 new d128": 160, "2x4096 new d128": 850, "1x8192 new": 440},
     # v9, written before its first GPU run (docs/prefill.md, "v9"): a persistent loop over the work list hides
-    # part of a CTA's fixed cost (~9 us a CTA in v7's numbers) behind the item before; no split (1x(4096+256):
-    # 32 CTAs of 68 tiles), ptxas spills at d=128
-    "v9": {"1x2048 new": 71, "8x512 new": 32, "4x(1024+512)": 59, "1x(4096+256)": 110, "64x128 new": 37,
-           "16x256 new": 24, "4x1024 new d128": 230, "2x4096 new d128": 1200, "1x8192 new": 500,
-           "8x1024 new": 91, "4x2048 new": 167},
-    # the same with the plan once per step (its ~5 us launch and run gone from a layer's time)
-    "v9:plan=step": {"1x2048 new": 66, "8x512 new": 28, "4x(1024+512)": 54, "1x(4096+256)": 105,
-                     "64x128 new": 32, "16x256 new": 20, "4x1024 new d128": 225, "2x4096 new d128": 1195,
-                     "1x8192 new": 492, "8x1024 new": 86, "4x2048 new": 162},
+    # part of a CTA's fixed cost (~9 us a CTA in v7's numbers) behind the item before (prefetch=tile, the
+    # default: ~6 of the 9 us; prefetch=epilogue: ~4.5); no split (1x(4096+256): 32 CTAs of 68 tiles), ptxas
+    # spills at d=128
+    "v9": {"1x2048 new": 71, "8x512 new": 29, "4x(1024+512)": 59, "1x(4096+256)": 110, "64x128 new": 32,
+           "16x256 new": 22, "4x1024 new d128": 240, "2x4096 new d128": 1250, "1x8192 new": 500,
+           "8x1024 new": 85, "4x2048 new": 163},
+    "v9:prefetch=epilogue": {"1x2048 new": 71, "8x512 new": 32, "4x(1024+512)": 59, "1x(4096+256)": 110,
+                             "64x128 new": 37, "16x256 new": 24, "4x1024 new d128": 230, "2x4096 new d128": 1200,
+                             "1x8192 new": 500, "8x1024 new": 91, "4x2048 new": 167},
+    # v9 and v7 with the plan once per step (its ~5 us launch and run gone from a layer's time)
+    "v9:plan=step": {"1x2048 new": 66, "8x512 new": 25, "4x(1024+512)": 54, "1x(4096+256)": 105,
+                     "64x128 new": 27, "16x256 new": 17, "4x1024 new d128": 235, "2x4096 new d128": 1245,
+                     "1x8192 new": 492, "8x1024 new": 80, "4x2048 new": 158},
     "v7:plan=step": {"1x2048 new": 65, "8x512 new": 35, "4x(1024+512)": 54, "1x(4096+256)": 35,
                      "64x128 new": 49, "16x256 new": 28, "4x1024 new d128": 181, "2x4096 new d128": 1022,
                      "1x8192 new": 486, "8x1024 new": 95, "4x2048 new": 162},
@@ -160,10 +165,12 @@ def parse_variant(text):
         key, _, value = item.partition("=")
         if key == "plan" and value == "step":
             extra["plan"] = "step"
+        elif key == "prefetch":
+            extra["prefetch"] = value
         elif key in ("splits", "stages", "ctas"):
             extra[key] = int(value)
         else:
-            raise ValueError(f"a variant overrides splits=, stages=, ctas= or plan=step, got {item!r}")
+            raise ValueError(f"a variant overrides splits=, stages=, ctas=, prefetch= or plan=step, got {item!r}")
     return label, extra
 
 

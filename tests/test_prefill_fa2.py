@@ -254,45 +254,48 @@ def test_gpu_full_matrix(case):
 
 
 # v9 (v7's kernel looping over the work list; the next item's Q and first KV tile copied during this item's
-# epilogue): (CTAs per KV head, shape). With few CTAs each runs several items of different sequences, its two
-# Q buffers alternating and the ring's stages carried from one item to the next; snake order (a CTA's second
-# item is the round's last); a CTA stopping at the list's end (-1) or at the bound
+# last tile, or with prefetch="epilogue" after its math): (CTAs per KV head, prefetch, shape). With few CTAs
+# each runs several items of different sequences, its two Q buffers alternating and the ring's stages carried
+# from one item to the next; snake order (a CTA's second item is the round's last); a CTA stopping at the
+# list's end (-1) or at the bound
 V9_FAST = [
     # one CTA for all 3 items: a 1-token sequence, a 19-token chunk behind a prefix of 20 (mid-block; two q
     # tiles of 18 queries, the second with one query), GQA 7, d=64
-    (1, (7, 1, 64, 16, torch.float16, [1, 19], [0, 20])),
+    (1, None, (7, 1, 64, 16, torch.float16, [1, 19], [0, 20])),
 ]
 V9_SLOW = [
     # d=128 (tiles of 32 keys), GQA 4, bf16, block 8: 3 items on 2 CTAs (the second runs items 1 and 2, the
     # first finds -1 in its second round); the 33-token chunk's first tile sees two KV tiles
-    (2, (4, 1, 128, 8, torch.bfloat16, [1, 33], [40, 0])),
+    (2, None, (4, 1, 128, 8, torch.bfloat16, [1, 33], [40, 0])),
+    (2, "epilogue", (4, 1, 128, 8, torch.bfloat16, [1, 33], [40, 0])),
     # Qwen2's 14/2 layout (CTA x = item * 2 + KV head), bf16, block 8: a 33-token chunk behind 7 cached and a
     # 1-token chunk behind 130 (three KV tiles): one CTA per head runs every item
-    (1, (14, 2, 64, 8, torch.bfloat16, [33, 1], [7, 130])),
+    (1, "epilogue", (14, 2, 64, 8, torch.bfloat16, [33, 1], [7, 130])),
     # many 1-token and short sequences (prompts of a chat batch) on 3 CTAs: 7 items, 3 rounds
-    (3, (7, 1, 64, 32, torch.float16, [1, 1, 5, 1, 2, 20, 1], [0, 3, 0, 40, 7, 0, 0])),
+    (3, None, (7, 1, 64, 32, torch.float16, [1, 1, 5, 1, 2, 20, 1], [0, 3, 0, 40, 7, 0, 0])),
     # d=128 MHA-like group 2, fp16, block 16: a chunk of 70 (three q tiles of 64, the last a partial) behind 45
-    (2, (2, 1, 128, 16, torch.float16, [70, 9], [45, 0])),
+    (2, None, (2, 1, 128, 16, torch.float16, [70, 9], [45, 0])),
     # one CTA per item (the default grid: fewer items than a wave), d=64
-    (None, (7, 1, 64, 16, torch.float16, [1, 19, 3], [0, 20, 61])),
+    (None, None, (7, 1, 64, 16, torch.float16, [1, 19, 3], [0, 20, 61])),
 ]
 
 
 def v9_id(c):
-    return f"ctas{c[0]}-" + case_id((9, None, c[1]))[len("v9-sNone-"):]
+    return f"ctas{c[0]}-{c[1] or 'tile'}-" + case_id((9, None, c[2]))[len("v9-sNone-"):]
 
 
 @pytest.mark.parametrize("case", V9_FAST + [pytest.param(c, marks=pytest.mark.slow) for c in V9_SLOW], ids=v9_id)
 def test_v9_matches_reference(case):
-    ctas, shape = case
-    run_case(9, None, shape, ctas=ctas)
+    ctas, prefetch, shape = case
+    run_case(9, None, shape, ctas=ctas, prefetch=prefetch)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", fa.PREFETCH)
 @pytest.mark.parametrize("ctas", [1, 3, 7, None])
 @pytest.mark.parametrize("shape", SLOW_SHAPES, ids=lambda s: case_id((9, None, s))[len("v9-sNone-"):])
-def test_gpu_v9_few_ctas(shape, ctas):
-    run_case(9, None, shape, ctas=ctas)
+def test_gpu_v9_few_ctas(shape, ctas, prefetch):
+    run_case(9, None, shape, ctas=ctas, prefetch=prefetch)
 
 
 def test_v9_grid_and_choice():
@@ -312,6 +315,10 @@ def test_v9_grid_and_choice():
                              splits=2) == fa.VERSION
     with pytest.raises(KernelLaunchError, match="stages"):
         fa.version_config(9, 64, stages=3)
+    with pytest.raises(KernelLaunchError, match="prefetch"):
+        fa.version_config(9, 64, prefetch="never")
+    with pytest.raises(KernelLaunchError, match="prefetch"):
+        fa.version_config(7, 64, prefetch="tile")
     with pytest.raises(KernelLaunchError, match="splits"):
         q, k, v, bt, cu, ctx = make_batch(7, 1, 64, 16, torch.float16, [3], [2], seed=3)
         fa.launch_torch(9, q, k, v, bt, cu, ctx, splits=2)
@@ -472,8 +479,9 @@ for version, head_dim, kind, block_size in json.loads(sys.argv[1]):
         ptx, _ = cuda.compile_ptx(fa.get_merge(kind).py_func, MERGE_SIG, cc=(9, 0))
     elif version == "plan":
         ptx, _ = cuda.compile_ptx(fa.get_plan().py_func, (i32, types.int64, i32), cc=(9, 0))
-    else:
-        kernel = fa.get_kernel(version, head_dim, kind, block_size)
+    else:  # "9e": v9 with its next item's copies after the last tile's math (prefetch="epilogue")
+        version, prefetch = (9, "epilogue") if version == "9e" else (version, None)
+        kernel = fa.get_kernel(version, head_dim, kind, block_size, prefetch=prefetch)
         ptx, _ = cuda.compile_ptx(kernel.py_func, SIG, cc=(9, 0), launch_bounds=fa.LAUNCH_BOUNDS)
     open(f"{sys.argv[2]}/{name}.ptx", "w").write(ptx)
     ops = re.findall(r"^\s*(?:@!?%p\d+\s+)?([a-z][a-z0-9_.]*)", ptx, re.M)
@@ -495,22 +503,24 @@ print("STATS" + json.dumps(out))
 """
 
 CODEGEN_FAST = [(4, 64, "f16", 16), (5, 64, "bf16", 8), ("merge", 0, "f16", 0), (7, 128, "f16", 16),
-                ("plan", 0, "", 0), (8, 64, "f16", 16), (9, 64, "f16", 16)]
+                ("plan", 0, "", 0), (8, 64, "f16", 16), (9, 64, "f16", 16), ("9e", 64, "f16", 16)]
 CODEGEN_SLOW = [(4, 128, "bf16", 32), (5, 128, "f16", 16), (4, 64, "bf16", 8), (5, 64, "f16", 32),
                 ("merge", 0, "bf16", 0), (7, 64, "f16", 16), (7, 128, "bf16", 8), (8, 128, "f16", 16),
-                (8, 64, "bf16", 8), (9, 128, "bf16", 8)]
+                (8, 64, "bf16", 8), (9, 128, "bf16", 8), ("9e", 128, "f16", 16)]
 # ptxas register bounds: 2 CTAs of 128 threads per SM (LAUNCH_BOUNDS) allow 255; v4 at d=64
 # measured 212 (numba 0.68 / numba-cuda 0.30.4): a rise past 232 means a regression worth a look
 REGISTER_BOUND = {(4, 64): 232}
 # v7 at d=128 (128 rows: O is 128 registers, S 32) fills the 255 and ptxas spills a few words
 # (measured: 40 bytes stored, 60-64 loaded, numba-cuda 0.30.4, ptxas 13.0); more means the budget
 # broke (one of O's loops left rolled moved O to local memory: 500+ bytes)
-SPILL_BYTES = {(7, 128): 64, (8, 64): 8, (8, 128): 72, (9, 64): 72, (9, 128): 2048}
+SPILL_BYTES = {(7, 128): 64, (8, 64): 8, (8, 128): 72, (9, 64): 160, (9, 128): 2560, ("9e", 64): 72,
+               ("9e", 128): 2048}
 # v8 keeps a tile's block ids (4 registers) live through the KV loop: at d=64 one word spills (4 bytes
 # each way), at d=128 56 stored / 64 loaded (numba-cuda 0.30.4, ptxas 13.0)
 # v9's item loop keeps more live through the KV loop (the next item's place in the work list, the round, the
-# Q buffer's base): 56 bytes stored / 64 loaded at d=64; at d=128 ~350 / ~1700 (reloads inside the loop:
-# short_plan leaves d=128 to v7)
+# Q buffer's base): at d=64 92 bytes stored / 156 loaded (a few reloads a tile, L1 hits), 56 / 64 with the
+# copies after the last tile's math ("9e": none inside the KV loop); at d=128 ~350 / ~1700 with those,
+# ~560 / ~2500 at the last tile's start (reloads inside the loop: short_plan leaves d=128 to v7)
 
 
 def _name(cfg):
@@ -556,7 +566,7 @@ def check_codegen(stats, tmp, cfg):
         return
     version, head_dim = cfg[0], cfg[1]
     assert regs <= REGISTER_BOUND.get((version, head_dim), 255), f"{_name(cfg)}: {regs} registers"
-    cfg_v = fa.version_config(version, head_dim)
+    cfg_v = fa.version_config(9 if version == "9e" else version, head_dim)
     mt, q_in_smem, bn = cfg_v.m_tiles, cfg_v.q_in_smem, cfg_v.bn
     # per KV tile of bn keys and warp: S = Q K^T and O += P V are (bn / 8)(D / 16) MT mma each
     assert s["mma"] == 2 * (bn // 8) * (head_dim // 16) * mt, s
@@ -640,7 +650,7 @@ def test_gpu_vs_sdpa_error(shape):
     # floor: one unit in the last place of the largest output (both round their result once)
     tol = 2 * base + 2 * UNIT_ROUNDOFF[q.dtype] * float(np.abs(ref).max())
     for version, splits in [(4, None), (5, None), (6, None), (6, 2), (6, 7), (6, 16), (7, None), (7, 3), (8, None),
-                           (8, 3), (9, None)]:
+                           (8, 3), (9, None)]:  # v9's placements and CTA counts: test_gpu_v9_few_ctas
         out = journey.paged_prefill(q, k, v, bt, cu, ctx, version=version, splits=splits)
         torch.cuda.synchronize()
         err = check(out, ref, tol)
@@ -725,7 +735,8 @@ def test_bench_parses_variants():
 
     assert bp.parse_variant("v6:splits=2,stages=3") == ("v6", {"splits": 2, "stages": 3})
     assert bp.parse_variant("v5") == ("v5", {})
-    assert bp.parse_variant("v9:plan=step,ctas=4") == ("v9", {"plan": "step", "ctas": 4})
+    assert bp.parse_variant("v9:plan=step,ctas=4,prefetch=epilogue") == ("v9", {"plan": "step", "ctas": 4,
+                                                                               "prefetch": "epilogue"})
     with pytest.raises(ValueError, match="v4\\+"):
         bp.parse_variant("v3:stages=3")
     with pytest.raises(ValueError, match="overrides"):
