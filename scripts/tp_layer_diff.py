@@ -35,6 +35,10 @@ import sys
 if __name__ == "__main__":          # run as a file: make `scripts.` importable (spawned ranks inherit it)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# The hooks below read each layer's attention and MLP outputs as all-reduced sums: keep the all-reduce that
+# is not fused with the next norm (which would leave them partial sums). Spawned ranks inherit it.
+os.environ.setdefault("PAGEDATTN_FUSED_ALLREDUCE", "off")
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
