@@ -35,10 +35,6 @@ import sys
 if __name__ == "__main__":          # run as a file: make `scripts.` importable (spawned ranks inherit it)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# The hooks below read each layer's attention and MLP outputs as all-reduced sums: keep the all-reduce that
-# is not fused with the next norm (which would leave them partial sums). Spawned ranks inherit it.
-os.environ.setdefault("PAGEDATTN_FUSED_ALLREDUCE", "off")
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -89,7 +85,17 @@ def load(path, device, dtype, backend, rank=0, world_size=1):
     """Rank `rank` of `world_size`'s Qwen2ForCausalLM (the full model at world_size 1) and its config."""
     from pagedattn.models.loader import load_model
 
-    return load_model(path, device, dtype, backend, tp_rank=rank, tp_size=world_size)
+    # The hooks read each layer's attention and MLP outputs as all-reduced sums: the model keeps the
+    # all-reduce that is not fused with the next norm (which would leave them partial sums).
+    old = os.environ.get("PAGEDATTN_FUSED_ALLREDUCE")
+    os.environ["PAGEDATTN_FUSED_ALLREDUCE"] = "off"
+    try:
+        return load_model(path, device, dtype, backend, tp_rank=rank, tp_size=world_size)
+    finally:
+        if old is None:
+            del os.environ["PAGEDATTN_FUSED_ALLREDUCE"]
+        else:
+            os.environ["PAGEDATTN_FUSED_ALLREDUCE"] = old
 
 
 def _tensor_of(output):
