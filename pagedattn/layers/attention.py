@@ -34,7 +34,6 @@ Backends:
 get_backend("auto" | "torch" | "numba" | "cpu", device) picks one.
 """
 import importlib
-import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -227,28 +226,9 @@ class NumbaBackend(TorchPagedBackend):
         return (q.dtype in self.KERNEL_DTYPES and k_cache.dtype == q.dtype and self._on_kernel_device(q)
                 and q.shape[-1] in self.KERNEL_HEAD_DIMS and k_cache.shape[2] in self.KERNEL_BLOCK_SIZES)
 
-    def attend(self, q, k_cache, v_cache, attn_metadata, out=None, scale=None):
-        """TorchPagedBackend.attend, with the prefill kernel's work list made once per step: the first
-        layer's call builds it into attn_metadata.prefill_plans, the step's other layers reuse it (one plan
-        kernel a step instead of one a layer). q: [T, H, D]; out: optional [T, H, D]. Returns out."""
-        meta = attn_metadata
-        if meta.num_prefills == 0:
-            return super().attend(q, k_cache, v_cache, meta, out=out, scale=scale)
-        if q.shape[0] != meta.num_tokens:
-            raise KernelLaunchError(f"q has {q.shape[0]} tokens but the metadata describes {meta.num_tokens}")
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        if out is None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        P, Np = meta.num_prefills, meta.num_prefill_tokens
-        self.prefill(q[:Np], k_cache, v_cache, meta.block_tables[:P], meta.cu_seqlens_q, meta.context_lens[:P],
-                     scale, out[:Np], plans=meta.prefill_plans)
-        if meta.num_decode_tokens > 0:
-            self.decode(q[Np:], k_cache, v_cache, meta.block_tables[P:], meta.context_lens[P:], scale, out[Np:],
-                        max_context_len=meta.max_context_len)
-        return out
-
     def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, plans=None):
-        """q, out: [Np, H, D]; plans: the step's work lists (AttentionMetadata.prefill_plans), or None."""
+        """q, out: [Np, H, D]; plans: the step's work lists (AttentionMetadata.prefill_plans), or None: the
+        first layer's call builds the work list, the step's other layers reuse it (one plan kernel a step)."""
         if self.paged_prefill is None or not self._kernel_ok(q, k_cache):
             return super().prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out)
         _run_into(out, self.paged_prefill.paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q,

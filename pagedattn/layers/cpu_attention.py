@@ -131,7 +131,7 @@ class CpuNumbaBackend(TorchPagedBackend):
         return kernels.attention(q, k_cache, v_cache, self.plan(attn_metadata, k_cache), scale, out,
                                  self.step.threads(), numba_threads=self.step.small)
 
-    def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out):
+    def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, plans=None):
         """q, out: [Np, H, D]; sequence s owns rows cu_seqlens_q[s]:cu_seqlens_q[s+1]."""
         if not self._runs_here(q, k_cache):
             return super().prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out)

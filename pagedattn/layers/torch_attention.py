@@ -105,14 +105,15 @@ class TorchPagedBackend:
         P, Np = meta.num_prefills, meta.num_prefill_tokens
         if P > 0:
             self.prefill(q[:Np], k_cache, v_cache, meta.block_tables[:P], meta.cu_seqlens_q,
-                         meta.context_lens[:P], scale, out[:Np])
+                         meta.context_lens[:P], scale, out[:Np], plans=meta.prefill_plans)
         if meta.num_decode_tokens > 0:
             self.decode(q[Np:], k_cache, v_cache, meta.block_tables[P:], meta.context_lens[P:], scale, out[Np:],
                         max_context_len=meta.max_context_len)
         return out
 
-    def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out):
-        """q, out: [Np, H, D]; sequence s owns rows cu_seqlens_q[s]:cu_seqlens_q[s+1]."""
+    def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, plans=None):
+        """q, out: [Np, H, D]; sequence s owns rows cu_seqlens_q[s]:cu_seqlens_q[s+1]. plans: the step's work
+        lists, for a backend whose kernel plans its work (NumbaBackend); unused here."""
         cu = cu_seqlens_q.to(device=q.device, dtype=torch.long)
         ctx = context_lens.to(device=q.device, dtype=torch.long)
         q_lens = cu[1:] - cu[:-1]                                                    # (P,)
