@@ -32,10 +32,8 @@ if __name__ == "__main__":          # run as a file: make `scripts.` importable
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from pagedattn.layers.skinny_decode import ENV_ROWS, FUSED_ROWS  # noqa: E402
 from scripts import benchlib  # noqa: E402
-
-ENV_ROWS = "PAGEDATTN_SKINNY_ROWS"
-FUSED_ROWS = 8                   # pagedattn.layers.skinny_decode.FUSED_ROWS
 SAMPLED = dict(temperature=0.8, top_p=0.95)
 ROTARY = "rotary_cache_kernel"       # one per layer on both paths: the layers' boundaries in a profile
 
