@@ -38,7 +38,7 @@ run() {   # run NAME SECONDS CMD...: one step, its log in $dir/NAME.log, its exi
     > "$dir/env.txt" 2>&1
 case "$phase" in
 tests)
-    # nine processes at once (spread over the GPUs when there are two): a fresh machine spends most of this
+    # twelve processes at once (spread over the GPUs when there are two): a fresh machine spends most of this
     # phase compiling kernels on the CPU, so each large group runs as contiguous --shard slices (each slice
     # compiles its own versions, on its own core) and every process fits the call's 10 minutes
     k=${1:-}
@@ -58,6 +58,12 @@ tests)
     for i in 1 2; do group prefill$i $i 540 $i/2 $prefill & done
     for i in 1 2; do group layers$i $i 540 $i/2 $layers & done
     group engine 1 540 - tests/test_cuda_graph.py tests/test_engine.py tests/test_async_engine.py tests/test_serving_gpu.py &
+    # the step-level paths (work lists per step, piecewise graphs, the skinny decode path) and the start-up /
+    # lifecycle tests, which start processes of their own
+    steps="tests/test_prefill_plan.py tests/test_piecewise_graph.py tests/test_skinny_decode.py
+        tests/test_skinny_gemm.py tests/test_launcher.py tests/test_kernel_codegen.py"
+    for i in 1 2; do group steps$i $i 540 $i/2 $steps & done
+    group life 0 540 - tests/test_startup.py tests/test_lifecycle.py &
     wait
     ;;
 bench)
