@@ -5,17 +5,26 @@ compiles dozens of specialisations, each for seconds. So the work is done twice:
 
     with precompile.recording() as needed:      # 1. no kernel is launched; those not in the disk cache
         run_the_work()                          #    are recorded (kernel, argument types)
-    precompile.compile_all(needed, workers=8)   # 2. worker processes compile them into the disk cache
+    precompile.compile_all(needed, workers=8)   # 2. worker processes compile them; this process writes
+                                                #    them into the disk cache
     run_the_work()                              # 3. every kernel now loads from the disk cache
 
 Step 1 launches nothing, so its results are whatever the buffers held: they are meaningless and must be
-thrown away (the engine discards its state and graphs after it). Step 2 groups
-the specialisations by kernel function (numba keeps one index file per function: two processes writing
-the same index could lose an entry) and hands the groups to the workers, largest first.
+thrown away (the engine discards its state and graphs after it).
+
+Step 2 is one task per specialisation (kernel, argument types), handed to the workers longest first (an
+estimate per kernel function: COMPILE_SECONDS), so the phase lasts about as long as the slowest single
+specialisation, not as long as the kernel function with the most or slowest ones. A worker compiles (the
+PTX, and the cubin linked for the device) and writes nothing: it sends back what numba's cache would write
+for that specialisation (the kernel's reduced states, cubin included). This process saves each one with the
+kernel's own cache object (`save_overload`), so every entry gets the key a normal compile gives it, and
+only one process writes an index file (numba keeps one per kernel function, shared by every specialisation
+and every closure of that function: two processes updating it at once could lose an entry).
 
 A kernel takes part when it was built through bridge.disk_cached / enable_disk_cache with a rebuild
 recipe (module, attribute, args, kwargs, index): the worker imports the module and rebuilds it, which
-gives the same disk-cache key. Launches of any other kernel are not skipped (they compile in step 1).
+gives the same kernel (and so the same cache key). Launches of any other kernel are not skipped (they
+compile in step 1). A task that fails is logged and its specialisation compiles on first use.
 """
 import collections
 import concurrent.futures
@@ -28,8 +37,35 @@ import time
 from kernels_numba import bridge
 
 
+# Seconds one specialisation of a kernel function takes to compile (PTX and cubin), by module.qualname:
+# the order in which tasks are handed out (longest first). Functions not listed count DEFAULT_SECONDS.
+COMPILE_SECONDS = {
+}
+DEFAULT_SECONDS = 2.0
+
+
+class Task(collections.namedtuple("Task", "function recipe argtypes seconds")):
+    """One specialisation to compile: the kernel function (module.qualname:line), its rebuild recipe, the
+    argument types, and the estimated seconds (COMPILE_SECONDS)."""
+
+    @property
+    def name(self):
+        """The kernel function, the factory's arguments when it has any, and the argument types."""
+        module, attr, args, kwargs, index = self.recipe
+        parts = [repr(a) for a in args or ()] + [f"{k}={v!r}" for k, v in kwargs or ()]
+        call = "" if args is None else f" {attr}({', '.join(parts)})"
+        pick = "" if index is None else f"[{index}]"
+        return f"{self.function}{call}{pick} ({', '.join(map(str, self.argtypes))})"
+
+
+def estimated_seconds(function):
+    """COMPILE_SECONDS of a kernel function key (module.qualname:line), DEFAULT_SECONDS if not listed."""
+    return COMPILE_SECONDS.get(function.rsplit(":", 1)[0], DEFAULT_SECONDS)
+
+
 class Needed:
-    """What a recording found: {rebuild recipe: set of argument-type tuples} and the seconds it took."""
+    """What a recording found: {(kernel function, rebuild recipe): set of argument-type tuples}, and how
+    many launches it skipped."""
 
     def __init__(self):
         self.kernels = collections.defaultdict(set)
@@ -43,11 +79,21 @@ class Needed:
 
     def groups(self):
         """[(function, [(recipe, argtypes), ...])], one per kernel function (module.qualname:line), largest
-        first."""
+        first: what numba keeps one index file for."""
         by_function = collections.defaultdict(list)
         for (function, recipe), sigs in self.kernels.items():
             by_function[function] += [(recipe, sig) for sig in sorted(sigs, key=repr)]
-        return sorted(by_function.items(), key=lambda kv: -len(kv[1]))
+        return sorted(by_function.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+
+    def tasks(self):
+        """[Task], one per specialisation, longest first: by estimated seconds, then (among functions of
+        the same estimate) the function with the most specialisations first, then by name (a fixed
+        order for a given recording)."""
+        count = collections.Counter(function for (function, _), sigs in self.kernels.items() for _ in sigs)
+        tasks = [Task(function, recipe, sig, estimated_seconds(function))
+                 for (function, recipe), sigs in self.kernels.items() for sig in sigs]
+        return sorted(tasks, key=lambda t: (-t.seconds, -count[t.function], t.function, repr(t.recipe),
+                                            repr(t.argtypes)))
 
 
 def available():
@@ -111,38 +157,76 @@ def rebuild(recipe):
     return obj if index is None else obj[index]
 
 
-def _compile_group(device_id, items):
-    """Worker: compile every (recipe, argtypes) of one kernel function into the disk cache."""
+def _start_worker(device_id):
+    """Worker start: the device the kernels are compiled for (its compute capability picks the cubin)."""
     from numba import cuda
 
     cuda.select_device(device_id)
+
+
+def _compile_task(recipe, argtypes):
+    """Worker: compile one specialisation, writing nothing to the disk cache. Returns (payload, seconds):
+    payload is what numba's cache would write for it (the kernel's reduced states: PTX and cubin
+    included, serialised by numba), seconds the compile's alone (not the module's import)."""
+    from numba.cuda.serialize import dumps
+
+    kernel = rebuild(recipe)
+    cache = kernel._cache
+    if not hasattr(cache, "_impl"):
+        raise RuntimeError("the kernel has no disk cache")
     t = time.perf_counter()
-    for recipe, argtypes in items:
-        rebuild(recipe).compile(argtypes)
-    return time.perf_counter() - t
+    cache.disable()                         # loads nothing, saves nothing: the parent saves the result
+    compiled = kernel.compile(argtypes)     # also links the cubin (bind), which the payload carries
+    if getattr(compiled, "launch_config_sensitive", False):
+        raise RuntimeError("its cache key depends on the launch configuration")
+    payload = dumps(cache._impl.reduce(compiled))
+    return payload, time.perf_counter() - t
+
+
+def save_compiled(recipe, argtypes, payload):
+    """Write a worker's payload into the disk cache through the kernel's own cache object: the entry is
+    keyed exactly as a compile in this process would key it, and a later load finds it."""
+    import pickle
+
+    kernel = rebuild(recipe)
+    cache = kernel._cache
+    compiled = cache._impl.rebuild(kernel.targetctx, pickle.loads(payload))     # as a load from disk does
+    compiled.target_context = kernel.targetctx      # a compiled kernel's; the key takes its codegen's
+    cache.save_overload(argtypes, compiled)
 
 
 def default_workers():
-    return max(1, min(16, (os.cpu_count() or 2) - 1))
+    """Every core this process may run on (the parent only waits and saves), at most 64."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:                  # not on Linux
+        cores = os.cpu_count() or 2
+    return max(1, min(64, cores))
 
 
 def compile_all(needed, workers=None, device_id=0, log=None):
-    """Compile what `needed` holds into the disk cache, one kernel function per task, over `workers`
-    spawned processes (default: the cores less one, at most 16). Returns {function key: seconds}.
-    A group that fails is reported through `log` and left to compile in the caller's next run."""
-    groups = needed.groups()
-    if not groups:
+    """Compile what `needed` holds into the disk cache, one specialisation per task, longest first, over
+    `workers` spawned processes (default: every core; never more than the tasks). This process saves each
+    result as it arrives. Returns {task name: seconds the worker spent compiling it}, slowest first
+    (the phase cannot end before the first). A task that fails is reported through `log` and left to
+    compile on first use."""
+    tasks = needed.tasks()
+    if not tasks:
         return {}
-    workers = min(workers or default_workers(), len(groups))
+    workers = min(workers or default_workers(), len(tasks))
     seconds = {}
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        futures = {pool.submit(_compile_group, device_id, items): key for key, items in groups}
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_start_worker,
+                                                initargs=(device_id,)) as pool:
+        futures = {pool.submit(_compile_task, t.recipe, t.argtypes): t for t in tasks}    # in order: FIFO
         for f in concurrent.futures.as_completed(futures):
-            key = futures[f]
+            task = futures[f]
             try:
-                seconds[key] = f.result()
+                payload, seconds[task.name] = f.result()
+                save_compiled(task.recipe, task.argtypes, payload)
             except Exception as e:          # noqa: BLE001 - the main process compiles it instead
+                seconds.pop(task.name, None)
                 if log is not None:
-                    log(f"precompiling {key} failed ({type(e).__name__}: {e}); it compiles on first use")
-    return seconds
+                    why = (str(e).strip().splitlines() or [""])[0][:300]
+                    log(f"precompiling {task.name} failed ({type(e).__name__}: {why}); it compiles on first use")
+    return dict(sorted(seconds.items(), key=lambda kv: -kv[1]))

@@ -105,6 +105,101 @@ def test_recording_groups_by_kernel_function():
     assert len(groups[0][1]) == 2
 
 
+def test_one_task_per_specialisation_longest_first(monkeypatch):
+    """Every specialisation is its own task (two of one kernel function, even of one closure, compile in
+    two workers); tasks go out by estimated seconds, then the function with more specialisations first."""
+    monkeypatch.setattr(precompile, "COMPILE_SECONDS", {"m.slow": 30.0, "m.fast": 0.5})
+    needed = precompile.Needed()
+    slow, fast = ("m", "make_slow", (64,), (), None), ("m", "fast", None, None, None)
+    needed.add("m.fast:3", fast, ("sig-a",))
+    needed.add("m.unknown:5", ("m", "u", None, None, None), ("sig-a",))
+    needed.add("m.many:7", ("m", "many", (1,), (("bf16", True),), None), ("sig-a",))
+    needed.add("m.many:7", ("m", "many", (1,), (("bf16", True),), None), ("sig-b",))
+    needed.add("m.slow:1", slow, ("sig-a",))
+    needed.add("m.slow:1", slow, ("sig-b",))
+    needed.add("m.slow:1", ("m", "make_slow", (128,), (), None), ("sig-a",))
+    tasks = needed.tasks()
+    assert len(tasks) == len(needed) == 7
+    assert [t.function for t in tasks] == ["m.slow:1"] * 3 + ["m.many:7"] * 2 + ["m.unknown:5", "m.fast:3"]
+    assert [t.seconds for t in tasks] == [30.0] * 3 + [precompile.DEFAULT_SECONDS] * 3 + [0.5]
+    assert {(t.recipe, t.argtypes) for t in tasks[:3]} == {(slow, ("sig-a",)), (slow, ("sig-b",)),
+                                                           (("m", "make_slow", (128,), (), None), ("sig-a",))}
+    assert len({t.name for t in tasks}) == 7                              # a name tells each task apart
+    assert {t.name for t in tasks[:3]} == {"m.slow:1 make_slow(64) (sig-a)", "m.slow:1 make_slow(64) (sig-b)",
+                                           "m.slow:1 make_slow(128) (sig-a)"}
+    assert tasks[3].name == "m.many:7 many(1, bf16=True) (sig-a)" and tasks[-1].name == "m.fast:3 (sig-a)"
+    assert tasks == needed.tasks()                                       # the same order every time
+
+
+def test_default_workers_are_every_core():
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert precompile.default_workers() == max(1, min(64, cores))
+
+
+# A process without a GPU compiles for an sm_90 device that is not there: numba-cuda asks the driver only
+# for the device's compute capability, the codegen's key (driver version, compute capability) and to load
+# the linked cubin. This module, as sitecustomize, answers those in every process of the test's
+# environment, the spawned workers included; the PTX is real (NVVM) and so is the cubin (nvJitLink).
+NO_DEVICE = """
+import types
+import numba.cuda.dispatcher as dispatcher
+from numba import cuda
+from numba.cuda import codegen
+SM90 = (9, 0)
+dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=SM90)
+codegen.CUDACodeLibrary._ensure_cc = lambda self, cc: cc or SM90
+codegen.JITCUDACodegen.magic_tuple = lambda self: ("no driver", SM90)
+dispatcher._Kernel.bind = lambda self: self._codelibrary.get_cubin()     # link the cubin, load nothing
+cuda.select_device = lambda device_id: None
+"""
+
+ROUND_TRIP = """
+import json, os
+from numba import types
+from kernels_numba import precompile
+
+u32, i64 = types.uint32[::1], types.int64
+sig = (u32, i64, u32, i64, u32, u32, i64, i64, i64, types.float64)   # rms_norm_kernel's arguments
+a = ("kernels_numba.rmsnorm", "_make_kernel", (False, True), (), None)    # two closures of one function:
+b = ("kernels_numba.rmsnorm", "_make_kernel", (True, False), (), None)    # one index file for both
+copy = ("kernels_numba.cache_ops", "_copy_blocks_kernel", None, None, None)
+needed = precompile.Needed()
+for recipe, argtypes in [(a, sig), (b, sig), (copy, (u32, i64))]:         # the last does not type
+    needed.add(f"{recipe[0]}.{recipe[1]}", recipe, argtypes)
+failures = []
+seconds = precompile.compile_all(needed, workers=2, log=failures.append)
+kernels = [precompile.rebuild(r) for r in (a, b)]
+index = kernels[0]._cache._cache_file
+entries = len(index._load_index())
+for kernel in kernels:                                          # the normal path: a load, no compile
+    kernel.compile(sig)
+print(json.dumps(dict(seconds=seconds, failures=failures, entries=entries, index=os.path.basename(index._index_path),
+                      hits=[sum(k._cache_hits.values()) for k in kernels],
+                      misses=[sum(k._cache_misses.values()) for k in kernels])))
+"""
+
+
+def test_workers_compile_and_this_process_saves(tmp_path):
+    """compile_all on real kernels (PTX and cubin for sm_90, no GPU: NO_DEVICE): two specialisations of one
+    kernel function compiled in two workers both reach its one index file, written by this process alone,
+    and the normal compile path then loads each from disk (a hit, no compile); a task that fails is logged
+    and the others are saved."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(NO_DEVICE)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env.update(NUMBA_CACHE_DIR=str(tmp_path / "numba"), PAGEDATTN_KERNEL_CACHE="1",
+               PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(ROOT), env.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", ROUND_TRIP], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(out["seconds"]) == 2 and all(s > 0 for s in out["seconds"].values()), out
+    assert list(out["seconds"].values()) == sorted(out["seconds"].values(), reverse=True), out   # slowest first
+    assert len(out["failures"]) == 1 and "_copy_blocks_kernel" in out["failures"][0], out
+    assert out["index"].startswith("rmsnorm._make_kernel.locals.rms_norm_kernel") and out["entries"] == 2, out
+    assert out["hits"] == [1, 1] and out["misses"] == [0, 0], out
+
+
 def test_rebuild_follows_a_recipe():
     """A recipe names a factory and its arguments (or a module-level kernel): rebuilding gives the very
     object the factory returns in this process (so a worker process gets the same disk-cache key)."""
