@@ -6,7 +6,10 @@ loading, kernel compilation and graph capture are paid the way a user pays them:
   startup      import; LLM(); the first token of one chat request; 64 chat prompts x 400 tokens (greedy),
                twice. Run twice: on an empty kernel cache (a bare machine) and again on the cache the first
                run left (every later start). Numba compilations are recorded (count, seconds, the slowest),
-               and a cProfile of LLM() + the first token is written beside the table.
+               and a cProfile of LLM() + the first token is written beside the table. On the empty cache
+               the parallel compile phase is recorded too (`precompile`: its processes, each task's
+               seconds); `startup_phases` gets its slowest specialisation (`compile_slowest`,
+               `compile_slowest_s`: the phase cannot be shorter) and the tasks' sum.
   repeat       the same 64 chat requests x 300 tokens (greedy) three times in one process, with prefix
                caching on and off: how many requests come back token-identical call to call.
   lifecycle    create, use and close LLM three times in one process: torch.cuda.memory_allocated() after each.
@@ -70,6 +73,37 @@ class CompileLog:
                     disk_cache_hits_misses=bridge.disk_cache_stats())
 
 
+class PrecompileLog:
+    """The parallel compile phase of an empty cache (kernels_numba.precompile.compile_all): how many
+    specialisations, in how many processes, and each task's seconds in its worker (slowest first)."""
+
+    def __init__(self):
+        from kernels_numba import precompile
+
+        self.calls = []
+        compile_all = precompile.compile_all
+
+        def logged(needed, workers=None, **kwargs):
+            t = time.perf_counter()
+            seconds = compile_all(needed, workers=workers, **kwargs)
+            self.calls.append(dict(specialisations=len(needed), kernel_functions=len(needed.groups()),
+                                   workers=min(workers or precompile.default_workers(), len(needed)),
+                                   wall_s=time.perf_counter() - t, task_s=seconds))
+            return seconds
+
+        precompile.compile_all = logged
+
+    def phases(self):
+        """The slowest task of the (last) compile phase, for startup_phases; {} when nothing compiled."""
+        if not self.calls or not self.calls[-1]["task_s"]:
+            return {}
+        call = self.calls[-1]
+        name, seconds = next(iter(call["task_s"].items()))
+        return dict(compile_tasks=len(call["task_s"]), compile_specialisations=call["specialisations"],
+                    compile_workers=call["workers"], compile_slowest=name, compile_slowest_s=round(seconds, 2),
+                    compile_task_sum_s=round(sum(call["task_s"].values()), 2))
+
+
 def live_kernels():
     import gc
 
@@ -96,6 +130,7 @@ def child_startup(args):
     from pagedattn import LLM, SamplingParams
     t_import = time.perf_counter() - T_START
     log = CompileLog()
+    precompiled = PrecompileLog()
     prof = cProfile.Profile()
     prof.enable()
     t = time.perf_counter()
@@ -122,7 +157,8 @@ def child_startup(args):
                 to_first_token_s=t_import + t_llm + t_first,
                 generate1_s=times[0], generate2_s=times[1], first_over_later=times[0] / times[1],
                 kernels_after_first_token=len(log.entries) - compiles_before_work,
-                startup_phases=getattr(llm.engine, "startup_times", None), **log.summary())
+                startup_phases={**(getattr(llm.engine, "startup_times", None) or {}), **precompiled.phases()},
+                precompile=precompiled.calls, **log.summary())
 
 
 def same(a, b):

@@ -222,19 +222,29 @@ def test_recording_under_the_simulator_records_nothing():
 CHILD = """
 import json, sys, time
 t = time.perf_counter()
+from kernels_numba import bridge, precompile
+compile_all, phase = precompile.compile_all, {}
+
+def compile_all_logged(needed, **kwargs):           # what the engine's compile phase recorded and compiled
+    phase.update(specialisations=len(needed), task_s=compile_all(needed, **kwargs))
+    return phase["task_s"]
+
+precompile.compile_all = compile_all_logged
 from pagedattn import LLM, SamplingParams
 llm = LLM(sys.argv[1], device="cuda", dtype="float16", max_model_len=256, max_num_seqs=8)
 t_llm = time.perf_counter() - t
 llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-from kernels_numba import bridge
-print(json.dumps(dict(times=llm.engine.startup_times, after_first_token=bridge.disk_cache_stats(), llm_s=t_llm)))
+print(json.dumps(dict(times=llm.engine.startup_times, after_first_token=bridge.disk_cache_stats(), llm_s=t_llm,
+                      compile_phase=phase)))
 """
 
 
 @pytest.mark.gpu
 def test_second_process_finds_every_kernel_on_disk(tmp_path):
-    """On an empty kernel cache the first process compiles (in parallel workers); a second process loads
-    every kernel from the disk and compiles nothing, neither at LLM() nor at the first token."""
+    """On an empty kernel cache the first process records the specialisations its warm-up lacks, workers
+    compile each as its own task and the process saves them into the disk cache: its own warm-up then
+    loads every one (0 compiled), and so does a second process, which compiles nothing, neither at LLM()
+    nor at the first token."""
     ckpt = write_tiny_checkpoint(tmp_path / "m", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), PAGEDATTN_CACHE_DIR=str(tmp_path / "pa"),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -246,6 +256,12 @@ def test_second_process_finds_every_kernel_on_disk(tmp_path):
         runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
     first, second = runs
     assert first["times"].get("compile_kernels", 0) > 0, runs
+    tasks = first["compile_phase"]["task_s"]
+    assert len(tasks) == first["compile_phase"]["specialisations"] > 1, runs    # one task each, none failed
+    assert list(tasks.values()) == sorted(tasks.values(), reverse=True), runs    # slowest first
+    assert first["times"]["kernels_compiled"] == 0, runs                 # the saved entries load by the same keys
+    assert first["times"]["kernels_loaded"] >= len(tasks), runs
+    assert not second["compile_phase"], runs
     assert "compile_kernels" not in second["times"] and second["times"]["kernels_compiled"] == 0, runs
     assert second["after_first_token"][1] == 0, runs                    # misses: nothing compiled at all
     assert second["after_first_token"][0] > 0, runs                     # hits: every kernel came from the disk
