@@ -12,6 +12,7 @@ import torch
 from kernels_numba import precompile
 from pagedattn import LLM, SamplingParams
 from pagedattn.engine.warmup import WARMUP_PREFIX, warm_up_requests
+from scripts.compile_seconds import NO_DEVICE
 from tests.helpers import ROOT, write_tiny_checkpoint
 
 KW = dict(device="cpu", num_blocks=64, max_model_len=96, max_num_batched_tokens=48, max_num_seqs=4)
@@ -131,27 +132,22 @@ def test_one_task_per_specialisation_longest_first(monkeypatch):
     assert tasks == needed.tasks()                                       # the same order every time
 
 
+def test_compile_seconds_name_the_engines_kernel_functions():
+    """COMPILE_SECONDS names each kernel function as a recording does (module.qualname): exactly those
+    scripts/compile_seconds.py measures, built here (a kernel renamed or moved would otherwise fall back
+    to DEFAULT_SECONDS without a word)."""
+    from scripts.compile_seconds import kernels
+
+    measured = {f"{k.py_func.__module__}.{k.py_func.__qualname__}" for k, _ in kernels().values()}
+    assert measured == set(precompile.COMPILE_SECONDS)
+    some = sorted(measured)[0]
+    assert precompile.estimated_seconds(f"{some}:12") == precompile.COMPILE_SECONDS[some]     # the line aside
+
+
 def test_default_workers_are_every_core():
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert precompile.default_workers() == max(1, min(64, cores))
 
-
-# A process without a GPU compiles for an sm_90 device that is not there: numba-cuda asks the driver only
-# for the device's compute capability, the codegen's key (driver version, compute capability) and to load
-# the linked cubin. This module, as sitecustomize, answers those in every process of the test's
-# environment, the spawned workers included; the PTX is real (NVVM) and so is the cubin (nvJitLink).
-NO_DEVICE = """
-import types
-import numba.cuda.dispatcher as dispatcher
-from numba import cuda
-from numba.cuda import codegen
-SM90 = (9, 0)
-dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=SM90)
-codegen.CUDACodeLibrary._ensure_cc = lambda self, cc: cc or SM90
-codegen.JITCUDACodegen.magic_tuple = lambda self: ("no driver", SM90)
-dispatcher._Kernel.bind = lambda self: self._codelibrary.get_cubin()     # link the cubin, load nothing
-cuda.select_device = lambda device_id: None
-"""
 
 ROUND_TRIP = """
 import json, os
@@ -185,7 +181,7 @@ def test_workers_compile_and_this_process_saves(tmp_path):
     and the normal compile path then loads each from disk (a hit, no compile); a task that fails is logged
     and the others are saved."""
     (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(NO_DEVICE)
+    (tmp_path / "site" / "sitecustomize.py").write_text(NO_DEVICE)      # in every process, workers too
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env.update(NUMBA_CACHE_DIR=str(tmp_path / "numba"), PAGEDATTN_KERNEL_CACHE="1",
                PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(ROOT), env.get("PYTHONPATH", "")]))
