@@ -182,6 +182,16 @@ def _start_worker(device_id):
     cuda.select_device(device_id)
 
 
+def _has_disk_cache(recipe):
+    """The recipe's kernel keeps its code in numba's disk cache (without a cache directory it has numba's
+    NullCache: nowhere to save). A recipe that does not rebuild here counts as cached: its worker fails
+    and says why."""
+    try:
+        return hasattr(rebuild(recipe)._cache, "_impl")
+    except Exception:                       # noqa: BLE001 - reported by the task
+        return True
+
+
 def _compile_task(recipe, argtypes):
     """Worker: compile one specialisation, writing nothing to the disk cache. Returns (payload, seconds):
     payload is what numba's cache would write for it (the kernel's reduced states: PTX and cubin
@@ -190,8 +200,6 @@ def _compile_task(recipe, argtypes):
 
     kernel = rebuild(recipe)
     cache = kernel._cache
-    if not hasattr(cache, "_impl"):
-        raise RuntimeError("the kernel has no disk cache")
     t = time.perf_counter()
     cache.disable()                         # loads nothing, saves nothing: the parent saves the result
     compiled = kernel.compile(argtypes)     # also links the cubin (bind), which the payload carries
@@ -225,10 +233,10 @@ def default_workers():
 def compile_all(needed, workers=None, device_id=0, log=None):
     """Compile what `needed` holds into the disk cache, one specialisation per task, longest first, over
     `workers` spawned processes (default: every core; never more than the tasks). This process saves each
-    result as it arrives. Returns {task name: seconds the worker spent compiling it}, slowest first
-    (the phase cannot end before the first). A task that fails is reported through `log` and left to
-    compile on first use."""
-    tasks = needed.tasks()
+    result as it arrives (kernels without a disk cache are left out). Returns {task name: seconds the
+    worker spent compiling it}, slowest first (the phase cannot end before the first). A task that fails
+    is reported through `log` and left to compile on first use."""
+    tasks = [t for t in needed.tasks() if _has_disk_cache(t.recipe)]
     if not tasks:
         return {}
     workers = min(workers or default_workers(), len(tasks))
