@@ -5,6 +5,7 @@
 
 Every bad value raises InvalidRequestError naming the field and its allowed range.
 """
+import gc
 import os
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ import torch
 
 from pagedattn.errors import InvalidRequestError
 
+GPU_MEMORY_ENV = "PAGEDATTN_GPU_MEMORY_UTILIZATION"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -44,7 +46,9 @@ class EngineConfig:
     async_scheduling: schedule and prepare step N+1 while the device runs step N (the sampled tokens
         stay on the device); the tokens are exactly those of the serial engine. None = on for CUDA
         (where it hides the host's work), off for CPU (where host and model share the cores).
-    gpu_memory_utilization: fraction of free GPU memory the KV pool may take (after a reserve).
+    gpu_memory_utilization: fraction of free GPU memory the KV pool may take (after a reserve). None = the
+        environment's PAGEDATTN_GPU_MEMORY_UTILIZATION, else 0.9 (processes that share a GPU, such as a
+        test suite run in parallel, each take a share that way).
     cpu_kv_cache_fraction / cpu_kv_cache_max_gib: on CPU the pool takes at most this fraction of the
         available host memory and at most this many GiB (default 10% and 1 GiB: ~43k tokens of the
         bundled model in float32); set num_blocks to choose the size yourself.
@@ -83,7 +87,7 @@ class EngineConfig:
     enforce_eager: bool = False
     piecewise_graphs: bool | None = None
     async_scheduling: bool | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None
     cpu_kv_cache_fraction: float = 0.1
     cpu_kv_cache_max_gib: float = 1.0
     tensor_parallel_size: int = 1
@@ -125,6 +129,12 @@ class EngineConfig:
         if self.num_blocks is not None:
             _check_int("num_blocks", self.num_blocks)
         _check_int("seed", self.seed, 0)
+        if self.gpu_memory_utilization is None:
+            env = os.environ.get(GPU_MEMORY_ENV, "0.9")
+            try:
+                self.gpu_memory_utilization = float(env)
+            except ValueError:
+                raise InvalidRequestError(f"{GPU_MEMORY_ENV} must be a number in (0, 1], got {env!r}") from None
         for name in ("gpu_memory_utilization", "cpu_kv_cache_fraction"):
             _check_fraction(name, getattr(self, name))
         if isinstance(self.cpu_kv_cache_max_gib, bool) or not isinstance(self.cpu_kv_cache_max_gib, (int, float)) \
@@ -236,6 +246,7 @@ def kv_pool_blocks(config, model_config, bytes_per_block, max_model_len, device=
         num_blocks = config.num_blocks
     elif config.device_type == "cuda":
         dev = torch.device(device or config.device)
+        gc.collect()            # a dropped engine held in reference cycles gives its memory back first
         free, _ = torch.cuda.mem_get_info(dev)
         # what torch's caching allocator holds unused (a closed engine's pool, say) is free for this one too
         free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)

@@ -136,6 +136,22 @@ def test_bad_engine_arguments(tiny_checkpoint, kwargs, field):  # noqa: F811
         LLM(tiny_checkpoint, device="cpu", **kwargs)
 
 
+def test_gpu_memory_share_from_the_environment(monkeypatch):
+    """gpu_memory_utilization: the argument, else PAGEDATTN_GPU_MEMORY_UTILIZATION, else 0.9; a bad value names
+    the variable."""
+    from pagedattn.config import GPU_MEMORY_ENV, EngineConfig
+
+    monkeypatch.delenv(GPU_MEMORY_ENV, raising=False)
+    assert EngineConfig(device="cpu").gpu_memory_utilization == 0.9
+    monkeypatch.setenv(GPU_MEMORY_ENV, "0.25")
+    assert EngineConfig(device="cpu").gpu_memory_utilization == 0.25
+    assert EngineConfig(device="cpu", gpu_memory_utilization=0.5).gpu_memory_utilization == 0.5
+    for bad in ("half", "1.5"):
+        monkeypatch.setenv(GPU_MEMORY_ENV, bad)
+        with pytest.raises(InvalidRequestError, match="PAGEDATTN_GPU_MEMORY_UTILIZATION|gpu_memory_utilization"):
+            EngineConfig(device="cpu")
+
+
 def test_attention_launch_with_mismatched_shapes_is_caught(llm):
     from pagedattn.layers.attention import AttentionMetadata, get_backend
 

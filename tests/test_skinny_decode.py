@@ -391,7 +391,7 @@ def test_gpu_engine_fused_path_tokens_and_launches_per_layer(monkeypatch):
                                             launches=True)
         runs[rows] = dict(tokens=tokens, check=check, launches=launches)
         print(f"rows {rows}: {check}; {launches}")
-    on, off = runs[None], runs[0]
+    on, off = runs[skinny_decode.FUSED_ROWS], runs[0]
     for run in (on, off):
         c = run["check"]
         assert c["steps"] > 20 and len(c["sizes"]) >= 4, c

@@ -23,6 +23,7 @@ scheduling and packing overlap the GPU's work: a sequence's in-flight token is r
 and its tokens from then on are dropped; the tokens and finish reasons are exactly the serial engine's.
 """
 import concurrent.futures
+import gc
 import itertools
 import json
 import logging
@@ -145,6 +146,7 @@ class LLMEngine:
         engine keeps its requests' bookkeeping; a step after it raises."""
         self.pending = None                # the step in flight's pinned buffers and event
         self.executor.shutdown()
+        gc.collect()                       # the graphs, held in reference cycles, give their memory back now
 
     # ---- requests -------------------------------------------------------------------------------
     def validate_request(self, prompt, params):
