@@ -319,16 +319,19 @@ def server_command(name, model_dir, port, engine_args):
            "--served-model-name", "bench", "--log-level", "warning", *engine_args]
     if name == "inproc":
         return cmd + ["--in-process"]
-    m = re.fullmatch(r"mp(\d+)(?:@([0-9.]+))?((?:-eager|-h11)*)", name)
+    m = re.fullmatch(r"mp(\d+)(?:@([0-9.]+))?((?:-eager|-h11|-a\d+)*)", name)
     if not m:
         raise ValueError(f"unknown server {name!r}: mp<N> (the engine core and N API servers), mp<N>@<F> (and "
-                         f"--prefill-delay-factor F), with -eager (--no-piecewise-graphs) and/or -h11 "
-                         f"(--http-impl h11), or inproc")
+                         f"--prefill-delay-factor F), with -eager (--no-piecewise-graphs), -h11 "
+                         f"(--http-impl h11) and/or -a<K> (--admission-interval K), or inproc")
     cmd += ["--api-server-count", m.group(1)]
     if "-eager" in m.group(3):
         cmd += ["--no-piecewise-graphs"]
     if "-h11" in m.group(3):
         cmd += ["--http-impl", "h11"]
+    interval = re.search(r"-a(\d+)", m.group(3))
+    if interval:                        # after the engine's own arguments: the last --admission-interval counts
+        cmd += ["--admission-interval", interval.group(1)]
     return cmd + (["--prefill-delay-factor", m.group(2)] if m.group(2) is not None else [])
 
 
@@ -601,7 +604,8 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
     served) on the synthetic device of pagedattn.serving.fake_engine: steps of that many ms, random tokens
     (the serving stack's own overhead, measurable on a CPU); fake_prefill_ms: what a step with a prompt chunk
     costs on top there (a GPU's eager mixed step). A server mp<N>@<F> is mp<N> with --prefill-delay-factor F;
-    mp<N>-eager: with --no-piecewise-graphs; mp<N>-h11: with --http-impl h11 (combinable)."""
+    mp<N>-eager: with --no-piecewise-graphs; mp<N>-h11: with --http-impl h11; mp<N>-a<K>: with
+    --admission-interval K for that server alone (combinable)."""
     from scripts import benchlib
 
     t_start = time.monotonic()
