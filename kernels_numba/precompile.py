@@ -69,7 +69,7 @@ class Task(collections.namedtuple("Task", "function recipe argtypes seconds")):
     @property
     def name(self):
         """The kernel function, the factory's arguments when it has any, and the argument types."""
-        module, attr, args, kwargs, index = self.recipe
+        _, attr, args, kwargs, index = self.recipe
         parts = [repr(a) for a in args or ()] + [f"{k}={v!r}" for k, v in kwargs or ()]
         call = "" if args is None else f" {attr}({', '.join(parts)})"
         pick = "" if index is None else f"[{index}]"
@@ -88,6 +88,7 @@ class Needed:
     def __init__(self):
         self.kernels = collections.defaultdict(set)
         self.skipped_launches = 0
+        self.workers = None                 # Workers a recording started at its first miss (compile_all's)
 
     def __len__(self):
         return sum(len(sigs) for sigs in self.kernels.values())
@@ -126,11 +127,18 @@ def recording():
     neither in memory nor in the disk cache is recorded into the yielded Needed (one in the disk cache is
     loaded, ready for the real run). Skipping every such launch, not only the missing ones, keeps a
     kernel from running on the output of a skipped one (an index list it would read out of bounds).
-    Kernels without a recipe compile and run as usual. Does nothing under the simulator."""
+    Kernels without a recipe compile and run as usual. Does nothing under the simulator.
+
+    The first missing specialisation starts the worker processes (Workers: one per core, for the current
+    device), so that their start overlaps the rest of the recording; compile_all(needed) takes them over.
+    A recording that finds nothing starts none."""
     needed = Needed()
     if not available():
         yield needed
         return
+    import sys
+
+    from numba import cuda
     from numba.cuda.dispatcher import CUDADispatcher
 
     call = CUDADispatcher.call
@@ -144,6 +152,9 @@ def recording():
             if argtypes not in self.overloads and not _load_from_disk(self, argtypes):
                 f = self.py_func
                 needed.add(f"{f.__module__}.{f.__qualname__}:{f.__code__.co_firstlineno}", recipe, argtypes)
+                if needed.workers is None:          # the workers import what this process has imported
+                    modules = sorted(m for m in sys.modules if m.startswith("kernels_numba."))
+                    needed.workers = Workers(default_workers(), cuda.get_current_device().id, modules)
         needed.skipped_launches += 1
         return None
 
@@ -151,6 +162,11 @@ def recording():
     bridge.RECORDING = True
     try:
         yield needed
+    except BaseException:
+        if needed.workers is not None:
+            needed.workers.close()
+            needed.workers = None
+        raise
     finally:
         CUDADispatcher.call = call
         bridge.RECORDING = False
@@ -175,11 +191,35 @@ def rebuild(recipe):
     return obj if index is None else obj[index]
 
 
-def _start_worker(device_id):
-    """Worker start: the device the kernels are compiled for (its compute capability picks the cubin)."""
+class Workers:
+    """`count` spawned processes that compile tasks for device `device_id`. Each starts (in the background)
+    by selecting the device and importing `modules`: an interpreter, numba, torch and the kernels'
+    modules, a CUDA context, seconds that overlap whatever this process does meanwhile."""
+
+    def __init__(self, count, device_id, modules=()):
+        self.count, self.device_id = count, device_id
+        self.executor = concurrent.futures.ProcessPoolExecutor(
+            max_workers=count, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+            initargs=(device_id, tuple(modules)))
+        for _ in range(count):              # the executor spawns a process per task it cannot place
+            self.executor.submit(os.getpid)
+
+    def close(self):
+        """Stop the processes; queued tasks are dropped."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _start_worker(device_id, modules):
+    """Worker start: the device the kernels are compiled for (its compute capability picks the cubin),
+    and the modules the tasks will rebuild kernels from (an import that fails is left to the task)."""
     from numba import cuda
 
     cuda.select_device(device_id)
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception:                   # noqa: BLE001 - the task that needs it reports it
+            pass
 
 
 def _has_disk_cache(recipe):
@@ -232,19 +272,23 @@ def default_workers():
 
 def compile_all(needed, workers=None, device_id=0, log=None):
     """Compile what `needed` holds into the disk cache, one specialisation per task, longest first, over
-    `workers` spawned processes (default: every core; never more than the tasks). This process saves each
-    result as it arrives (kernels without a disk cache are left out). Returns {task name: seconds the
-    worker spent compiling it}, slowest first (the phase cannot end before the first). A task that fails
-    is reported through `log` and left to compile on first use."""
+    the processes its recording started (needed.workers, one per core) or else `workers` spawned now
+    (default: every core; never more than the tasks). This process saves each result as it arrives
+    (kernels without a disk cache are left out). Returns {task name: seconds the worker spent compiling
+    it}, slowest first (the phase cannot end before the first). A task that fails is reported through
+    `log` and left to compile on first use."""
     tasks = [t for t in needed.tasks() if _has_disk_cache(t.recipe)]
+    pool, needed.workers = needed.workers, None
+    if pool is not None and (not tasks or pool.device_id != device_id):
+        pool.close()
+        pool = None
     if not tasks:
         return {}
-    workers = min(workers or default_workers(), len(tasks))
+    if pool is None:
+        pool = Workers(min(workers or default_workers(), len(tasks)), device_id)
     seconds = {}
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_start_worker,
-                                                initargs=(device_id,)) as pool:
-        futures = {pool.submit(_compile_task, t.recipe, t.argtypes): t for t in tasks}    # in order: FIFO
+    with pool.executor:
+        futures = {pool.executor.submit(_compile_task, t.recipe, t.argtypes): t for t in tasks}   # FIFO order
         for f in concurrent.futures.as_completed(futures):
             task = futures[f]
             try:

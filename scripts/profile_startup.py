@@ -84,10 +84,12 @@ class PrecompileLog:
         compile_all = precompile.compile_all
 
         def logged(needed, workers=None, **kwargs):
+            started = needed.workers.count if needed.workers is not None else None      # by the recording
             t = time.perf_counter()
             seconds = compile_all(needed, workers=workers, **kwargs)
             self.calls.append(dict(specialisations=len(needed), kernel_functions=len(needed.groups()),
-                                   workers=min(workers or precompile.default_workers(), len(needed)),
+                                   workers=started or min(workers or precompile.default_workers(), len(needed)),
+                                   started_by_recording=started is not None,
                                    wall_s=time.perf_counter() - t, task_s=seconds))
             return seconds
 

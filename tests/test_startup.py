@@ -151,35 +151,44 @@ def test_default_workers_are_every_core():
 
 ROUND_TRIP = """
 import json, os
+import numpy as np
 from numba import types
-from kernels_numba import precompile
+from kernels_numba import precompile, rmsnorm
 
-u32, i64 = types.uint32[::1], types.int64
-sig = (u32, i64, u32, i64, u32, u32, i64, i64, i64, types.float64)   # rms_norm_kernel's arguments
-a = ("kernels_numba.rmsnorm", "_make_kernel", (False, True), (), None)    # two closures of one function:
-b = ("kernels_numba.rmsnorm", "_make_kernel", (True, False), (), None)    # one index file for both
+words = np.zeros(64, np.uint32)
+closures = [(False, True), (True, False)]          # two closures of one kernel function: one index file
+
+
+def launch_norms():
+    for bf16, add in closures:
+        rmsnorm._make_kernel(bf16, add)[1, 32](words, 0, words, 0, words, words, 0, 8, 64, 1e-6)
+
+
+with precompile.recording() as needed:
+    launch_norms()
+recorded, started = len(needed), needed.workers.count if needed.workers else 0
 copy = ("kernels_numba.cache_ops", "_copy_blocks_kernel", None, None, None)
-needed = precompile.Needed()
-for recipe, argtypes in [(a, sig), (b, sig), (copy, (u32, i64))]:         # the last does not type
-    needed.add(f"{recipe[0]}.{recipe[1]}", recipe, argtypes)
+needed.add("kernels_numba.cache_ops._copy_blocks_kernel:60", copy, (types.uint32[::1], types.int64))   # no typing
 failures = []
-seconds = precompile.compile_all(needed, workers=2, log=failures.append)
-kernels = [precompile.rebuild(r) for r in (a, b)]
+seconds = precompile.compile_all(needed, workers=1, log=failures.append)
+with precompile.recording() as again:                   # the same launches: all on disk now
+    launch_norms()
+kernels = [rmsnorm._make_kernel(*c) for c in closures]
 index = kernels[0]._cache._cache_file
-entries = len(index._load_index())
-for kernel in kernels:                                          # the normal path: a load, no compile
-    kernel.compile(sig)
-print(json.dumps(dict(seconds=seconds, failures=failures, entries=entries, index=os.path.basename(index._index_path),
+print(json.dumps(dict(recorded=recorded, started=started, seconds=seconds, failures=failures,
+                      entries=len(index._load_index()), index=os.path.basename(index._index_path),
+                      again=len(again), again_started=again.workers is not None,
                       hits=[sum(k._cache_hits.values()) for k in kernels],
                       misses=[sum(k._cache_misses.values()) for k in kernels])))
 """
 
 
 def test_workers_compile_and_this_process_saves(tmp_path):
-    """compile_all on real kernels (PTX and cubin for sm_90, no GPU: NO_DEVICE): two specialisations of one
-    kernel function compiled in two workers both reach its one index file, written by this process alone,
-    and the normal compile path then loads each from disk (a hit, no compile); a task that fails is logged
-    and the others are saved."""
+    """A recording, compile_all and a second recording on real kernels (PTX and cubin for sm_90 without a
+    GPU: NO_DEVICE). The first miss starts the workers (one per core); two specialisations of one kernel
+    function compile in them and both reach the function's one index file, written by this process alone;
+    a task that fails is logged and the others are saved; the same launches then find every kernel on
+    disk, by the key a normal compile looks up (hits, no compile), and start no workers."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(NO_DEVICE)      # in every process, workers too
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
@@ -189,10 +198,12 @@ def test_workers_compile_and_this_process_saves(tmp_path):
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["recorded"] == 2 and out["started"] == precompile.default_workers(), out
     assert len(out["seconds"]) == 2 and all(s > 0 for s in out["seconds"].values()), out
     assert list(out["seconds"].values()) == sorted(out["seconds"].values(), reverse=True), out   # slowest first
     assert len(out["failures"]) == 1 and "_copy_blocks_kernel" in out["failures"][0], out
     assert out["index"].startswith("rmsnorm._make_kernel.locals.rms_norm_kernel") and out["entries"] == 2, out
+    assert out["again"] == 0 and not out["again_started"], out
     assert out["hits"] == [1, 1] and out["misses"] == [0, 0], out
 
 
