@@ -14,7 +14,8 @@ thrown away (the engine discards its state and graphs after it).
 
 Step 2 is one task per specialisation (kernel, argument types), handed to the workers longest first (an
 estimate per kernel function: COMPILE_SECONDS), so the phase lasts about as long as the slowest single
-specialisation, not as long as the kernel function with the most or slowest ones. A worker compiles (the
+specialisation, not as long as the kernel function with the most or slowest ones. The workers (one per
+core) were started by step 1's first missing specialisation: their start overlaps the rest of step 1. A worker compiles (the
 PTX, and the cubin linked for the device) and writes nothing: it sends back what numba's cache would write
 for that specialisation (the kernel's reduced states, cubin included). This process saves each one with the
 kernel's own cache object (`save_overload`), so every entry gets the key a normal compile gives it, and
