@@ -218,7 +218,7 @@ class EngineConfig:
 
 def activation_reserve_bytes(config, model_config):
     """Memory a step needs beside the weights and the KV pool: activations of a full token budget,
-    the logits of max_num_seqs rows (and their float32 copy), a fixed 512 MiB for the CUDA
+    the logits of max_num_seqs rows (and a float32 copy, which beam search makes), a fixed 512 MiB for the CUDA
     context's and the graphs' workspaces, and with piecewise graphs the outputs every piece keeps
     (pagedattn.engine.piecewise_graph: per padded size T, L + 1 pieces x T rows x (q + residual); the
     ladder's sizes sum to < 2x the budget)."""

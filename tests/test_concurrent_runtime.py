@@ -24,8 +24,8 @@ def record_logits(llm):
     engine, model = llm.engine, llm.engine.runner.model
     compute, launch = model.compute_logits, engine._launch
 
-    def compute_logits(hidden):
-        last.append(compute(hidden))
+    def compute_logits(hidden, **kw):
+        last.append(compute(hidden, **kw))
         return last[-1]
 
     def launched():

@@ -331,3 +331,31 @@ def test_beam_search_while_other_requests_run(tiny_checkpoint, hf_greedy):
             outs[o.request_id] = o.outputs[0].token_ids
     assert outs == {"short": hf_greedy[1][:2], "long": hf_greedy[4]}
     assert_clean(llm)
+
+
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=pytest.mark.slow)])
+def test_sampler_reads_the_lm_heads_own_dtype(tiny_checkpoint, dtype):  # noqa: F811
+    """The engine hands the sampler the LM head's fp16/bf16 logits (no float32 copy of [N, vocab] per step),
+    and that is the same function: greedy and seeded-sampled tokens and their logprobs equal, bit for bit, a
+    run whose logits are first converted to float32."""
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9], list(range(20, 45))]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True),
+              SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=3, max_tokens=12, ignore_eos=True, logprobs=True),
+              SamplingParams(temperature=1.3, seed=5, max_tokens=12, ignore_eos=True, logprobs=True)]
+    runs = {}
+    for float32 in (False, True):
+        llm = LLM(tiny_checkpoint, device="cpu", dtype=dtype, num_blocks=64, max_model_len=64)
+        model, seen = llm.engine.runner.model, set()
+        compute = model.compute_logits
+
+        def logits(hidden, float32=True, _compute=compute, _force=float32):
+            out = _compute(hidden, float32=float32 or _force)
+            seen.add(out.dtype)
+            return out
+
+        model.compute_logits = logits
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[float32] = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs]
+        assert seen == ({torch.float32} if float32 else {getattr(torch, dtype)})
+        llm.close()
+    assert runs[False] == runs[True]

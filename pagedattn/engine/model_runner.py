@@ -204,7 +204,7 @@ class ModelRunner:
         tensor `dev` on this rank's device. gather: read in-flight ids from the sampled-token buffer.
         piecewise: a PiecewiseGraphs to run the forward through (eager steps with prompt tokens).
         Sampled tokens go to sampled_tokens[:N]. Returns (hidden states [T, hidden], logits of the
-        sampling rows [N, V] float32 or None)."""
+        sampling rows [N, V] in the model's dtype, or None)."""
         f = step.fields(dev)
         ids, src = f["input_ids"], f["input_src"]
         if gather:
@@ -220,7 +220,7 @@ class ModelRunner:
             hidden = self.model.forward(ids, f["positions"], self.kv_cache, meta)      # (T, hidden)
         N, logits = step.num_samples, None
         if N:
-            logits = self.model.compute_logits(hidden[f["sample_rows"]])              # (N, V) float32
+            logits = self.model.compute_logits(hidden[f["sample_rows"]], float32=False)   # (N, V), the model's dtype
             st = sampler.SamplingTensors(temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"],
                                  seed=f["seed"], index=f["comp_index"], position=f["position"])
             sampler.sample(logits, st, out_tokens=self.sampled_tokens[:N], out_logprobs=self.sampled_logprobs[:N])

@@ -299,7 +299,10 @@ class Qwen2ForCausalLM(nn.Module):
                                     attn_metadata)
             return self.model.norm(x, residual)[0]
 
-    def compute_logits(self, hidden):
-        """hidden: [N, hidden] (usually the last token of each sequence) -> [N, vocab] float32."""
+    def compute_logits(self, hidden, float32=True):
+        """hidden: [N, hidden] (usually the last token of each sequence) -> [N, vocab], float32 or (float32=False)
+        the model's dtype as the LM head wrote it: the sampler reads fp16/bf16 rows itself, so the engine
+        skips the copy (at batch 256 and a 152k vocabulary, 230 MB of traffic per step)."""
         with self.ops.step_scope(hidden.shape[0]):
-            return self.lm_head(hidden).float()
+            logits = self.lm_head(hidden)
+            return logits.float() if float32 else logits
