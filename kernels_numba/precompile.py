@@ -15,12 +15,13 @@ thrown away (the engine discards its state and graphs after it).
 Step 2 is one task per specialisation (kernel, argument types), handed to the workers longest first (an
 estimate per kernel function: COMPILE_SECONDS), so the phase lasts about as long as the slowest single
 specialisation, not as long as the kernel function with the most or slowest ones. The workers (one per
-core) were started by step 1's first missing specialisation: their start overlaps the rest of step 1. A worker compiles (the
-PTX, and the cubin linked for the device) and writes nothing: it sends back what numba's cache would write
-for that specialisation (the kernel's reduced states, cubin included). This process saves each one with the
-kernel's own cache object (`save_overload`), so every entry gets the key a normal compile gives it, and
-only one process writes an index file (numba keeps one per kernel function, shared by every specialisation
-and every closure of that function: two processes updating it at once could lose an entry).
+core, at most MAX_WORKERS) were started by step 1's first missing specialisation: their start overlaps
+the rest of step 1. A worker compiles (the PTX, and the cubin linked for the device) and writes nothing:
+it sends back what numba's cache would write for that specialisation (the kernel's reduced states, cubin
+included). This process saves each one with the kernel's own cache object (`save_overload`), so every
+entry gets the key a normal compile gives it, and only one process writes an index file (numba keeps one
+per kernel function, shared by every specialisation and every closure of that function: two processes
+updating it at once could lose an entry).
 
 A kernel takes part when it was built through bridge.disk_cached / enable_disk_cache with a rebuild
 recipe (module, attribute, args, kwargs, index): the worker imports the module and rebuilds it, which
@@ -130,9 +131,9 @@ def recording():
     kernel from running on the output of a skipped one (an index list it would read out of bounds).
     Kernels without a recipe compile and run as usual. Does nothing under the simulator.
 
-    The first missing specialisation starts the worker processes (Workers: one per core, for the current
-    device), so that their start overlaps the rest of the recording; compile_all(needed) takes them over.
-    A recording that finds nothing starts none."""
+    The first missing specialisation starts the worker processes (Workers: default_workers() of them, for
+    the current device), so that their start overlaps the rest of the recording; compile_all(needed)
+    takes them over. A recording that finds nothing starts none."""
     needed = Needed()
     if not available():
         yield needed
@@ -262,19 +263,23 @@ def save_compiled(recipe, argtypes, payload):
     cache.save_overload(argtypes, compiled)
 
 
+MAX_WORKERS = 16  # each worker holds a CUDA context (hundreds of MiB) beside an engine's KV pool
+
+
 def default_workers():
-    """Every core this process may run on (the parent only waits and saves), at most 64."""
+    """Every core this process may run on (this process only waits and saves), at most MAX_WORKERS:
+    an engine's warm-up needs ~16 specialisations, and the slowest few, handed out first, bound the phase."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:                  # not on Linux
         cores = os.cpu_count() or 2
-    return max(1, min(64, cores))
+    return max(1, min(MAX_WORKERS, cores))
 
 
 def compile_all(needed, workers=None, device_id=0, log=None):
     """Compile what `needed` holds into the disk cache, one specialisation per task, longest first, over
-    the processes its recording started (needed.workers, one per core) or else `workers` spawned now
-    (default: every core; never more than the tasks). This process saves each result as it arrives
+    the processes its recording started (needed.workers: default_workers()) or else `workers` spawned now
+    (default_workers(); never more than the tasks). This process saves each result as it arrives
     (kernels without a disk cache are left out). Returns {task name: seconds the worker spent compiling
     it}, slowest first (the phase cannot end before the first). A task that fails is reported through
     `log` and left to compile on first use."""

@@ -146,7 +146,7 @@ def test_compile_seconds_name_the_engines_kernel_functions():
 
 def test_default_workers_are_every_core():
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert precompile.default_workers() == max(1, min(64, cores))
+    assert precompile.default_workers() == max(1, min(precompile.MAX_WORKERS, cores))
 
 
 ROUND_TRIP = """
