@@ -144,8 +144,10 @@ def recording():
     from numba.cuda.dispatcher import CUDADispatcher
 
     call = CUDADispatcher.call
+    workers_asked = False                   # the workers start once, at the first miss
 
     def recorded_call(self, args, launch_config):
+        nonlocal workers_asked
         recipe = getattr(self, "_rebuild_recipe", None)
         if recipe is None:
             return call(self, args, launch_config)
@@ -154,9 +156,13 @@ def recording():
             if argtypes not in self.overloads and not _load_from_disk(self, argtypes):
                 f = self.py_func
                 needed.add(f"{f.__module__}.{f.__qualname__}:{f.__code__.co_firstlineno}", recipe, argtypes)
-                if needed.workers is None:          # the workers import what this process has imported
-                    modules = sorted(m for m in sys.modules if m.startswith("kernels_numba."))
-                    needed.workers = Workers(default_workers(), cuda.get_current_device().id, modules)
+                if not workers_asked:
+                    workers_asked = True
+                    modules = sorted(m for m in sys.modules if m.startswith("kernels_numba."))   # as here
+                    try:
+                        needed.workers = Workers(default_workers(), cuda.get_current_device().id, modules)
+                    except Exception:       # noqa: BLE001 - compile_all starts its own
+                        needed.workers = None
         needed.skipped_launches += 1
         return None
 
