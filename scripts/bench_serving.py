@@ -523,6 +523,49 @@ def offline_runs(model_dir, llm_kwargs, loads, vocab_size, batch, fake_step_ms=N
     return rows, step, num_blocks
 
 
+def replay_offline(model_dir, llm_kwargs, load, offline_of, arrivals, fake_step_ms=None, fake_prefill_ms=None):
+    """The offline engine fed a load's requests at the times a server received them (`arrivals`: seconds
+    after the first request was sent, per request, from the served run's clients) instead of all at t = 0:
+    what the engine alone does under the served arrival shape. Steps as LLM.generate does; a row like the
+    offline one (output tok/s from the first arrival to the last finish)."""
+    import gc
+
+    import torch
+
+    from pagedattn import LLM, SamplingParams
+
+    llm = LLM(model_dir, **llm_kwargs)
+    if fake_step_ms:
+        from pagedattn.serving.fake_engine import install_fake_executor
+        install_fake_executor(llm, fake_step_ms, prefill_ms=fake_prefill_ms or 0.0)
+    prompts, params = offline_of(llm, SamplingParams)
+    llm.generate(prompts, [dataclasses.replace(p, max_tokens=min(p.max_tokens, 8)) for p in params],
+                 use_tqdm=False)                                     # the same warm-up as the offline run
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    engine, order = llm.engine, sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    tokens, nxt = 0, 0
+    t0 = time.perf_counter()
+    while nxt < len(order) or engine.has_unfinished_requests():
+        t = time.perf_counter() - t0
+        while nxt < len(order) and arrivals[order[nxt]] <= t:
+            i = order[nxt]
+            engine.add_request(f"replay-{i}", prompts[i], params[i])
+            nxt += 1
+        if engine.has_unfinished_requests():
+            tokens += sum(len(c.token_ids) for o in engine.step() if o.finished for c in o.outputs)
+        else:
+            time.sleep(max(0.0, arrivals[order[nxt]] - t))
+    seconds = time.perf_counter() - t0
+    llm.close()
+    del llm
+    gc.collect()
+    print(f"offline, served arrivals, {load}: {tokens / seconds:.1f} output tok/s ({seconds:.2f} s, {tokens} tokens)",
+          flush=True)
+    return {"load": load, "requests": len(prompts), "failed": 0, "seconds": seconds, "output_tokens": tokens,
+            "output_tok_s": tokens / seconds}
+
+
 def save_results(out, rows, failures, step_ms, meta, final):
     """Write bench_serving.{json,md} under out (after every server too, so a run cut short leaves its rows);
     returns the markdown."""
@@ -574,7 +617,7 @@ def goal_lines(rows, step_ms):
     """Each serving goal against the rows that measure it: (text, met)."""
     lines = []
     for r in rows:
-        if r["server"] == "offline" or r.get("skipped"):
+        if r["server"].startswith("offline") or r.get("skipped"):      # offline@<server>: a measurement, no goal
             continue
         if r["load"] in ("chat", "nano") and r.get("served_over_offline") is not None:
             v = r["served_over_offline"]
@@ -597,7 +640,8 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
          nano_requests=256, min_len=100, max_len=1024, light_requests=20, light_prompt_len=100, max_model_len=2048,
          max_num_seqs=256,
          num_blocks=None, stream_interval=1, warmup=16, server_timeout_s=600, time_budget_s=None,
-         request_timeout_s=600.0, smoke=False, seed=0, fake_step_ms=None, fake_prefill_ms=None, admission_interval=1):
+         request_timeout_s=600.0, smoke=False, seed=0, fake_step_ms=None, fake_prefill_ms=None, admission_interval=1,
+         replay_arrivals=False):
     """Run the benchmark; returns the table rows (also written under `out`). time_budget_s: a server row is
     skipped (and marked so) when the time spent so far plus the longest server row so far would pass it.
     servers: default mp1, mp2, mp4, inproc (smoke: mp2, inproc). fake_step_ms: every engine (offline and
@@ -605,7 +649,9 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
     (the serving stack's own overhead, measurable on a CPU); fake_prefill_ms: what a step with a prompt chunk
     costs on top there (a GPU's eager mixed step). A server mp<N>@<F> is mp<N> with --prefill-delay-factor F;
     mp<N>-eager: with --no-piecewise-graphs; mp<N>-h11: with --http-impl h11; mp<N>-a<K>: with
-    --admission-interval K for that server alone (combinable)."""
+    --admission-interval K for that server alone (combinable). replay_arrivals: after the servers, the offline
+    engine is fed the chat and nano requests at the times the first server's clients sent them (a row
+    "offline@<server>": the engine alone under the served arrival shape)."""
     from scripts import benchlib
 
     t_start = time.monotonic()
@@ -677,7 +723,7 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
             engine_args += ["--fake-step-ms", str(fake_step_ms)]
             if fake_prefill_ms:
                 engine_args += ["--fake-prefill-ms", str(fake_prefill_ms)]
-        rows, failures, longest = [], {}, 0.0
+        rows, failures, longest, arrivals = [], {}, 0.0, {}
         for name in servers:
             elapsed = time.monotonic() - t_start
             if time_budget_s is not None and elapsed + longest > time_budget_s:
@@ -699,6 +745,9 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
                     results = pool.run(url, load_specs, conc, procs, request_timeout_s)
                     cpu1 = server_cpu_s(proc.pid)
                     row, errors = summarize(results, load_specs)
+                    if replay_arrivals and load in offline_of and load not in arrivals:
+                        first = min(r[4] for r in results)
+                        arrivals[load] = (name, [r[4] - first for r in results])
                     row = {"server": name, "load": load, "concurrency": conc, **row,
                            **cpu_columns(cpu0, cpu1, row["seconds"], row["output_tokens"])}
                     free, total = wait_until_free(url)
@@ -726,6 +775,13 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
             longest = max(longest, time.monotonic() - t0)
             save_results(out, rows + list(offline.values()), failures, step_ms,
                          dict(meta_base, wall_s=time.monotonic() - t_start), final=False)
+        for load, (name, times) in arrivals.items():
+            row = replay_offline(model_dir, llm_kwargs, load, offline_of[load], times, fake_step_ms, fake_prefill_ms)
+            row = {"server": f"offline@{name}", **row, "concurrency": min(max_num_seqs, concurrency)}
+            if "output_tok_s" in offline.get(load, {}):
+                row["offline_tok_s"] = offline[load]["output_tok_s"]
+                row["served_over_offline"] = row["output_tok_s"] / row["offline_tok_s"]
+            rows.append(row)
     finally:
         pool.close()
     rows += list(offline.values())
@@ -772,6 +828,9 @@ if __name__ == "__main__":
                     help="a synthetic device (steps of this many ms, random tokens): the serving overhead on a CPU")
     ap.add_argument("--fake-prefill-ms", type=float, default=None,
                     help="with --fake-step-ms: extra ms for a step holding a prompt chunk (a GPU's eager step)")
+    ap.add_argument("--replay-arrivals", action="store_true",
+                    help="after the servers, the offline engine fed the chat and nano requests at the times the "
+                         "first server received them (the engine alone under the served arrival shape)")
     ap.add_argument("--admission-interval", type=int, default=1,
                     help="the scheduler's admission_interval, offline and served (1: every step)")
     a = ap.parse_args()
@@ -779,4 +838,4 @@ if __name__ == "__main__":
          a.client_processes, a.nano_requests, a.min_len, a.max_len, a.light_requests, a.light_prompt_len,
          a.max_model_len, a.max_num_seqs, a.num_blocks, a.stream_interval, a.warmup, time_budget_s=a.time_budget,
          smoke=a.smoke, fake_step_ms=a.fake_step_ms, fake_prefill_ms=a.fake_prefill_ms,
-         admission_interval=a.admission_interval)
+         admission_interval=a.admission_interval, replay_arrivals=a.replay_arrivals)

@@ -73,11 +73,18 @@ def test_server_commands():
 @pytest.mark.slow          # the offline LLM, a launcher (core + 2 API servers), the in-process server: ~1-2 min CPU
 def test_smoke_run(tmp_path):
     model = write_tiny_chat_checkpoint(tmp_path / "model")
-    rows = bench_serving.main(str(tmp_path / "out"), model=model, smoke=True)
+    rows = bench_serving.main(str(tmp_path / "out"), model=model, smoke=True, replay_arrivals=True)
+    replayed = [r for r in rows if r["server"] == "offline@mp2"]
+    rows = [r for r in rows if r["server"] != "offline@mp2"]
     served = [r for r in rows if r["server"] != "offline"]
     assert [(r["server"], r["load"]) for r in rows] == [
         ("mp2", "chat"), ("mp2", "nano"), ("mp2", "light"), ("inproc", "chat"), ("inproc", "nano"),
         ("inproc", "light"), ("offline", "chat"), ("offline", "nano"), ("offline", "light")]
+    # the offline engine fed at the served arrival times: every request, the same greedy nano tokens
+    assert [r["load"] for r in replayed] == ["chat", "nano"]
+    assert all(r["requests"] == expected_requests for r, expected_requests in zip(replayed, (12, 8)))
+    assert replayed[1]["output_tokens"] == sum(bench_serving.nano_workload(8, 4, 24, 512)[1])
+    assert all(r["served_over_offline"] > 0 for r in replayed)
     expected = {"chat": 12, "nano": 8, "light": 3}
     for r in served:
         assert r["failed"] == 0 and r["requests"] == expected[r["load"]]
