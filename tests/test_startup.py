@@ -316,3 +316,40 @@ def test_marker_goes_stale_with_the_numba_cache(tmp_path):
     index.unlink()
     assert not warmup._marker_holds(str(marker))
     assert not warmup._marker_holds(str(tmp_path / "absent"))
+
+
+def test_tokenizer_loads_beside_the_warm_up(tmp_path, monkeypatch):
+    """A tokenizer not ready when the weights are (its first load on a machine goes through transformers)
+    keeps loading while the warm-up runs, and the engine has it, with its end-of-sequence id, when LLM()
+    returns; a text prompt then works."""
+    import threading
+
+    from pagedattn.engine import llm_engine, warmup
+    from tests.serving_helpers import write_tiny_chat_checkpoint
+
+    ckpt = write_tiny_chat_checkpoint(tmp_path / "chat")
+    real_load, real_warm_up = llm_engine.load_tokenizer, warmup.warm_up
+    warm_up_done, seen = threading.Event(), []
+
+    def slow_load(path):
+        assert warm_up_done.wait(60), "the tokenizer was waited for before the warm-up"
+        return real_load(path)
+
+    def watched_warm_up(engine, *args, **kwargs):
+        seen.append(engine.tokenizer)
+        try:
+            return real_warm_up(engine, *args, **kwargs)
+        finally:
+            warm_up_done.set()
+
+    monkeypatch.setattr(llm_engine, "load_tokenizer", slow_load)
+    monkeypatch.setattr(warmup, "warm_up", watched_warm_up)
+    llm = LLM(ckpt, device="cpu", warmup=True, num_blocks=64, max_model_len=64)
+    assert seen == [None]
+    tok = llm.engine.tokenizer
+    assert tok is not None and tok.eos_token_id in llm.engine.eos_token_ids
+    assert llm.engine.inputs.tokenizer is tok and llm.engine.outputs.tokenizer is tok
+    out = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4 and isinstance(out[0].outputs[0].text, str)
+    assert llm.engine.startup_times["load_tokenizer"] > 0
+    llm.close()

@@ -81,28 +81,57 @@ class LLMEngine:
             raise ModelLoadError(f"model path {config.model!r} does not exist or is not a directory")
         self.config, self.model_path = config, config.model
         times = {}
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:    # the tokenizer loads while the weights do
+        # The tokenizer loads on a thread while the weights load, and, when it is not ready by then (its first
+        # load on a machine goes through transformers: seconds), while the warm-up compiles and runs too: the
+        # warm-up's requests are token ids and nothing it launches depends on the tokenizer.
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        try:
             tokenizer = pool.submit(timed, load_tokenizer, config.model)
             startup_log.info("loading the model ...")
             t = time.perf_counter()
             self.executor = make_executor(config)
             times["load_model"] = time.perf_counter() - t
-            self.tokenizer, times["load_tokenizer"] = tokenizer.result()
-        mc = self.model_config = self.executor.model_config
-        self.vocab_size = mc.vocab_size
-        self.max_model_len = min(config.max_model_len, mc.max_position_embeddings)
-        gen = _read_json(os.path.join(config.model, "generation_config.json"))
-        eos = set(_as_list(gen.get("eos_token_id"))) | set(_as_list(mc.eos_token_id))
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = eos
-        self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, config.max_num_seqs,
-                                     config.block_size, self.executor.num_blocks, config.model)
-        self.reset_state()
-        if config.warmup:
-            from pagedattn.engine.warmup import warm_up
-            times.update(warm_up(self))
+            mc = self.model_config = self.executor.model_config
+            self.vocab_size = mc.vocab_size
+            self.max_model_len = min(config.max_model_len, mc.max_position_embeddings)
+            gen = _read_json(os.path.join(config.model, "generation_config.json"))
+            self._config_eos = set(_as_list(gen.get("eos_token_id"))) | set(_as_list(mc.eos_token_id))
+            later = config.warmup and not tokenizer.done()
+            self._set_tokenizer(None if later else tokenizer.result()[0])
+            if config.warmup:
+                from pagedattn.engine.warmup import warm_up
+                times.update(warm_up(self))
+            if later:
+                self._set_tokenizer(tokenizer.result()[0])
+            times["load_tokenizer"] = tokenizer.result()[1]
+        except BaseException:
+            self.shutdown_quietly()
+            raise
+        finally:
+            pool.shutdown(wait=False)
         self.startup_times = times
+
+    def _set_tokenizer(self, tokenizer):
+        """The tokenizer and what depends on it (the end-of-sequence ids, the input processor); a fresh
+        request state."""
+        self.tokenizer = tokenizer
+        eos = set(self._config_eos)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+        self.inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.config.max_num_seqs,
+                                     self.config.block_size, self.executor.num_blocks, self.config.model)
+        self.reset_state()
+
+    def shutdown_quietly(self):
+        """shutdown() of a half-built engine (its executor may not exist yet); errors are not raised over the
+        one that stopped the build."""
+        if getattr(self, "executor", None) is None:
+            return
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001
+            logger.exception("shutting down a half-built engine failed")
 
     def reset_state(self):
         """A fresh request state: no requests, an empty prefix cache, zeroed statistics (the KV pool's

@@ -106,12 +106,17 @@ def warm_up(engine, workers=None):
         times["check_kernel_cache"] = time.perf_counter() - t
         if len(needed):
             groups = needed.groups()
-            n = min(workers or precompile.default_workers(), len(groups))
+            n = needed.workers.count if needed.workers is not None else \
+                min(workers or precompile.default_workers(), len(needed))
             logger.info(f"compiling {len(needed)} specialisations of {len(groups)} kernels in {n} processes "
                         f"(once per machine) ...")
             t = time.perf_counter()
-            precompile.compile_all(needed, workers=n, device_id=runner.device.index or 0, log=logger.warning)
+            seconds = precompile.compile_all(needed, workers=n, device_id=runner.device.index or 0,
+                                             log=logger.warning)
             times["compile_kernels"] = time.perf_counter() - t
+            if seconds:
+                slowest, slowest_s = next(iter(seconds.items()))
+                logger.info(f"compiled in {times['compile_kernels']:.1f} s; the slowest: {slowest} ({slowest_s:.1f} s)")
     t = time.perf_counter()
     hits, misses = bridge.disk_cache_stats()
     logger.info("loading kernels and capturing CUDA graphs ..." if cuda else "loading kernels ...")
