@@ -26,6 +26,8 @@ one FMA where the target has it (the same code, the same choice every time), not
 and vf_sum adds the lanes in one fixed order, so a result does not depend on the thread count or the
 call. Byte lanes are little-endian words' bytes (load_u32's byte k is bits 8k..8k+7), as GGUF stores them.
 """
+import functools
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -331,9 +333,11 @@ def f32_from_bits(typingctx, u):
     return types.float32(u), codegen
 
 
+@functools.cache
 def target_has_avx2():
     """Whether the CPU numba compiles for has AVX2 (its target's features: the host's, or none under
-    NUMBA_CPU_NAME=generic), so the _avx2 dot products can be selected."""
+    NUMBA_CPU_NAME=generic), so the _avx2 dot products can be selected. Fixed for the process (numba
+    reads its target once), so asked once: the question took ~5 us, a tenth of a small layer's call."""
     from numba.core.registry import cpu_target
 
     codegen = cpu_target.target_context.codegen()
