@@ -12,11 +12,12 @@ compiles dozens of specialisations, each for seconds. So the work is done twice:
 Step 1 launches nothing, so its results are whatever the buffers held: they are meaningless and must be
 thrown away (the engine discards its state and graphs after it).
 
-Step 2 is one task per specialisation (kernel, argument types), handed to the workers longest first (an
-estimate per kernel function: COMPILE_SECONDS), so the phase lasts about as long as the slowest single
-specialisation, not as long as the kernel function with the most or slowest ones. The workers (one per
-core, at most MAX_WORKERS) were started by step 1's first missing specialisation: their start overlaps
-the rest of step 1. A worker compiles (the PTX, and the cubin linked for the device) and writes nothing:
+Step 2 is one task per specialisation (kernel, argument types), so the phase lasts about as long as the
+slowest single specialisation, not as long as the kernel function with the most or slowest ones. The
+workers (one per core but one, at most MAX_WORKERS) are started by step 1's first missing
+specialisation, and each missing specialisation is handed to them as soon as step 1 meets it: the
+compiles run while the rest of step 1 does (what step 1 cannot hand over goes at step 2, longest first by
+an estimate per kernel function: COMPILE_SECONDS). A worker compiles (the PTX, and the cubin linked for the device) and writes nothing:
 it sends back what numba's cache would write for that specialisation (the kernel's reduced states, cubin
 included). This process saves each one with the kernel's own cache object (`save_overload`), so every
 entry gets the key a normal compile gives it, and only one process writes an index file (numba keeps one
@@ -91,6 +92,7 @@ class Needed:
         self.kernels = collections.defaultdict(set)
         self.skipped_launches = 0
         self.workers = None                 # Workers a recording started at its first miss (compile_all's)
+        self.submitted = {}                 # (recipe, argtypes) -> the future of its task, handed over early
 
     def __len__(self):
         return sum(len(sigs) for sigs in self.kernels.values())
@@ -163,6 +165,9 @@ def recording():
                         needed.workers = Workers(default_workers(), cuda.get_current_device().id, modules)
                     except Exception:       # noqa: BLE001 - compile_all starts its own
                         needed.workers = None
+                key = (recipe, argtypes)
+                if needed.workers is not None and key not in needed.submitted and hasattr(self._cache, "_impl"):
+                    needed.submitted[key] = needed.workers.executor.submit(_compile_task, recipe, argtypes)
         needed.skipped_launches += 1
         return None
 
@@ -174,6 +179,7 @@ def recording():
         if needed.workers is not None:
             needed.workers.close()
             needed.workers = None
+            needed.submitted.clear()
         raise
     finally:
         CUDADispatcher.call = call
@@ -273,13 +279,14 @@ MAX_WORKERS = 16  # each worker holds a CUDA context (hundreds of MiB) beside an
 
 
 def default_workers():
-    """Every core this process may run on (this process only waits and saves), at most MAX_WORKERS:
-    an engine's warm-up needs ~16 specialisations, and the slowest few, handed out first, bound the phase."""
+    """Every core this process may run on but one (this process runs the rest of the recording while they
+    compile), at most MAX_WORKERS: an engine's warm-up needs ~16 specialisations, and the slowest one
+    bounds the phase."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:                  # not on Linux
         cores = os.cpu_count() or 2
-    return max(1, min(MAX_WORKERS, cores))
+    return max(1, min(MAX_WORKERS, cores - 1))
 
 
 def compile_all(needed, workers=None, device_id=0, log=None):
@@ -291,16 +298,20 @@ def compile_all(needed, workers=None, device_id=0, log=None):
     `log` and left to compile on first use."""
     tasks = [t for t in needed.tasks() if _has_disk_cache(t.recipe)]
     pool, needed.workers = needed.workers, None
+    early, needed.submitted = needed.submitted, {}
     if pool is not None and (not tasks or pool.device_id != device_id):
         pool.close()
-        pool = None
+        pool, early = None, {}
     if not tasks:
         return {}
     if pool is None:
         pool = Workers(min(workers or default_workers(), len(tasks)), device_id)
     seconds = {}
     with pool.executor:
-        futures = {pool.executor.submit(_compile_task, t.recipe, t.argtypes): t for t in tasks}   # FIFO order
+        futures = {}
+        for t in tasks:             # those handed over during the recording, then the rest (FIFO order)
+            f = early.get((t.recipe, t.argtypes))
+            futures[f if f is not None else pool.executor.submit(_compile_task, t.recipe, t.argtypes)] = t
         for f in concurrent.futures.as_completed(futures):
             task = futures[f]
             try:

@@ -144,9 +144,9 @@ def test_compile_seconds_name_the_engines_kernel_functions():
     assert precompile.estimated_seconds(f"{some}:12") == precompile.COMPILE_SECONDS[some]     # the line aside
 
 
-def test_default_workers_are_every_core():
+def test_default_workers_are_every_core_but_one():
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert precompile.default_workers() == max(1, min(precompile.MAX_WORKERS, cores))
+    assert precompile.default_workers() == max(1, min(precompile.MAX_WORKERS, cores - 1))
 
 
 ROUND_TRIP = """
@@ -167,6 +167,7 @@ def launch_norms():
 with precompile.recording() as needed:
     launch_norms()
 recorded, started = len(needed), needed.workers.count if needed.workers else 0
+handed = len(needed.submitted)                         # given to the workers during the recording
 copy = ("kernels_numba.cache_ops", "_copy_blocks_kernel", None, None, None)
 needed.add("kernels_numba.cache_ops._copy_blocks_kernel:60", copy, (types.uint32[::1], types.int64))   # no typing
 failures = []
@@ -175,7 +176,7 @@ with precompile.recording() as again:                   # the same launches: all
     launch_norms()
 kernels = [rmsnorm._make_kernel(*c) for c in closures]
 index = kernels[0]._cache._cache_file
-print(json.dumps(dict(recorded=recorded, started=started, seconds=seconds, failures=failures,
+print(json.dumps(dict(recorded=recorded, started=started, handed=handed, seconds=seconds, failures=failures,
                       entries=len(index._load_index()), index=os.path.basename(index._index_path),
                       again=len(again), again_started=again.workers is not None,
                       hits=[sum(k._cache_hits.values()) for k in kernels],
@@ -185,8 +186,8 @@ print(json.dumps(dict(recorded=recorded, started=started, seconds=seconds, failu
 
 def test_workers_compile_and_this_process_saves(tmp_path):
     """A recording, compile_all and a second recording on real kernels (PTX and cubin for sm_90 without a
-    GPU: NO_DEVICE). The first miss starts the workers (one per core); two specialisations of one kernel
-    function compile in them and both reach the function's one index file, written by this process alone;
+    GPU: NO_DEVICE). The first miss starts the workers (one per core but one) and every miss is handed to
+    them at once; two specialisations of one kernel function compile in them and both reach the function's one index file, written by this process alone;
     a task that fails is logged and the others are saved; the same launches then find every kernel on
     disk, by the key a normal compile looks up (hits, no compile), and start no workers."""
     (tmp_path / "site").mkdir()
@@ -199,6 +200,7 @@ def test_workers_compile_and_this_process_saves(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["recorded"] == 2 and out["started"] == precompile.default_workers(), out
+    assert out["handed"] == 2, out              # both compiled while the recording went on, not after it
     assert len(out["seconds"]) == 2 and all(s > 0 for s in out["seconds"].values()), out
     assert list(out["seconds"].values()) == sorted(out["seconds"].values(), reverse=True), out   # slowest first
     assert len(out["failures"]) == 1 and "_copy_blocks_kernel" in out["failures"][0], out
