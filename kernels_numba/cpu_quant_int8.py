@@ -38,7 +38,7 @@ from numba import njit, prange
 
 from kernels_numba import cpu_quant
 from kernels_numba.cpu_quant import (_F16, _NO_BIAS, _Q4_K, _Q5_0, _Q6_K, _Q8_0, PREFETCH_ROWS, _prefetch_row,
-                                     _run_scales, _run_values, _store)
+                                     _lo, _row_scales, _run_values, _store)
 from kernels_numba.cpu_simd import (f32_bits, f32_from_bits, target_has_avx2, vb_dot4, vb_dot4_avx2, vb_load,
                                     vb_udot4, vb_udot4_avx2, vf_fma, vf_halves, vf_mul, vf_splat, vf_sum, vf_zero)
 from kernels_numba.cpu_threads import numba_threads
@@ -121,11 +121,12 @@ def _rows(fmt, avx2, xq, dx, xs, w, bias, out, n0, n1, col, f16):
         row = w[n]
         if n + PREFETCH_ROWS < n1:                   # the row after next on its way from memory meanwhile
             _prefetch_row(w[n + PREFETCH_ROWS])
-        _run_scales(fmt, row, lo, hi, mn, f16)
+        _row_scales(fmt, row, lo, hi, mn, f16)
         for m in range(0, M4, 4):
             a0, a1, a2, a3 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
             for r in range(R):
-                q, ws = _run_values(fmt, row, r), _weight_scales(fmt, lo[r], hi[r])
+                q = _run_values(fmt, row, r)
+                ws = _weight_scales(fmt, _lo(fmt, row, r, lo, f16), hi[r])
                 o = m * K + 32 * r
                 a0 = _run_idot(fmt, avx2, q, xq, o, ws, dx[m, r], a0)
                 a1 = _run_idot(fmt, avx2, q, xq, o + K, ws, dx[m + 1, r], a1)
@@ -138,7 +139,7 @@ def _rows(fmt, avx2, xq, dx, xs, w, bias, out, n0, n1, col, f16):
         for m in range(M4, M):
             a0 = vf_zero()
             for r in range(R):
-                ws = _weight_scales(fmt, lo[r], hi[r])
+                ws = _weight_scales(fmt, _lo(fmt, row, r, lo, f16), hi[r])
                 a0 = _run_idot(fmt, avx2, _run_values(fmt, row, r), xq, m * K + 32 * r, ws, dx[m, r], a0)
             _store(fmt, vf_sum(a0), m, col + n, mn, xs, bias, has_bias, out)
 
