@@ -355,3 +355,22 @@ def test_tokenizer_loads_beside_the_warm_up(tmp_path, monkeypatch):
     assert len(out[0].outputs[0].token_ids) == 4 and isinstance(out[0].outputs[0].text, str)
     assert llm.engine.startup_times["load_tokenizer"] > 0
     llm.close()
+
+
+def test_a_failed_warm_up_gives_the_engine_back(tmp_path, monkeypatch):
+    """An error during the warm-up reaches the caller, and the half-built engine's executor (weights, KV pool,
+    workers) is shut down on the way, not left to the garbage collector."""
+    from pagedattn.engine import executor, warmup
+
+    shut = []
+    monkeypatch.setattr(executor.UniprocExecutor, "shutdown",
+                        lambda self, _real=executor.UniprocExecutor.shutdown: (shut.append(self), _real(self)))
+
+    def failing(engine, *args, **kwargs):
+        raise RuntimeError("the warm-up broke")
+
+    monkeypatch.setattr(warmup, "warm_up", failing)
+    ckpt = write_tiny_checkpoint(tmp_path / "tiny")
+    with pytest.raises(RuntimeError, match="the warm-up broke"):
+        LLM(ckpt, device="cpu", warmup=True, num_blocks=16, max_model_len=32)
+    assert len(shut) == 1 and shut[0].runner is None

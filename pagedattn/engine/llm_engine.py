@@ -105,7 +105,7 @@ class LLMEngine:
                 self._set_tokenizer(tokenizer.result()[0])
             times["load_tokenizer"] = tokenizer.result()[1]
         except BaseException:
-            self.shutdown_quietly()
+            self._shutdown_quietly()
             raise
         finally:
             pool.shutdown(wait=False)
@@ -123,7 +123,7 @@ class LLMEngine:
                                      self.config.block_size, self.executor.num_blocks, self.config.model)
         self.reset_state()
 
-    def shutdown_quietly(self):
+    def _shutdown_quietly(self):
         """shutdown() of a half-built engine (its executor may not exist yet); errors are not raised over the
         one that stopped the build."""
         if getattr(self, "executor", None) is None:
