@@ -166,7 +166,7 @@ def recording():
                     except Exception:       # noqa: BLE001 - compile_all starts its own
                         needed.workers = None
                 key = (recipe, argtypes)
-                if needed.workers is not None and key not in needed.submitted and hasattr(self._cache, "_impl"):
+                if needed.workers is not None and key not in needed.submitted and _saves_to_disk(self):
                     needed.submitted[key] = needed.workers.executor.submit(_compile_task, recipe, argtypes)
         needed.skipped_launches += 1
         return None
@@ -241,9 +241,14 @@ def _has_disk_cache(recipe):
     NullCache: nowhere to save). A recipe that does not rebuild here counts as cached: its worker fails
     and says why."""
     try:
-        return hasattr(rebuild(recipe)._cache, "_impl")
+        return _saves_to_disk(rebuild(recipe))
     except Exception:                       # noqa: BLE001 - reported by the task
         return True
+
+
+def _saves_to_disk(kernel):
+    """A kernel with numba's disk cache (one without a cache directory has NullCache, without `_impl`)."""
+    return hasattr(kernel._cache, "_impl")
 
 
 def _compile_task(recipe, argtypes):

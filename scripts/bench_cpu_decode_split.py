@@ -24,7 +24,7 @@ def main(activations="float32", steps=40, threads=2):
     from kernels_numba import cpu_quant, cpu_quant_int8
     from pagedattn import LLM, SamplingParams
     from pagedattn.bundled import bundled_model_path
-    from scripts.bench_cpu import ONE_PROMPT, chat
+    from scripts.bench_cpu import ONE_PROMPT, StepProfile, chat
 
     torch.set_num_threads(threads)
     module = cpu_quant_int8 if activations == "int8" else cpu_quant
@@ -44,23 +44,11 @@ def main(activations="float32", steps=40, threads=2):
         llm = LLM(bundled_model_path(), weights="quantized", activations=activations, device="cpu",
                   max_model_len=2048, max_num_seqs=4, num_blocks=256, enable_prefix_caching=False)
         engine, ops = llm.engine, llm.engine.model.ops
-        pieces = {}
-
-        def wrap(obj, name, label):
-            fn = getattr(obj, name)
-
-            def timed(*a, **k):
-                t0 = time.perf_counter()
-                try:
-                    return fn(*a, **k)
-                finally:
-                    pieces[label] = pieces.get(label, 0.0) + time.perf_counter() - t0
-            setattr(obj, name, timed)
-
+        prof = StepProfile()                     # its wrappers sum each piece's wall time into prof.current
         for name in ("rotary_and_cache_write", "attention", "rms_norm", "add_rms_norm", "silu_and_mul", "embedding"):
-            wrap(ops, name, name)
+            prof.wrap(ops, name, name)
         import pagedattn.engine.model_runner as model_runner
-        wrap(model_runner.sampler, "sample", "sampler")
+        prof.wrap(model_runner.sampler, "sample", "sampler")
         engine.add_request("split", chat(llm.get_tokenizer(), ONE_PROMPT),
                            SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
         for _ in range(3):                       # the prefill and two warm decode steps
@@ -69,13 +57,13 @@ def main(activations="float32", steps=40, threads=2):
         per_piece = []
         for _ in range(steps):
             rec.update(on=True, wall=0.0, calls=[])
-            pieces.clear()
+            prof.current = {}
             t0 = time.perf_counter()
             engine.step()
             rows["step (wall)"].append(time.perf_counter() - t0)
             rec["on"] = False
             rows["block kernels in place"].append(rec["wall"])
-            per_piece.append(dict(pieces))
+            per_piece.append(prof.current)
             t0 = time.perf_counter()
             for x, parts, bias, nt in rec["calls"]:
                 kernel(x, parts, bias, nt)
