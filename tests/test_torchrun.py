@@ -156,9 +156,14 @@ class Launch:
 
 def two_nodes(port):
     """Two torchrun invocations, one rank each, meeting at a c10d rendezvous on 127.0.0.1:port (the first
-    hosts the rendezvous store). torchrun numbers the ranks in the order the nodes join."""
+    hosts the rendezvous store). torchrun numbers the ranks in the order the nodes join.
+
+    --monitor-interval 3: each agent polls the store every interval while its rank is healthy, and the store
+    leaves with the first agent; at torchrun's default (0.1 s) the second agent may SIGTERM its rank before
+    that rank has noticed the dead peer itself (a busy 2-core machine), and these tests check the rank's own
+    report."""
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-              f"127.0.0.1:{port}", "--rdzv-id", "tp-test"]
+              f"127.0.0.1:{port}", "--rdzv-id", "tp-test", "--monitor-interval", "3"]
     return [common + ["--rdzv-conf", "is_host=true"], common + ["--rdzv-conf", "is_host=false"]]
 
 
