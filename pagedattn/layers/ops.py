@@ -161,6 +161,15 @@ def cpu_rotary_and_cache_write(step, write, positions, qkv, num_heads, num_kv_he
                              v_cache, slot_mapping)
 
 
+def cpu_silu_and_mul(step, x):
+    """A small step: one numba call (kernels_numba.cpu_layer, the fused CPU layer's own); a large one: torch."""
+    if step.small:
+        from kernels_numba import cpu_layer
+
+        return cpu_layer.silu_and_mul(x)
+    return silu_and_mul(x)
+
+
 def _cpu_ops(backend, device, dtype):
     step = backend.step
     glue = device.type == "cpu" and dtype == torch.float32          # the CPU glue kernels: float32 CPU tensors
@@ -169,8 +178,8 @@ def _cpu_ops(backend, device, dtype):
         add_rms_norm=partial(cpu_add_rms_norm, step) if glue else add_rms_norm,
         rotary_and_cache_write=(partial(cpu_rotary_and_cache_write, step, backend.write) if glue
                                 else partial(rotary_then_write, backend.write)),
-        attention=backend.attend, silu_and_mul=silu_and_mul, linear=step.linear, step_scope=step.scope,
-        backend=backend)
+        attention=backend.attend, silu_and_mul=partial(cpu_silu_and_mul, step) if glue else silu_and_mul,
+        linear=step.linear, step_scope=step.scope, backend=backend)
 
 
 def torch_ops(backend):

@@ -42,6 +42,7 @@ from torch import nn
 from pagedattn.distributed.allreduce_norm import fused_allreduce_for, shard_rows
 from pagedattn.errors import ModelLoadError
 from pagedattn.layers.activation import SiluAndMul
+from pagedattn.layers.cpu_layer import cpu_layers_for
 from pagedattn.layers.linear import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -279,6 +280,7 @@ class Qwen2ForCausalLM(nn.Module):
         self.skinny = skinny_decode_for(self.ops, config, tp_size, device, dtype, skinny_rows)
         self.fused_allreduce = fused_allreduce_for(tp_size, device, dtype, config.hidden_size,
                                                    fused_allreduce_min_tokens)
+        self.cpu_layers = cpu_layers_for(self.ops, weights, tp_size, device, dtype)
         self.model = Qwen2Model(config, self.ops, tp_rank, tp_size, self.skinny, self.fused_allreduce)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size, self.ops)
         if config.tie_word_embeddings:
@@ -294,9 +296,12 @@ class Qwen2ForCausalLM(nn.Module):
         """
         with self.ops.step_scope(input_ids.shape[0]):
             x, residual = self.model.embed_tokens(input_ids), None              # (T, hidden)
-            for i, layer in enumerate(self.model.layers):
-                x, residual = layer(positions, x, residual, kv_cache.k_caches[i], kv_cache.v_caches[i],
-                                    attn_metadata)
+            if self.cpu_layers is not None and self.cpu_layers.takes(input_ids.shape[0], kv_cache):
+                x, residual = self.cpu_layers(self, positions, x, kv_cache, attn_metadata)   # one call a layer
+            else:
+                for i, layer in enumerate(self.model.layers):
+                    x, residual = layer(positions, x, residual, kv_cache.k_caches[i], kv_cache.v_caches[i],
+                                        attn_metadata)
             return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden, float32=True):

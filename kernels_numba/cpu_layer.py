@@ -1,0 +1,170 @@
+"""A whole Qwen2 decoder layer of a small CPU step in one numba call, on the GGUF blocks.
+
+A decode step of the 0.5B model on two cores is ~40 ms, of which the block products are ~28; most of
+the rest is not arithmetic but the way to it: ten ops a layer, each a Python call through the layer
+modules, the ops table, a wrapper that checks and converts its tensors, and numba's dispatcher (15-25 us
+a call, 240 calls a token), plus torch ops on [1, 4864] rows. Here the layer is one compiled function
+that calls the same compiled kernels in the same order:
+
+    h = RMSNorm(x + residual)            cpu_glue._add_rms_norm (the sum stored into residual)
+    qkv = h Wqkv^T + b                   cpu_quant._run (or the int8 runners), q / k / v parts at once
+    q = rotary(q); k, v -> the pool      cpu_glue._rotary_cache
+    o = attention(q, pool)               cpu_attention._run_parallel on the step's plan
+    a = o Wo^T
+    h = RMSNorm(a + residual)            the sum stored into residual
+    g = SiLU(h Wg^T) * (h Wu^T)          one product over gate and up, then silu_and_mul below
+    out = g Wd^T                         -> (out, residual), as the layer modules return them
+
+so its results are the unfused small step's bit for bit (tests/test_cpu_layer.py): every kernel keeps its
+own thread split, and none of them depends on the thread count. SiLU-and-mul is this module's own
+(`silu_and_mul`, which the unfused small step uses too), with cpu_attention's vectorisable exponential.
+
+Which products run is fixed per compiled copy (`LAYERS`): float32 activations (cpu_quant), or int8
+activations with AVX2's or the generic integer sums (cpu_quant_int8); the runner is handed to the shared
+body as a function, so each copy is one specialisation.
+"""
+import numpy as np
+import torch
+from numba import njit
+
+from kernels_numba import cpu_quant, cpu_quant_int8
+from kernels_numba.cpu_attention import FASTMATH, LN2_HI, LN2_LO, LOG2E, MIN_EXP_ARG, QUERY_TILE
+from kernels_numba.cpu_attention import _run as _attend_serial
+from kernels_numba.cpu_attention import _run_parallel as _attend_parallel
+from kernels_numba.cpu_glue import _add_rms_norm, _rotary_cache
+from kernels_numba.errors import KernelLaunchError
+
+ERR_POSITION, ERR_SLOT = 1, 2
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def _silu_and_mul(gu, out):
+    """out[t, i] = silu(gu[t, i]) * gu[t, I + i], silu(g) = g / (1 + exp(-g)), with exp's argument -|g|
+    (g >= 0: g / (1 + e); g < 0: g e / (1 + e), e = exp(-|g|) in (0, 1]), so it never overflows.
+    exp is cpu_attention's polynomial (relative error ~1e-7), written out here over a row."""
+    T, I = out.shape
+    e = np.empty(I, np.float32)
+    bits = np.empty(I, np.uint32)
+    scale = bits.view(np.float32)
+    for t in range(T):
+        for i in range(I):
+            a = -abs(gu[t, i])
+            if a < MIN_EXP_ARG:
+                bits[i] = 0
+                e[i] = 0.0
+                continue
+            k = np.floor(a * LOG2E + np.float32(0.5))
+            r = (a - k * LN2_HI) - k * LN2_LO
+            p = np.float32(1.0 / 720.0)
+            p = p * r + np.float32(1.0 / 120.0)
+            p = p * r + np.float32(1.0 / 24.0)
+            p = p * r + np.float32(1.0 / 6.0)
+            p = p * r + np.float32(0.5)
+            p = p * r + np.float32(1.0)
+            p = p * r + np.float32(1.0)
+            bits[i] = np.uint32(np.int32(k) + 127) << 23
+            e[i] = p
+        for i in range(I):
+            g = gu[t, i]
+            ei = e[i] * scale[i]
+            s = g / (np.float32(1.0) + ei) if g >= 0 else g * ei / (np.float32(1.0) + ei)
+            out[t, i] = s * gu[t, I + i]
+
+
+def silu_and_mul(x):
+    """x: [T, 2 I] float32 CPU tensor (gate then up) -> silu(gate) * up, a new [T, I] tensor."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % 2 or not x.is_contiguous():
+        raise KernelLaunchError(f"x: needs a contiguous [T, 2 I] float32 CPU tensor (got {tuple(x.shape)} "
+                                f"{x.dtype} on {x.device})")
+    out = torch.empty(x.shape[0], x.shape[1] // 2)
+    _silu_and_mul(x.numpy(), out.numpy())
+    return out
+
+
+@njit(inline="always")
+def _layer(linear, x, residual, has_residual, w, pool, step, threads, f16):
+    """The layer (module docstring) with `linear` as its block products.
+
+    w: the layer's weights (in_norm [E], post_norm [E], eps, then qkv, o, gate_up and down, each a product
+    (codes, parts, offsets, bias) as cpu_quant._run takes it; an empty bias for none); pool: (k_cache, v_cache, cos_sin, H, Hkv, D, scale); step: the step's
+    (positions, slots, block_tables, cu_seqlens_q, context_lens, tile_seq, tile_q0, order, attention
+    threads). Returns (out, residual, error code)."""
+    in_norm, post_norm, eps, qkv, o_w, gate_up, down = w
+    k_cache, v_cache, cos_sin, H, Hkv, D, scale = pool
+    positions, slots, tables, cu, ctx, tile_seq, tile_q0, order, attn_threads = step
+    T, E = x.shape
+    h = np.empty((T, E), np.float32)
+    _add_rms_norm(x, residual, in_norm, eps, h, has_residual)      # has_residual False: residual is x
+
+    codes, parts, offsets, bias = qkv
+    qkv_out = np.empty((T, offsets[-1]), np.float32)
+    linear(threads, codes, parts, offsets, h, bias, qkv_out, f16)
+    q = np.empty((T, H, D), np.float32)
+    err = _rotary_cache(positions, qkv_out, H, Hkv, D, cos_sin, k_cache, v_cache, slots, q)
+    if err:
+        return h, residual, err
+    attn = np.empty((T, H, D), np.float32)
+    if attn_threads > 1:
+        _attend_parallel(attn_threads, q, k_cache, v_cache, tables, cu, ctx, scale, QUERY_TILE, tile_seq,
+                         tile_q0, order, attn)
+    else:
+        _attend_serial(0, 1, q, k_cache, v_cache, tables, cu, ctx, scale, QUERY_TILE, tile_seq, tile_q0, order,
+                       attn)
+
+    codes, parts, offsets, bias = o_w
+    a = np.empty((T, offsets[-1]), np.float32)
+    linear(threads, codes, parts, offsets, attn.reshape(T, H * D), bias, a, f16)
+    _add_rms_norm(a, residual, post_norm, eps, h, True)
+
+    codes, parts, offsets, bias = gate_up
+    gu = np.empty((T, offsets[-1]), np.float32)
+    linear(threads, codes, parts, offsets, h, bias, gu, f16)
+    g = np.empty((T, offsets[-1] // 2), np.float32)
+    _silu_and_mul(gu, g)
+
+    codes, parts, offsets, bias = down
+    out = np.empty((T, offsets[-1]), np.float32)
+    linear(threads, codes, parts, offsets, g, bias, out, f16)
+    return out, residual, 0
+
+
+@njit(cache=True, nogil=True)
+def _layer_float32(x, residual, has_residual, w, pool, step, threads, f16):
+    return _layer(cpu_quant._run, x, residual, has_residual, w, pool, step, threads, f16)
+
+
+@njit(cache=True, nogil=True)
+def _layer_int8_generic(x, residual, has_residual, w, pool, step, threads, f16):
+    return _layer(cpu_quant_int8._run_generic, x, residual, has_residual, w, pool, step, threads, f16)
+
+
+@njit(cache=True, nogil=True)
+def _layer_int8_avx2(x, residual, has_residual, w, pool, step, threads, f16):
+    return _layer(cpu_quant_int8._run_avx2, x, residual, has_residual, w, pool, step, threads, f16)
+
+
+# activations -> the compiled layer ("int8" picks its integer sums' spelling as cpu_quant_int8 does)
+LAYERS = {"float32": _layer_float32, "int8-generic": _layer_int8_generic, "int8-avx2": _layer_int8_avx2}
+
+
+def layer_kind(activations):
+    """The LAYERS key of weights with these activations ("float32" or "int8")."""
+    if activations == "float32":
+        return "float32"
+    return "int8-avx2" if cpu_quant_int8.AVX2 else "int8-generic"
+
+
+def run_layer(kind, x, residual, w, pool, step, threads):
+    """One decoder layer (module docstring) of a small step. x: float32 numpy [T, E] (the previous layer's
+    output, or the embedding); residual: float32 numpy [T, E] or None (the first layer: x is the residual
+    stream); w, pool, step: the tuples `_layer` reads (pagedattn/layers/cpu_layer.py builds them once per
+    layer / model / step). threads: the products' threads (numba's pool already set to them).
+    Returns (out, residual) as numpy arrays; KernelLaunchError naming a bad position or slot."""
+    has_residual = residual is not None
+    out, res, err = LAYERS[kind](x, residual if has_residual else x, has_residual, w, pool, step, threads,
+                                 cpu_quant._F16)
+    if err == ERR_POSITION:
+        raise KernelLaunchError("positions: a position outside the cos/sin cache")
+    if err == ERR_SLOT:
+        raise KernelLaunchError("slot_mapping: a slot outside the pool")
+    return out, res
