@@ -47,6 +47,8 @@ MAX_ROWS = 16                # above: `linear` dequantizes tiles of W and runs t
 TILE_VALUES = 1 << 20        # weights per dequantized tile above MAX_ROWS: 4 MB of float32, in cache while the
                              # GEMM reads it (1024 rows at K = 896, 128 at K = 4864; >= 1024 rows from 128 rows of x)
 
+KERNEL_PARTS = 3             # parts of a fused layer (q / k / v) every kernel call is padded to
+
 # format name -> (code used inside the kernels, values per block, bytes per block)
 FORMATS = {"Q8_0": (0, 32, 34), "Q5_0": (1, 32, 22), "Q6_K": (2, 256, 210), "Q4_K": (3, 256, 144)}
 _Q8_0, _Q5_0, _Q6_K, _Q4_K = 0, 1, 2, 3
@@ -156,50 +158,47 @@ def _run_dot(fmt, q0, q1, q2, q3, xm, o, lo, hi, acc):
 
 
 def _rows_of(fmt):
-    """_rows compiled for one format: fmt is a constant inside, so its branches fold away."""
+    """The product's rows for one format: fmt is a constant of the compiled copy, so its branches fold away.
+    The body is the closure's own rather than an inlined shared function: numba inlines by copying the
+    callee's IR, and copying this loop nest took ~5 s of a format's ~8 s first compile."""
     def rows(x, xsum, w, bias, out, n0, n1, col, f16):
-        return _rows(fmt, x, xsum, w, bias, out, n0, n1, col, f16)
+        """out[:, col + n] = x @ dequant(w[n]) (+ bias[col + n] when bias has any element), n in n0..n1-1.
+
+        x float32 [M, K], xsum float32 [M, K // 32] (each run's sum of x), w uint8 [N, bytes_per_row].
+        Input rows go 4 at a time (each run's q converted once for the 4), then one at a time; every row's
+        sums are the same operations in the same order either way, so a row's result does not depend on
+        the other rows of x."""
+        M, K = x.shape
+        R = K // 32
+        has_bias = bias.shape[0] > 0
+        lo, hi, mn = np.empty(R, np.float32), np.empty(R, np.float32), np.zeros(R, np.float32)
+        xf = x.reshape(M * K)                            # row m at m * K (one view: no per-run array views)
+        M4 = M - M % 4
+        for n in range(n0, n1):
+            row = w[n]
+            if n + PREFETCH_ROWS < n1:                   # the row after next on its way from memory meanwhile
+                _prefetch_row(w[n + PREFETCH_ROWS])
+            _row_scales(fmt, row, lo, hi, mn, f16)
+            for m in range(0, M4, 4):                    # 4 input rows: 4 x 8 partial sums in registers
+                a0, a1, a2, a3 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
+                for r in range(R):
+                    q0, q1, q2, q3 = vb_to_f32(_run_values(fmt, row, r))
+                    o, d = m * K + 32 * r, _lo(fmt, row, r, lo, f16)
+                    a0 = _run_dot(fmt, q0, q1, q2, q3, xf, o, d, hi[r], a0)
+                    a1 = _run_dot(fmt, q0, q1, q2, q3, xf, o + K, d, hi[r], a1)
+                    a2 = _run_dot(fmt, q0, q1, q2, q3, xf, o + 2 * K, d, hi[r], a2)
+                    a3 = _run_dot(fmt, q0, q1, q2, q3, xf, o + 3 * K, d, hi[r], a3)
+                _store(fmt, vf_sum(a0), m, col + n, mn, xsum, bias, has_bias, out)
+                _store(fmt, vf_sum(a1), m + 1, col + n, mn, xsum, bias, has_bias, out)
+                _store(fmt, vf_sum(a2), m + 2, col + n, mn, xsum, bias, has_bias, out)
+                _store(fmt, vf_sum(a3), m + 3, col + n, mn, xsum, bias, has_bias, out)
+            for m in range(M4, M):                       # the rest (a decode step of one sequence: M = 1)
+                a0 = vf_zero()
+                for r in range(R):
+                    q0, q1, q2, q3 = vb_to_f32(_run_values(fmt, row, r))
+                    a0 = _run_dot(fmt, q0, q1, q2, q3, xf, m * K + 32 * r, _lo(fmt, row, r, lo, f16), hi[r], a0)
+                _store(fmt, vf_sum(a0), m, col + n, mn, xsum, bias, has_bias, out)
     return njit(cache=True, nogil=True)(rows)
-
-
-@njit(inline="always")
-def _rows(fmt, x, xsum, w, bias, out, n0, n1, col, f16):
-    """out[:, col + n] = x @ dequant(w[n]) (+ bias[col + n] when bias has any element), n in n0..n1-1.
-
-    x float32 [M, K], xsum float32 [M, K // 32] (each run's sum of x), w uint8 [N, bytes_per_row].
-    Input rows go 4 at a time (each run's q converted once for the 4), then one at a time; every row's
-    sums are the same operations in the same order either way, so a row's result does not depend on
-    the other rows of x."""
-    M, K = x.shape
-    R = K // 32
-    has_bias = bias.shape[0] > 0
-    lo, hi, mn = np.empty(R, np.float32), np.empty(R, np.float32), np.zeros(R, np.float32)
-    xf = x.reshape(M * K)                            # row m at m * K (one view: no per-run array views)
-    M4 = M - M % 4
-    for n in range(n0, n1):
-        row = w[n]
-        if n + PREFETCH_ROWS < n1:                   # the row after next on its way from memory meanwhile
-            _prefetch_row(w[n + PREFETCH_ROWS])
-        _row_scales(fmt, row, lo, hi, mn, f16)
-        for m in range(0, M4, 4):                    # 4 input rows: 4 x 8 partial sums in registers
-            a0, a1, a2, a3 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
-            for r in range(R):
-                q0, q1, q2, q3 = vb_to_f32(_run_values(fmt, row, r))
-                o, d = m * K + 32 * r, _lo(fmt, row, r, lo, f16)
-                a0 = _run_dot(fmt, q0, q1, q2, q3, xf, o, d, hi[r], a0)
-                a1 = _run_dot(fmt, q0, q1, q2, q3, xf, o + K, d, hi[r], a1)
-                a2 = _run_dot(fmt, q0, q1, q2, q3, xf, o + 2 * K, d, hi[r], a2)
-                a3 = _run_dot(fmt, q0, q1, q2, q3, xf, o + 3 * K, d, hi[r], a3)
-            _store(fmt, vf_sum(a0), m, col + n, mn, xsum, bias, has_bias, out)
-            _store(fmt, vf_sum(a1), m + 1, col + n, mn, xsum, bias, has_bias, out)
-            _store(fmt, vf_sum(a2), m + 2, col + n, mn, xsum, bias, has_bias, out)
-            _store(fmt, vf_sum(a3), m + 3, col + n, mn, xsum, bias, has_bias, out)
-        for m in range(M4, M):                       # the rest (a decode step of one sequence: M = 1)
-            a0 = vf_zero()
-            for r in range(R):
-                q0, q1, q2, q3 = vb_to_f32(_run_values(fmt, row, r))
-                a0 = _run_dot(fmt, q0, q1, q2, q3, xf, m * K + 32 * r, _lo(fmt, row, r, lo, f16), hi[r], a0)
-            _store(fmt, vf_sum(a0), m, col + n, mn, xsum, bias, has_bias, out)
 
 
 @njit(inline="always")
@@ -259,34 +258,30 @@ def _run_sums(x, xsum):
 
 
 # ---- dequantization: the same runs, each value rounded as reference/quant.py rounds it -------------------
-@njit(inline="always")
-def _dequant(fmt, row, out, lo, hi, mn, f16):
-    """out[:K] = the float32 values of the row (uint8 [bytes_per_row]): lo / hi * q (Q4_K: sc * q - mn),
-    each product and difference rounded on its own, so the bits are the reference's."""
-    _run_scales(fmt, row, lo, hi, mn, f16)
-    for r in range(lo.shape[0]):
-        q0, q1, q2, q3 = vb_to_f32(_run_values(fmt, row, r))
-        a, b, o = vf_splat(lo[r]), vf_splat(hi[r]), 32 * r
-        if fmt == _Q4_K:
-            m = vf_splat(mn[r])
-            vf_store(out, o, vf_sub_rounded(vf_mul_rounded(a, q0), m))
-            vf_store(out, o + 8, vf_sub_rounded(vf_mul_rounded(a, q1), m))
-            vf_store(out, o + 16, vf_sub_rounded(vf_mul_rounded(a, q2), m))
-            vf_store(out, o + 24, vf_sub_rounded(vf_mul_rounded(a, q3), m))
-        else:
-            vf_store(out, o, vf_mul_rounded(a, q0))
-            vf_store(out, o + 8, vf_mul_rounded(a, q1))
-            vf_store(out, o + 16, vf_mul_rounded(b, q2))
-            vf_store(out, o + 24, vf_mul_rounded(b, q3))
-
-
 def _gather_of(fmt):
-    """out[i] = dequant(w[ids[i]]) for i in i0..i1-1, compiled for one format."""
+    """out[i] = dequant(w[ids[i]]) for i in i0..i1-1, compiled for one format: each row's float32 values
+    lo / hi * q (Q4_K: sc * q - mn), each product and difference rounded on its own, so the bits are the
+    reference's. (The body is the closure's own, as in _rows_of.)"""
     def gather(w, ids, out, i0, i1, f16):
         R = out.shape[1] // 32
         lo, hi, mn = np.empty(R, np.float32), np.empty(R, np.float32), np.zeros(R, np.float32)
         for i in range(i0, i1):
-            _dequant(fmt, w[ids[i]], out[i], lo, hi, mn, f16)
+            row, dst = w[ids[i]], out[i]
+            _run_scales(fmt, row, lo, hi, mn, f16)
+            for r in range(R):
+                q0, q1, q2, q3 = vb_to_f32(_run_values(fmt, row, r))
+                a, b, o = vf_splat(lo[r]), vf_splat(hi[r]), 32 * r
+                if fmt == _Q4_K:
+                    m = vf_splat(mn[r])
+                    vf_store(dst, o, vf_sub_rounded(vf_mul_rounded(a, q0), m))
+                    vf_store(dst, o + 8, vf_sub_rounded(vf_mul_rounded(a, q1), m))
+                    vf_store(dst, o + 16, vf_sub_rounded(vf_mul_rounded(a, q2), m))
+                    vf_store(dst, o + 24, vf_sub_rounded(vf_mul_rounded(a, q3), m))
+                else:
+                    vf_store(dst, o, vf_mul_rounded(a, q0))
+                    vf_store(dst, o + 8, vf_mul_rounded(a, q1))
+                    vf_store(dst, o + 16, vf_mul_rounded(b, q2))
+                    vf_store(dst, o + 24, vf_mul_rounded(b, q3))
     return njit(cache=True, nogil=True)(gather)
 
 
@@ -364,7 +359,7 @@ def linear_parts(x, parts, bias=None, num_threads=None):
         if bias is not None:
             out += torch.from_numpy(ba)
         return out
-    _run(numba_threads(min(threads, max(1, N // 64))), parts.codes, parts.blocks, parts.offsets, xa, ba,
+    _run(numba_threads(min(threads, max(1, N // 64))), *parts.kernel_args, xa, ba,
          out.numpy(), _F16)
     return out
 
@@ -372,7 +367,8 @@ def linear_parts(x, parts, bias=None, num_threads=None):
 class Parts:
     """A fused layer's parts [(blocks, fmt), ...] checked once: `blocks` (read-only uint8 views, one array
     type for every part: a mapped file's is read-only), `fmts`, `codes` (int64, the kernels' format codes),
-    `offsets` (int64 [parts + 1]: each part's first output feature, then N), K and N. KernelLaunchError
+    `offsets` (int64 [parts + 1]: each part's first output feature, then N), K and N; `kernel_args`, the
+    (codes, blocks, offsets) the kernels take (padded to KERNEL_PARTS parts). KernelLaunchError
     naming `blocks` for a part that is not whole blocks or whose K differs from the first part's."""
 
     def __init__(self, parts):
@@ -393,6 +389,13 @@ class Parts:
         self.blocks, self.fmts, self.K, self.N = tuple(blocks), fmts, K, offsets[-1]
         self.codes = np.array([_CODE[f] for f in fmts], np.int64)
         self.offsets = np.array(offsets, np.int64)
+        # What the kernels take: the parts padded to KERNEL_PARTS with empty ranges (the first part again,
+        # from N to N), so every layer's call is one specialisation of the threaded drivers: each tuple
+        # length is another compile of them, and each is seconds.
+        pad = max(0, KERNEL_PARTS - len(blocks))
+        self.kernel_args = (np.concatenate([self.codes, np.full(pad, self.codes[0], np.int64)]),
+                            self.blocks + (self.blocks[0],) * pad,
+                            np.concatenate([self.offsets, np.full(pad, self.N, np.int64)]))
 
     def check_input(self, xa):
         if xa.shape[1] != self.K:

@@ -108,45 +108,42 @@ def _weight_scales(fmt, lo, hi):
     return vf_halves(lo, hi) if fmt == _Q6_K else vf_splat(lo)
 
 
-@njit(inline="always")
-def _rows(fmt, avx2, xq, dx, xs, w, bias, out, n0, n1, col, f16):
-    """out[:, col + n] = the int8 product of rows n0..n1-1 of w (uint8 [N, bytes_per_row]) with xq int8
-    [M * K] (flat), dx / xs float32 [M, K // 32]; 4 input rows at a time, as cpu_quant._rows."""
-    M, R = dx.shape
-    K = 32 * R
-    has_bias = bias.shape[0] > 0
-    lo, hi, mn = np.empty(R, np.float32), np.empty(R, np.float32), np.zeros(R, np.float32)
-    M4 = M - M % 4
-    for n in range(n0, n1):
-        row = w[n]
-        if n + PREFETCH_ROWS < n1:                   # the row after next on its way from memory meanwhile
-            _prefetch_row(w[n + PREFETCH_ROWS])
-        _row_scales(fmt, row, lo, hi, mn, f16)
-        for m in range(0, M4, 4):
-            a0, a1, a2, a3 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
-            for r in range(R):
-                q = _run_values(fmt, row, r)
-                ws = _weight_scales(fmt, _lo(fmt, row, r, lo, f16), hi[r])
-                o = m * K + 32 * r
-                a0 = _run_idot(fmt, avx2, q, xq, o, ws, dx[m, r], a0)
-                a1 = _run_idot(fmt, avx2, q, xq, o + K, ws, dx[m + 1, r], a1)
-                a2 = _run_idot(fmt, avx2, q, xq, o + 2 * K, ws, dx[m + 2, r], a2)
-                a3 = _run_idot(fmt, avx2, q, xq, o + 3 * K, ws, dx[m + 3, r], a3)
-            _store(fmt, vf_sum(a0), m, col + n, mn, xs, bias, has_bias, out)
-            _store(fmt, vf_sum(a1), m + 1, col + n, mn, xs, bias, has_bias, out)
-            _store(fmt, vf_sum(a2), m + 2, col + n, mn, xs, bias, has_bias, out)
-            _store(fmt, vf_sum(a3), m + 3, col + n, mn, xs, bias, has_bias, out)
-        for m in range(M4, M):
-            a0 = vf_zero()
-            for r in range(R):
-                ws = _weight_scales(fmt, _lo(fmt, row, r, lo, f16), hi[r])
-                a0 = _run_idot(fmt, avx2, _run_values(fmt, row, r), xq, m * K + 32 * r, ws, dx[m, r], a0)
-            _store(fmt, vf_sum(a0), m, col + n, mn, xs, bias, has_bias, out)
-
-
 def _rows_of(fmt, avx2):
+    """The rows for one format and one spelling of the integer sums (constants of the compiled copy, so
+    their branches fold away); the body is the closure's own, as in cpu_quant._rows_of."""
     def rows(xq, dx, xs, w, bias, out, n0, n1, col, f16):
-        return _rows(fmt, avx2, xq, dx, xs, w, bias, out, n0, n1, col, f16)
+        """out[:, col + n] = the int8 product of rows n0..n1-1 of w (uint8 [N, bytes_per_row]) with xq int8
+        [M * K] (flat), dx / xs float32 [M, K // 32]; 4 input rows at a time, as cpu_quant's rows."""
+        M, R = dx.shape
+        K = 32 * R
+        has_bias = bias.shape[0] > 0
+        lo, hi, mn = np.empty(R, np.float32), np.empty(R, np.float32), np.zeros(R, np.float32)
+        M4 = M - M % 4
+        for n in range(n0, n1):
+            row = w[n]
+            if n + PREFETCH_ROWS < n1:                   # the row after next on its way from memory meanwhile
+                _prefetch_row(w[n + PREFETCH_ROWS])
+            _row_scales(fmt, row, lo, hi, mn, f16)
+            for m in range(0, M4, 4):
+                a0, a1, a2, a3 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
+                for r in range(R):
+                    q = _run_values(fmt, row, r)
+                    ws = _weight_scales(fmt, _lo(fmt, row, r, lo, f16), hi[r])
+                    o = m * K + 32 * r
+                    a0 = _run_idot(fmt, avx2, q, xq, o, ws, dx[m, r], a0)
+                    a1 = _run_idot(fmt, avx2, q, xq, o + K, ws, dx[m + 1, r], a1)
+                    a2 = _run_idot(fmt, avx2, q, xq, o + 2 * K, ws, dx[m + 2, r], a2)
+                    a3 = _run_idot(fmt, avx2, q, xq, o + 3 * K, ws, dx[m + 3, r], a3)
+                _store(fmt, vf_sum(a0), m, col + n, mn, xs, bias, has_bias, out)
+                _store(fmt, vf_sum(a1), m + 1, col + n, mn, xs, bias, has_bias, out)
+                _store(fmt, vf_sum(a2), m + 2, col + n, mn, xs, bias, has_bias, out)
+                _store(fmt, vf_sum(a3), m + 3, col + n, mn, xs, bias, has_bias, out)
+            for m in range(M4, M):
+                a0 = vf_zero()
+                for r in range(R):
+                    ws = _weight_scales(fmt, _lo(fmt, row, r, lo, f16), hi[r])
+                    a0 = _run_idot(fmt, avx2, _run_values(fmt, row, r), xq, m * K + 32 * r, ws, dx[m, r], a0)
+                _store(fmt, vf_sum(a0), m, col + n, mn, xs, bias, has_bias, out)
     return njit(cache=True, nogil=True)(rows)
 
 
@@ -234,6 +231,6 @@ def linear_parts(x, parts, bias=None, num_threads=None, avx2=None):
     out = torch.empty(xa.shape[0], parts.N, dtype=torch.float32)
     threads = num_threads or torch.get_num_threads()
     run = _run_avx2 if avx2 else _run_generic
-    run(numba_threads(min(threads, max(1, parts.N // 64))), parts.codes, parts.blocks, parts.offsets, xa, ba,
+    run(numba_threads(min(threads, max(1, parts.N // 64))), *parts.kernel_args, xa, ba,
         out.numpy(), _F16)
     return out

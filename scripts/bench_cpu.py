@@ -83,12 +83,26 @@ def first_difference(a, b):
     return f"differ from token {i if i is not None else min(len(a), len(b))}"
 
 
-def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS):
+def layer_modules(llm, run):
+    """run() with the model's decoder layers as modules (the fused CPU layers off), as before they existed."""
+    def unfused():
+        model = llm.engine.model
+        keep, model.cpu_layers = model.cpu_layers, None
+        try:
+            return run()
+        finally:
+            model.cpu_layers = keep
+    return unfused
+
+
+def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS, only=None):
     """One chat prompt, greedy, `tokens` tokens: decode tok/s after the first token of the bundled model on
-    its GGUF blocks (weights="quantized", the CPU default) with float32 and with int8 activations, on the
-    float32 checkpoint, HF generate (float32), and llama.cpp on the same GGUF file when llama_cpp imports;
-    the systems alternate within each of `repeats` rounds after one warm-up each; the table gives the
-    median, the range, and each system's tokens against the float32 model's and llama.cpp's."""
+    its GGUF blocks (weights="quantized", the CPU default) with float32 and with int8 activations, each with
+    the fused CPU layers (the default) and with the layer modules, on the float32 checkpoint, HF generate
+    (float32), and llama.cpp on the same GGUF file when llama_cpp imports; the systems alternate within each
+    of `repeats` rounds after one warm-up each; the table gives the median, the range, and each system's
+    tokens against the float32 model's and llama.cpp's. only: the systems whose names contain one of these
+    strings (the float32 model, the tokens' reference, always runs)."""
     from transformers import AutoModelForCausalLM
 
     from pagedattn import LLM
@@ -108,10 +122,15 @@ def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS)
                                                              model_weight_bytes(quant.engine.model))
     systems["pagedattn, GGUF blocks, int8 x"] = (lambda: decode_ours(int8, prompt, tokens),
                                                  model_weight_bytes(int8.engine.model))
+    systems["pagedattn, GGUF blocks, float32 x, layer modules"] = (
+        layer_modules(quant, lambda: decode_ours(quant, prompt, tokens)), model_weight_bytes(quant.engine.model))
+    systems["pagedattn, GGUF blocks, int8 x, layer modules"] = (
+        layer_modules(int8, lambda: decode_ours(int8, prompt, tokens)), model_weight_bytes(int8.engine.model))
     systems["pagedattn, float32"] = (lambda: decode_ours(f32, prompt, tokens), model_weight_bytes(f32.engine.model))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    systems["HF generate, float32"] = (lambda: decode_hf(hf, prompt, tokens),
-                                       sum(p.numel() * 4 for p in hf.parameters()))
+    if not only or any(o in "HF generate, float32" for o in only):
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        systems["HF generate, float32"] = (lambda: decode_hf(hf, prompt, tokens),
+                                           sum(p.numel() * 4 for p in hf.parameters()))
     try:
         import llama_cpp
     except ImportError:
@@ -122,6 +141,9 @@ def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS)
         llama = llama_cpp.Llama(gguf, n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
         llama_name = f"llama.cpp {llama_cpp.__version__}"
         systems[llama_name] = (lambda: decode_llama_cpp(llama, prompt, tokens), os.path.getsize(gguf))
+    if only:
+        systems = {name: v for name, v in systems.items()
+                   if name == "pagedattn, float32" or any(o in name for o in only)}
     print(benchlib.env_line())
     rates, cpus, loads = {name: [] for name in systems}, {name: [] for name in systems}, []
     ids = {}
@@ -140,7 +162,7 @@ def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS)
              "range": f"{min(rates[name]):.1f}-{max(rates[name]):.1f}",
              "CPU ms/token (median)": 1e3 * statistics.median(cpus[name]),
              "tokens vs float32 model": first_difference(ids[name], ids["pagedattn, float32"]),
-             "tokens vs llama.cpp": first_difference(ids[name], ids[llama_name]) if llama_name else "-"}
+             "tokens vs llama.cpp": first_difference(ids[name], ids[llama_name]) if llama_name in ids else "-"}
             for name, (_, size) in systems.items()]
     table = benchlib.markdown_table(rows, list(rows[0]))
     print(table)
@@ -442,6 +464,8 @@ if __name__ == "__main__":
     ap.add_argument("--decode", action="store_true",
                     help="one prompt's decode tok/s: GGUF blocks (float32 and int8 activations), float32, HF, "
                          "llama.cpp (when llama_cpp imports)")
+    ap.add_argument("--only", default=None, help="--decode: comma-separated pieces of the names of the systems to "
+                                                 "run (e.g. 'GGUF blocks,llama.cpp')")
     ap.add_argument("--memory", action="store_true", help="resident memory after LLM() and a 64-token answer")
     ap.add_argument("--weights", default="auto", help="the HF comparison's LLM(weights=...): auto (the GGUF blocks on "
                                                       "the CPU), quantized or float32")
@@ -451,6 +475,6 @@ if __name__ == "__main__":
     elif a.profile:
         main_profile(a.out, a.threads, a.model, a.steps)
     elif a.decode:
-        main_decode(a.out, a.threads, a.repeats)
+        main_decode(a.out, a.threads, a.repeats, only=a.only.split(",") if a.only else None)
     else:
         main(a.out, a.threads, a.repeats, a.model, a.weights)

@@ -42,7 +42,7 @@ def _product(linear):
     for none)."""
     w = linear.weight
     bias = cpu_quant._NO_BIAS if linear.bias is None else linear.bias.detach().numpy()
-    return w.checked.codes, w.checked.blocks, w.checked.offsets, bias
+    return (*w.checked.kernel_args, bias)
 
 
 class CpuLayers:
