@@ -23,11 +23,12 @@ Which products run is fixed per compiled copy (`LAYERS`): float32 activations (c
 activations with AVX2's or the generic integer sums (cpu_quant_int8); the runner is handed to the shared
 body as a function, so each copy is one specialisation.
 """
+import numba
 import numpy as np
 import torch
 from numba import njit
 
-from kernels_numba import cpu_quant, cpu_quant_int8
+from kernels_numba import cpu_linear, cpu_quant, cpu_quant_int8
 from kernels_numba.cpu_attention import FASTMATH, LN2_HI, LN2_LO, LOG2E, MIN_EXP_ARG, QUERY_TILE
 from kernels_numba.cpu_attention import _run as _attend_serial
 from kernels_numba.cpu_attention import _run_parallel as _attend_parallel
@@ -86,7 +87,8 @@ def _layer(linear, x, residual, has_residual, w, pool, step, threads, f16):
     """The layer (module docstring) with `linear` as its block products.
 
     w: the layer's weights (in_norm [E], post_norm [E], eps, then qkv, o, gate_up and down, each a product
-    (codes, parts, offsets, bias) as cpu_quant._run takes it; an empty bias for none); pool: (k_cache, v_cache, cos_sin, H, Hkv, D, scale); step: the step's
+    as `linear` takes it: (codes, parts, offsets, bias) for the blocks, (weight, bias) for float32 weights;
+    an empty bias for none); pool: (k_cache, v_cache, cos_sin, H, Hkv, D, scale); step: the step's
     (positions, slots, block_tables, cu_seqlens_q, context_lens, tile_seq, tile_q0, order, attention
     threads). Returns (out, residual, error code)."""
     in_norm, post_norm, eps, qkv, o_w, gate_up, down = w
@@ -96,9 +98,7 @@ def _layer(linear, x, residual, has_residual, w, pool, step, threads, f16):
     h = np.empty((T, E), np.float32)
     _add_rms_norm(x, residual, in_norm, eps, h, has_residual)      # has_residual False: residual is x
 
-    codes, parts, offsets, bias = qkv
-    qkv_out = np.empty((T, offsets[-1]), np.float32)
-    linear(threads, codes, parts, offsets, h, bias, qkv_out, f16)
+    qkv_out = linear(threads, qkv, h, f16)
     q = np.empty((T, H, D), np.float32)
     err = _rotary_cache(positions, qkv_out, H, Hkv, D, cos_sin, k_cache, v_cache, slots, q)
     if err:
@@ -111,55 +111,102 @@ def _layer(linear, x, residual, has_residual, w, pool, step, threads, f16):
         _attend_serial(0, 1, q, k_cache, v_cache, tables, cu, ctx, scale, QUERY_TILE, tile_seq, tile_q0, order,
                        attn)
 
-    codes, parts, offsets, bias = o_w
-    a = np.empty((T, offsets[-1]), np.float32)
-    linear(threads, codes, parts, offsets, attn.reshape(T, H * D), bias, a, f16)
+    a = linear(threads, o_w, attn.reshape(T, H * D), f16)
     _add_rms_norm(a, residual, post_norm, eps, h, True)
 
-    codes, parts, offsets, bias = gate_up
-    gu = np.empty((T, offsets[-1]), np.float32)
-    linear(threads, codes, parts, offsets, h, bias, gu, f16)
-    g = np.empty((T, offsets[-1] // 2), np.float32)
+    gu = linear(threads, gate_up, h, f16)
+    g = np.empty((T, gu.shape[1] // 2), np.float32)
     _silu_and_mul(gu, g)
+    return linear(threads, down, g, f16), residual, 0
 
-    codes, parts, offsets, bias = down
-    out = np.empty((T, offsets[-1]), np.float32)
-    linear(threads, codes, parts, offsets, g, bias, out, f16)
-    return out, residual, 0
+
+# The products x W^T (+ b) -> a new [T, N] array, one per kind of weights: each the call the unfused small
+# step makes (cpu_quant.linear_parts, cpu_quant_int8.linear_parts, cpu_linear.linear), thread count included.
+@njit(inline="always")
+def _blocks_float32(threads, p, x, f16):
+    out = np.empty((x.shape[0], p[2][-1]), np.float32)
+    cpu_quant._run(max(1, min(threads, p[2][-1] // 64)), p[0], p[1], p[2], x, p[3], out, f16)
+    return out
+
+
+@njit(inline="always")
+def _blocks_int8_generic(threads, p, x, f16):
+    out = np.empty((x.shape[0], p[2][-1]), np.float32)
+    cpu_quant_int8._run_generic(max(1, min(threads, p[2][-1] // 64)), p[0], p[1], p[2], x, p[3], out, f16)
+    return out
+
+
+@njit(inline="always")
+def _blocks_int8_avx2(threads, p, x, f16):
+    out = np.empty((x.shape[0], p[2][-1]), np.float32)
+    cpu_quant_int8._run_avx2(max(1, min(threads, p[2][-1] // 64)), p[0], p[1], p[2], x, p[3], out, f16)
+    return out
+
+
+@njit(inline="always")
+def _dense(threads, p, x, f16):
+    out = np.empty((x.shape[0], p[0].shape[0]), np.float32)
+    cpu_linear._run(max(1, min(threads, p[0].shape[0] // 64)), x, p[0], p[1], out)
+    return out
 
 
 @njit(cache=True, nogil=True)
 def _layer_float32(x, residual, has_residual, w, pool, step, threads, f16):
-    return _layer(cpu_quant._run, x, residual, has_residual, w, pool, step, threads, f16)
+    return _layer(_blocks_float32, x, residual, has_residual, w, pool, step, threads, f16)
 
 
 @njit(cache=True, nogil=True)
 def _layer_int8_generic(x, residual, has_residual, w, pool, step, threads, f16):
-    return _layer(cpu_quant_int8._run_generic, x, residual, has_residual, w, pool, step, threads, f16)
+    return _layer(_blocks_int8_generic, x, residual, has_residual, w, pool, step, threads, f16)
 
 
 @njit(cache=True, nogil=True)
 def _layer_int8_avx2(x, residual, has_residual, w, pool, step, threads, f16):
-    return _layer(cpu_quant_int8._run_avx2, x, residual, has_residual, w, pool, step, threads, f16)
+    return _layer(_blocks_int8_avx2, x, residual, has_residual, w, pool, step, threads, f16)
 
 
-# activations -> the compiled layer ("int8" picks its integer sums' spelling as cpu_quant_int8 does)
-LAYERS = {"float32": _layer_float32, "int8-generic": _layer_int8_generic, "int8-avx2": _layer_int8_avx2}
+@njit(cache=True, nogil=True)
+def _layer_dense(x, residual, has_residual, w, pool, step, threads, f16):
+    return _layer(_dense, x, residual, has_residual, w, pool, step, threads, f16)
+
+
+# kind of weights -> the compiled layer: the blocks with float32 or int8 activations ("int8" picks its integer
+# sums' spelling as cpu_quant_int8 does), or float32 weights ("dense": kernels_numba.cpu_linear)
+LAYERS = {"float32": _layer_float32, "int8-generic": _layer_int8_generic, "int8-avx2": _layer_int8_avx2,
+          "dense": _layer_dense}
 
 
 def layer_kind(activations):
-    """The LAYERS key of weights with these activations ("float32" or "int8")."""
+    """The LAYERS key of GGUF blocks with these activations ("float32" or "int8"), or of float32 weights
+    (activations None)."""
+    if activations is None:
+        return "dense"
     if activations == "float32":
         return "float32"
     return "int8-avx2" if cpu_quant_int8.AVX2 else "int8-generic"
+
+
+_pool_started = False
+
+
+def _start_pool():
+    """Start numba's thread pool. A compiled layer loaded from the disk cache calls its parallel loops from
+    inside compiled code, which does not start the pool as a call from Python does: without this, a process
+    whose first parallel loop is a layer's crashes (the products' loops schedule onto a pool not there)."""
+    global _pool_started
+    numba.get_num_threads()                          # starts the threading layer's pool if it is not running
+    _pool_started = True
 
 
 def run_layer(kind, x, residual, w, pool, step, threads):
     """One decoder layer (module docstring) of a small step. x: float32 numpy [T, E] (the previous layer's
     output, or the embedding); residual: float32 numpy [T, E] or None (the first layer: x is the residual
     stream); w, pool, step: the tuples `_layer` reads (pagedattn/layers/cpu_layer.py builds them once per
-    layer / model / step). threads: the products' threads (numba's pool already set to them).
+    layer / model / step). threads: the step's threads (numba's pool already set to them); each product
+    takes as many as the unfused call would.
     Returns (out, residual) as numpy arrays; KernelLaunchError naming a bad position or slot."""
+    if not _pool_started:
+        _start_pool()
     has_residual = residual is not None
     out, res, err = LAYERS[kind](x, residual if has_residual else x, has_residual, w, pool, step, threads,
                                  cpu_quant._F16)

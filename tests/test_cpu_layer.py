@@ -1,12 +1,12 @@
 """The fused CPU decoder layer (kernels_numba/cpu_layer.py, pagedattn/layers/cpu_layer.py): SiLU-and-mul
 against float64, and a whole small step through the fused layers equal, bit for bit, to the same step
-through the layer modules (every hidden state the model returns, prefill chunks and decodes, float32 and
-int8 activations), on the bundled model's GGUF blocks."""
+through the layer modules (every hidden state the model returns, prefill chunks and decodes): the bundled
+model's GGUF blocks with float32 and int8 activations, and float32 weights (a tiny random checkpoint)."""
 import numpy as np
 import pytest
 import torch
 
-from helpers import bundled_model_dir  # noqa: F401 (session fixture)
+from helpers import bundled_model_dir, tiny_checkpoint  # noqa: F401 (session fixtures)
 from kernels_numba import cpu_layer
 from pagedattn.errors import KernelLaunchError
 
@@ -56,7 +56,8 @@ def bundled_gguf(bundled_model_dir):  # noqa: F811
     return bundled.bundled_gguf_path(os.path.dirname(bundled_model_dir))
 
 
-PROMPTS = ["def fib(n):", "Write a haiku about paged memory and caches, please.", "2 + 2 ="]
+PROMPTS = [[97, 11, 18, 0], [78, 39, 13, 52, 11, 32, 27, 15, 82, 13, 120, 40, 107, 42, 36],
+           [17, 48, 22, 17, 28]]                      # token ids (4, 15 and 5 of them) within the tiny vocabulary
 
 
 def record_steps(llm, fused):
@@ -71,8 +72,8 @@ def record_steps(llm, fused):
     class Counting:                                    # the fused layers, counting the steps they run
         steps = 0
 
-        def takes(self, num_rows, kv_cache):
-            return layers.takes(num_rows, kv_cache)
+        def takes(self, model, num_rows, kv_cache):
+            return layers.takes(model, num_rows, kv_cache)
 
         def __call__(self, *args):
             Counting.steps += 1
@@ -94,12 +95,17 @@ def record_steps(llm, fused):
     return seen, [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("activations", ["float32", "int8"])
-def test_fused_layers_equal_the_layer_modules(bundled_model_dir, bundled_gguf, activations):  # noqa: F811
+@pytest.mark.parametrize("weights, activations", [("quantized", "float32"), ("quantized", "int8"), ("float32", None)])
+def test_fused_layers_equal_the_layer_modules(request, weights, activations):
     from pagedattn import LLM
 
-    llm = LLM(bundled_model_dir, device="cpu", weights="quantized", activations=activations, num_blocks=32,
-              max_model_len=256, max_num_batched_tokens=12, enable_prefix_caching=False)
+    if weights == "quantized":
+        request.getfixturevalue("bundled_gguf")
+        path, kw = request.getfixturevalue("bundled_model_dir"), dict(activations=activations)
+    else:
+        path, kw = request.getfixturevalue("tiny_checkpoint"), {}
+    llm = LLM(path, device="cpu", weights=weights, num_blocks=32, max_model_len=256, max_num_batched_tokens=12,
+              enable_prefix_caching=False, **kw)
     layers = llm.engine.model.cpu_layers
     assert layers is not None
     fused, fused_tokens = record_steps(llm, True)
@@ -111,28 +117,33 @@ def test_fused_layers_equal_the_layer_modules(bundled_model_dir, bundled_gguf, a
     assert fused_tokens == plain_tokens
 
 
-def test_fused_layers_are_chosen_where_they_apply(bundled_model_dir, bundled_gguf, monkeypatch):  # noqa: F811
-    """Quantized weights on the CPU with the numba backend: on; PAGEDATTN_CPU_LAYER=0 or float32 weights:
-    off; a step above cpu_quant.MAX_ROWS rows or outside a small step's scope: the layer modules."""
+def test_fused_layers_are_chosen_where_they_apply(tiny_checkpoint, monkeypatch):  # noqa: F811
+    """The CPU backend in float32 on one rank: on; PAGEDATTN_CPU_LAYER=0, the torch backend, bfloat16: off;
+    a step above cpu_quant.MAX_ROWS rows, outside a small step's scope or on a 16-bit pool, or layers whose
+    weights are not of one kind: the layer modules."""
     from kernels_numba import cpu_quant
-    from pagedattn.layers.attention import CpuNumbaBackend
-    from pagedattn.models.loader import load_gguf_model
+    from pagedattn import LLM
 
-    model, _ = load_gguf_model(bundled_model_dir, bundled_gguf, CpuNumbaBackend())
+    llm = LLM(tiny_checkpoint, device="cpu", num_blocks=8, max_model_len=64)
+    model, kv = llm.engine.model, llm.engine.executor.runner.kv_cache
     layers = model.cpu_layers
     assert layers is not None
-
-    class Pools:
-        k_caches = [torch.zeros(1, dtype=torch.float32)]
-
-    assert not layers.takes(1, Pools)                     # outside the step's scope
+    assert not layers.takes(model, 1, kv)                 # outside the step's scope
     with model.ops.step_scope(4):
-        assert layers.takes(4, Pools)
-        assert not layers.takes(cpu_quant.MAX_ROWS + 1, Pools)
-        Pools.k_caches = [torch.zeros(1, dtype=torch.bfloat16)]
-        assert not layers.takes(4, Pools)
+        assert layers.takes(model, 4, kv) and layers.kind == "dense"
+        assert not layers.takes(model, cpu_quant.MAX_ROWS + 1, kv)
+
+        class Pools16:
+            k_caches = [torch.zeros(1, dtype=torch.bfloat16)]
+        assert not layers.takes(model, 4, Pools16)
+        layers._layers = None                             # weights of two kinds: refused, and remembered
+        model.model.layers[1].mlp.down_proj.weight.data = model.model.layers[1].mlp.down_proj.weight.data.half()
+        assert not layers.takes(model, 4, kv) and layers.kind is False
+    assert LLM(tiny_checkpoint, device="cpu", attn_backend="torch", num_blocks=8,
+               max_model_len=64).engine.model.cpu_layers is None
+    assert LLM(tiny_checkpoint, device="cpu", dtype="bfloat16", num_blocks=8, max_model_len=64).engine.model.cpu_layers is None
     monkeypatch.setenv("PAGEDATTN_CPU_LAYER", "0")
-    assert load_gguf_model(bundled_model_dir, bundled_gguf, CpuNumbaBackend())[0].cpu_layers is None
+    assert LLM(tiny_checkpoint, device="cpu", num_blocks=8, max_model_len=64).engine.model.cpu_layers is None
 
 
 def test_a_bad_position_is_named(bundled_model_dir, bundled_gguf):  # noqa: F811
@@ -158,3 +169,34 @@ def test_a_bad_position_is_named(bundled_model_dir, bundled_gguf):  # noqa: F811
         with pytest.raises(KernelLaunchError, match=field):
             cpu_layer.run_layer(layers.kind, x, None, w, (k_cache, v_cache, cos_sin, H, Hkv, D, scale), step, 1)
     assert np.array_equal(k_cache, before)
+
+
+_FIRST_LOOP = """
+import numpy as np, sys
+from pagedattn import LLM
+from kernels_numba import cpu_layer
+llm = LLM(sys.argv[1], device="cpu", weights="quantized", num_blocks=8, max_model_len=64)
+model, kv = llm.engine.model, llm.engine.executor.runner.kv_cache
+layers = model.cpu_layers
+layers._prepare(model, kv)
+w, k_cache, v_cache = layers._layers[0]
+cos_sin, H, Hkv, D, scale = layers.geometry
+x = np.ones((1, w[0].shape[0]), np.float32)
+step = (np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros((1, 1), np.int32), np.array([0, 1], np.int32),
+        np.ones(1, np.int32), np.zeros(1, np.int64), np.zeros(1, np.int64), np.arange(Hkv, dtype=np.int64), 2)
+out, res = cpu_layer.run_layer(layers.kind, x, None, w, (k_cache, v_cache, cos_sin, H, Hkv, D, scale), step, 2)
+print("finite", bool(np.isfinite(out).all()))
+"""
+
+
+def test_a_layer_may_be_the_first_parallel_loop_of_a_process(bundled_model_dir, bundled_gguf):  # noqa: F811
+    """A fresh process whose first numba parallel loop runs inside a compiled layer (called directly, not
+    through the engine, which starts the pool itself): numba's pool is started first, no crash. Twice, so
+    that the second process loads the layer from the disk cache (a compile starts the pool; a load does not)."""
+    import subprocess
+    import sys
+
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", _FIRST_LOOP, bundled_model_dir], capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0 and "finite True" in r.stdout, r.stderr[-3000:]

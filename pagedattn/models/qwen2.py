@@ -296,7 +296,7 @@ class Qwen2ForCausalLM(nn.Module):
         """
         with self.ops.step_scope(input_ids.shape[0]):
             x, residual = self.model.embed_tokens(input_ids), None              # (T, hidden)
-            if self.cpu_layers is not None and self.cpu_layers.takes(input_ids.shape[0], kv_cache):
+            if self.cpu_layers is not None and self.cpu_layers.takes(self, input_ids.shape[0], kv_cache):
                 x, residual = self.cpu_layers(self, positions, x, kv_cache, attn_metadata)   # one call a layer
             else:
                 for i, layer in enumerate(self.model.layers):
