@@ -19,9 +19,9 @@ so its results are the unfused small step's bit for bit (tests/test_cpu_layer.py
 own thread split, and none of them depends on the thread count. SiLU-and-mul is this module's own
 (`silu_and_mul`, which the unfused small step uses too), with cpu_attention's vectorisable exponential.
 
-Which products run is fixed per compiled copy (`LAYERS`): float32 activations (cpu_quant), or int8
-activations with AVX2's or the generic integer sums (cpu_quant_int8); the runner is handed to the shared
-body as a function, so each copy is one specialisation.
+Which products run is fixed per compiled copy (`LAYERS`): GGUF blocks with float32 activations (cpu_quant)
+or int8 ones with AVX2's or the generic integer sums (cpu_quant_int8), or float32 weights (cpu_linear); the
+threaded driver is handed to the shared body as a function, so each copy is one specialisation.
 """
 import numba
 import numpy as np
@@ -29,7 +29,7 @@ import torch
 from numba import njit
 
 from kernels_numba import cpu_linear, cpu_quant, cpu_quant_int8
-from kernels_numba.cpu_attention import FASTMATH, LN2_HI, LN2_LO, LOG2E, MIN_EXP_ARG, QUERY_TILE
+from kernels_numba.cpu_attention import FASTMATH, QUERY_TILE, _exp_inplace
 from kernels_numba.cpu_attention import _run as _attend_serial
 from kernels_numba.cpu_attention import _run_parallel as _attend_parallel
 from kernels_numba.cpu_glue import _add_rms_norm, _rotary_cache
@@ -41,34 +41,18 @@ ERR_POSITION, ERR_SLOT = 1, 2
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _silu_and_mul(gu, out):
     """out[t, i] = silu(gu[t, i]) * gu[t, I + i], silu(g) = g / (1 + exp(-g)), with exp's argument -|g|
-    (g >= 0: g / (1 + e); g < 0: g e / (1 + e), e = exp(-|g|) in (0, 1]), so it never overflows.
-    exp is cpu_attention's polynomial (relative error ~1e-7), written out here over a row."""
+    (g >= 0: g / (1 + e); g < 0: g e / (1 + e), e = exp(-|g|) in (0, 1]), so it never overflows; exp is
+    cpu_attention's vectorisable polynomial over a row (relative error ~1e-7, 0 below e^-87)."""
     T, I = out.shape
     e = np.empty(I, np.float32)
     bits = np.empty(I, np.uint32)
-    scale = bits.view(np.float32)
     for t in range(T):
         for i in range(I):
-            a = -abs(gu[t, i])
-            if a < MIN_EXP_ARG:
-                bits[i] = 0
-                e[i] = 0.0
-                continue
-            k = np.floor(a * LOG2E + np.float32(0.5))
-            r = (a - k * LN2_HI) - k * LN2_LO
-            p = np.float32(1.0 / 720.0)
-            p = p * r + np.float32(1.0 / 120.0)
-            p = p * r + np.float32(1.0 / 24.0)
-            p = p * r + np.float32(1.0 / 6.0)
-            p = p * r + np.float32(0.5)
-            p = p * r + np.float32(1.0)
-            p = p * r + np.float32(1.0)
-            bits[i] = np.uint32(np.int32(k) + 127) << 23
-            e[i] = p
+            e[i] = -abs(gu[t, i])
+        _exp_inplace(e, I, bits)
         for i in range(I):
             g = gu[t, i]
-            ei = e[i] * scale[i]
-            s = g / (np.float32(1.0) + ei) if g >= 0 else g * ei / (np.float32(1.0) + ei)
+            s = g / (np.float32(1.0) + e[i]) if g >= 0 else g * e[i] / (np.float32(1.0) + e[i])
             out[t, i] = s * gu[t, I + i]
 
 
@@ -83,8 +67,8 @@ def silu_and_mul(x):
 
 
 @njit(inline="always")
-def _layer(linear, x, residual, has_residual, w, pool, step, threads, f16):
-    """The layer (module docstring) with `linear` as its block products.
+def _layer(linear, run, x, residual, has_residual, w, pool, step, threads, f16):
+    """The layer (module docstring) with linear(run, ...) as its products (_blocks or _dense).
 
     w: the layer's weights (in_norm [E], post_norm [E], eps, then qkv, o, gate_up and down, each a product
     as `linear` takes it: (codes, parts, offsets, bias) for the blocks, (weight, bias) for float32 weights;
@@ -98,7 +82,7 @@ def _layer(linear, x, residual, has_residual, w, pool, step, threads, f16):
     h = np.empty((T, E), np.float32)
     _add_rms_norm(x, residual, in_norm, eps, h, has_residual)      # has_residual False: residual is x
 
-    qkv_out = linear(threads, qkv, h, f16)
+    qkv_out = linear(run, threads, qkv, h, f16)
     q = np.empty((T, H, D), np.float32)
     err = _rotary_cache(positions, qkv_out, H, Hkv, D, cos_sin, k_cache, v_cache, slots, q)
     if err:
@@ -111,63 +95,51 @@ def _layer(linear, x, residual, has_residual, w, pool, step, threads, f16):
         _attend_serial(0, 1, q, k_cache, v_cache, tables, cu, ctx, scale, QUERY_TILE, tile_seq, tile_q0, order,
                        attn)
 
-    a = linear(threads, o_w, attn.reshape(T, H * D), f16)
+    a = linear(run, threads, o_w, attn.reshape(T, H * D), f16)
     _add_rms_norm(a, residual, post_norm, eps, h, True)
 
-    gu = linear(threads, gate_up, h, f16)
+    gu = linear(run, threads, gate_up, h, f16)
     g = np.empty((T, gu.shape[1] // 2), np.float32)
     _silu_and_mul(gu, g)
-    return linear(threads, down, g, f16), residual, 0
+    return linear(run, threads, down, g, f16), residual, 0
 
 
-# The products x W^T (+ b) -> a new [T, N] array, one per kind of weights: each the call the unfused small
+# The products x W^T (+ b) -> a new [T, N] array: `run` is the threaded driver of the call the unfused small
 # step makes (cpu_quant.linear_parts, cpu_quant_int8.linear_parts, cpu_linear.linear), thread count included.
 @njit(inline="always")
-def _blocks_float32(threads, p, x, f16):
+def _blocks(run, threads, p, x, f16):
+    """p = (codes, parts, offsets, bias): GGUF blocks (cpu_quant._run or cpu_quant_int8's runners)."""
     out = np.empty((x.shape[0], p[2][-1]), np.float32)
-    cpu_quant._run(max(1, min(threads, p[2][-1] // 64)), p[0], p[1], p[2], x, p[3], out, f16)
+    run(max(1, min(threads, p[2][-1] // 64)), p[0], p[1], p[2], x, p[3], out, f16)
     return out
 
 
 @njit(inline="always")
-def _blocks_int8_generic(threads, p, x, f16):
-    out = np.empty((x.shape[0], p[2][-1]), np.float32)
-    cpu_quant_int8._run_generic(max(1, min(threads, p[2][-1] // 64)), p[0], p[1], p[2], x, p[3], out, f16)
-    return out
-
-
-@njit(inline="always")
-def _blocks_int8_avx2(threads, p, x, f16):
-    out = np.empty((x.shape[0], p[2][-1]), np.float32)
-    cpu_quant_int8._run_avx2(max(1, min(threads, p[2][-1] // 64)), p[0], p[1], p[2], x, p[3], out, f16)
-    return out
-
-
-@njit(inline="always")
-def _dense(threads, p, x, f16):
+def _dense(run, threads, p, x, f16):
+    """p = (weight, bias): float32 weights (cpu_linear._run)."""
     out = np.empty((x.shape[0], p[0].shape[0]), np.float32)
-    cpu_linear._run(max(1, min(threads, p[0].shape[0] // 64)), x, p[0], p[1], out)
+    run(max(1, min(threads, p[0].shape[0] // 64)), x, p[0], p[1], out)
     return out
 
 
 @njit(cache=True, nogil=True)
 def _layer_float32(x, residual, has_residual, w, pool, step, threads, f16):
-    return _layer(_blocks_float32, x, residual, has_residual, w, pool, step, threads, f16)
+    return _layer(_blocks, cpu_quant._run, x, residual, has_residual, w, pool, step, threads, f16)
 
 
 @njit(cache=True, nogil=True)
 def _layer_int8_generic(x, residual, has_residual, w, pool, step, threads, f16):
-    return _layer(_blocks_int8_generic, x, residual, has_residual, w, pool, step, threads, f16)
+    return _layer(_blocks, cpu_quant_int8._run_generic, x, residual, has_residual, w, pool, step, threads, f16)
 
 
 @njit(cache=True, nogil=True)
 def _layer_int8_avx2(x, residual, has_residual, w, pool, step, threads, f16):
-    return _layer(_blocks_int8_avx2, x, residual, has_residual, w, pool, step, threads, f16)
+    return _layer(_blocks, cpu_quant_int8._run_avx2, x, residual, has_residual, w, pool, step, threads, f16)
 
 
 @njit(cache=True, nogil=True)
 def _layer_dense(x, residual, has_residual, w, pool, step, threads, f16):
-    return _layer(_dense, x, residual, has_residual, w, pool, step, threads, f16)
+    return _layer(_dense, cpu_linear._run, x, residual, has_residual, w, pool, step, threads, f16)
 
 
 # kind of weights -> the compiled layer: the blocks with float32 or int8 activations ("int8" picks its integer

@@ -212,6 +212,18 @@ def bundled_model_dir():
     return bundled.bundled_model_path()
 
 
+@pytest.fixture(scope="session")
+def bundled_gguf(bundled_model_dir):
+    """The joined bundled GGUF beside the converted directory (joined once where missing); skips where it is
+    neither cached nor installed."""
+    from pagedattn import bundled
+
+    target = bundled.gguf_cache_path(os.path.dirname(bundled_model_dir))
+    if bundled.missing_pieces() and not os.path.isfile(target):
+        pytest.skip("the bundled GGUF file is not in the cache and its pieces are not installed")
+    return bundled.bundled_gguf_path(os.path.dirname(bundled_model_dir))
+
+
 _HF_GREEDY = {}
 
 

@@ -8,19 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import bundled_model_dir, hf_greedy_reference, tiny_checkpoint  # noqa: F401 (session fixtures)
+from helpers import bundled_gguf, bundled_model_dir, hf_greedy_reference, tiny_checkpoint  # noqa: F401 (session fixtures)
 from pagedattn import bundled
 from pagedattn.config import EngineConfig
 from pagedattn.errors import InvalidRequestError, ModelLoadError
-
-
-@pytest.fixture(scope="session")
-def bundled_gguf(bundled_model_dir):  # noqa: F811
-    """The joined bundled GGUF beside the converted directory (joined once where missing)."""
-    target = bundled.gguf_cache_path(os.path.dirname(bundled_model_dir))
-    if bundled.missing_pieces() and not os.path.isfile(target):
-        pytest.skip("the bundled GGUF file is not in the cache and its pieces are not installed")
-    return bundled.bundled_gguf_path(os.path.dirname(bundled_model_dir))
 
 
 @pytest.fixture(scope="module")
