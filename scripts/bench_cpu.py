@@ -352,13 +352,15 @@ class StepProfile:
 
 
 def profile_decode(llm, num_seqs, context_len, steps=30):
-    """Decode steps of num_seqs sequences at about context_len tokens each, timed piece by piece."""
+    """Decode steps of num_seqs sequences at about context_len tokens each, timed piece by piece (through the
+    layer modules: the fused CPU layers are switched off in `llm`)."""
     import pagedattn.engine.llm_engine as llm_engine
     import pagedattn.engine.model_runner as model_runner
     from pagedattn import SamplingParams
 
     engine, prof = llm.engine, StepProfile()
     model = engine.model
+    model.cpu_layers = None          # the layer modules: one call a layer has no separate pieces to time
     prof.wrap(engine.scheduler, "schedule", "schedule")
     prof.wrap(llm_engine, "build_step_inputs", "build_step_inputs (pack the step)")
     prof.wrap(engine, "_process", "process outputs (append, stop checks, detokenize)")
