@@ -129,7 +129,8 @@ def test_fused_layers_are_chosen_where_they_apply(tiny_checkpoint, monkeypatch):
         assert not layers.takes(model, 4, kv) and layers.kind is False
     assert LLM(tiny_checkpoint, device="cpu", attn_backend="torch", num_blocks=8,
                max_model_len=64).engine.model.cpu_layers is None
-    assert LLM(tiny_checkpoint, device="cpu", dtype="bfloat16", num_blocks=8, max_model_len=64).engine.model.cpu_layers is None
+    bf16 = LLM(tiny_checkpoint, device="cpu", dtype="bfloat16", num_blocks=8, max_model_len=64)
+    assert bf16.engine.model.cpu_layers is None
     monkeypatch.setenv("PAGEDATTN_CPU_LAYER", "0")
     assert LLM(tiny_checkpoint, device="cpu", num_blocks=8, max_model_len=64).engine.model.cpu_layers is None
 
@@ -151,7 +152,8 @@ def test_a_bad_position_is_named(bundled_model_dir, bundled_gguf):  # noqa: F811
     plan_items = (np.zeros(1, np.int64), np.zeros(1, np.int64), np.arange(Hkv, dtype=np.int64))
     before = k_cache.copy()
     first_slot_past_the_pool = k_cache.shape[0] * k_cache.shape[2]
-    for positions, slots, field in (([cos_sin.shape[0]], [0], "positions"), ([0], [first_slot_past_the_pool], "slot_mapping")):
+    for positions, slots, field in (([cos_sin.shape[0]], [0], "positions"),
+                                    ([0], [first_slot_past_the_pool], "slot_mapping")):
         positions, slots = np.array(positions, np.int32), np.array(slots, np.int32)     # the engine's dtypes
         step = (positions, slots, tables, np.array([0, 1], np.int32), ctx, *plan_items, 1)
         with pytest.raises(KernelLaunchError, match=field):
