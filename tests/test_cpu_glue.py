@@ -81,8 +81,9 @@ def test_bad_inputs_raise_before_writing():
 
 
 def test_model_step_on_the_cpu_glue_equals_the_torch_path(tiny_checkpoint, monkeypatch):  # noqa: F811
-    """The engine on the CPU backend (small steps: GEMM kernel, glue kernels) gives the torch backend's
-    greedy tokens on the tiny model."""
+    """The engine on the CPU backend gives the torch backend's greedy tokens on the tiny model, with its
+    small steps' layers as modules (GEMM kernel, glue kernels: each called) and as one call a layer (the
+    default, kernels_numba/cpu_layer.py)."""
     from kernels_numba import cpu_linear
     from pagedattn import LLM, SamplingParams
 
@@ -95,9 +96,12 @@ def test_model_step_on_the_cpu_glue_equals_the_torch_path(tiny_checkpoint, monke
     prompts = [[(7 * i + j) % 120 + 3 for j in range(5 + 3 * i)] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = {}
-    for backend in ("cpu", "torch"):
+    for run, backend in (("modules", "cpu"), ("one call a layer", "cpu"), ("torch", "torch")):
         llm = LLM(tiny_checkpoint, device="cpu", block_size=8, num_blocks=64, attn_backend=backend)
-        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert outs["cpu"] == outs["torch"]
-    assert min(calls.values()) > 0, calls                      # the decode steps took the kernels
+        if run == "modules":
+            llm.engine.model.cpu_layers = None
+        outs[run] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if run == "modules":
+            assert min(calls.values()) > 0, calls              # the decode steps took the kernels
+    assert outs["modules"] == outs["one call a layer"] == outs["torch"]
 
