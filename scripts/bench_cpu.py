@@ -39,12 +39,15 @@ import time
 DECODE_TOKENS = 64
 
 
-def decode_ours(llm, prompt, tokens):
-    """(decode tok/s after the first token, token ids) of one greedy streamed request."""
+def decode_ours(llm, prompt, tokens, temperature=0.0):
+    """(decode tok/s after the first token, token ids) of one streamed request, greedy or sampled (a fixed
+    seed)."""
     from pagedattn import SamplingParams
 
     stamps, cpu, ids = [], [], []
-    for out in llm.stream([prompt], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)):
+    params = SamplingParams(temperature=temperature, seed=0 if temperature else None, max_tokens=tokens,
+                            ignore_eos=True)
+    for out in llm.stream([prompt], params):
         for t in out.outputs[0].delta_token_ids:
             stamps.append(time.perf_counter())
             cpu.append(time.process_time())
@@ -52,21 +55,24 @@ def decode_ours(llm, prompt, tokens):
     return (len(stamps) - 1) / (stamps[-1] - stamps[0]), (cpu[-1] - cpu[0]) / (len(cpu) - 1), ids
 
 
-def decode_hf(hf, prompt, tokens):
+def decode_hf(hf, prompt, tokens, temperature=0.0):
     """HF generate: (tokens - 1) / (time of `tokens` tokens - time of 1 token), and the token ids."""
     ids = torch.tensor([prompt])
-    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=tokens)
+    sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)
+    kw = dict(attention_mask=torch.ones_like(ids), min_new_tokens=tokens, **sample)
     with torch.no_grad():
         t0, c0, _ = timed(lambda: hf.generate(ids, max_new_tokens=1, **{**kw, "min_new_tokens": 1}))
         t1, c1, seq = timed(lambda: hf.generate(ids, max_new_tokens=tokens, **kw))
     return (tokens - 1) / (t1 - t0), (c1 - c0) / (tokens - 1), seq[0, len(prompt):].tolist()
 
 
-def decode_llama_cpp(llama, prompt, tokens):
-    """llama-cpp-python streaming the same prompt's completion: decode tok/s after the first token."""
+def decode_llama_cpp(llama, prompt, tokens, temperature=0.0):
+    """llama-cpp-python streaming the same prompt's completion: decode tok/s after the first token (sampled:
+    plain temperature sampling, no top-k / top-p, as ours)."""
     llama.reset()
     stamps, cpu, ids = [], [], []
-    for tok in llama.generate(prompt, temp=0.0, top_k=1, reset=True):
+    sample = dict(temp=temperature, top_k=0, top_p=1.0, min_p=0.0) if temperature else dict(temp=0.0, top_k=1)
+    for tok in llama.generate(prompt, reset=True, **sample):
         stamps.append(time.perf_counter())
         cpu.append(time.process_time())
         ids.append(tok)
@@ -95,14 +101,15 @@ def layer_modules(llm, run):
     return unfused
 
 
-def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS, only=None):
+def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS, only=None, temperature=0.0):
     """One chat prompt, greedy, `tokens` tokens: decode tok/s after the first token of the bundled model on
     its GGUF blocks (weights="quantized", the CPU default) with float32 and with int8 activations, each with
     the fused CPU layers (the default) and with the layer modules, on the float32 checkpoint, HF generate
     (float32), and llama.cpp on the same GGUF file when llama_cpp imports; the systems alternate within each
     of `repeats` rounds after one warm-up each; the table gives the median, the range, and each system's
     tokens against the float32 model's and llama.cpp's. only: the systems whose names contain one of these
-    strings (the float32 model, the tokens' reference, always runs)."""
+    strings (the float32 model, the tokens' reference, always runs). temperature > 0: sampled decoding
+    (each system's own sampler, plain temperature; the token columns then compare random streams)."""
     from transformers import AutoModelForCausalLM
 
     from pagedattn import LLM
@@ -118,18 +125,18 @@ def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS,
     f32 = LLM(path, weights="float32", **engine_args)
     tok = quant.get_tokenizer()
     prompt = chat(tok, ONE_PROMPT)
-    systems["pagedattn, GGUF blocks, float32 x (default)"] = (lambda: decode_ours(quant, prompt, tokens),
-                                                             model_weight_bytes(quant.engine.model))
-    systems["pagedattn, GGUF blocks, int8 x"] = (lambda: decode_ours(int8, prompt, tokens),
-                                                 model_weight_bytes(int8.engine.model))
-    systems["pagedattn, GGUF blocks, float32 x, layer modules"] = (
-        layer_modules(quant, lambda: decode_ours(quant, prompt, tokens)), model_weight_bytes(quant.engine.model))
-    systems["pagedattn, GGUF blocks, int8 x, layer modules"] = (
-        layer_modules(int8, lambda: decode_ours(int8, prompt, tokens)), model_weight_bytes(int8.engine.model))
-    systems["pagedattn, float32"] = (lambda: decode_ours(f32, prompt, tokens), model_weight_bytes(f32.engine.model))
+    def ours(llm):
+        return (lambda: decode_ours(llm, prompt, tokens, temperature)), model_weight_bytes(llm.engine.model)
+
+    systems["pagedattn, GGUF blocks, float32 x (default)"] = ours(quant)
+    systems["pagedattn, GGUF blocks, int8 x"] = ours(int8)
+    for name, llm in (("float32 x", quant), ("int8 x", int8)):
+        run, size = ours(llm)
+        systems[f"pagedattn, GGUF blocks, {name}, layer modules"] = (layer_modules(llm, run), size)
+    systems["pagedattn, float32"] = ours(f32)
     if not only or any(o in "HF generate, float32" for o in only):
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        systems["HF generate, float32"] = (lambda: decode_hf(hf, prompt, tokens),
+        systems["HF generate, float32"] = (lambda: decode_hf(hf, prompt, tokens, temperature),
                                            sum(p.numel() * 4 for p in hf.parameters()))
     try:
         import llama_cpp
@@ -140,7 +147,8 @@ def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS,
     if llama_cpp is not None:
         llama = llama_cpp.Llama(gguf, n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
         llama_name = f"llama.cpp {llama_cpp.__version__}"
-        systems[llama_name] = (lambda: decode_llama_cpp(llama, prompt, tokens), os.path.getsize(gguf))
+        systems[llama_name] = (lambda: decode_llama_cpp(llama, prompt, tokens, temperature),
+                               os.path.getsize(gguf))
     if only:
         systems = {name: v for name, v in systems.items()
                    if name == "pagedattn, float32" or any(o in name for o in only)}
@@ -167,6 +175,7 @@ def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS,
     table = benchlib.markdown_table(rows, list(rows[0]))
     print(table)
     meta = {"threads": threads, "repeats": repeats, "tokens": tokens, "prompt tokens": len(prompt),
+            "temperature": temperature,
             "load average after each timed run": loads, "load average at the end": os.getloadavg()}
     print("\n".join(benchlib.save(out, "bench_cpu_decode", rows, meta, table)))
     return rows
@@ -468,6 +477,8 @@ if __name__ == "__main__":
                          "llama.cpp (when llama_cpp imports)")
     ap.add_argument("--only", default=None, help="--decode: comma-separated pieces of the names of the systems to "
                                                  "run (e.g. 'GGUF blocks,llama.cpp')")
+    ap.add_argument("--temperature", type=float, default=0.0, help="--decode: sample at this temperature "
+                                                                   "(default 0: greedy)")
     ap.add_argument("--memory", action="store_true", help="resident memory after LLM() and a 64-token answer")
     ap.add_argument("--weights", default="auto", help="the HF comparison's LLM(weights=...): auto (the GGUF blocks on "
                                                       "the CPU), quantized or float32")
@@ -477,6 +488,7 @@ if __name__ == "__main__":
     elif a.profile:
         main_profile(a.out, a.threads, a.model, a.steps)
     elif a.decode:
-        main_decode(a.out, a.threads, a.repeats, only=a.only.split(",") if a.only else None)
+        main_decode(a.out, a.threads, a.repeats, only=a.only.split(",") if a.only else None,
+                    temperature=a.temperature)
     else:
         main(a.out, a.threads, a.repeats, a.model, a.weights)
