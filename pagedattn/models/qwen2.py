@@ -17,7 +17,9 @@ A decoder layer, and the kernels of a step with the numba backend on fp16/bf16 (
 
 Steps of a few rows (decode at batch sizes up to 8 by default) run each layer in 5 launches plus attention's
 1-2 instead: the norms and SiLU-and-mul ride in the skinny GEMM's prologue and epilogue
-(pagedattn/layers/skinny_decode.py; the same roundings, the same (x, residual) between layers).
+(pagedattn/layers/skinny_decode.py; the same roundings, the same (x, residual) between layers). On the CPU
+(float32, one rank, the numba backend) a step of at most 16 rows runs each whole layer as one numba call
+instead (`model.cpu_layers`, pagedattn/layers/cpu_layer.py: the same kernels in the same order, bit for bit).
 
 Which kernel runs each op is decided once, when the model is built, from the backend, the device and the
 dtype: the model's ops table (pagedattn/layers/ops.py), handed to every layer at construction, and
