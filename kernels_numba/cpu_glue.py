@@ -96,6 +96,12 @@ def add_rms_norm(x, residual, weight, eps):
     return out if residual is None else (out, residual)
 
 
+def rotary_error(err):
+    """The KernelLaunchError of _rotary_cache's error code err (1 or 2), naming the field."""
+    return KernelLaunchError("positions: a position outside the cos/sin cache" if err == 1
+                             else "slot_mapping: a slot outside the pool")
+
+
 def rotary_cache(positions, qkv, num_heads, num_kv_heads, head_dim, cos_sin_cache, k_cache, v_cache, slot_mapping):
     """qkv: [T, (H + 2 Hkv) D] float32 (the merged projection's output); positions, slot_mapping: [T] int;
     cos_sin_cache: [max_position, D] float32; k_cache, v_cache: [num_blocks, Hkv, block_size, D] float32.
@@ -109,6 +115,5 @@ def rotary_cache(positions, qkv, num_heads, num_kv_heads, head_dim, cos_sin_cach
     err = _rotary_cache(positions.numpy(), qa, num_heads, num_kv_heads, head_dim, _f32(cos_sin_cache, "cos_sin_cache", 2),
                         kc, vc, slot_mapping.numpy(), q_out.numpy())
     if err:
-        raise KernelLaunchError("positions: a position outside the cos/sin cache" if err == 1
-                                else "slot_mapping: a slot outside the pool")
+        raise rotary_error(err)
     return q_out

@@ -32,10 +32,9 @@ from kernels_numba import cpu_linear, cpu_quant, cpu_quant_int8
 from kernels_numba.cpu_attention import FASTMATH, QUERY_TILE, _exp_inplace
 from kernels_numba.cpu_attention import _run as _attend_serial
 from kernels_numba.cpu_attention import _run_parallel as _attend_parallel
-from kernels_numba.cpu_glue import _add_rms_norm, _rotary_cache
+from kernels_numba.cpu_glue import _add_rms_norm, _rotary_cache, rotary_error
+from kernels_numba.cpu_threads import product_threads
 from kernels_numba.errors import KernelLaunchError
-
-ERR_POSITION, ERR_SLOT = 1, 2
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
@@ -110,7 +109,7 @@ def _layer(linear, run, x, residual, has_residual, w, pool, step, threads, f16):
 def _blocks(run, threads, p, x, f16):
     """p = (codes, parts, offsets, bias): GGUF blocks (cpu_quant._run or cpu_quant_int8's runners)."""
     out = np.empty((x.shape[0], p[2][-1]), np.float32)
-    run(max(1, min(threads, p[2][-1] // 64)), p[0], p[1], p[2], x, p[3], out, f16)
+    run(product_threads(threads, p[2][-1]), p[0], p[1], p[2], x, p[3], out, f16)
     return out
 
 
@@ -118,7 +117,7 @@ def _blocks(run, threads, p, x, f16):
 def _dense(run, threads, p, x, f16):
     """p = (weight, bias): float32 weights (cpu_linear._run)."""
     out = np.empty((x.shape[0], p[0].shape[0]), np.float32)
-    run(max(1, min(threads, p[0].shape[0] // 64)), x, p[0], p[1], out)
+    run(product_threads(threads, p[0].shape[0]), x, p[0], p[1], out)
     return out
 
 
@@ -182,8 +181,6 @@ def run_layer(kind, x, residual, w, pool, step, threads):
     has_residual = residual is not None
     out, res, err = LAYERS[kind](x, residual if has_residual else x, has_residual, w, pool, step, threads,
                                  cpu_quant._F16)
-    if err == ERR_POSITION:
-        raise KernelLaunchError("positions: a position outside the cos/sin cache")
-    if err == ERR_SLOT:
-        raise KernelLaunchError("slot_mapping: a slot outside the pool")
+    if err:
+        raise rotary_error(err)                      # _rotary_cache's codes, its messages
     return out, res

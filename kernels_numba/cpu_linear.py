@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from kernels_numba.cpu_threads import numba_threads
+from kernels_numba.cpu_threads import numba_threads, product_threads
 from kernels_numba.errors import KernelLaunchError
 
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}   # as cpu_attention: NaN and inf propagate
@@ -129,7 +129,7 @@ def linear(x, weight, bias=None, num_threads=None):
     if bias is not None and ba.shape[0] != wa.shape[0]:
         raise KernelLaunchError(f"bias: {ba.shape[0]} elements for {wa.shape[0]} output features")
     out = torch.empty(xa.shape[0], wa.shape[0], dtype=torch.float32)
-    threads = numba_threads(min(num_threads or torch.get_num_threads(), wa.shape[0] // 64))
+    threads = numba_threads(product_threads(num_threads or torch.get_num_threads(), wa.shape[0]))
     _run(threads, xa, wa, ba, out.numpy())
     return out
 

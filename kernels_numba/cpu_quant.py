@@ -40,7 +40,7 @@ from numba import njit, prange
 from kernels_numba.cpu_simd import (load_u16, load_u32, prefetch, vb_add, vb_and, vb_bits, vb_load, vb_nibbles, vb_or,
                                      vb_shl, vb_shr, vb_sub, vb_to_f32, vf_add, vf_fma, vf_load, vf_mul, vf_mul_rounded,
                                      vf_splat, vf_store, vf_sub_rounded, vf_sum, vf_zero)
-from kernels_numba.cpu_threads import numba_threads
+from kernels_numba.cpu_threads import numba_threads, product_threads
 from kernels_numba.errors import KernelLaunchError
 
 MAX_ROWS = 16                # above: `linear` dequantizes tiles of W and runs torch's GEMM
@@ -359,7 +359,7 @@ def linear_parts(x, parts, bias=None, num_threads=None):
         if bias is not None:
             out += torch.from_numpy(ba)
         return out
-    _run(numba_threads(min(threads, max(1, N // 64))), *parts.kernel_args, xa, ba,
+    _run(numba_threads(product_threads(threads, N)), *parts.kernel_args, xa, ba,
          out.numpy(), _F16)
     return out
 

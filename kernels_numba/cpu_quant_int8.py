@@ -41,7 +41,7 @@ from kernels_numba.cpu_quant import (_F16, _NO_BIAS, _Q4_K, _Q5_0, _Q6_K, _Q8_0,
                                      _lo, _row_scales, _run_values, _store)
 from kernels_numba.cpu_simd import (f32_bits, f32_from_bits, target_has_avx2, vb_dot4, vb_dot4_avx2, vb_load,
                                     vb_udot4, vb_udot4_avx2, vf_fma, vf_halves, vf_mul, vf_splat, vf_sum, vf_zero)
-from kernels_numba.cpu_threads import numba_threads
+from kernels_numba.cpu_threads import numba_threads, product_threads
 from kernels_numba.errors import KernelLaunchError
 
 # the integer products' spelling: AVX2's byte multiply-adds where the compile target has them
@@ -231,6 +231,6 @@ def linear_parts(x, parts, bias=None, num_threads=None, avx2=None):
     out = torch.empty(xa.shape[0], parts.N, dtype=torch.float32)
     threads = num_threads or torch.get_num_threads()
     run = _run_avx2 if avx2 else _run_generic
-    run(numba_threads(min(threads, max(1, parts.N // 64))), *parts.kernel_args, xa, ba,
+    run(numba_threads(product_threads(threads, parts.N)), *parts.kernel_args, xa, ba,
         out.numpy(), _F16)
     return out

@@ -11,6 +11,9 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
+from numba.extending import register_jitable
+
+ROWS_PER_THREAD = 64         # a product's threads: at most one per this many output features
 
 
 class Threads:
@@ -29,6 +32,14 @@ class Threads:
         fn(0, num_threads, *args)
         for f in futures:
             f.result()
+
+
+@register_jitable
+def product_threads(num_threads, num_out):
+    """Threads of a product with num_out output features on at most num_threads: the one split every CPU
+    product uses, called from Python and from compiled code alike (the fused layer's products must cut
+    their rows as the unfused calls do)."""
+    return max(1, min(num_threads, num_out // ROWS_PER_THREAD))
 
 
 def numba_threads(num_threads):
