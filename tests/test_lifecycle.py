@@ -122,14 +122,20 @@ def test_gpu_memory_returns_to_its_start(ckpt64, how):
     """Create, use and release an LLM three times in one process, the caller collecting nothing:
     torch.cuda.memory_allocated() is back at its start after each close() (weights, KV pool, CUDA graphs and
     their pool, kernel scratch), and every next LLM sizes its pool like the first (after `del` too: the
-    new LLM collects what the old one left in reference cycles before it measures free memory)."""
+    new LLM collects what the old one left in reference cycles before it measures free memory).
+
+    Other processes on the GPU (the GPU suite runs a dozen at once) change the free memory between rounds, so
+    each pool is compared per byte of the room this process had when it started: the device's free memory
+    plus what this process's allocator holds (a leaked engine's memory counts as room: the pool must get it
+    back)."""
     gc.collect()
     torch.cuda.empty_cache()
     start = torch.cuda.memory_allocated()
-    blocks = []
+    blocks, room = [], []
     for _ in range(ROUNDS):
+        room.append(torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved())
         llm = LLM(ckpt64, device="cuda", dtype="float16", max_model_len=256, max_num_seqs=8)
-        blocks.append(llm.engine.num_blocks)
+        blocks.append(llm.engine.num_blocks / room[-1])
         tokens(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
         if how == "close":
             llm.close()                           # no gc.collect() of ours: close() and the next LLM() do it
@@ -138,4 +144,4 @@ def test_gpu_memory_returns_to_its_start(ckpt64, how):
     gc.collect()
     torch.cuda.empty_cache()
     assert torch.cuda.memory_allocated() == start
-    assert blocks[-1] >= 0.95 * blocks[0] and blocks[1] >= 0.95 * blocks[0], blocks
+    assert blocks[-1] >= 0.95 * blocks[0] and blocks[1] >= 0.95 * blocks[0], (blocks, room)
