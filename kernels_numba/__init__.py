@@ -32,6 +32,8 @@
                                    simulator fallback), the CPU target's bit casts
     bridge.py                      torch <-> numba: cached array views, torch's stream, scratch
                                    buffers, SM count, tensor checks, dynamic shared memory opt-in
+    sources.py                     the digest of these sources, which stamps every disk-cached kernel
+                                   (a callee edited in another file recompiles its callers)
     precompile.py                  a cold start's kernels compiled in parallel worker processes into the
                                    disk cache (record the launches, compile, load)
     simulator.py                   warp shuffles for numba's CUDA simulator
@@ -42,5 +44,7 @@ Under NUMBA_ENABLE_CUDASIM=1 (CI, no GPU) the kernels run in numba's CUDA simula
 importing this package installs the warp shuffles the simulator lacks (see simulator.py).
 """
 from kernels_numba import simulator as _simulator
+from kernels_numba import sources as _sources
 
 _simulator.install()
+_sources.install()

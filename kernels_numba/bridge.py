@@ -52,11 +52,12 @@ Tensors stay torch's: nothing here copies data or synchronises the device.
 import contextlib
 import contextvars
 import functools
-import hashlib
 import os
 
 import numpy as np
 from numba import cuda
+
+from kernels_numba.sources import source_digest
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 KERNEL_CACHE = os.environ.get("PAGEDATTN_KERNEL_CACHE", "1") != "0"
@@ -306,18 +307,6 @@ def clear_caches():
 # here replaces the cells by the factory's name and arguments (which fix every constant and
 # device function of the closure) and a digest of the kernels_numba sources (a device function
 # edited in another file must not load a stale kernel).
-
-
-@functools.lru_cache(maxsize=None)
-def source_digest():
-    """sha256 of every kernels_numba/*.py: what a cached kernel was compiled from."""
-    folder = os.path.dirname(os.path.abspath(__file__))
-    digest = hashlib.sha256()
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name), "rb") as f:
-                digest.update(name.encode() + b"\0" + f.read())
-    return digest.hexdigest()
 
 
 @functools.lru_cache(maxsize=None)

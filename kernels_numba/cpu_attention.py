@@ -126,16 +126,16 @@ def _exp_inplace(x, n, bits):
 
     bits: [>= n] uint32 scratch. exp(x) = 2^k e^r with k = round(x log2 e) and r = x - k ln2, where
     k ln2 is subtracted in two parts (Cody-Waite: LN2_HI has few mantissa bits, so k * LN2_HI is exact
-    and r keeps full precision even for x near -87). Below MIN_EXP_ARG the result is 0 (flush to zero).
+    and r keeps full precision even for x near -87). Below MIN_EXP_ARG the result is 0 (flush to zero). All
+    float32 (math.floor would give an int64 k and float64 arithmetic, which AVX2 cannot convert in vectors)
+    and no branch (selects only), so LLVM turns the loop into 8-lane vector code: ~1 ns a value, within
+    ~4 ulp of exp.
     """
     scale = bits.view(np.float32)
     for j in range(n):
-        if x[j] < MIN_EXP_ARG:
-            bits[j] = 0                                                            # 2^k * p = 0
-            x[j] = 0.0
-            continue
-        xj = x[j]
-        k = math.floor(xj * LOG2E + np.float32(0.5))
+        under = x[j] < MIN_EXP_ARG
+        xj = MIN_EXP_ARG if under else x[j]                                        # k stays >= -126
+        k = np.floor(xj * LOG2E + np.float32(0.5))                                # float32 (math.floor: int64)
         r = (xj - k * LN2_HI) - k * LN2_LO                                         # |r| <~ ln2 / 2
         p = np.float32(1.0 / 720.0)
         p = p * r + np.float32(1.0 / 120.0)
@@ -145,7 +145,7 @@ def _exp_inplace(x, n, bits):
         p = p * r + np.float32(1.0)
         p = p * r + np.float32(1.0)
         bits[j] = np.uint32(np.int32(k) + 127) << 23                               # 2^k, k >= -126
-        x[j] = p
+        x[j] = np.float32(0.0) if under else p                                     # 0 * 2^k = 0
     for j in range(n):
         x[j] *= scale[j]
 
