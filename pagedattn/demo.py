@@ -180,6 +180,9 @@ def main(prompts=None, max_tokens=192, temperature=0.0, model=None, device="auto
 
     tok = llm.get_tokenizer()
     t0 = time.perf_counter()
+    if engine.config.device_type == "cpu":     # CUDA compiled its kernels in LLM() (a line per phase)
+        write("warm-up: the first calls compile the CPU kernels, once per machine (about 1.5 min on 2 cores; "
+              "later runs load them from disk in seconds) ...\n")
     llm.generate([tok.encode(WARMUP_PROMPT)], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     write(f"warm-up (first calls compile or load the kernels): {time.perf_counter() - t0:.1f} s, not counted below\n")
 
