@@ -66,12 +66,14 @@ class EngineConfig:
         file in the model directory. "float32": the safetensors checkpoint (the bundled one
         dequantized). "auto": "quantized" where it can run (CPU, float32, one rank) and a GGUF file is
         there, "float32" otherwise. with_model_path resolves it and sets gguf_file.
-    activations: "float32" or "int8", the quantized path's activations. "float32" (default): every
-        product is the dequantized float32 matrix's (greedy tokens as HF's on the converted
-        checkpoint). "int8": each 32-value block of x rounded to int8 with its own scale, as llama.cpp
-        does, and integer dot products per block (kernels_numba/cpu_quant_int8.py): faster, but a
-        different function (outputs off by ~1e-3 of their scale; greedy tokens may differ). Needs
-        weights="quantized" (or "auto" resolving to it).
+    activations: "auto", "float32" or "int8", the quantized path's activations. "int8": each 32-value
+        block of x rounded to int8 with its own scale, as llama.cpp does, and integer dot products per
+        block (kernels_numba/cpu_quant_int8.py): ~1.3x the decode speed of "float32", a slightly
+        different function (outputs off by ~1e-3 of their scale; on the bundled model's test prompts the
+        same greedy tokens as HF's float32 model, docs/cpu_quant.md). "float32": every product is the
+        dequantized float32 matrix's. "auto" (default): "int8" where the CPU numba compiles for has AVX2
+        (its byte multiply-adds make it fast), "float32" elsewhere and on float32 weights;
+        with_model_path resolves it. "int8" needs weights="quantized" (or "auto" resolving to it).
     """
 
     model: str | None = None
@@ -94,7 +96,7 @@ class EngineConfig:
     admission_interval: int = 1
     seed: int = 0
     weights: str = "auto"
-    activations: str = "float32"
+    activations: str = "auto"
     gguf_file: str | None = None             # resolved by with_model_path on the quantized path
     warmup: bool | None = None
 
@@ -158,8 +160,8 @@ class EngineConfig:
             raise InvalidRequestError(f"weights='quantized' (the GGUF blocks) runs on the CPU in float32 on one rank, "
                                       f"not device={self.device!r}, dtype={str(self.dtype).replace('torch.', '')}, "
                                       f"tensor_parallel_size={self.tensor_parallel_size}: use weights='float32'")
-        if self.activations not in ("float32", "int8"):
-            raise InvalidRequestError(f"activations must be 'float32' or 'int8', got {self.activations!r}")
+        if self.activations not in ("auto", "float32", "int8"):
+            raise InvalidRequestError(f"activations must be 'auto', 'float32' or 'int8', got {self.activations!r}")
         if self.activations == "int8" and (self.weights == "float32" or not self.can_quantize):
             raise InvalidRequestError(f"activations='int8' runs on the quantized weights only (CPU, float32, one "
                                       f"rank), not weights={self.weights!r} on device={self.device!r}")
@@ -180,15 +182,15 @@ class EngineConfig:
         """A copy whose `model` is a resolved directory (the bundled one converted on first use) and whose
         `weights` is "quantized" (with its gguf_file) or "float32". InvalidRequestError naming `weights`
         when "quantized" was asked for a checkpoint without a GGUF file, or naming `activations` when
-        "int8" was asked and "auto" found none."""
+        "int8" was asked and "auto" found none. `activations` "auto" becomes "int8" or "float32"."""
         from dataclasses import replace
 
         from pagedattn import bundled
         from pagedattn.errors import ModelLoadError
         from pagedattn.models.gguf_weights import find_gguf
 
-        if self.weights in ("quantized", "float32") and self.gguf_file is not None:
-            return replace(self, model=os.fspath(path))                # resolved already
+        if self.weights in ("quantized", "float32") and self.gguf_file is not None:     # resolved already
+            return replace(self, model=os.fspath(path), activations=self._activations(self.weights == "quantized"))
         wanted = self.weights == "quantized" or (self.weights == "auto" and self.can_quantize)
         gguf = None
         if path is None:
@@ -213,7 +215,15 @@ class EngineConfig:
             raise InvalidRequestError(f"activations='int8' runs on the quantized weights: {path!r} holds no *.gguf")
         quantized = gguf is not None
         return replace(self, model=os.fspath(path), weights="quantized" if quantized else "float32",
-                       gguf_file=gguf if quantized else None)
+                       gguf_file=gguf if quantized else None, activations=self._activations(quantized))
+
+    def _activations(self, quantized):
+        """`activations` with "auto" resolved: "int8" on quantized weights where numba's target has AVX2."""
+        if self.activations != "auto":
+            return self.activations
+        from kernels_numba.cpu_simd import target_has_avx2
+
+        return "int8" if quantized and target_has_avx2() else "float32"
 
 
 def activation_reserve_bytes(config, model_config):

@@ -172,7 +172,8 @@ def main(prompts=None, max_tokens=192, temperature=0.0, model=None, device="auto
     backend = engine.model.attn_backend
     m = llm.metrics()
     weights = f"weights: {m['model_weight_bytes'] / 2**20:.0f} MiB" + (
-        " (the GGUF file's quantized blocks)" if m["weights"] == "quantized" else " (float32)")
+        f" (the GGUF file's quantized blocks, {m['activations']} activations)" if m["weights"] == "quantized"
+        else " (float32)")
     write(f"model: {engine.model_path} on {engine.config.device} "
           f"({str(cache.dtype).replace('torch.', '')}), {weights}, attention backend {getattr(backend, 'name', backend)}, "
           f"KV pool {engine.num_blocks} blocks x {cache.block_size} tokens "

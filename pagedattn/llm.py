@@ -63,9 +63,11 @@ class LLM:
     one rank) where there is a GGUF file, "float32" elsewhere. "quantized" on a GPU, in
     float16/bfloat16, with tensor parallelism or for a checkpoint without a GGUF file raises
     InvalidRequestError.
-    activations: "float32" (default) or "int8" on the quantized weights: "int8" rounds each 32-value
-    block of a matrix's input to int8, as llama.cpp does, for integer dot products — faster, not the same
-    function (greedy tokens may differ from the float32 model's); InvalidRequestError elsewhere.
+    activations: "auto" (default), "int8" or "float32" on the quantized weights: "int8" rounds each
+    32-value block of a matrix's input to int8, as llama.cpp does, for integer dot products — ~1.3x faster
+    decoding, not exactly the same function (outputs within ~1e-3 of their scale); "float32" computes the
+    dequantized matrices' products. "auto" takes "int8" where the CPU has AVX2, "float32" elsewhere.
+    "int8" without quantized weights raises InvalidRequestError.
 
     tensor_parallel_size: P > 1 shards the model over P ranks (see docs/tensor_parallel.md): this process
     is rank 0 and starts P - 1 worker processes (spawn; NCCL on cuda:0..P-1, gloo on CPU). They stop on
@@ -111,11 +113,13 @@ class LLM:
 
     def metrics(self):
         """Engine metrics: KV usage, fragmentation, prefix-cache hit rate, preemptions, throughput..., and
-        the model's: `weights` ("quantized" / "float32") and `model_weight_bytes` (rank 0's weights; the
-        GGUF blocks as in the file on the quantized path)."""
+        the model's: `weights` ("quantized" / "float32"), `activations` (the quantized path's: "int8" /
+        "float32") and `model_weight_bytes` (rank 0's weights; the GGUF blocks as in the file on the
+        quantized path)."""
         from pagedattn.engine.metrics import model_weight_bytes
 
         return {**self.engine.metrics(), "weights": self.engine.config.weights,
+                "activations": self.engine.config.activations,
                 "model_weight_bytes": model_weight_bytes(self.engine.model)}
 
     @staticmethod

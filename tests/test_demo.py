@@ -85,7 +85,7 @@ def test_demo_end_to_end(bundled_model_dir):
     assert len(round2[1].outputs) == demo.NAMING_N
     assert "(model loading and warm-up not counted)" in text
     # the weights' resident size is stated: the GGUF file's blocks by default on the CPU (~463 MiB)
-    weights = re.search(r"weights: (\d+) MiB \(the GGUF file's quantized blocks\)", text)
+    weights = re.search(r"weights: (\d+) MiB \(the GGUF file's quantized blocks, (int8|float32) activations\)", text)
     assert weights and 400 < int(weights.group(1)) < 500
     for column in ("prompt tok", "cached tok", "generated", "finish", "TTFT s"):
         assert column in text

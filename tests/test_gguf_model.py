@@ -82,7 +82,7 @@ def test_auto_without_the_joined_file_stays_float32(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"activations": "int4"}, "activations must be 'float32' or 'int8'"),
+    ({"activations": "int4"}, "activations must be 'auto', 'float32' or 'int8'"),
     ({"activations": "int8", "weights": "float32"}, "activations='int8' runs on the quantized weights"),
     ({"activations": "int8", "dtype": "bfloat16"}, "activations='int8' runs on the quantized weights"),
 ])
@@ -94,6 +94,27 @@ def test_activations_are_validated(kwargs, message):
 def test_int8_activations_need_a_gguf_file(tiny_checkpoint):  # noqa: F811
     with pytest.raises(InvalidRequestError, match="activations='int8'.*no \\*.gguf"):
         EngineConfig(model=tiny_checkpoint, device="cpu", activations="int8").with_model_path(tiny_checkpoint)
+
+
+@pytest.mark.parametrize("avx2", [True, False])
+def test_auto_activations_are_int8_on_quantized_weights_where_the_target_has_avx2(bundled_model_dir, bundled_gguf,
+                                                                                  tiny_checkpoint, avx2, monkeypatch):  # noqa: F811
+    """activations="auto" (the default): int8 on the GGUF blocks where numba's target has AVX2 (the byte
+    multiply-adds that make it fast), float32 without AVX2 and on float32 weights; an explicit value stays."""
+    from kernels_numba import cpu_simd
+
+    monkeypatch.setattr(cpu_simd, "target_has_avx2", lambda: avx2)
+    auto = EngineConfig(model=bundled_model_dir, device="cpu")
+    assert auto.activations == "auto"
+    resolved = auto.with_model_path(bundled_model_dir)
+    assert (resolved.weights, resolved.activations) == ("quantized", "int8" if avx2 else "float32")
+    assert resolved.with_model_path(bundled_model_dir).activations == resolved.activations     # resolved once
+    kept = EngineConfig(model=bundled_model_dir, device="cpu", activations="float32").with_model_path(bundled_model_dir)
+    assert kept.activations == "float32"
+    dense = EngineConfig(model=bundled_model_dir, device="cpu", weights="float32").with_model_path(bundled_model_dir)
+    assert (dense.weights, dense.activations) == ("float32", "float32")
+    tiny = EngineConfig(model=tiny_checkpoint, device="cpu").with_model_path(tiny_checkpoint)   # no GGUF file
+    assert (tiny.weights, tiny.activations) == ("float32", "float32")
 
 
 def test_kept_gguf_is_joined_when_missing(tmp_path, monkeypatch):
@@ -218,7 +239,10 @@ def test_seeded_sampling_is_reproducible(bundled_model_dir, bundled_gguf):  # no
     from pagedattn import LLM, SamplingParams
 
     llm = LLM(bundled_model_dir, device="cpu", weights="quantized", num_blocks=16, max_model_len=256)
-    assert llm.metrics()["weights"] == "quantized"
+    from kernels_numba.cpu_simd import target_has_avx2
+
+    m = llm.metrics()
+    assert (m["weights"], m["activations"]) == ("quantized", "int8" if target_has_avx2() else "float32")
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=3, seed=7, n=2)
     a, b = (llm.generate(["def fib(n):"], params, use_tqdm=False)[0] for _ in range(2))
     assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
@@ -265,16 +289,20 @@ def test_int8_activations_in_the_engine(bundled_model_dir, bundled_gguf):  # noq
 
 
 @pytest.mark.slow
-def test_greedy_matches_hf_generate(bundled_model_dir, bundled_gguf):  # noqa: F811
+@pytest.mark.parametrize("activations", ["auto", "float32"])
+def test_greedy_matches_hf_generate(bundled_model_dir, bundled_gguf, activations):  # noqa: F811
     """32 greedy tokens of LLM(device="cpu") on the GGUF blocks identical to HF generate(do_sample=False)
     on the converted float32 checkpoint, on the chat prompts of tests/test_bundled_model.py decoded
-    together (the 5-row decode steps run the block kernels, the prefill the dequantized tiles)."""
+    together (the 5-row decode steps run the block kernels, the prefill the dequantized tiles): with the
+    default activations (int8 where the target has AVX2: a slightly different function, which on these
+    prompts gives the same tokens) and with float32 activations (the dequantized matrices' products)."""
     from pagedattn import LLM, SamplingParams
     from test_bundled_model import MAX_NEW_TOKENS, PROMPTS
 
     # HF's answers: computed once per run (test_bundled_model.py compares against the same ones)
     tok, prompts, hf_answers, _ = hf_greedy_reference(bundled_model_dir, PROMPTS, MAX_NEW_TOKENS)
-    llm = LLM(bundled_model_dir, device="cpu", weights="quantized", num_blocks=64, max_model_len=512)
+    llm = LLM(bundled_model_dir, device="cpu", weights="quantized", activations=activations, num_blocks=64,
+              max_model_len=512)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS), use_tqdm=False)
     for p, (hf_tokens, out) in enumerate(zip(hf_answers, outs)):
         n = len(hf_tokens)
