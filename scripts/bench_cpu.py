@@ -103,7 +103,8 @@ def layer_modules(llm, run):
 
 def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS, only=None, temperature=0.0):
     """One chat prompt, greedy, `tokens` tokens: decode tok/s after the first token of the bundled model on
-    its GGUF blocks (weights="quantized", the CPU default) with float32 and with int8 activations, each with
+    its GGUF blocks (weights="quantized", the CPU default) with float32 and with int8 activations (the row
+    of LLM()'s own choice marked "(default)": int8 where numba's target has AVX2), each with
     the fused CPU layers (the default) and with the layer modules, on the float32 checkpoint, HF generate
     (float32), and llama.cpp on the same GGUF file when llama_cpp imports; the systems alternate within each
     of `repeats` rounds after one warm-up each; the table gives the median, the range, and each system's
@@ -114,13 +115,14 @@ def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS,
 
     from pagedattn import LLM
     from pagedattn.bundled import bundled_gguf_path, bundled_model_path
+    from pagedattn.config import EngineConfig
     from pagedattn.engine.metrics import model_weight_bytes
 
     torch.set_num_threads(threads)
     path, gguf = bundled_model_path(), bundled_gguf_path()
     engine_args = dict(device="cpu", max_model_len=1024, max_num_seqs=4, num_blocks=128, enable_prefix_caching=False)
     systems = {}
-    quant = LLM(path, weights="quantized", **engine_args)
+    quant = LLM(path, weights="quantized", activations="float32", **engine_args)
     int8 = LLM(path, weights="quantized", activations="int8", **engine_args)
     f32 = LLM(path, weights="float32", **engine_args)
     tok = quant.get_tokenizer()
@@ -128,8 +130,9 @@ def main_decode(out="bench_cpu_out", threads=2, repeats=5, tokens=DECODE_TOKENS,
     def ours(llm):
         return (lambda: decode_ours(llm, prompt, tokens, temperature)), model_weight_bytes(llm.engine.model)
 
-    systems["pagedattn, GGUF blocks, float32 x (default)"] = ours(quant)
-    systems["pagedattn, GGUF blocks, int8 x"] = ours(int8)
+    default = EngineConfig(model=path, **engine_args).with_model_path(path).activations     # what LLM() takes
+    systems[f"pagedattn, GGUF blocks, float32 x{' (default)' if default == 'float32' else ''}"] = ours(quant)
+    systems[f"pagedattn, GGUF blocks, int8 x{' (default)' if default == 'int8' else ''}"] = ours(int8)
     for name, llm in (("float32 x", quant), ("int8 x", int8)):
         run, size = ours(llm)
         systems[f"pagedattn, GGUF blocks, {name}, layer modules"] = (layer_modules(llm, run), size)
@@ -205,7 +208,7 @@ def main_memory(out="bench_cpu_out"):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     rows = []
-    for kwargs in ({}, {"activations": "int8"}, {"weights": "float32"}):
+    for kwargs in ({}, {"activations": "float32"}, {"activations": "int8"}, {"weights": "float32"}):
         child = subprocess.run([sys.executable, "-c", _RESIDENT, json.dumps(kwargs)], capture_output=True, text=True,
                                cwd=root, env=dict(os.environ, PYTHONPATH=root))
         if child.returncode:
