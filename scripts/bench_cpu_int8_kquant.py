@@ -9,9 +9,13 @@ in this process beside the new ones. Each output is first compared with the othe
 largest difference relative to the output's scale), then per round, old and new alternating (and which of
 the two goes first alternating from round to round):
 
-    cache   layer 0's Q6_K and layer 1's Q4_K matrix, each called --calls times, the mean of a call
+    cache   the first Q6_K and the first Q4_K matrix, each called --calls times, the mean of a call
             (the matrix stays in L2/L3: the arithmetic)
     memory  the 24 layers' down matrices, one pass (~72 MB, from memory as a decode step reads them)
+
+and beside them, in the same rounds, "read only": a pass over the same 24 matrices that loads every byte
+(32-byte vector loads OR-ed together, the rows cut over the threads as the products cut them) and computes
+nothing else, the floor a product from memory can reach here.
 
 Wall time, --threads threads (numba's pool and the products' split as in the engine); the table gives the
 minimum and the median over rounds in ms. x: a down projection's input of the bundled model (standard
@@ -72,6 +76,26 @@ def down_matrices():
     return out
 
 
+def read_only(threads):
+    """f(w): every byte of w (a C-contiguous uint8 matrix, whole 4-byte words) loaded once as float32 vectors
+    and added up, the bytes cut into one contiguous range per thread."""
+    from numba import njit, prange
+
+    from kernels_numba.cpu_simd import vf_add, vf_load, vf_sum, vf_zero
+    from kernels_numba.cpu_threads import numba_threads
+
+    @njit(parallel=True, nogil=True)
+    def touch(nt, f, sink):
+        per = -(-f.shape[0] // nt) // 8 * 8
+        for t in prange(nt):
+            acc = vf_zero()
+            for i in range(t * per, min(f.shape[0] - 7, (t + 1) * per), 8):
+                acc = vf_add(acc, vf_load(f, i))
+            sink[t] = vf_sum(acc)                          # kept, so the loads are not dropped
+    sink = np.zeros(64, np.float32)
+    return lambda w: touch(numba_threads(threads), w.reshape(-1).view(np.float32), sink)
+
+
 def compare(a, b):
     if np.array_equal(a.numpy().view(np.uint32), b.numpy().view(np.uint32)):
         return "bit for bit"
@@ -102,6 +126,7 @@ def main():
     tasks = {f"{fmt} in cache (layer {layer})": [(w, fmt)] * a.calls for fmt, (layer, _, w) in one.items()}
     tasks["24 down matrices from memory"] = [(w, fmt) for _, fmt, w in mats]
     times = {(t, k): [] for t in tasks for k in kernels}
+    touch, floor = read_only(a.threads), []
     for i in range(a.rounds + 1):                        # round 0 warms up
         for t, calls in tasks.items():
             for k, mod in list(kernels.items())[::1 if i % 2 else -1]:      # who goes first alternates
@@ -109,12 +134,19 @@ def main():
                 for w, fmt in calls:
                     mod.linear(x, w, fmt, num_threads=a.threads)
                 times[t, k].append((time.perf_counter() - t0) / (len(calls) if "cache" in t else 1))
+        t0 = time.perf_counter()
+        for w, _ in tasks["24 down matrices from memory"]:
+            touch(w)
+        floor.append(time.perf_counter() - t0)
     print(f"\n{a.rows} row(s), {a.threads} threads, {a.rounds} rounds, ms (min / median); load {os.getloadavg()[0]:.2f}")
     print("| | " + " | ".join(kernels) + " | new / old (min) |\n|---|" + "---|" * (len(kernels) + 1))
     for t in tasks:
         cells = [times[t, k][1:] for k in kernels]
         print(f"| {t} | " + " | ".join(f"{min(c) * 1e3:.3f} / {statistics.median(c) * 1e3:.3f}" for c in cells)
               + f" | {min(cells[1]) / min(cells[0]):.2f} |")
+    nbytes = sum(w.nbytes for _, _, w in mats)
+    print(f"\nread only, the 24 down matrices ({nbytes / 1e6:.0f} MB): {min(floor[1:]) * 1e3:.3f} / "
+          f"{statistics.median(floor[1:]) * 1e3:.3f} ms ({nbytes / min(floor[1:]) / 1e9:.1f} GB/s at the minimum)")
 
 
 if __name__ == "__main__":
