@@ -10,17 +10,37 @@ on AVX2:
 
     amax = max |x[32r:32r+32]|,  xq = round-half-even(x * (127 / amax)) (int8, |xq| <= 127; 0 where amax = 0)
     dx = fp16(amax / 127) as float32,  xs = dx * sum(xq)   (xs: Q4_K's mins)
+    xl[8r + k] = 32 * (xq[32r+4k] + ... + xq[32r+4k+3])   (int32: Q6_K's - 32, below)
 
 One block size for every weight format: ggml pairs its K-quants with Q8_K activations (one float32
 scale per 256 values); here the K-quants' runs of 32 (a Q4_K sub-block, two Q6_K sub-blocks of 16) take
 the same 32-value blocks as Q8_0 / Q5_0, a finer grid and one quantized x for a fused layer whose parts
 differ in format (q / k / v: Q5_0 and Q8_0).
 
-The product, per weight row n, run r (the weight's integers q exactly as cpu_quant unpacks them):
+The product, per weight row n, run r (the weight's integers q, as cpu_quant's dequantizer reads them):
 
     lane k of dot4(q, xq[32r:32r+32]) = the exact integer sum of products 4k..4k+3   (k = 0..7)
     acc += [lo, lo, lo, lo, hi, hi, hi, hi] * dx[r] * float(lanes)    (lo == hi but for Q6_K)
     out[m, n] = sum of acc's lanes - (Q4_K) sum over runs of mn[r] * xs[r] (+ bias)
+
+Q8_0 and Q5_0 go a run at a time with the signed q of cpu_quant's `_run_values` (on AVX2 the sign moved
+onto xq with vpsignb, as llama.cpp does, because the byte multiply-add takes one unsigned operand). The
+K-quants go half a super-block (four runs, 128 values) at a time, unpacked as ggml does: the runs of a
+half share their loads (Q6_K: one 32-byte load of qh gives the high bits of all four), and each run's
+nibble and bit fields are constant shifts and masks. Their values are unsigned, Q4_K's q (0..15) and
+Q6_K's q + 32 (0..63), so the byte products need no sign moved; for Q6_K
+
+    lane k of dot4(q, xq) = lane k of dot4(q + 32, xq) - xl[8r + k]
+
+(exact integers either way, so the lanes, and every float32 result after them, are the signed product's
+bit for bit). The float work per run is unchanged (one conversion, dx's multiply, the FMA by the weight
+scales): applying Q6_K's integer sub-block scales before the conversion would round differently, and
+summing a super-block's runs in integers before one conversion, as ggml's Q8_K does, needs one
+activation scale per 256 values. The Q6_K scales d * sc are formed 8 at a time in vectors in the loop,
+Q4_K's lo / mn a super-block at a time from its 12 packed bytes (32-bit words, as ggml's kmasks); both
+are reference/quant.py's float32 products. While a row's halves run, the row after next is asked for
+two cache lines a half (from memory, the whole row's lines asked for at its start left the K-quant
+products at ~0.6x their speed in cache).
 
 The integer sums are written twice (kernels_numba/cpu_simd.py): with x86 AVX2's vpmaddubsw + vpmaddwd
 where the CPU numba compiles for has AVX2 (`AVX2`), in target-independent LLVM IR otherwise (or with
