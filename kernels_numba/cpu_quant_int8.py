@@ -10,17 +10,37 @@ on AVX2:
 
     amax = max |x[32r:32r+32]|,  xq = round-half-even(x * (127 / amax)) (int8, |xq| <= 127; 0 where amax = 0)
     dx = fp16(amax / 127) as float32,  xs = dx * sum(xq)   (xs: Q4_K's mins)
+    xl[8r + k] = 32 * (xq[32r+4k] + ... + xq[32r+4k+3])   (int32: Q6_K's - 32, below)
 
 One block size for every weight format: ggml pairs its K-quants with Q8_K activations (one float32
 scale per 256 values); here the K-quants' runs of 32 (a Q4_K sub-block, two Q6_K sub-blocks of 16) take
 the same 32-value blocks as Q8_0 / Q5_0, a finer grid and one quantized x for a fused layer whose parts
 differ in format (q / k / v: Q5_0 and Q8_0).
 
-The product, per weight row n, run r (the weight's integers q exactly as cpu_quant unpacks them):
+The product, per weight row n, run r (the weight's integers q, as cpu_quant's dequantizer reads them):
 
     lane k of dot4(q, xq[32r:32r+32]) = the exact integer sum of products 4k..4k+3   (k = 0..7)
     acc += [lo, lo, lo, lo, hi, hi, hi, hi] * dx[r] * float(lanes)    (lo == hi but for Q6_K)
     out[m, n] = sum of acc's lanes - (Q4_K) sum over runs of mn[r] * xs[r] (+ bias)
+
+Q8_0 and Q5_0 go a run at a time with the signed q of cpu_quant's `_run_values` (on AVX2 the sign moved
+onto xq with vpsignb, as llama.cpp does, because the byte multiply-add takes one unsigned operand). The
+K-quants go half a super-block (four runs, 128 values) at a time, unpacked as ggml does: the runs of a
+half share their loads (Q6_K: one 32-byte load of qh gives the high bits of all four), and each run's
+nibble and bit fields are constant shifts and masks. Their values are unsigned, Q4_K's q (0..15) and
+Q6_K's q + 32 (0..63), so the byte products need no sign moved; for Q6_K
+
+    lane k of dot4(q, xq) = lane k of dot4(q + 32, xq) - xl[8r + k]
+
+(exact integers either way, so the lanes, and every float32 result after them, are the signed product's
+bit for bit). The float work per run is unchanged (one conversion, dx's multiply, the FMA by the weight
+scales): applying Q6_K's integer sub-block scales before the conversion would round differently, and
+summing a super-block's runs in integers before one conversion, as ggml's Q8_K does, needs one
+activation scale per 256 values. The Q6_K scales d * sc are formed 8 at a time in vectors in the loop,
+Q4_K's lo / mn a super-block at a time from its 12 packed bytes (32-bit words, as ggml's kmasks); both
+are reference/quant.py's float32 products. While a row's halves run, the row after next is asked for
+two cache lines a half (from memory, the whole row's lines asked for at its start left the K-quant
+products at ~0.6x their speed in cache).
 
 The integer sums are written twice (kernels_numba/cpu_simd.py): with x86 AVX2's vpmaddubsw + vpmaddwd
 where the CPU numba compiles for has AVX2 (`AVX2`), in target-independent LLVM IR otherwise (or with
@@ -37,10 +57,12 @@ import torch
 from numba import njit, prange
 
 from kernels_numba import cpu_quant
-from kernels_numba.cpu_quant import (_F16, _NO_BIAS, _Q4_K, _Q5_0, _Q6_K, _Q8_0, PREFETCH_ROWS, _prefetch_row,
-                                     _lo, _row_scales, _run_values, _store)
-from kernels_numba.cpu_simd import (f32_bits, f32_from_bits, target_has_avx2, vb_dot4, vb_dot4_avx2, vb_load,
-                                    vb_udot4, vb_udot4_avx2, vf_fma, vf_halves, vf_mul, vf_splat, vf_sum, vf_zero)
+from kernels_numba.cpu_quant import (_F16, _Q4_K, _Q5_0, _Q6_K, _Q8_0, PREFETCH_ROWS, _lo, _prefetch_row,
+                                     _run_values, _store)
+from kernels_numba.cpu_simd import (f32_bits, f32_from_bits, load_u16, load_u32, prefetch, target_has_avx2, vb_and,
+                                    vb_dot4, vb_dot4_avx2, vb_load, vb_or, vb_shl, vb_shr, vb_udot4, vb_udot4_avx2,
+                                    vb_udot4_minus, vb_udot4_minus_avx2, vf_bytes, vf_fma, vf_i8, vf_mul,
+                                    vf_mul_rounded, vf_splat, vf_spread_pairs, vf_store, vf_sum, vf_zero)
 from kernels_numba.cpu_threads import numba_threads, product_threads
 from kernels_numba.errors import KernelLaunchError
 
@@ -60,8 +82,9 @@ def _round_to_f16(v):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _quantize_rows(x, xq, dx, xs):
-    """xq int8 [M, K], dx / xs float32 [M, K // 32] from x float32 [M, K] (module docstring)."""
+def _quantize_rows(x, xq, dx, xs, xl):
+    """xq int8 [M, K], dx / xs float32 [M, K // 32], xl int32 [M, K // 4] from x float32 [M, K] (module
+    docstring)."""
     M, K = x.shape
     for m in range(M):
         for r in range(K // 32):
@@ -77,63 +100,66 @@ def _quantize_rows(x, xq, dx, xs):
                 s += q
             dx[m, r] = _round_to_f16(amax / np.float32(127))
             xs[m, r] = dx[m, r] * np.float32(s)
+            for k in range(8):
+                j = o + 4 * k
+                xl[m, 8 * r + k] = 32 * (np.int32(xq[m, j]) + np.int32(xq[m, j + 1]) + np.int32(xq[m, j + 2])
+                                         + np.int32(xq[m, j + 3]))
 
 
 def quantize_rows(x):
-    """(xq int8 [M, K], dx float32 [M, K // 32], xs float32 [M, K // 32]) of x float32 [M, K], K a multiple
-    of 32: x's blocks of 32 rounded to int8 with their fp16 scales, and each block's dx * sum(xq)."""
+    """(xq int8 [M, K], dx float32 [M, K // 32], xs float32 [M, K // 32], xl int32 [M, K // 4]) of x float32
+    [M, K], K a multiple of 32: x's blocks of 32 rounded to int8 with their fp16 scales, each block's
+    dx * sum(xq), and 32 x each 4 values' sum of xq (Q6_K's - 32, moved onto x)."""
     xa = cpu_quant._check(x, "x", np.float32, 2)
     if xa.shape[1] % 32:
         raise KernelLaunchError(f"x: {xa.shape[1]} input features, not a multiple of 32")
     M, K = xa.shape
     xq, dx, xs = np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
-    _quantize_rows(xa, xq, dx, xs)
-    return xq, dx, xs
+    xl = np.empty((M, K // 4), np.int32)
+    _quantize_rows(xa, xq, dx, xs, xl)
+    return xq, dx, xs, xl
 
 
 @njit(inline="always")
-def _run_idot(fmt, avx2, q, xq, o, ws, d, acc):
+def _run_idot(fmt, avx2, q, xq, xl, o, ws, d, acc):
     """acc + ws * (d * dot4(q, xq[o:o + 32])): a run's integer sums times its activation scale d, then its
-    weight scales ws ([lo x4, hi x4]: Q6_K's scale per 16 values; the other formats' lo == hi)."""
+    weight scales ws ([lo x4, hi x4]: Q6_K's scale per 16 values; the other formats' lo == hi). Q6_K's q
+    comes unsigned (q + 32, 0..63) and its lanes less 32 x their sums of xq (xl[o // 4:]): q's lanes."""
     b = vb_load(xq, o)
-    if fmt == _Q4_K:                                  # q 0..15: no sign to move
+    if fmt == _Q6_K:
+        s = vb_udot4_minus_avx2(q, b, xl, o >> 2) if avx2 else vb_udot4_minus(q, b, xl, o >> 2)
+    elif fmt == _Q4_K:                                # q 0..15: no sign to move
         s = vb_udot4_avx2(q, b) if avx2 else vb_udot4(q, b)
     else:
         s = vb_dot4_avx2(q, b) if avx2 else vb_dot4(q, b)
     return vf_fma(ws, vf_mul(vf_splat(d), s), acc)
 
 
-@njit(inline="always")
-def _weight_scales(fmt, lo, hi):
-    return vf_halves(lo, hi) if fmt == _Q6_K else vf_splat(lo)
-
-
 def _rows_of(fmt, avx2):
-    """The rows for one format and one spelling of the integer sums (constants of the compiled copy, so
-    their branches fold away); the body is the closure's own, as in cpu_quant._rows_of."""
-    def rows(xq, dx, xs, w, bias, out, n0, n1, col, f16):
+    """The Q8_0 / Q5_0 rows for one format and one spelling of the integer sums (constants of the compiled
+    copy, so their branches fold away); the body is the closure's own, as in cpu_quant._rows_of."""
+    def rows(xq, dx, xs, xl, w, bias, out, n0, n1, col, f16):
         """out[:, col + n] = the int8 product of rows n0..n1-1 of w (uint8 [N, bytes_per_row]) with xq int8
         [M * K] (flat), dx / xs float32 [M, K // 32]; 4 input rows at a time, as cpu_quant's rows."""
         M, R = dx.shape
         K = 32 * R
         has_bias = bias.shape[0] > 0
-        lo, hi, mn = np.empty(R, np.float32), np.empty(R, np.float32), np.zeros(R, np.float32)
+        mn = np.zeros(0, np.float32)                     # no mins (_store reads them for Q4_K only)
         M4 = M - M % 4
         for n in range(n0, n1):
             row = w[n]
             if n + PREFETCH_ROWS < n1:                   # the row after next on its way from memory meanwhile
                 _prefetch_row(w[n + PREFETCH_ROWS])
-            _row_scales(fmt, row, lo, hi, mn, f16)
             for m in range(0, M4, 4):
                 a0, a1, a2, a3 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
                 for r in range(R):
                     q = _run_values(fmt, row, r)
-                    ws = _weight_scales(fmt, _lo(fmt, row, r, lo, f16), hi[r])
+                    ws = vf_splat(_lo(fmt, row, r, mn, f16))     # the block's fp16 d (`lo` unread)
                     o = m * K + 32 * r
-                    a0 = _run_idot(fmt, avx2, q, xq, o, ws, dx[m, r], a0)
-                    a1 = _run_idot(fmt, avx2, q, xq, o + K, ws, dx[m + 1, r], a1)
-                    a2 = _run_idot(fmt, avx2, q, xq, o + 2 * K, ws, dx[m + 2, r], a2)
-                    a3 = _run_idot(fmt, avx2, q, xq, o + 3 * K, ws, dx[m + 3, r], a3)
+                    a0 = _run_idot(fmt, avx2, q, xq, xl, o, ws, dx[m, r], a0)
+                    a1 = _run_idot(fmt, avx2, q, xq, xl, o + K, ws, dx[m + 1, r], a1)
+                    a2 = _run_idot(fmt, avx2, q, xq, xl, o + 2 * K, ws, dx[m + 2, r], a2)
+                    a3 = _run_idot(fmt, avx2, q, xq, xl, o + 3 * K, ws, dx[m + 3, r], a3)
                 _store(fmt, vf_sum(a0), m, col + n, mn, xs, bias, has_bias, out)
                 _store(fmt, vf_sum(a1), m + 1, col + n, mn, xs, bias, has_bias, out)
                 _store(fmt, vf_sum(a2), m + 2, col + n, mn, xs, bias, has_bias, out)
@@ -141,25 +167,139 @@ def _rows_of(fmt, avx2):
             for m in range(M4, M):
                 a0 = vf_zero()
                 for r in range(R):
-                    ws = _weight_scales(fmt, _lo(fmt, row, r, lo, f16), hi[r])
-                    a0 = _run_idot(fmt, avx2, _run_values(fmt, row, r), xq, m * K + 32 * r, ws, dx[m, r], a0)
+                    ws = vf_splat(_lo(fmt, row, r, mn, f16))
+                    a0 = _run_idot(fmt, avx2, _run_values(fmt, row, r), xq, xl, m * K + 32 * r, ws, dx[m, r], a0)
+                _store(fmt, vf_sum(a0), m, col + n, mn, xs, bias, has_bias, out)
+    return njit(cache=True, nogil=True)(rows)
+
+
+# ---- the K-quants: a half super-block (128 values, four runs) at a time ----------------------------------
+# A super-block of 256 values is two halves of four runs; the runs of a half share their loads (Q6_K: 64
+# bytes of ql and 32 of qh, Q4_K: 64 bytes of qs), and each run's place in the half is a constant, so its
+# nibble and bit fields are fixed shifts and masks (as ggml unpacks them). Q6_K's values come unsigned.
+
+@njit(inline="always")
+def _kq_half(fmt, row, hb):
+    """The four runs of half hb (super-block hb // 2, half hb % 2) of the row in byte lanes, unsigned:
+    Q6_K q + 32 (0..63: four low bits from ql, two high bits from qh), Q4_K q (0..15)."""
+    b, h = hb >> 1, hb & 1
+    if fmt == _Q6_K:
+        p = b * 210 + 64 * h
+        ql0, ql1, qh = vb_load(row, p), vb_load(row, p + 32), vb_load(row, b * 210 + 128 + 32 * h)
+        return (vb_or(vb_and(ql0, 15), vb_shl(vb_and(qh, 3), 4)),          # qh bits 0-1 -> bits 4-5
+                vb_or(vb_and(ql1, 15), vb_shl(vb_and(qh, 12), 2)),         # bits 2-3
+                vb_or(vb_shr(ql0, 4), vb_and(qh, 48)),                     # bits 4-5
+                vb_or(vb_shr(ql1, 4), vb_shr(vb_and(qh, 192), 2)))         # bits 6-7
+    p = b * 144 + 16 + 64 * h                                              # Q4_K: sub-blocks 2c, 2c + 1 the
+    q0, q1 = vb_load(row, p), vb_load(row, p + 32)                         # low, high nibbles of 32 bytes
+    return vb_and(q0, 15), vb_shr(q0, 4), vb_and(q1, 15), vb_shr(q1, 4)
+
+
+@njit(inline="always")
+def _kq_scales(fmt, row, hb, lo, f16):
+    """The weight scales of half hb's four runs, as _run_idot takes them: Q6_K [d * sc[2i] x4, d * sc[2i + 1]
+    x4] for run i (the float32 products reference/quant.py forms), Q4_K lo[run] in every lane."""
+    if fmt == _Q6_K:                                  # the half's 8 scales at once, then two to a run
+        b, h = hb >> 1, hb & 1
+        d = vf_splat(f16[load_u16(row, b * 210 + 208)])
+        return vf_spread_pairs(vf_mul_rounded(d, vf_i8(row, b * 210 + 192 + 8 * h)))
+    r = 4 * hb
+    return vf_splat(lo[r]), vf_splat(lo[r + 1]), vf_splat(lo[r + 2]), vf_splat(lo[r + 3])
+
+
+@njit(inline="always")
+def _q4_k_scales(row, lo, mn, f16):
+    """lo / mn [K // 32] of a Q4_K row: d * sc and dmin * m (reference/quant.py's float32 products), the
+    8 six-bit pairs of a super-block unpacked from its 12 bytes in 32-bit words (q4_k_scale_min's layout:
+    sc[0..3] / m[0..3] the low 6 bits of bytes 0-3 / 4-7; sc[4..7] / m[4..7] the low / high nibbles of
+    bytes 8-11 with the top 2 bits of bytes 0-3 / 4-7 above them), 8 lanes at a time."""
+    low6, nib, top2, two, four, half = (np.uint64(0x3F3F3F3F), np.uint64(0x0F0F0F0F), np.uint64(0x30303030),
+                                        np.uint64(2), np.uint64(4), np.uint64(32))      # (uint64: numba's int64
+    for b in range(lo.shape[0] // 8):                                                   # mixed in is a float)
+        p = b * 144
+        w0, w1, w2 = load_u32(row, p + 4), load_u32(row, p + 8), load_u32(row, p + 12)
+        sc = (w0 & low6) | (((w2 & nib) | ((w0 >> two) & top2)) << half)
+        m = (w1 & low6) | ((((w2 >> four) & nib) | ((w1 >> two) & top2)) << half)
+        vf_store(lo, 8 * b, vf_mul_rounded(vf_splat(f16[load_u16(row, p)]), vf_bytes(sc)))
+        vf_store(mn, 8 * b, vf_mul_rounded(vf_splat(f16[load_u16(row, p + 2)]), vf_bytes(m)))
+
+
+@njit(inline="always")
+def _kq_half_dot(fmt, avx2, q, ws, xq, xl, o, dxm, r, acc):
+    """acc after the four runs r..r+3 (one half: q, ws from _kq_half / _kq_scales) of one input row (xq from
+    o, its scales dxm), in run order."""
+    acc = _run_idot(fmt, avx2, q[0], xq, xl, o, ws[0], dxm[r], acc)
+    acc = _run_idot(fmt, avx2, q[1], xq, xl, o + 32, ws[1], dxm[r + 1], acc)
+    acc = _run_idot(fmt, avx2, q[2], xq, xl, o + 64, ws[2], dxm[r + 2], acc)
+    return _run_idot(fmt, avx2, q[3], xq, xl, o + 96, ws[3], dxm[r + 3], acc)
+
+
+@njit(inline="always")
+def _prefetch_in_step(ahead, hb):
+    """Cache lines 2 hb and 2 hb + 1 of the row `ahead` (a half super-block is at most 128 bytes: Q6_K 105,
+    Q4_K 72), so the row after next comes from memory in step with this row's halves. (Asking for a whole
+    row's lines at its start, as _rows_of does, left the K-quant products from memory ~1.7x their time
+    from cache: measured in docs/cpu_quant.md.)"""
+    p = 128 * hb
+    if p < ahead.shape[0]:
+        prefetch(ahead, p)
+        if p + 64 < ahead.shape[0]:
+            prefetch(ahead, p + 64)
+
+
+def _kq_rows_of(fmt, avx2):
+    """The Q6_K / Q4_K rows: `rows` of _rows_of, the runs taken a half super-block at a time. Every input
+    row's runs go in the same order with the same operations as one at a time, and Q6_K's unsigned
+    products less 32 x sum(xq) are its signed ones: the same float32 results bit for bit."""
+    def rows(xq, dx, xs, xl, w, bias, out, n0, n1, col, f16):
+        M, R = dx.shape
+        K = 32 * R
+        has_bias = bias.shape[0] > 0
+        lo, mn = np.empty(R, np.float32), np.zeros(R, np.float32)
+        M4 = M - M % 4
+        for n in range(n0, n1):
+            row, ahead = w[n], w[min(n + PREFETCH_ROWS, n1 - 1)]
+            if fmt == _Q4_K:
+                _q4_k_scales(row, lo, mn, f16)
+            for m in range(0, M4, 4):
+                a0, a1, a2, a3 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
+                for hb in range(R // 4):
+                    _prefetch_in_step(ahead, hb)
+                    q, ws = _kq_half(fmt, row, hb), _kq_scales(fmt, row, hb, lo, f16)
+                    o = m * K + 128 * hb
+                    a0 = _kq_half_dot(fmt, avx2, q, ws, xq, xl, o, dx[m], 4 * hb, a0)
+                    a1 = _kq_half_dot(fmt, avx2, q, ws, xq, xl, o + K, dx[m + 1], 4 * hb, a1)
+                    a2 = _kq_half_dot(fmt, avx2, q, ws, xq, xl, o + 2 * K, dx[m + 2], 4 * hb, a2)
+                    a3 = _kq_half_dot(fmt, avx2, q, ws, xq, xl, o + 3 * K, dx[m + 3], 4 * hb, a3)
+                _store(fmt, vf_sum(a0), m, col + n, mn, xs, bias, has_bias, out)
+                _store(fmt, vf_sum(a1), m + 1, col + n, mn, xs, bias, has_bias, out)
+                _store(fmt, vf_sum(a2), m + 2, col + n, mn, xs, bias, has_bias, out)
+                _store(fmt, vf_sum(a3), m + 3, col + n, mn, xs, bias, has_bias, out)
+            for m in range(M4, M):
+                a0 = vf_zero()
+                for hb in range(R // 4):
+                    _prefetch_in_step(ahead, hb)
+                    a0 = _kq_half_dot(fmt, avx2, _kq_half(fmt, row, hb), _kq_scales(fmt, row, hb, lo, f16), xq, xl,
+                                      m * K + 128 * hb, dx[m], 4 * hb, a0)
                 _store(fmt, vf_sum(a0), m, col + n, mn, xs, bias, has_bias, out)
     return njit(cache=True, nogil=True)(rows)
 
 
 # (format code, avx2) -> that format's rows, compiled for one spelling of the integer sums
-ROWS = {(f, avx2): _rows_of(f, avx2) for f in (_Q8_0, _Q5_0, _Q6_K, _Q4_K) for avx2 in (False, True)}
+ROWS = {(f, avx2): (_kq_rows_of if f in (_Q6_K, _Q4_K) else _rows_of)(f, avx2)
+        for f in (_Q8_0, _Q5_0, _Q6_K, _Q4_K) for avx2 in (False, True)}
 _q8_0, _q5_0, _q6_k, _q4_k = (ROWS[f, False] for f in (_Q8_0, _Q5_0, _Q6_K, _Q4_K))
 _q8_0_avx2, _q5_0_avx2, _q6_k_avx2, _q4_k_avx2 = (ROWS[f, True] for f in (_Q8_0, _Q5_0, _Q6_K, _Q4_K))
 
 
 @njit(inline="always")
 def _quantized(x):
-    """quantize_rows inside a kernel: (xq flat int8 [M * K], dx, xs)."""
+    """quantize_rows inside a kernel: (xq flat int8 [M * K], dx, xs, xl flat int32 [M * K // 4])."""
     M, K = x.shape
     xq, dx, xs = np.empty(M * K, np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
-    _quantize_rows(x, xq.reshape(M, K), dx, xs)
-    return xq, dx, xs
+    xl = np.empty(M * K // 4, np.int32)
+    _quantize_rows(x, xq.reshape(M, K), dx, xs, xl.reshape(M, K // 4))
+    return xq, dx, xs, xl
 
 
 # The threaded drivers over a fused layer's parts: x quantized once, then the parts' output features cut
@@ -167,7 +307,7 @@ def _quantized(x):
 # functions, so numba's cache keeps them); _run_avx2 is compiled only when called, where AVX2 is there.
 @njit(parallel=True, cache=True, nogil=True)
 def _run_generic(num_threads, fmts, parts, offsets, x, bias, out, f16):
-    xq, dx, xs = _quantized(x)
+    xq, dx, xs, xl = _quantized(x)
     N = offsets[-1]
     per = -(-N // num_threads)
     for t in prange(num_threads):
@@ -175,7 +315,7 @@ def _run_generic(num_threads, fmts, parts, offsets, x, bias, out, f16):
         for p in range(len(parts)):
             n0, n1 = max(a, offsets[p]), min(e, offsets[p + 1])
             if n0 < n1:
-                args = (xq, dx, xs, parts[p], bias, out, n0 - offsets[p], n1 - offsets[p], offsets[p], f16)
+                args = (xq, dx, xs, xl, parts[p], bias, out, n0 - offsets[p], n1 - offsets[p], offsets[p], f16)
                 if fmts[p] == _Q8_0:
                     _q8_0(*args)
                 elif fmts[p] == _Q5_0:
@@ -188,7 +328,7 @@ def _run_generic(num_threads, fmts, parts, offsets, x, bias, out, f16):
 
 @njit(parallel=True, cache=True, nogil=True)
 def _run_avx2(num_threads, fmts, parts, offsets, x, bias, out, f16):
-    xq, dx, xs = _quantized(x)
+    xq, dx, xs, xl = _quantized(x)
     N = offsets[-1]
     per = -(-N // num_threads)
     for t in prange(num_threads):
@@ -196,7 +336,7 @@ def _run_avx2(num_threads, fmts, parts, offsets, x, bias, out, f16):
         for p in range(len(parts)):
             n0, n1 = max(a, offsets[p]), min(e, offsets[p + 1])
             if n0 < n1:
-                args = (xq, dx, xs, parts[p], bias, out, n0 - offsets[p], n1 - offsets[p], offsets[p], f16)
+                args = (xq, dx, xs, xl, parts[p], bias, out, n0 - offsets[p], n1 - offsets[p], offsets[p], f16)
                 if fmts[p] == _Q8_0:
                     _q8_0_avx2(*args)
                 elif fmts[p] == _Q5_0:

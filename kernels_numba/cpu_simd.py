@@ -16,7 +16,9 @@ intrinsic emitting plain LLVM vector IR:
                          prefetch (a cache-line hint: llvm.prefetch)
     int8 products        vb_dot4 / vb_udot4 (target-independent), vb_dot4_avx2 / vb_udot4_avx2 (x86 AVX2's
                          vpmaddubsw + vpmaddwd, only where target_has_avx2()): 32 byte products summed
-                         in fours into an F32x8, exactly; vf_halves (two scalars, four lanes each)
+                         in fours into an F32x8, exactly; vb_udot4_minus(_avx2): the same less 8 int32
+                         lanes of an array; vf_halves (two scalars, four lanes each); vf_i8 (8 stored signed
+                         bytes), vf_bytes (a uint64's 8 bytes), vf_spread_pairs (lanes 2k, 2k + 1 four times)
 
 Nothing but the _avx2 products names a target-specific instruction: LLVM's instruction selection maps
 the vector ops to what the compile target has (two SSE registers per vector on a generic x86-64, one AVX2 register on a recent
@@ -253,7 +255,8 @@ load_u32 = _word_loader(32)
 #                          + vpmaddwd by ones (adjacent 16-bit pairs -> 32 bits); a signed `a` goes in as
 #                          |a| with its sign moved onto b (vpsignb), as llama.cpp does
 # In those ranges a pair is at most 2 * 128 * 127 = 32512 < 2^15: vpmaddubsw never saturates, so both
-# give the same lanes bit for bit.
+# give the same lanes bit for bit. vb_udot4_minus subtracts 8 int32 lanes from an array before the
+# conversion (Q6_K's q - 32 as the unsigned q times xq, less 32 x the lane's sum of xq: the same lanes).
 _I16x16, _I32x8, _I16x32, _I32x16 = (ir.VectorType(ir.IntType(16), 16), ir.VectorType(_I32, 8),
                                      ir.VectorType(ir.IntType(16), 32), ir.VectorType(_I32, 16))
 
@@ -273,36 +276,48 @@ def _declare(module, name, ret, *params):
     return module.globals.get(name) or ir.Function(module, ir.FunctionType(ret, list(params)), name=name)
 
 
-def _dot4(avx2, a_unsigned):
+def _dot4(avx2, a_unsigned, minus=False):
+    def codegen(context, builder, sig, args):
+        a, b = args[:2]
+        if avx2:
+            m = builder.module
+            if not a_unsigned:
+                sign = _declare(m, "llvm.x86.avx2.psign.b", _B32, _B32, _B32)
+                a, b = builder.call(sign, [a, a]), builder.call(sign, [b, a])     # |a|, b * sign(a)
+            p16 = builder.call(_declare(m, "llvm.x86.avx2.pmadd.ub.sw", _I16x16, _B32, _B32), [a, b])
+            p32 = builder.call(_declare(m, "llvm.x86.avx2.pmadd.wd", _I32x8, _I16x16, _I16x16),
+                               [p16, ir.Constant(_I16x16, [1] * 16)])
+        else:
+            wide_a = builder.zext(a, _I16x32) if a_unsigned else builder.sext(a, _I16x32)
+            prod = builder.mul(wide_a, builder.sext(b, _I16x32))                # |a b| <= 128 * 127: 16 bits
+            p16 = _pairs(builder, prod, _I16x32, _I32)                           # i32 x 16 (no overflow)
+            u = ir.Constant(_I32x16, ir.Undefined)
+            even = builder.shuffle_vector(p16, u, ir.Constant(ir.VectorType(_I32, 8), list(range(0, 16, 2))))
+            odd = builder.shuffle_vector(p16, u, ir.Constant(ir.VectorType(_I32, 8), list(range(1, 16, 2))))
+            p32 = builder.add(even, odd)
+        if minus:                                                                # less c[i:i + 8]
+            p32 = builder.sub(p32, _load(builder, _ptr(context, builder, sig.args[2], args[2], args[3], _I32x8)))
+        return builder.sitofp(p32, _F8)
+
+    if minus:
+        @intrinsic
+        def dot4_minus(typingctx, a, b, c, i):
+            """dot4(a, b) less the int32 lanes c[i:i + 8] (a 1-D int32 array), before the conversion."""
+            return f32x8(a, b, c, i), codegen
+        return dot4_minus
+
     @intrinsic
     def dot4(typingctx, a, b):
-        def codegen(context, builder, sig, args):
-            a, b = args
-            if avx2:
-                m = builder.module
-                if not a_unsigned:
-                    sign = _declare(m, "llvm.x86.avx2.psign.b", _B32, _B32, _B32)
-                    a, b = builder.call(sign, [a, a]), builder.call(sign, [b, a])     # |a|, b * sign(a)
-                p16 = builder.call(_declare(m, "llvm.x86.avx2.pmadd.ub.sw", _I16x16, _B32, _B32), [a, b])
-                p32 = builder.call(_declare(m, "llvm.x86.avx2.pmadd.wd", _I32x8, _I16x16, _I16x16),
-                                   [p16, ir.Constant(_I16x16, [1] * 16)])
-            else:
-                wide_a = builder.zext(a, _I16x32) if a_unsigned else builder.sext(a, _I16x32)
-                prod = builder.mul(wide_a, builder.sext(b, _I16x32))                # |a b| <= 128 * 127: 16 bits
-                p16 = _pairs(builder, prod, _I16x32, _I32)                           # i32 x 16 (no overflow)
-                u = ir.Constant(_I32x16, ir.Undefined)
-                even = builder.shuffle_vector(p16, u, ir.Constant(ir.VectorType(_I32, 8), list(range(0, 16, 2))))
-                odd = builder.shuffle_vector(p16, u, ir.Constant(ir.VectorType(_I32, 8), list(range(1, 16, 2))))
-                p32 = builder.add(even, odd)
-            return builder.sitofp(p32, _F8)
         return f32x8(a, b), codegen
     return dot4
 
 
 vb_dot4 = _dot4(False, False)                    # any target
 vb_udot4 = _dot4(False, True)
+vb_udot4_minus = _dot4(False, True, minus=True)
 vb_dot4_avx2 = _dot4(True, False)                # x86 with AVX2 only (LLVM cannot select it elsewhere)
 vb_udot4_avx2 = _dot4(True, True)
+vb_udot4_minus_avx2 = _dot4(True, True, minus=True)
 
 
 @intrinsic
@@ -316,6 +331,37 @@ def vf_halves(typingctx, a, b):
             v = builder.insert_element(v, a if k < 4 else b, ir.Constant(_I32, k))
         return v
     return f32x8(a, b), codegen
+
+
+@intrinsic
+def vf_i8(typingctx, ary, idx):
+    """The 8 signed bytes ary[idx:idx + 8] of a 1-D uint8 array as float32 lanes (exact)."""
+    def codegen(context, builder, sig, args):
+        b = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(8), 8)))
+        return builder.sitofp(builder.sext(b, _I32x8), _F8)
+    return f32x8(ary, idx), codegen
+
+
+@intrinsic
+def vf_spread_pairs(typingctx, v):
+    """Four F32x8 from the lanes of v: the k-th has lane 2k in lanes 0-3 and lane 2k + 1 in lanes 4-7 (Q6_K's
+    sub-block scales of 16 values, two to a run of 32)."""
+    def codegen(context, builder, sig, args):
+        u = ir.Constant(_F8, ir.Undefined)
+        out = [builder.shuffle_vector(args[0], u, ir.Constant(ir.VectorType(_I32, 8), [2 * k] * 4 + [2 * k + 1] * 4))
+               for k in range(4)]
+        return context.make_tuple(builder, sig.return_type, out)
+    return types.UniTuple(f32x8, 4)(v), codegen
+
+
+@intrinsic
+def vf_bytes(typingctx, word):
+    """Byte k of the uint64 `word` (bits 8k..8k+7, unsigned) in lane k, as float32 (exact)."""
+    def codegen(context, builder, sig, args):
+        w = context.cast(builder, args[0], sig.args[0], types.uint64)
+        b = builder.bitcast(w, ir.VectorType(ir.IntType(8), 8))
+        return builder.sitofp(builder.zext(b, _I32x8), _F8)
+    return f32x8(word), codegen
 
 
 @intrinsic

@@ -185,7 +185,8 @@ def linear_int8(x, raw, fmt, bias=None):
     """float64 [M, N]: x float32 [M, K] times the blocks raw [N, bytes_per_row] with x rounded to int8
     (quantize_rows_int8): per run of 32 (16 for a Q6_K sub-block) the exact integer sum of q * xq, times
     the float32 product (weight scale * dx), minus (Q4_K) the run's min * xs, summed in float64. What the
-    int8 kernel computes, up to its float32 accumulation."""
+    int8 kernel computes, up to its float32 accumulation. (The kernel forms Q6_K's integer sums from the
+    unsigned q + 32 less 32 x sum(xq) of each 4 values: the same integers, so nothing here depends on it.)"""
     xq, dx, xs = quantize_rows_int8(x)
     q, s, mn = integer_form(raw, fmt)
     M, K = xq.shape

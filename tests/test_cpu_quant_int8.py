@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 import torch
 from numba import njit
+from helpers import bundled_gguf, bundled_model_dir  # noqa: F401 (session fixtures)
 from test_cpu_quant import FORMATS, U, bound, synthetic_blocks
 
 from kernels_numba import cpu_quant, cpu_quant_int8
-from kernels_numba.cpu_simd import target_has_avx2
+from kernels_numba.cpu_simd import (target_has_avx2, vb_dot4, vb_dot4_avx2, vb_load, vb_udot4, vb_udot4_avx2, vf_fma,
+                                    vf_halves, vf_mul, vf_splat, vf_sum, vf_zero)
 from pagedattn.errors import KernelLaunchError
 from reference import quant
 
@@ -46,10 +48,13 @@ def awkward_x(M, K, seed):
 @pytest.mark.parametrize("M, K", [(1, 32), (3, 96), (7, 256)])
 def test_quantization_is_the_references_bit_for_bit(M, K):
     x = awkward_x(M, K, seed=M * K)
-    for got, want in zip(cpu_quant_int8.quantize_rows(x), quant.quantize_rows_int8(x)):
+    *ours, xl = cpu_quant_int8.quantize_rows(x)
+    for got, want in zip(ours, quant.quantize_rows_int8(x), strict=True):
         assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8))
     xq, dx, _ = quant.quantize_rows_int8(x)
     assert np.abs(xq.astype(np.int32)).max() <= 127 and (xq[0, :32] == 0).all() and dx[0, 0] == 0
+    # Q6_K's - 32 on the activations' side: 32 x each 4 values' sum of xq
+    assert xl.dtype == np.int32 and np.array_equal(xl, 32 * xq.astype(np.int32).reshape(M, K // 4, 4).sum(-1))
 
 
 @njit
@@ -99,6 +104,91 @@ def test_product_matches_reference(fmt, M, N, blocks):
     y = cpu_quant_int8.linear(x, raw, fmt, None if b is None else torch.from_numpy(b), num_threads=2)
     assert y.shape == (M, N) and y.dtype == torch.float32
     check_against_reference(y, x, raw, fmt, b)
+
+
+KQUANTS = ["Q6_K", "Q4_K"]
+
+
+@pytest.mark.parametrize("fmt", KQUANTS)
+@pytest.mark.parametrize("N, blocks", [(1, 1), (3, 2), (5, 1), (31, 3)])
+def test_kquant_halves_on_ragged_shapes(fmt, N, blocks):
+    """The K-quants' half super-block rows against the reference at every row count 1-16 (the 4-row groups
+    and the rest) and odd N, one and two threads: N = 1 .. 5 leaves a thread one row or none."""
+    raw = synthetic_blocks(fmt, N, blocks, seed=N * 10 + blocks)
+    x = awkward_x(16, 256 * blocks, seed=N + blocks)
+    b = np.random.default_rng(N).standard_normal(N).astype(np.float32)
+    for M in range(1, 17):
+        y = cpu_quant_int8.linear(x[:M], raw, fmt, torch.from_numpy(b) if M % 3 else None, num_threads=1 + M % 2)
+        assert y.shape == (M, N)
+        check_against_reference(y, x[:M], raw, fmt, b if M % 3 else None)
+
+
+def _previous_rows(fmt, avx2):
+    """The int8 K-quant product as it was before the half super-block rows (one input row at a time, which
+    the previous 4-row groups computed the same way): each run's signed q as cpu_quant unpacks it (Q6_K's
+    - 32 in the bytes, so vpsignb's pair on AVX2), the scales cpu_quant._run_scales forms, and
+    acc += [lo x4, hi x4] * (dx * lanes) run by run."""
+    @njit(nogil=True)
+    def rows(xq, dx, xs, w, out):
+        M, R = dx.shape
+        lo, hi, mn = np.empty(R, np.float32), np.empty(R, np.float32), np.zeros(R, np.float32)
+        for n in range(w.shape[0]):
+            row = w[n]
+            cpu_quant._run_scales(fmt, row, lo, hi, mn, cpu_quant._F16)
+            for m in range(M):
+                acc = vf_zero()
+                for r in range(R):
+                    q, b = cpu_quant._run_values(fmt, row, r), vb_load(xq, (m * R + r) * 32)
+                    if fmt == cpu_quant._Q4_K:
+                        s = vb_udot4_avx2(q, b) if avx2 else vb_udot4(q, b)
+                    else:
+                        s = vb_dot4_avx2(q, b) if avx2 else vb_dot4(q, b)
+                    acc = vf_fma(vf_halves(lo[r], hi[r]), vf_mul(vf_splat(dx[m, r]), s), acc)
+                cpu_quant._store(fmt, vf_sum(acc), m, n, mn, xs, np.zeros(0, np.float32), False, out)
+    return rows
+
+
+_PREVIOUS = {}
+
+
+def previous_kernel(fmt, x, raw, avx2):
+    key = (fmt, avx2)
+    if key not in _PREVIOUS:
+        _PREVIOUS[key] = _previous_rows(cpu_quant._CODE[fmt], avx2)
+    xq, dx, xs, _ = cpu_quant_int8.quantize_rows(x)
+    out = np.empty((x.shape[0], raw.shape[0]), np.float32)
+    _PREVIOUS[key](xq.reshape(-1), dx, xs, raw, out)
+    return out
+
+
+@pytest.mark.parametrize("fmt", KQUANTS)
+@pytest.mark.parametrize("avx2", [False, pytest.param(True, marks=pytest.mark.skipif(not AVX2, reason="no AVX2"))])
+def test_kquant_halves_are_the_previous_kernels_bits(fmt, avx2):
+    """Same integers (Q6_K: (q + 32) . xq - 32 sum(xq) is q . xq exactly), same scales, same float32
+    operations in the same order: every output bit for bit the previous kernel's, at 1-16 rows."""
+    raw = synthetic_blocks(fmt, 37, 3, seed=7 + avx2)
+    x = awkward_x(16, 768, seed=8)
+    for M in (1, 2, 3, 4, 5, 8, 13, 16):
+        y = cpu_quant_int8.linear(x[:M], raw, fmt, num_threads=2, avx2=avx2).numpy()
+        assert np.array_equal(y.view(np.uint32), previous_kernel(fmt, x[:M], raw, avx2).view(np.uint32)), M
+
+
+def test_bundled_down_matrices_are_the_previous_kernels_bits(bundled_gguf):  # noqa: F811
+    """The same on the bundled model's ffn_down matrices (896 x 4864, Q6_K and Q4_K): 1 and 5 rows."""
+    from pagedattn.models.gguf_weights import read_gguf
+
+    tensors = read_gguf(bundled_gguf)
+    x = (np.random.default_rng(0).standard_normal((5, 4864)) * 0.1).astype(np.float32)
+    seen = set()
+    for layer in range(24):
+        t = tensors[f"blk.{layer}.ffn_down.weight"]
+        if t.fmt in seen:
+            continue
+        seen.add(t.fmt)
+        for M in (1, 5):
+            y = cpu_quant_int8.linear(x[:M], t.data, t.fmt, num_threads=2).numpy()
+            assert np.array_equal(y.view(np.uint32), previous_kernel(t.fmt, x[:M], t.data, AVX2).view(np.uint32))
+    assert seen == {"Q6_K", "Q4_K"}
 
 
 @pytest.mark.skipif(not AVX2, reason="the CPU numba compiles for has no AVX2")
@@ -214,11 +304,34 @@ def test_codegen_of_the_integer_sums(avx2):
     raw = synthetic_blocks("Q5_0", 4, 1, seed=95).view()
     raw.flags.writeable = False
     one = np.ones((1, 1), np.float32)
-    fresh(np.ones(32, np.int8), one, one, raw, np.zeros(0, np.float32), np.zeros((1, 4), np.float32), 0, 4, 0,
-          cpu_quant._F16)
+    fresh(np.ones(32, np.int8), one, one, np.zeros(8, np.int32), raw, np.zeros(0, np.float32),
+          np.zeros((1, 4), np.float32), 0, 4, 0, cpu_quant._F16)
     ops = set(re.findall(r"^\s+([a-z][a-z0-9]*)", fresh.inspect_asm(fresh.signatures[0]), re.M))
     if avx2:
         assert {"vpmaddubsw", "vpmaddwd", "vpsignb"} <= ops
     else:
         assert not {"vpmaddubsw", "vpsignb"} & ops
     assert any(o.endswith("cvtdq2ps") for o in ops) and not any(o.endswith("cvtsi2ss") for o in ops)
+
+
+@pytest.mark.skipif(not (X86 and AVX2), reason="checks x86 AVX2 instructions")
+@pytest.mark.parametrize("fmt", KQUANTS)
+def test_codegen_of_the_kquant_halves(fmt):
+    """The K-quants' rows (AVX2): unsigned byte products (vpmaddubsw + vpmaddwd, no vpsignb), Q6_K's
+    lane sums subtracted (vpsubd); every shift of a byte field a constant one (no vpsrlw / vpsllw by a
+    register count, which a run's place unknown at compile time costs), no scalar int -> float conversion
+    (the scales converted in vectors)."""
+    import re
+
+    fresh = njit(nogil=True)(cpu_quant_int8.ROWS[cpu_quant._CODE[fmt], True].py_func)
+    raw = synthetic_blocks(fmt, 4, 1, seed=96).view()
+    raw.flags.writeable = False
+    one = np.ones((1, 8), np.float32)
+    fresh(np.ones(256, np.int8), one, one, np.zeros(64, np.int32), raw, np.zeros(0, np.float32),
+          np.zeros((1, 4), np.float32), 0, 4, 0, cpu_quant._F16)
+    asm = fresh.inspect_asm(fresh.signatures[0])
+    ops = set(re.findall(r"^\s+([a-z][a-z0-9]*)", asm, re.M))
+    assert {"vpmaddubsw", "vpmaddwd"} <= ops and "vpsignb" not in ops
+    assert ("vpsubd" in ops) == (fmt == "Q6_K")
+    assert not re.search(r"^\s+vps[rl]lw\s+%xmm", asm, re.M)
+    assert not any(o.endswith("cvtsi2ss") for o in ops)

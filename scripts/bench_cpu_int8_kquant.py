@@ -1,0 +1,153 @@
+"""A/B of the int8-activation products on the bundled model's `ffn_down` matrices (12 Q6_K, 12 Q4_K,
+896 x 4864) between this tree's kernels and a git revision's, alternating in one process.
+
+    python scripts/bench_cpu_int8_kquant.py --old REV [--rounds 7] [--threads 2] [--rows 1] [--calls 40]
+
+The old kernels are REV's kernels_numba/cpu_quant_int8.py, cpu_quant.py and cpu_simd.py, written out as a
+package of their own (kq_old_REV, in the temp directory, so numba's cache keeps its compiles) and compiled
+in this process beside the new ones. Each output is first compared with the other (bit for bit, or the
+largest difference relative to the output's scale), then per round, old and new alternating (and which of
+the two goes first alternating from round to round):
+
+    cache   the first Q6_K and the first Q4_K matrix, each called --calls times, the mean of a call
+            (the matrix stays in L2/L3: the arithmetic)
+    memory  the 24 layers' down matrices, one pass (~72 MB, from memory as a decode step reads them)
+
+and beside them, in the same rounds, "read only": a pass over the same 24 matrices that loads every byte
+(32-byte vector loads OR-ed together, the rows cut over the threads as the products cut them) and computes
+nothing else, the floor a product from memory can reach here.
+
+Wall time, --threads threads (numba's pool and the products' split as in the engine); the table gives the
+minimum and the median over rounds in ms. x: a down projection's input of the bundled model (standard
+normal times the scale of SiLU(gate) * up, ~0.1), --rows rows.
+"""
+import argparse
+import importlib
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = ("cpu_quant_int8", "cpu_quant", "cpu_simd")
+
+
+def old_kernels(rev):
+    """REV's int8 kernels as the module kq_old_<rev>.cpu_quant_int8 (its own cpu_quant / cpu_simd)."""
+    sha = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", rev], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    pkg = f"kq_old_{sha}"
+    base = os.path.join(tempfile.gettempdir(), "pagedattn_bench_old")
+    os.makedirs(os.path.join(base, pkg), exist_ok=True)
+    open(os.path.join(base, pkg, "__init__.py"), "w").close()
+    for name in FILES:
+        src = subprocess.run(["git", "-C", ROOT, "show", f"{sha}:kernels_numba/{name}.py"], capture_output=True,
+                             text=True, check=True).stdout
+        for other in FILES:                              # its imports of the three point at its own copies
+            src = re.sub(rf"\bkernels_numba\.{other}\b", f"{pkg}.{other}", src)
+            src = re.sub(rf"from kernels_numba import ([^\n]*\b){other}\b", rf"from {pkg} import \g<1>{other}", src)
+        path = os.path.join(base, pkg, f"{name}.py")
+        if not os.path.exists(path) or open(path).read() != src:
+            with open(path, "w") as f:
+                f.write(src)
+    sys.path.insert(0, base)
+    return sha, importlib.import_module(f"{pkg}.cpu_quant_int8")
+
+
+def down_matrices():
+    """[(layer, fmt, blocks)] of the bundled GGUF's ffn_down matrices."""
+    from pagedattn import bundled
+    from pagedattn.models.gguf_weights import read_gguf
+
+    path = bundled.bundled_gguf_path(os.path.dirname(bundled.bundled_model_path()))
+    tensors = read_gguf(path)
+    out = []
+    for layer in range(100):
+        t = tensors.get(f"blk.{layer}.ffn_down.weight")
+        if t is None:
+            break
+        out.append((layer, t.fmt, t.data))
+    return out
+
+
+def read_only(threads):
+    """f(w): every byte of w (a C-contiguous uint8 matrix, whole 4-byte words) loaded once as float32 vectors
+    and added up, the bytes cut into one contiguous range per thread."""
+    from numba import njit, prange
+
+    from kernels_numba.cpu_simd import vf_add, vf_load, vf_sum, vf_zero
+    from kernels_numba.cpu_threads import numba_threads
+
+    @njit(parallel=True, nogil=True)
+    def touch(nt, f, sink):
+        per = -(-f.shape[0] // nt) // 8 * 8
+        for t in prange(nt):
+            acc = vf_zero()
+            for i in range(t * per, min(f.shape[0] - 7, (t + 1) * per), 8):
+                acc = vf_add(acc, vf_load(f, i))
+            sink[t] = vf_sum(acc)                          # kept, so the loads are not dropped
+    sink = np.zeros(64, np.float32)
+    return lambda w: touch(numba_threads(threads), w.reshape(-1).view(np.float32), sink)
+
+
+def compare(a, b):
+    if np.array_equal(a.numpy().view(np.uint32), b.numpy().view(np.uint32)):
+        return "bit for bit"
+    return f"max |diff| / max |y| = {(a - b).abs().max().item() / b.abs().max().item():.2e}"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--old", required=True, help="git revision of the old kernels")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--calls", type=int, default=40)
+    a = p.parse_args()
+    sys.path.insert(0, ROOT)
+    from kernels_numba import cpu_quant_int8 as new
+
+    sha, old = old_kernels(a.old)
+    torch.set_num_threads(a.threads)
+    mats = down_matrices()
+    x = torch.randn(a.rows, mats[0][2].shape[1] // {"Q6_K": 210, "Q4_K": 144}[mats[0][1]] * 256,
+                    generator=torch.Generator().manual_seed(0)) * 0.1
+    kernels = {f"old ({sha})": old, "new": new}
+    one = {fmt: next(m for m in mats if m[1] == fmt) for fmt in ("Q6_K", "Q4_K")}
+    for fmt, (layer, _, w) in one.items():
+        ys = [k.linear(x, w, fmt, num_threads=a.threads) for k in kernels.values()]
+        print(f"layer {layer} {fmt}: new against old: {compare(ys[1], ys[0])}")
+    tasks = {f"{fmt} in cache (layer {layer})": [(w, fmt)] * a.calls for fmt, (layer, _, w) in one.items()}
+    tasks["24 down matrices from memory"] = [(w, fmt) for _, fmt, w in mats]
+    times = {(t, k): [] for t in tasks for k in kernels}
+    touch, floor = read_only(a.threads), []
+    for i in range(a.rounds + 1):                        # round 0 warms up
+        for t, calls in tasks.items():
+            for k, mod in list(kernels.items())[::1 if i % 2 else -1]:      # who goes first alternates
+                t0 = time.perf_counter()
+                for w, fmt in calls:
+                    mod.linear(x, w, fmt, num_threads=a.threads)
+                times[t, k].append((time.perf_counter() - t0) / (len(calls) if "cache" in t else 1))
+        t0 = time.perf_counter()
+        for w, _ in tasks["24 down matrices from memory"]:
+            touch(w)
+        floor.append(time.perf_counter() - t0)
+    print(f"\n{a.rows} row(s), {a.threads} threads, {a.rounds} rounds, ms (min / median); load {os.getloadavg()[0]:.2f}")
+    print("| | " + " | ".join(kernels) + " | new / old (min) |\n|---|" + "---|" * (len(kernels) + 1))
+    for t in tasks:
+        cells = [times[t, k][1:] for k in kernels]
+        print(f"| {t} | " + " | ".join(f"{min(c) * 1e3:.3f} / {statistics.median(c) * 1e3:.3f}" for c in cells)
+              + f" | {min(cells[1]) / min(cells[0]):.2f} |")
+    nbytes = sum(w.nbytes for _, _, w in mats)
+    print(f"\nread only, the 24 down matrices ({nbytes / 1e6:.0f} MB): {min(floor[1:]) * 1e3:.3f} / "
+          f"{statistics.median(floor[1:]) * 1e3:.3f} ms ({nbytes / min(floor[1:]) / 1e9:.1f} GB/s at the minimum)")
+
+
+if __name__ == "__main__":
+    main()
