@@ -10,7 +10,7 @@ on AVX2:
 
     amax = max |x[32r:32r+32]|,  xq = round-half-even(x * (127 / amax)) (int8, |xq| <= 127; 0 where amax = 0)
     dx = fp16(amax / 127) as float32,  xs = dx * sum(xq)   (xs: Q4_K's mins)
-    xl[8r + k] = 32 * (xq[32r+4k] + ... + xq[32r+4k+3])   (int32: Q6_K's - 32, Q5_0's - 16 as xl / 2, below)
+    xl[8r + k] = 32 * (xq[32r+4k] + ... + xq[32r+4k+3])   (int32: Q6_K's - 32, below)
 
 One block size for every weight format: ggml pairs its K-quants with Q8_K activations (one float32
 scale per 256 values); here the K-quants' runs of 32 (a Q4_K sub-block, two Q6_K sub-blocks of 16) take
@@ -23,16 +23,14 @@ The product, per weight row n, run r (the weight's integers q, as cpu_quant's de
     acc += [lo, lo, lo, lo, hi, hi, hi, hi] * dx[r] * float(lanes)    (lo == hi but for Q6_K)
     out[m, n] = sum of acc's lanes - (Q4_K) sum over runs of mn[r] * xs[r] (+ bias)
 
-Q8_0 and Q5_0 go a run at a time. Q8_0's q is signed as stored (on AVX2 the sign moved onto xq with
-vpsignb, as llama.cpp does, because the byte multiply-add takes one unsigned operand); Q5_0's goes in
-unsigned, q + 16 (0..31: the nibble | the fifth bit << 4, no - 16 in the bytes). The K-quants go half a
-super-block (four runs, 128 values) at a time, unpacked as ggml does: the runs of a half share their
-loads (Q6_K: one 32-byte load of qh gives the high bits of all four), and each run's nibble and bit fields
-are constant shifts and masks. Their values are unsigned, Q4_K's q (0..15) and Q6_K's q + 32 (0..63), so
-the byte products need no sign moved; for Q6_K and Q5_0
+Q8_0 and Q5_0 go a run at a time with the signed q of cpu_quant's `_run_values` (on AVX2 the sign moved
+onto xq with vpsignb, as llama.cpp does, because the byte multiply-add takes one unsigned operand). The
+K-quants go half a super-block (four runs, 128 values) at a time, unpacked as ggml does: the runs of a
+half share their loads (Q6_K: one 32-byte load of qh gives the high bits of all four), and each run's
+nibble and bit fields are constant shifts and masks. Their values are unsigned, Q4_K's q (0..15) and
+Q6_K's q + 32 (0..63), so the byte products need no sign moved; for Q6_K
 
-    lane k of dot4(q, xq) = lane k of dot4(q + 32, xq) - xl[8r + k]          (Q6_K)
-                          = lane k of dot4(q + 16, xq) - (xl[8r + k] >> 1)   (Q5_0)
+    lane k of dot4(q, xq) = lane k of dot4(q + 32, xq) - xl[8r + k]
 
 (exact integers either way, so the lanes, and every float32 result after them, are the signed product's
 bit for bit). The float work per run is unchanged (one conversion, dx's multiply, the FMA by the weight
@@ -40,9 +38,9 @@ scales): applying Q6_K's integer sub-block scales before the conversion would ro
 summing a super-block's runs in integers before one conversion, as ggml's Q8_K does, needs one
 activation scale per 256 values. The Q6_K scales d * sc are formed 8 at a time in vectors in the loop,
 Q4_K's lo / mn a super-block at a time from its 12 packed bytes (32-bit words, as ggml's kmasks); both
-are reference/quant.py's float32 products. While a row's halves (Q8_0 / Q5_0: runs) go, the row after
-next is asked for two cache lines a half (one a run), in step (from memory, the whole row's lines asked
-for at its start left the K-quant products at ~0.6x their speed in cache).
+are reference/quant.py's float32 products. While a row's halves run, the row after next is asked for
+two cache lines a half (from memory, the whole row's lines asked for at its start left the K-quant
+products at ~0.6x their speed in cache).
 
 The integer sums are written twice (kernels_numba/cpu_simd.py): with x86 AVX2's vpmaddubsw + vpmaddwd
 where the CPU numba compiles for has AVX2 (`AVX2`), in target-independent LLVM IR otherwise (or with
@@ -59,12 +57,12 @@ import torch
 from numba import njit, prange
 
 from kernels_numba import cpu_quant
-from kernels_numba.cpu_quant import _F16, _Q4_K, _Q5_0, _Q6_K, _Q8_0, PREFETCH_ROWS, _lo, _run_values, _store
+from kernels_numba.cpu_quant import (_F16, _Q4_K, _Q5_0, _Q6_K, _Q8_0, PREFETCH_ROWS, _lo, _prefetch_row,
+                                     _run_values, _store)
 from kernels_numba.cpu_simd import (f32_bits, f32_from_bits, load_u16, load_u32, prefetch, target_has_avx2, vb_and,
-                                    vb_bits, vb_dot4, vb_dot4_avx2, vb_load, vb_nibbles, vb_or, vb_shl, vb_shr,
-                                    vb_udot4, vb_udot4_avx2, vb_udot4_minus, vb_udot4_minus_avx2, vb_udot4_minus_half,
-                                    vb_udot4_minus_half_avx2, vf_bytes, vf_fma, vf_i8, vf_mul, vf_mul_rounded,
-                                    vf_splat, vf_spread_pairs, vf_store, vf_sum, vf_zero)
+                                    vb_dot4, vb_dot4_avx2, vb_load, vb_or, vb_shl, vb_shr, vb_udot4, vb_udot4_avx2,
+                                    vb_udot4_minus, vb_udot4_minus_avx2, vf_bytes, vf_fma, vf_i8, vf_mul,
+                                    vf_mul_rounded, vf_splat, vf_spread_pairs, vf_store, vf_sum, vf_zero)
 from kernels_numba.cpu_threads import numba_threads, product_threads
 from kernels_numba.errors import KernelLaunchError
 
@@ -126,13 +124,10 @@ def quantize_rows(x):
 def _run_idot(fmt, avx2, q, xq, xl, o, ws, d, acc):
     """acc + ws * (d * dot4(q, xq[o:o + 32])): a run's integer sums times its activation scale d, then its
     weight scales ws ([lo x4, hi x4]: Q6_K's scale per 16 values; the other formats' lo == hi). Q6_K's q
-    comes unsigned (q + 32, 0..63) and its lanes less 32 x their sums of xq (xl[o // 4:]): q's lanes; Q5_0's
-    q + 16 (0..31) less 16 x the sums (half of xl)."""
+    comes unsigned (q + 32, 0..63) and its lanes less 32 x their sums of xq (xl[o // 4:]): q's lanes."""
     b = vb_load(xq, o)
     if fmt == _Q6_K:
         s = vb_udot4_minus_avx2(q, b, xl, o >> 2) if avx2 else vb_udot4_minus(q, b, xl, o >> 2)
-    elif fmt == _Q5_0:
-        s = vb_udot4_minus_half_avx2(q, b, xl, o >> 2) if avx2 else vb_udot4_minus_half(q, b, xl, o >> 2)
     elif fmt == _Q4_K:                                # q 0..15: no sign to move
         s = vb_udot4_avx2(q, b) if avx2 else vb_udot4(q, b)
     else:
@@ -140,29 +135,9 @@ def _run_idot(fmt, avx2, q, xq, xl, o, ws, d, acc):
     return vf_fma(ws, vf_mul(vf_splat(d), s), acc)
 
 
-@njit(inline="always")
-def _run_q(fmt, row, r):
-    """Run r's 32 integers in byte lanes as _run_idot takes them: Q8_0's signed q as stored, Q5_0's q + 16
-    (0..31, unsigned: the nibble | the fifth bit from qh << 4)."""
-    if fmt == _Q5_0:
-        p = r * 22
-        return vb_or(vb_nibbles(row, p + 6), vb_bits(load_u32(row, p + 2), 16, 0))
-    return _run_values(fmt, row, r)
-
-
-@njit(inline="always")
-def _prefetch_line(ahead, i):
-    """Cache line i of the row `ahead`, if it has one: a Q8_0 / Q5_0 run (34 / 22 bytes) asks for one line,
-    so the row after next comes from memory in step with this row's runs."""
-    if 64 * i < ahead.shape[0]:
-        prefetch(ahead, 64 * i)
-
-
 def _rows_of(fmt, avx2):
     """The Q8_0 / Q5_0 rows for one format and one spelling of the integer sums (constants of the compiled
-    copy, so their branches fold away); the body is the closure's own, as in cpu_quant._rows_of. Q5_0's
-    unsigned products less 16 x sum(xq) are its signed ones: the previous kernel's float32 results bit for
-    bit."""
+    copy, so their branches fold away); the body is the closure's own, as in cpu_quant._rows_of."""
     def rows(xq, dx, xs, xl, w, bias, out, n0, n1, col, f16):
         """out[:, col + n] = the int8 product of rows n0..n1-1 of w (uint8 [N, bytes_per_row]) with xq int8
         [M * K] (flat), dx / xs float32 [M, K // 32]; 4 input rows at a time, as cpu_quant's rows."""
@@ -172,12 +147,13 @@ def _rows_of(fmt, avx2):
         mn = np.zeros(0, np.float32)                     # no mins (_store reads them for Q4_K only)
         M4 = M - M % 4
         for n in range(n0, n1):
-            row, ahead = w[n], w[min(n + PREFETCH_ROWS, n1 - 1)]
+            row = w[n]
+            if n + PREFETCH_ROWS < n1:                   # the row after next on its way from memory meanwhile
+                _prefetch_row(w[n + PREFETCH_ROWS])
             for m in range(0, M4, 4):
                 a0, a1, a2, a3 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
                 for r in range(R):
-                    _prefetch_line(ahead, r)
-                    q = _run_q(fmt, row, r)
+                    q = _run_values(fmt, row, r)
                     ws = vf_splat(_lo(fmt, row, r, mn, f16))     # the block's fp16 d (`lo` unread)
                     o = m * K + 32 * r
                     a0 = _run_idot(fmt, avx2, q, xq, xl, o, ws, dx[m, r], a0)
@@ -191,9 +167,8 @@ def _rows_of(fmt, avx2):
             for m in range(M4, M):
                 a0 = vf_zero()
                 for r in range(R):
-                    _prefetch_line(ahead, r)
                     ws = vf_splat(_lo(fmt, row, r, mn, f16))
-                    a0 = _run_idot(fmt, avx2, _run_q(fmt, row, r), xq, xl, m * K + 32 * r, ws, dx[m, r], a0)
+                    a0 = _run_idot(fmt, avx2, _run_values(fmt, row, r), xq, xl, m * K + 32 * r, ws, dx[m, r], a0)
                 _store(fmt, vf_sum(a0), m, col + n, mn, xs, bias, has_bias, out)
     return njit(cache=True, nogil=True)(rows)
 

@@ -17,7 +17,7 @@ intrinsic emitting plain LLVM vector IR:
     int8 products        vb_dot4 / vb_udot4 (target-independent), vb_dot4_avx2 / vb_udot4_avx2 (x86 AVX2's
                          vpmaddubsw + vpmaddwd, only where target_has_avx2()): 32 byte products summed
                          in fours into an F32x8, exactly; vb_udot4_minus(_avx2): the same less 8 int32
-                         lanes of an array (vb_udot4_minus_half(_avx2): less half of each); vf_halves (two scalars, four lanes each); vf_i8 (8 stored signed
+                         lanes of an array; vf_halves (two scalars, four lanes each); vf_i8 (8 stored signed
                          bytes), vf_bytes (a uint64's 8 bytes), vf_spread_pairs (lanes 2k, 2k + 1 four times)
 
 Nothing but the _avx2 products names a target-specific instruction: LLVM's instruction selection maps
@@ -256,8 +256,7 @@ load_u32 = _word_loader(32)
 #                          |a| with its sign moved onto b (vpsignb), as llama.cpp does
 # In those ranges a pair is at most 2 * 128 * 127 = 32512 < 2^15: vpmaddubsw never saturates, so both
 # give the same lanes bit for bit. vb_udot4_minus subtracts 8 int32 lanes from an array before the
-# conversion (Q6_K's q - 32 as the unsigned q times xq, less 32 x the lane's sum of xq: the same lanes);
-# vb_udot4_minus_half those lanes halved (an even array: Q5_0's q - 16, less 16 x the sums, from the same 32 x).
+# conversion (Q6_K's q - 32 as the unsigned q times xq, less 32 x the lane's sum of xq: the same lanes).
 _I16x16, _I32x8, _I16x32, _I32x16 = (ir.VectorType(ir.IntType(16), 16), ir.VectorType(_I32, 8),
                                      ir.VectorType(ir.IntType(16), 32), ir.VectorType(_I32, 16))
 
@@ -277,7 +276,7 @@ def _declare(module, name, ret, *params):
     return module.globals.get(name) or ir.Function(module, ir.FunctionType(ret, list(params)), name=name)
 
 
-def _dot4(avx2, a_unsigned, minus=False, halve=False):
+def _dot4(avx2, a_unsigned, minus=False):
     def codegen(context, builder, sig, args):
         a, b = args[:2]
         if avx2:
@@ -296,9 +295,8 @@ def _dot4(avx2, a_unsigned, minus=False, halve=False):
             even = builder.shuffle_vector(p16, u, ir.Constant(ir.VectorType(_I32, 8), list(range(0, 16, 2))))
             odd = builder.shuffle_vector(p16, u, ir.Constant(ir.VectorType(_I32, 8), list(range(1, 16, 2))))
             p32 = builder.add(even, odd)
-        if minus:                                                                # less c[i:i + 8] (>> 1)
-            c = _load(builder, _ptr(context, builder, sig.args[2], args[2], args[3], _I32x8))
-            p32 = builder.sub(p32, builder.ashr(c, ir.Constant(_I32x8, [1] * 8)) if halve else c)
+        if minus:                                                                # less c[i:i + 8]
+            p32 = builder.sub(p32, _load(builder, _ptr(context, builder, sig.args[2], args[2], args[3], _I32x8)))
         return builder.sitofp(p32, _F8)
 
     if minus:
@@ -317,11 +315,9 @@ def _dot4(avx2, a_unsigned, minus=False, halve=False):
 vb_dot4 = _dot4(False, False)                    # any target
 vb_udot4 = _dot4(False, True)
 vb_udot4_minus = _dot4(False, True, minus=True)
-vb_udot4_minus_half = _dot4(False, True, minus=True, halve=True)
 vb_dot4_avx2 = _dot4(True, False)                # x86 with AVX2 only (LLVM cannot select it elsewhere)
 vb_udot4_avx2 = _dot4(True, True)
 vb_udot4_minus_avx2 = _dot4(True, True, minus=True)
-vb_udot4_minus_half_avx2 = _dot4(True, True, minus=True, halve=True)
 
 
 @intrinsic

@@ -124,11 +124,10 @@ def test_kquant_halves_on_ragged_shapes(fmt, N, blocks):
 
 
 def _previous_rows(fmt, avx2):
-    """The int8 product as it was before the K-quants' half super-block rows and Q5_0's unsigned runs (one
-    input row at a time, which the previous 4-row groups computed the same way): each run's signed q as
-    cpu_quant unpacks it (Q6_K's - 32 and Q5_0's - 16 in the bytes, so vpsignb's pair on AVX2), the scales
-    cpu_quant._run_scales forms (Q8_0 / Q5_0: lo == hi == the block's d), and acc += [lo x4, hi x4] *
-    (dx * lanes) run by run."""
+    """The int8 product as it was before the K-quants' half super-block rows (one input row at a time, which
+    the previous 4-row groups computed the same way): each run's signed q as cpu_quant unpacks it (Q6_K's
+    - 32 and Q5_0's - 16 in the bytes, so vpsignb's pair on AVX2), the scales cpu_quant._run_scales forms
+    (Q8_0 / Q5_0: lo == hi == the block's d), and acc += [lo x4, hi x4] * (dx * lanes) run by run."""
     @njit(nogil=True)
     def rows(xq, dx, xs, w, out):
         M, R = dx.shape
@@ -196,8 +195,9 @@ def test_bundled_down_matrices_are_the_previous_kernels_bits(bundled_gguf):  # n
 @pytest.mark.parametrize("avx2", [False, pytest.param(True, marks=pytest.mark.skipif(not AVX2, reason="no AVX2"))])
 @pytest.mark.parametrize("N, blocks", [(1, 1), (3, 2), (37, 24)])
 def test_q5_0_q8_0_runs_are_the_previous_kernels_bits(fmt, avx2, N, blocks):
-    """Q5_0's unsigned runs ((q + 16) . xq - 16 sum(xq) is q . xq exactly) and both formats' prefetch in
-    step: every output bit for bit the previous kernel's at 1-16 rows, one and two threads."""
+    """Q5_0 / Q8_0 a run at a time: every output bit for bit the run-at-a-time kernel kept above (signed q,
+    vpsignb on AVX2) at 1-16 rows, one and two threads, so that a faster spelling of these rows can be
+    checked against it."""
     raw = synthetic_blocks(fmt, N, blocks, seed=N + 100 * blocks + avx2)
     x = awkward_x(16, 32 * blocks, seed=N + blocks)
     for M in range(1, 17):
@@ -326,13 +326,13 @@ X86 = __import__("platform").machine() in ("x86_64", "AMD64")
 @pytest.mark.skipif(not (X86 and AVX2), reason="checks x86 AVX2 instructions")
 @pytest.mark.parametrize("avx2", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_codegen_of_the_integer_sums(avx2):
-    """The AVX2 spelling compiles to vpmaddubsw + vpmaddwd (and vpsignb for Q8_0's signed weights); the
+    """The AVX2 spelling compiles to vpmaddubsw + vpmaddwd (and vpsignb for signed weights); the
     target-independent one names none of them (-m slow: a fresh compile is 5-10 s); neither converts a
     value from int to float alone (cvtsi2ss)."""
     import re
 
-    fresh = njit(nogil=True)(cpu_quant_int8.ROWS[cpu_quant._Q8_0, avx2].py_func)     # not from the cache
-    raw = synthetic_blocks("Q8_0", 4, 1, seed=95).view()
+    fresh = njit(nogil=True)(cpu_quant_int8.ROWS[cpu_quant._Q5_0, avx2].py_func)     # not from the cache
+    raw = synthetic_blocks("Q5_0", 4, 1, seed=95).view()
     raw.flags.writeable = False
     one = np.ones((1, 1), np.float32)
     fresh(np.ones(32, np.int8), one, one, np.zeros(8, np.int32), raw, np.zeros(0, np.float32),
@@ -366,20 +366,3 @@ def test_codegen_of_the_kquant_halves(fmt):
     assert ("vpsubd" in ops) == (fmt == "Q6_K")
     assert not re.search(r"^\s+vps[rl]lw\s+%xmm", asm, re.M)
     assert not any(o.endswith("cvtsi2ss") for o in ops)
-
-
-@pytest.mark.skipif(not (X86 and AVX2), reason="checks x86 AVX2 instructions")
-def test_codegen_of_the_q5_0_runs():
-    """Q5_0's rows (AVX2): unsigned byte products (vpmaddubsw + vpmaddwd, no vpsignb), 16 x the lane sums
-    subtracted (half of xl: vpsrad, vpsubd), the fifth bits or-ed in (no byte add of - 16), a prefetch."""
-    import re
-
-    fresh = njit(nogil=True)(cpu_quant_int8.ROWS[cpu_quant._Q5_0, True].py_func)
-    raw = synthetic_blocks("Q5_0", 4, 1, seed=97).view()
-    raw.flags.writeable = False
-    one = np.ones((1, 1), np.float32)
-    fresh(np.ones(32, np.int8), one, one, np.zeros(8, np.int32), raw, np.zeros(0, np.float32),
-          np.zeros((1, 4), np.float32), 0, 4, 0, cpu_quant._F16)
-    ops = set(re.findall(r"^\s+([a-z][a-z0-9]*)", fresh.inspect_asm(fresh.signatures[0]), re.M))
-    assert {"vpmaddubsw", "vpmaddwd", "vpsrad", "vpsubd"} <= ops and not {"vpsignb", "vpaddb"} & ops
-    assert any(o.startswith("prefetch") for o in ops) and not any(o.endswith("cvtsi2ss") for o in ops)
