@@ -1,7 +1,13 @@
 """A/B of the int8-activation products on the bundled model's `ffn_down` matrices (12 Q6_K, 12 Q4_K,
-896 x 4864) between this tree's kernels and a git revision's, alternating in one process.
+896 x 4864), or with --matrices q5_0 its Q5_0 ones, between this tree's kernels and a git revision's,
+alternating in one process.
 
-    python scripts/bench_cpu_int8_kquant.py --old REV [--rounds 7] [--threads 2] [--rows 1] [--calls 40]
+    python scripts/bench_cpu_int8_kquant.py --old REV [--matrices down|q5_0] [--rounds 7] [--threads 2]
+                                            [--rows 1] [--calls 40]
+
+--matrices q5_0: each layer's calls as the engine makes them, one call a fused layer: gate+up (two Q5_0
+parts, 9728 x 896), q/k/v (896 + 128 + 128 x 896: Q5_0, Q5_0, and v Q5_0 or Q8_0), o (896 x 896, Q5_0);
+"cache" is layer 0's three calls, "memory" all 24 layers' (~176 MB).
 
 The old kernels are REV's kernels_numba/cpu_quant_int8.py, cpu_quant.py and cpu_simd.py, written out as a
 package of their own (kq_old_REV, in the temp directory, so numba's cache keeps its compiles) and compiled
@@ -19,7 +25,7 @@ nothing else, the floor a product from memory can reach here.
 
 Wall time, --threads threads (numba's pool and the products' split as in the engine); the table gives the
 minimum and the median over rounds in ms. x: a down projection's input of the bundled model (standard
-normal times the scale of SiLU(gate) * up, ~0.1), --rows rows.
+normal times the scale of SiLU(gate) * up, ~0.1; for q5_0 0.5), --rows rows.
 """
 import argparse
 import importlib
@@ -60,19 +66,24 @@ def old_kernels(rev):
     return sha, importlib.import_module(f"{pkg}.cpu_quant_int8")
 
 
-def down_matrices():
-    """[(layer, fmt, blocks)] of the bundled GGUF's ffn_down matrices."""
+def layer_calls(kind):
+    """[(layer, name, parts)] of the bundled GGUF: parts [(blocks, fmt)], one call of linear_parts each;
+    kind "down": the ffn_down matrices, "q5_0": gate+up, q/k/v and o (the Q5_0 matrices, v beside them)."""
     from pagedattn import bundled
     from pagedattn.models.gguf_weights import read_gguf
 
     path = bundled.bundled_gguf_path(os.path.dirname(bundled.bundled_model_path()))
     tensors = read_gguf(path)
+    groups = {"down": {"down": ["ffn_down"]},
+              "q5_0": {"gate+up": ["ffn_gate", "ffn_up"], "q/k/v": ["attn_q", "attn_k", "attn_v"],
+                       "o": ["attn_output"]}}[kind]
     out = []
     for layer in range(100):
-        t = tensors.get(f"blk.{layer}.ffn_down.weight")
-        if t is None:
+        if f"blk.{layer}.ffn_down.weight" not in tensors:
             break
-        out.append((layer, t.fmt, t.data))
+        for name, keys in groups.items():
+            ts = [tensors[f"blk.{layer}.{k}.weight"] for k in keys]
+            out.append((layer, name if kind == "q5_0" else ts[0].fmt, [(t.data, t.fmt) for t in ts]))
     return out
 
 
@@ -102,9 +113,13 @@ def compare(a, b):
     return f"max |diff| / max |y| = {(a - b).abs().max().item() / b.abs().max().item():.2e}"
 
 
+BLOCK = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q6_K": (256, 210), "Q4_K": (256, 144)}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--old", required=True, help="git revision of the old kernels")
+    p.add_argument("--matrices", choices=("down", "q5_0"), default="down")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", type=int, default=1)
@@ -115,28 +130,36 @@ def main():
 
     sha, old = old_kernels(a.old)
     torch.set_num_threads(a.threads)
-    mats = down_matrices()
-    x = torch.randn(a.rows, mats[0][2].shape[1] // {"Q6_K": 210, "Q4_K": 144}[mats[0][1]] * 256,
-                    generator=torch.Generator().manual_seed(0)) * 0.1
+    calls = layer_calls(a.matrices)
+    w0, f0 = calls[0][2][0]
+    x = torch.randn(a.rows, w0.shape[1] // BLOCK[f0][1] * BLOCK[f0][0], generator=torch.Generator().manual_seed(0))
+    x *= 0.1 if a.matrices == "down" else 0.5
     kernels = {f"old ({sha})": old, "new": new}
-    one = {fmt: next(m for m in mats if m[1] == fmt) for fmt in ("Q6_K", "Q4_K")}
-    for fmt, (layer, _, w) in one.items():
-        ys = [k.linear(x, w, fmt, num_threads=a.threads) for k in kernels.values()]
-        print(f"layer {layer} {fmt}: new against old: {compare(ys[1], ys[0])}")
-    tasks = {f"{fmt} in cache (layer {layer})": [(w, fmt)] * a.calls for fmt, (layer, _, w) in one.items()}
-    tasks["24 down matrices from memory"] = [(w, fmt) for _, fmt, w in mats]
+    names = list(dict.fromkeys(name for _, name, _ in calls))
+    one = {name: next(c for c in calls if c[1] == name) for name in names}
+    for name, (layer, _, parts) in one.items():
+        ys = [k.linear_parts(x, parts, num_threads=a.threads) for k in kernels.values()]
+        print(f"layer {layer} {name} ({ys[0].shape[1]} x {x.shape[1]}): new against old: {compare(ys[1], ys[0])}")
+    for layer, name, parts in calls[len(one):]:                          # every other call bit for bit too
+        ys = [k.linear_parts(x, parts, num_threads=a.threads) for k in kernels.values()]
+        if compare(ys[1], ys[0]) != "bit for bit":
+            print(f"layer {layer} {name}: new against old: {compare(ys[1], ys[0])}")
+    mem = f"the {len(calls)} calls of {calls[-1][0] + 1} layers from memory"
+    tasks = {f"{name} in cache (layer {layer})": [parts] * a.calls for name, (layer, _, parts) in one.items()}
+    tasks[mem] = [parts for _, _, parts in calls]
     times = {(t, k): [] for t in tasks for k in kernels}
     touch, floor = read_only(a.threads), []
     for i in range(a.rounds + 1):                        # round 0 warms up
-        for t, calls in tasks.items():
+        for t, task in tasks.items():
             for k, mod in list(kernels.items())[::1 if i % 2 else -1]:      # who goes first alternates
                 t0 = time.perf_counter()
-                for w, fmt in calls:
-                    mod.linear(x, w, fmt, num_threads=a.threads)
-                times[t, k].append((time.perf_counter() - t0) / (len(calls) if "cache" in t else 1))
+                for parts in task:
+                    mod.linear_parts(x, parts, num_threads=a.threads)
+                times[t, k].append((time.perf_counter() - t0) / (len(task) if "cache" in t else 1))
         t0 = time.perf_counter()
-        for w, _ in tasks["24 down matrices from memory"]:
-            touch(w)
+        for parts in tasks[mem]:
+            for w, _ in parts:
+                touch(w)
         floor.append(time.perf_counter() - t0)
     print(f"\n{a.rows} row(s), {a.threads} threads, {a.rounds} rounds, ms (min / median); load {os.getloadavg()[0]:.2f}")
     print("| | " + " | ".join(kernels) + " | new / old (min) |\n|---|" + "---|" * (len(kernels) + 1))
@@ -144,8 +167,8 @@ def main():
         cells = [times[t, k][1:] for k in kernels]
         print(f"| {t} | " + " | ".join(f"{min(c) * 1e3:.3f} / {statistics.median(c) * 1e3:.3f}" for c in cells)
               + f" | {min(cells[1]) / min(cells[0]):.2f} |")
-    nbytes = sum(w.nbytes for _, _, w in mats)
-    print(f"\nread only, the 24 down matrices ({nbytes / 1e6:.0f} MB): {min(floor[1:]) * 1e3:.3f} / "
+    nbytes = sum(w.nbytes for parts in tasks[mem] for w, _ in parts)
+    print(f"\nread only, the same matrices ({nbytes / 1e6:.0f} MB): {min(floor[1:]) * 1e3:.3f} / "
           f"{statistics.median(floor[1:]) * 1e3:.3f} ms ({nbytes / min(floor[1:]) / 1e9:.1f} GB/s at the minimum)")
 
 

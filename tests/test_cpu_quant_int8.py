@@ -124,10 +124,10 @@ def test_kquant_halves_on_ragged_shapes(fmt, N, blocks):
 
 
 def _previous_rows(fmt, avx2):
-    """The int8 K-quant product as it was before the half super-block rows (one input row at a time, which
+    """The int8 product as it was before the K-quants' half super-block rows (one input row at a time, which
     the previous 4-row groups computed the same way): each run's signed q as cpu_quant unpacks it (Q6_K's
-    - 32 in the bytes, so vpsignb's pair on AVX2), the scales cpu_quant._run_scales forms, and
-    acc += [lo x4, hi x4] * (dx * lanes) run by run."""
+    - 32 and Q5_0's - 16 in the bytes, so vpsignb's pair on AVX2), the scales cpu_quant._run_scales forms
+    (Q8_0 / Q5_0: lo == hi == the block's d), and acc += [lo x4, hi x4] * (dx * lanes) run by run."""
     @njit(nogil=True)
     def rows(xq, dx, xs, w, out):
         M, R = dx.shape
@@ -189,6 +189,37 @@ def test_bundled_down_matrices_are_the_previous_kernels_bits(bundled_gguf):  # n
             y = cpu_quant_int8.linear(x[:M], t.data, t.fmt, num_threads=2).numpy()
             assert np.array_equal(y.view(np.uint32), previous_kernel(t.fmt, x[:M], t.data, AVX2).view(np.uint32))
     assert seen == {"Q6_K", "Q4_K"}
+
+
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q8_0"])
+@pytest.mark.parametrize("avx2", [False, pytest.param(True, marks=pytest.mark.skipif(not AVX2, reason="no AVX2"))])
+@pytest.mark.parametrize("N, blocks", [(1, 1), (3, 2), (37, 24)])
+def test_q5_0_q8_0_runs_are_the_previous_kernels_bits(fmt, avx2, N, blocks):
+    """Q5_0 / Q8_0 a run at a time: every output bit for bit the run-at-a-time kernel kept above (signed q,
+    vpsignb on AVX2) at 1-16 rows, one and two threads, so that a faster spelling of these rows can be
+    checked against it."""
+    raw = synthetic_blocks(fmt, N, blocks, seed=N + 100 * blocks + avx2)
+    x = awkward_x(16, 32 * blocks, seed=N + blocks)
+    for M in range(1, 17):
+        y = cpu_quant_int8.linear(x[:M], raw, fmt, num_threads=1 + M % 2, avx2=avx2).numpy()
+        assert np.array_equal(y.view(np.uint32), previous_kernel(fmt, x[:M], raw, avx2).view(np.uint32)), M
+
+
+def test_bundled_q5_0_matrices_are_the_previous_kernels_bits(bundled_gguf):  # noqa: F811
+    """The same on the bundled model's Q5_0 matrices (layer 0's q / k / o, gate / up, 896 input features;
+    and the first Q5_0 v if any): 1 and 5 rows."""
+    from pagedattn.models.gguf_weights import read_gguf
+
+    tensors = read_gguf(bundled_gguf)
+    x = (np.random.default_rng(1).standard_normal((5, 896)) * 0.5).astype(np.float32)
+    names = [f"blk.0.{k}.weight" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up")]
+    seen = [n for n in names if tensors[n].fmt == "Q5_0"]
+    assert {"blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"} <= set(seen)
+    for name in seen:
+        t = tensors[name]
+        for M in (1, 5):
+            y = cpu_quant_int8.linear(x[:M], t.data, t.fmt, num_threads=2).numpy()
+            assert np.array_equal(y.view(np.uint32), previous_kernel(t.fmt, x[:M], t.data, AVX2).view(np.uint32)), name
 
 
 @pytest.mark.skipif(not AVX2, reason="the CPU numba compiles for has no AVX2")
