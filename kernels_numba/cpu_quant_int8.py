@@ -135,6 +135,15 @@ def _run_idot(fmt, avx2, q, xq, xl, o, ws, d, acc):
     return vf_fma(ws, vf_mul(vf_splat(d), s), acc)
 
 
+@njit(inline="always")
+def _store4(fmt, a0, a1, a2, a3, m, n, mn, xs, bias, has_bias, out):
+    """_store of input rows m..m+3's accumulators for output feature n."""
+    _store(fmt, vf_sum(a0), m, n, mn, xs, bias, has_bias, out)
+    _store(fmt, vf_sum(a1), m + 1, n, mn, xs, bias, has_bias, out)
+    _store(fmt, vf_sum(a2), m + 2, n, mn, xs, bias, has_bias, out)
+    _store(fmt, vf_sum(a3), m + 3, n, mn, xs, bias, has_bias, out)
+
+
 def _rows_of(fmt, avx2):
     """The Q8_0 / Q5_0 rows for one format and one spelling of the integer sums (constants of the compiled
     copy, so their branches fold away); the body is the closure's own, as in cpu_quant._rows_of."""
@@ -160,10 +169,7 @@ def _rows_of(fmt, avx2):
                     a1 = _run_idot(fmt, avx2, q, xq, xl, o + K, ws, dx[m + 1, r], a1)
                     a2 = _run_idot(fmt, avx2, q, xq, xl, o + 2 * K, ws, dx[m + 2, r], a2)
                     a3 = _run_idot(fmt, avx2, q, xq, xl, o + 3 * K, ws, dx[m + 3, r], a3)
-                _store(fmt, vf_sum(a0), m, col + n, mn, xs, bias, has_bias, out)
-                _store(fmt, vf_sum(a1), m + 1, col + n, mn, xs, bias, has_bias, out)
-                _store(fmt, vf_sum(a2), m + 2, col + n, mn, xs, bias, has_bias, out)
-                _store(fmt, vf_sum(a3), m + 3, col + n, mn, xs, bias, has_bias, out)
+                _store4(fmt, a0, a1, a2, a3, m, col + n, mn, xs, bias, has_bias, out)
             for m in range(M4, M):
                 a0 = vf_zero()
                 for r in range(R):
@@ -271,10 +277,7 @@ def _kq_rows_of(fmt, avx2):
                     a1 = _kq_half_dot(fmt, avx2, q, ws, xq, xl, o + K, dx[m + 1], 4 * hb, a1)
                     a2 = _kq_half_dot(fmt, avx2, q, ws, xq, xl, o + 2 * K, dx[m + 2], 4 * hb, a2)
                     a3 = _kq_half_dot(fmt, avx2, q, ws, xq, xl, o + 3 * K, dx[m + 3], 4 * hb, a3)
-                _store(fmt, vf_sum(a0), m, col + n, mn, xs, bias, has_bias, out)
-                _store(fmt, vf_sum(a1), m + 1, col + n, mn, xs, bias, has_bias, out)
-                _store(fmt, vf_sum(a2), m + 2, col + n, mn, xs, bias, has_bias, out)
-                _store(fmt, vf_sum(a3), m + 3, col + n, mn, xs, bias, has_bias, out)
+                _store4(fmt, a0, a1, a2, a3, m, col + n, mn, xs, bias, has_bias, out)
             for m in range(M4, M):
                 a0 = vf_zero()
                 for hb in range(R // 4):
