@@ -338,7 +338,11 @@ def linear_parts(x, parts, bias=None, num_threads=None):
     parts: [(blocks, fmt), ...] as `linear` takes them, every part K values a row, or a Parts of them
     (checked once: a layer called every step keeps one). bias: float32 [sum of N_p] or None. The rest
     as `linear`."""
-    xa = _check(x, "x", np.float32, 2)
+    # a prefill's x may be a strided view (SiLU-and-mul's output is the gate half of [T, 2 I]): torch's GEMM
+    # takes its strides, the block kernel (few rows) a contiguous copy
+    xa = _check(x, "x", np.float32, 2, contiguous=False)
+    if xa.shape[0] <= MAX_ROWS or xa.strides[1] != xa.itemsize:
+        xa = np.ascontiguousarray(xa)
     parts = parts if isinstance(parts, Parts) else Parts(parts)
     parts.check_input(xa)
     M, N = xa.shape[0], parts.N
@@ -452,9 +456,9 @@ _CODE = {name: code for name, (code, _, _) in FORMATS.items()}
 _TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.uint8): torch.uint8, np.dtype(np.int64): torch.int64}
 
 
-def _check(t, name, dtype, ndim):
+def _check(t, name, dtype, ndim, contiguous=True):
     """C-contiguous numpy view of a CPU tensor or array of `dtype` (no copy when it already is one), or
-    KernelLaunchError naming `name`."""
+    KernelLaunchError naming `name`. contiguous=False: any strides (the caller copies what it must)."""
     if isinstance(t, torch.Tensor):
         if t.device.type != "cpu":
             raise KernelLaunchError(f"{name}: on {t.device}, the CPU kernel needs a CPU tensor")
@@ -463,4 +467,4 @@ def _check(t, name, dtype, ndim):
         raise KernelLaunchError(f"{name}: dtype {getattr(t, 'dtype', type(t).__name__)}, expected {np.dtype(dtype)}")
     if t.ndim != ndim:
         raise KernelLaunchError(f"{name}: {t.ndim} dimensions, expected {ndim}")
-    return np.ascontiguousarray(t)
+    return np.ascontiguousarray(t) if contiguous else t

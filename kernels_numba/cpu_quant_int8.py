@@ -360,9 +360,10 @@ def linear(x, blocks, fmt, bias=None, num_threads=None, avx2=None):
 def linear_parts(x, parts, bias=None, num_threads=None, avx2=None):
     """cpu_quant.linear_parts with int8 activations: x quantized once for every part (parts: a list or a
     cpu_quant.Parts). Above cpu_quant.MAX_ROWS rows (a prefill): cpu_quant's float32 tiles (x not rounded)."""
-    xa = cpu_quant._check(x, "x", np.float32, 2)
+    xa = cpu_quant._check(x, "x", np.float32, 2, contiguous=False)
     if xa.shape[0] > cpu_quant.MAX_ROWS:
         return cpu_quant.linear_parts(xa, parts, bias, num_threads)
+    xa = np.ascontiguousarray(xa)
     avx2 = AVX2 if avx2 is None else avx2
     if avx2 and not target_has_avx2():
         raise KernelLaunchError("avx2: the CPU numba compiles for has no AVX2 (NUMBA_CPU_NAME / the host)")

@@ -146,6 +146,25 @@ def test_parts_in_one_call_are_each_parts_product(M):
     assert y.shape == (M, col)
 
 
+@pytest.mark.parametrize("M", [5, 40])
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_strided_rows_give_the_contiguous_copys_bits(M, activations):
+    """x may be a view of every other column block (SiLU-and-mul's output is the gate half of [T, 2 I]):
+    few rows run the block kernel on a contiguous copy, a prefill's GEMM reads the strides; the same bits
+    as a contiguous x either way, and x itself untouched."""
+    from kernels_numba import cpu_quant_int8
+
+    linear = cpu_quant.linear if activations == "float32" else cpu_quant_int8.linear
+    raw = synthetic_blocks("Q5_0", 70, 4, seed=31)
+    wide = torch.randn(M, 256, generator=torch.Generator().manual_seed(31))
+    x = wide[:, :128]                                          # rows 256 apart
+    assert not x.is_contiguous()
+    before = wide.clone()
+    y = linear(x, raw, "Q5_0", num_threads=2)
+    assert torch.equal(y, linear(x.contiguous(), raw, "Q5_0", num_threads=2))
+    assert torch.equal(wide, before)
+
+
 X86 = __import__("platform").machine() in ("x86_64", "AMD64")
 
 
