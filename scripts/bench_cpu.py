@@ -1,13 +1,13 @@
 """pagedattn against HF transformers `generate` on the CPU: same model (the bundled Qwen2.5-Coder-0.5B-Instruct;
 HF on its float32 conversion, pagedattn on what LLM() picks: the GGUF blocks), same machine, same thread
-count, greedy, prompts the tests never use. Goals (issue 19):
+count, greedy, prompts the tests never use. Goals (issue 19; issue 30 raised the mixed batch's to 5x):
 
   one prompt   chat template, a 100-token answer: pagedattn >= 1.05x HF's tokens/s, same tokens
   mixed batch  8 requests, two of them long (~1000-token prompts: two standard-library modules to explain),
                max_tokens 8-64 each. HF pads every prompt to the longest and runs every row until the
                longest request is done (64 tokens); pagedattn batches them continuously and stops each at
                its own max_tokens. Compared in *useful* tokens/s (each request's own tokens, cut at its
-               max_tokens and end of turn): pagedattn >= 3x HF.
+               max_tokens and end of turn): pagedattn >= 5x HF.
 
 The runs alternate (ours, HF, ours, HF, ...) after one warm-up each, so a load change on a shared machine
 hits both; the table gives the median of --repeats runs and the ratio of medians (wall clock: the goal), and
@@ -450,7 +450,7 @@ def main(out="bench_cpu_out", threads=2, repeats=3, model=None, weights="auto"):
 
     one = [chat(tok, ONE_PROMPT)]
     rows = [compare("one prompt", llm, hf, tok, one, [ONE_PROMPT_TOKENS], eos, repeats, 1.05, warmup=True)]
-    rows.append(compare("mixed batch of 8", llm, hf, tok, mixed_prompts(tok), MIXED_MAX_TOKENS, eos, repeats, 3.0,
+    rows.append(compare("mixed batch of 8", llm, hf, tok, mixed_prompts(tok), MIXED_MAX_TOKENS, eos, repeats, 5.0,
                         warmup=False))           # both are warm from the first workload
     columns = ["workload", "requests", "prompt tokens", "useful tokens", "pagedattn s", "HF s", "pagedattn tok/s",
                "HF useful tok/s", "speed-up", "CPU-time speed-up", "goal", "met", "same tokens"]
