@@ -213,56 +213,41 @@ def _transpose_keys(kb, n, kt):
             kt[d * 16 + j] = kb[j, d] if j < n else np.float32(0.0)
 
 
+@njit(inline="always")
+def _store_row(flat, r, a0, a1):
+    """Row r's 16 scores, two 8-lane vectors, into s flat [R * 16]."""
+    vf_store(flat, 16 * r, a0)
+    vf_store(flat, 16 * r + 8, a1)
+
+
 @njit(cache=True)
 def _scores16(qs, r, rows, kt, flat):
     """s[r + i, :16] = qs[r + i] . K[:16] for i < rows (1, 2 or 4), K given transposed (kt[d * 16 + j]) and s
     flat [R * 16]: the 16 keys are two 8-lane vectors, so each row's scores are 2 accumulators updated by a
-    broadcast q element per d, with no horizontal sum; 4 rows per pass share each K load. Every lane sums
-    its D products in order of d, whichever rows share the pass (a row's scores do not depend on its
+    broadcast q element per d, with no horizontal sum; 2 or 4 rows per pass share each K load. Every lane
+    sums its D products in order of d, whichever rows share the pass (a row's scores do not depend on its
     neighbours)."""
     D = qs.shape[1]
-    if rows == 4:
-        a0, a1, b0, b1 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
-        c0, c1, e0, e1 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
-        for d in range(D):
-            k0, k1 = vf_load(kt, 16 * d), vf_load(kt, 16 * d + 8)
-            q = vf_splat(qs[r, d])
-            a0, a1 = vf_fma(q, k0, a0), vf_fma(q, k1, a1)
+    a0, a1, b0, b1 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
+    c0, c1, e0, e1 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
+    for d in range(D):
+        k0, k1 = vf_load(kt, 16 * d), vf_load(kt, 16 * d + 8)
+        q = vf_splat(qs[r, d])
+        a0, a1 = vf_fma(q, k0, a0), vf_fma(q, k1, a1)
+        if rows >= 2:
             q = vf_splat(qs[r + 1, d])
             b0, b1 = vf_fma(q, k0, b0), vf_fma(q, k1, b1)
+        if rows == 4:
             q = vf_splat(qs[r + 2, d])
             c0, c1 = vf_fma(q, k0, c0), vf_fma(q, k1, c1)
             q = vf_splat(qs[r + 3, d])
             e0, e1 = vf_fma(q, k0, e0), vf_fma(q, k1, e1)
-        o = 16 * r
-        vf_store(flat, o, a0)
-        vf_store(flat, o + 8, a1)
-        vf_store(flat, o + 16, b0)
-        vf_store(flat, o + 24, b1)
-        vf_store(flat, o + 32, c0)
-        vf_store(flat, o + 40, c1)
-        vf_store(flat, o + 48, e0)
-        vf_store(flat, o + 56, e1)
-    elif rows == 2:
-        a0, a1, b0, b1 = vf_zero(), vf_zero(), vf_zero(), vf_zero()
-        for d in range(D):
-            k0, k1 = vf_load(kt, 16 * d), vf_load(kt, 16 * d + 8)
-            q = vf_splat(qs[r, d])
-            a0, a1 = vf_fma(q, k0, a0), vf_fma(q, k1, a1)
-            q = vf_splat(qs[r + 1, d])
-            b0, b1 = vf_fma(q, k0, b0), vf_fma(q, k1, b1)
-        o = 16 * r
-        vf_store(flat, o, a0)
-        vf_store(flat, o + 8, a1)
-        vf_store(flat, o + 16, b0)
-        vf_store(flat, o + 24, b1)
-    else:
-        a0, a1 = vf_zero(), vf_zero()
-        for d in range(D):
-            q = vf_splat(qs[r, d])
-            a0, a1 = vf_fma(q, vf_load(kt, 16 * d), a0), vf_fma(q, vf_load(kt, 16 * d + 8), a1)
-        vf_store(flat, 16 * r, a0)
-        vf_store(flat, 16 * r + 8, a1)
+    _store_row(flat, r, a0, a1)
+    if rows >= 2:
+        _store_row(flat, r + 1, b0, b1)
+    if rows == 4:
+        _store_row(flat, r + 2, c0, c1)
+        _store_row(flat, r + 3, e0, e1)
 
 
 @njit(fastmath=FASTMATH, cache=True)
