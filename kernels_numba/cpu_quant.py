@@ -341,7 +341,7 @@ def linear_parts(x, parts, bias=None, num_threads=None):
     # a prefill's x may be a strided view (SiLU-and-mul's output is the gate half of [T, 2 I]): torch's GEMM
     # takes its strides, the block kernel (few rows) a contiguous copy
     xa = _check(x, "x", np.float32, 2, contiguous=False)
-    if xa.shape[0] <= MAX_ROWS or xa.strides[1] != xa.itemsize:
+    if xa.shape[0] <= MAX_ROWS or xa.strides[1] != xa.itemsize or xa.strides[0] < 0:     # (torch: no negative strides)
         xa = np.ascontiguousarray(xa)
     parts = parts if isinstance(parts, Parts) else Parts(parts)
     parts.check_input(xa)

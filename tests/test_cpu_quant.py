@@ -151,7 +151,8 @@ def test_parts_in_one_call_are_each_parts_product(M):
 def test_strided_rows_give_the_contiguous_copys_bits(M, activations):
     """x may be a view of every other column block (SiLU-and-mul's output is the gate half of [T, 2 I]):
     few rows run the block kernel on a contiguous copy, a prefill's GEMM reads the strides; the same bits
-    as a contiguous x either way, and x itself untouched."""
+    as a contiguous x either way, and x itself untouched. A numpy view with rows in reverse (which torch
+    cannot wrap) is copied first."""
     from kernels_numba import cpu_quant_int8
 
     linear = cpu_quant.linear if activations == "float32" else cpu_quant_int8.linear
@@ -163,6 +164,9 @@ def test_strided_rows_give_the_contiguous_copys_bits(M, activations):
     y = linear(x, raw, "Q5_0", num_threads=2)
     assert torch.equal(y, linear(x.contiguous(), raw, "Q5_0", num_threads=2))
     assert torch.equal(wide, before)
+    flipped = x.contiguous().numpy()[::-1]                     # a numpy view with a negative row stride
+    assert torch.equal(linear(flipped, raw, "Q5_0", num_threads=2),
+                       linear(np.ascontiguousarray(flipped), raw, "Q5_0", num_threads=2))
 
 
 X86 = __import__("platform").machine() in ("x86_64", "AMD64")
