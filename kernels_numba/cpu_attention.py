@@ -28,11 +28,12 @@ broadcast q element times two 8-lane K vectors, four rows per K load, no horizon
 rows pay for the transpose, a decode's G rows would not. Measured beside the former (every tile through
 `_scores`), alternating in one process on the 2-core AMD EPYC, 2 threads, 14/2 heads, d=64: a 1043-token
 causal prefill 48.4 -> 42.9 ms, a 38-token chunk after 1005 cached tokens 3.67 -> 3.34 ms, decodes the same.
-Measured on one core of the 2-core Xeon (AVX-512), before that change, at a 512-token causal prefill, 14/2 heads, d=64: 36-41 GFLOP/s, 0.77x torch's dense flash SDPA in the
-same run; the score and PV products run at ~55-60 GFLOP/s each, near what 256-bit FMAs allow (LLVM's
-preferred vector width on this CPU). The softmax was first done row by row (16-key loops): 20 GFLOP/s. Everything is float32; exponentials use a polynomial that LLVM can
-vectorise (2^k built from the exponent bits, e^r by a degree-6 Taylor series on |r| <= ln2/2: relative
-error ~1e-7; numba has no vector exp without Intel's SVML, and a scalar libm call per score cost more
+Measured on one core of the 2-core Xeon (AVX-512), before that change, at a 512-token causal prefill,
+14/2 heads, d=64: 36-41 GFLOP/s, 0.77x torch's dense flash SDPA in the same run; the score and PV
+products run at ~55-60 GFLOP/s each, near what 256-bit FMAs allow (LLVM's preferred vector width on this
+CPU). The softmax was first done row by row (16-key loops): 20 GFLOP/s. Everything is float32;
+exponentials use a polynomial that LLVM can vectorise (2^k built from the exponent bits, e^r by a degree-6
+Taylor series on |r| <= ln2/2: relative error ~1e-7; numba has no vector exp without Intel's SVML, and a scalar libm call per score cost more
 than the two matrix products it sits between).
 
 Scheduling: work items are sorted by cost (rows x keys) and dealt round-robin to the threads, so a

@@ -32,7 +32,8 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def llm(bundled_model_dir):  # noqa: F811
-    return LLM(bundled_model_dir, device="cpu", dtype="float32", activations="float32", num_blocks=128, max_model_len=1024)
+    return LLM(bundled_model_dir, device="cpu", dtype="float32", activations="float32", num_blocks=128,
+               max_model_len=1024)
 
 
 @pytest.fixture(scope="module")
