@@ -43,6 +43,7 @@ from kernels_numba.common import (
     f32_from_bits,
     f32x2_to_bf16x2,
     f32x2_to_f16x2,
+    inline_device,
     load_u32x4,
     mma_m16n8k16_bf16,
     mma_m16n8k16_f16,
@@ -262,7 +263,7 @@ def torch_launch_args(q, k_cache, v_cache, block_tables, context_lens, scale=Non
 # a warp's state: q fragments, the online softmax, the mma step
 
 
-@cuda.jit(device=True, inline="always")
+@inline_device
 def lane_roles(tid):
     """(warp, lane, g, t) of thread tid: its warp and lane, and the lane's mma group g = lane // 4
     and thread-in-group t = lane % 4 (shifts and masks: no sign fix-ups of // and %)."""
@@ -285,7 +286,7 @@ def make_warp_start(head_dim, rows, permuted):
     QW = head_dim // 8
     ACC = (head_dim // 8) * 4
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def start_warp(qa, m, lsum, acc, q, s, h0, nh, g, t):
         for ks in range(KS):
             col = (ks // 2) * 16 + t * 4 + (2 * ks) % 4 if permuted else t * QW + 2 * ks
@@ -324,7 +325,7 @@ def make_mma_step(head_dim, rows, is_bf16):
     mma = mma_m16n8k16_bf16 if is_bf16 else mma_m16n8k16_f16
     pack = f32x2_to_bf16x2 if is_bf16 else f32x2_to_f16x2
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def compute_chunk(kw, ko, vw, vo, qa, m, lsum, acc, sc, pw, c0, end, t, sl, full):
         # S = Q K^T: n-tile n holds tokens 8n .. 8n+7; column 2t, 2t+1 of this lane
         for n in range(2):
@@ -397,7 +398,7 @@ def make_warp_merge(head_dim, heads, rows, warps):
     DPC = D // 8
     NTILE = D // 8
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def stash(buf, base, nh, g, t, lsum, m, acc):
         # rows g, g + 8 of this warp; acc[jn*4 + 2r + e] is dim DPC*(2t+e) + jn
         for r in range(ROWS):
@@ -413,7 +414,7 @@ def make_warp_merge(head_dim, heads, rows, warps):
                     buf[base + GH * D + h] = f32_bits(m[r])
                     buf[base + GH * D + GH + h] = f32_bits(x)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def combine_pair(buf, stride, h, d):
         mx = NEG_INF
         for w in range(NW):
@@ -483,13 +484,13 @@ def make_ring(head_dim, block_size, heads, is_bf16, warps, stages):
     wait_all = cp_async_wait(0)
     QSCALE_LOG2E = float32(LOG2E)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def v_swizzle(r):
         if D == 64:
             return 2 * ((r >> 1) & 3)
         return ((r >> 1) & 1) | (((r >> 2) & 1) << 2)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def chunk_bases(block_tables, s, c0, end, words_per_block, head_off):
         # words of the chunk's row 0 in the pool; rows 8.. at base_hi + r * P (another block
         # when the block size is 8)
@@ -500,7 +501,7 @@ def make_ring(head_dim, block_size, heads, is_bf16, warps, stages):
             base_hi = block_tables[s, c0 // BS + 1] * words_per_block + head_off - 8 * P
         return base_lo, base_hi
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def issue_chunk(ring, slot, k_flat, v_flat, base_lo, base_hi, src_lane, kdst, lrow, unit, c0, end, full):
         for i in range(NI):
             r = R * i + lrow
@@ -509,7 +510,7 @@ def make_ring(head_dim, block_size, heads, is_bf16, warps, stages):
                 cp_async16(ring, slot + kdst + R * i * P, k_flat, src)
                 cp_async16(ring, slot + CH * P + r * P + 4 * (unit ^ v_swizzle(r)), v_flat, src)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def read_chunk(kw, vw, ring, slot, krd, kx, vrd, vx, c0, end, g, t, full):
         for n in range(2):
             ok = full or c0 + 8 * n + g < end
@@ -524,7 +525,7 @@ def make_ring(head_dim, block_size, heads, is_bf16, warps, stages):
                 for e in range(4):
                     vw[u * VW + 4 * i + e] = w[e] if ok else uint32(0)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def attend(ring, k_flat, v_flat, block_tables, s, start, end, words_per_block, head_off, qa, m, lsum, acc,
                warp, lane, sl):
         g = lane >> 2
@@ -594,7 +595,7 @@ def make_ring(head_dim, block_size, heads, is_bf16, warps, stages):
             if slot_read == base + WARP_WORDS:
                 slot_read = base
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def attend_partition(ring, q, k_flat, v_flat, block_tables, s, kvh, num_kv_heads, h0, nh, start, end, scale,
                          tid):
         warp, lane, g, t = lane_roles(tid)
@@ -647,7 +648,7 @@ def make_split_merge(head_dim, heads, per_call, threads, is_bf16):
     R_OFF = MAX_SPLITS * HC  # the split groups' sums follow the weights
     pack = f32x2_to_bf16x2 if is_bf16 else f32x2_to_f16x2
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def merge_splits(part, base, n, h_first, h_count, smem, out, s, h_out, tid):
         warp = tid >> 5
         lane = tid & 31

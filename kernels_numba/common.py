@@ -56,6 +56,16 @@ from kernels_numba.bridge import SIMULATOR, check_tensor, torch_stream  # noqa: 
 
 FULL_MASK = 0xFFFFFFFF
 
+
+def inline_device(fn):
+    """A device function that NVVM inlines into every kernel calling it (LLVM's alwaysinline attribute).
+    numba's own inline="always" inlines at the level of its IR instead, by deep-copying the callee's IR at
+    every call site: the same PTX, but ~2/3 of the decode kernel's compile (10.7 -> 3.8 s for sm_90).
+    The simulator's jit knows neither: there it is a plain device function."""
+    if SIMULATOR:
+        return cuda.jit(device=True)(fn)
+    return cuda.jit(device=True, forceinline=True)(fn)
+
 if SIMULATOR:
     from kernels_numba import simulator as _sim
 

@@ -65,7 +65,7 @@ V1_BN = 32  # v1: keys per KV tile
 NEG_INF = np.float32(-np.inf)
 
 
-@cuda.jit(device=True, inline=True)
+@common.inline_device
 def find_tile(t, cu_seqlens_q, num_seqs, bq):
     """CTA t of the 1-D grid -> (sequence, q tile): each sequence's ceil(q_len / bq) tiles in turn, its last
     (heaviest: the longest causal range) first; (-1, 0) past the last tile (the grid is an upper bound)."""
@@ -109,7 +109,7 @@ def _build_v1(head_dim, kind):
     pack = common.f32x2_to_f16x2 if kind == "f16" else common.f32x2_to_bf16x2
     load4 = common.load_u32x4
 
-    @cuda.jit(device=True, inline=True)
+    @common.inline_device
     def store8(dst, row, col, a, b, c, d):
         # 4 words = 8 halves -> dst[row, col : col + 8] as fp32
         x0, x1 = to_f32(a)
@@ -125,7 +125,7 @@ def _build_v1(head_dim, kind):
         dst[row, col + 6] = x6
         dst[row, col + 7] = x7
 
-    @cuda.jit(device=True, inline=True)
+    @common.inline_device
     def load_kv_tile(dst, cache, block_tables, s, g, n0, kv_end, num_kv_heads, block_size):
         # dst[n, :] = cache[block_tables[s, pos // bs], g, pos % bs, :] for pos = n0 + n < kv_end, else 0
         # cache: flat uint32 view of [num_blocks, num_kv_heads, block_size, D]

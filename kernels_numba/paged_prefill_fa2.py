@@ -150,8 +150,8 @@ import torch
 from numba import cuda, float32, uint32
 
 from kernels_numba import bridge, common
-from kernels_numba.common import (cp_async16, cp_async_commit, cp_async_wait, ex2, ldmatrix_x4, ldmatrix_x4_trans,
-                                  load_u32x4, store_u32x4)
+from kernels_numba.common import (cp_async16, cp_async_commit, cp_async_wait, ex2, inline_device, ldmatrix_x4,
+                                  ldmatrix_x4_trans, load_u32x4, store_u32x4)
 from kernels_numba.errors import KernelLaunchError
 from kernels_numba.launcher import launch as launch_kernel
 from kernels_numba.prefill_parts import BLOCK_SIZES, DTYPES, HEAD_DIMS, check_args, check_values
@@ -287,7 +287,7 @@ def smem_bytes(version, head_dim, stages=None):
 _KERNELS = {}
 
 
-@cuda.jit(device=True, inline="always")
+@inline_device
 def find_tile(t, cu_seqlens_q, num_seqs, bq):
     """(sequence, q tile) of the t-th CTA in rank-major order, or (-1, 0) past the last tile.
 
@@ -369,7 +369,7 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, 
     # 2 CTAs (8 warps) per SM, as FA2 at d=64: up to 255 registers (v4 needs ~210, v5 255)
     jit_options = {} if SIMULATOR else {"launch_bounds": LAUNCH_BOUNDS}
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def issue_q(ring, qs, q, q_start, q_len, q0, head, num_heads, group, rows_used, row0, chunk):
         # the Q tile of queries q0 .. q0 + bq - 1 of the chunk at q_start (q_len queries) into the region
         # at word qs (rows past the chunk: zeros): this thread copies chunk `chunk` of rows row0 + RPP i.
@@ -400,14 +400,14 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, 
             else:
                 store_u32x4(ring, dst, 0, 0, 0, 0)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def item_index(rnd, first, per_round):
         # v9: the work-list item of a CTA's round rnd (first: its item in round 0; per_round: CTAs per
         # KV head). Rounds run the list in a snake, forward then backward, so a CTA given one of a round's
         # heaviest items gets one of the next round's lightest (the list falls in weight)
         return rnd * per_round + (first if rnd % 2 == 0 else per_round - 1 - first)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def issue_tile(ring, dst0, k_cache, v_cache, block_tables, s, block_words, n0, kv_stop, row0, tdst, tsrc):
         # K and V rows n0 .. n0+63 into the stage at word dst0: this thread copies one 16-byte
         # chunk of rows row0 + RPP i (row0 < RPP); rows at or past kv_stop become zeros.
@@ -428,7 +428,7 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, 
                 store_u32x4(ring, dst, 0, 0, 0, 0)
                 store_u32x4(ring, dst + TILE, 0, 0, 0, 0)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def tile_blocks(nb, block_tables, s, n0, kv_stop, row0):
         # v8: the pool block of each of this thread's copy passes of the tile at n0 (issue_tile's
         # block, 0 where the pass copies nothing), all loaded at once and a tile before issue_blocks
@@ -438,7 +438,7 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, 
         for i in range(PASSES):
             nb[i] = block_tables[s, b0 + ((RPP * i) >> BS_SHIFT)] if RPP * i < rem else 0
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def issue_blocks(ring, dst0, k_cache, v_cache, nb, block_words, n0, kv_stop, row0, tdst, tsrc):
         # issue_tile with the blocks tile_blocks loaded before
         rem = kv_stop - n0 - row0
@@ -452,7 +452,7 @@ def _build(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, planned, 
                 store_u32x4(ring, dst, 0, 0, 0, 0)
                 store_u32x4(ring, dst + TILE, 0, 0, 0, 0)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def issue_next(ring, dst0, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, s, q0, qs, head,
                    num_heads, group, bq, rows_used, block_words, row0, chunk, tdst, tsrc):
         # v9: work item (sequence s, queries q0 ..)'s Q tile into the Q buffer at qs and its first KV tile

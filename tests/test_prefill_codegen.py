@@ -31,7 +31,10 @@ from helpers import compile_in_subprocesses
 ROOT = Path(__file__).resolve().parents[1]
 
 _SCRIPT = r"""
-import json, re
+import json, re, types as _pytypes
+# device functions (inline_device) compile for the current device's compute capability: there is none here
+import numba.cuda.dispatcher as _dispatcher
+_dispatcher.get_current_device = lambda: _pytypes.SimpleNamespace(compute_capability=(9, 0))
 from numba import cuda
 from numba.core import types
 from kernels_numba import cache_ops, paged_prefill, prefill_journey
