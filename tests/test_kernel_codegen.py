@@ -79,6 +79,7 @@ def ops_of(ptx):
         "membar": count("membar.gl") + count("fence.sc.gpu") + count("fence.acq_rel.gpu"),
         "local": bool(re.search(r"\.local\b|ld\.local|st\.local", ptx)),
         "f64_ops": sum(1 for o in ops if ".f64" in o),
+        "calls": count("call"),
     }
 
 def kernel_of(name, head_dim, block_size, group, bf16):
@@ -197,6 +198,13 @@ def test_no_local_memory_no_fp64(compiled, cfg):
     stats = compiled[0][_name(cfg)]
     assert not stats["local"], f"{_name(cfg)}: local memory in the PTX (a register array spilled)"
     assert stats["f64_ops"] == 0, f"{_name(cfg)}: {stats['f64_ops']} fp64 instructions"
+
+
+@pytest.mark.parametrize("cfg", _params(CONFIGS), ids=_name)
+def test_device_helpers_are_inlined(compiled, cfg):
+    # inline_device helpers reach the kernel as separate device functions that NVVM must inline (alwaysinline)
+    stats = compiled[0][_name(cfg)]
+    assert stats["calls"] == 0, f"{_name(cfg)}: {stats['calls']} call instructions in the PTX"
 
 
 @pytest.mark.parametrize("cfg", _params(CONFIGS), ids=_name)
