@@ -127,7 +127,12 @@ def test_captures_run_without_the_cyclic_collector():
     assert gc.isenabled()
     with no_collection():
         assert freed == [1] and not gc.isenabled()
+        inner = Cycle()                     # garbage made inside: a nested block does not collect it
+        weakref.finalize(inner, freed.append, 2)
+        del inner
         with no_collection():
-            assert not gc.isenabled()
+            assert not gc.isenabled() and freed == [1]
         assert not gc.isenabled()
     assert gc.isenabled()
+    gc.collect()
+    assert freed == [1, 2]

@@ -172,6 +172,7 @@ class PiecewiseGraphs:
 
     def capture(self, sizes=None):
         """Capture these padded sizes now (default: the whole ladder), largest first."""
-        for t in sorted(sizes or self.sizes, reverse=True):
-            if t not in self.buckets:
-                self.capture_size(t, self.graphs)
+        with no_collection():                             # one collection for the whole ladder
+            for t in sorted(sizes or self.sizes, reverse=True):
+                if t not in self.buckets:
+                    self.capture_size(t, self.graphs)
