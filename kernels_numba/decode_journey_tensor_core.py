@@ -53,7 +53,7 @@ from kernels_numba.attention_parts import (
     ring_bytes,
 )
 from kernels_numba.bridge import SIMULATOR, disk_cached
-from kernels_numba.common import inline_device, load_u32x4
+from kernels_numba.common import load_u32x4
 from kernels_numba.decode_journey_cuda_core import NUM_WARPS, converters, launch_split_kv, launch_v4, split_plan
 
 V5_MAX_GROUP = 16  # heads per KV head that fit the mma's 16 rows; larger groups run v4
@@ -61,7 +61,9 @@ V5_MAX_GROUP = 16  # heads per KV head that fit the mma's 16 rows; larger groups
 
 @lru_cache(maxsize=None)
 def make_merge_warps(head_dim, group, rows, warps, is_bf16):
-    """(merge_warps, write_merged) for the end of a v5-v9 CTA.
+    """(merge_warps, write_merged) for the end of a v5-v9 CTA. These helpers (and load_token / load_chunk
+    below) stay inlined by numba (inline="always") rather than by NVVM (kernels_numba.common.inline_device):
+    at head_dim 128 NVVM's inlining left v5's and v6's register arrays in local memory (spills in ptxas).
 
     merge_warps(buf, stride, warp, g, t, tid, lsum, m, acc, out, part_acc, part_ml, s, h0, split,
         num_splits): each warp stashes its (max, sum, accumulator) per head in its region of `buf`
@@ -73,7 +75,7 @@ def make_merge_warps(head_dim, group, rows, warps, is_bf16):
     stash, combine_pair = make_warp_merge(head_dim, group, rows, warps)
     store = converters(is_bf16)[2]
 
-    @inline_device
+    @cuda.jit(device=True, inline="always")
     def write_merged(buf, stride, tid, out, part_acc, part_ml, s, h0, split, num_splits):
         for i in range(tid, G * P, warps * 32):  # pairs of dims (h, d), (h, d + 1)
             h = i // P
@@ -89,7 +91,7 @@ def make_merge_warps(head_dim, group, rows, warps, is_bf16):
                     part_ml[s, h0 + h, split, 0] = mx
                     part_ml[s, h0 + h, split, 1] = den
 
-    @inline_device
+    @cuda.jit(device=True, inline="always")
     def merge_warps(buf, stride, warp, g, t, tid, lsum, m, acc, out, part_acc, part_ml, s, h0, split,
                     num_splits):
         stash(buf, warp * stride, G, g, t, lsum, m, acc)
@@ -111,7 +113,7 @@ def make_load_chunk(head_dim, block_size):
     + 1, + 8, + 9: D/8 dims from DPC g) with 16-byte loads; zeros past `end`."""
     BS, P, QW, VW = block_size, head_dim // 2, head_dim // 8, head_dim // 16
 
-    @inline_device
+    @cuda.jit(device=True, inline="always")
     def load_token(dst, o, flat, block_tables, s, j, end, col, nwords, words_per_block, head_off):
         # words col .. col + nwords - 1 of token j's row into dst[o:], zeros past the end
         if j < end:
@@ -124,7 +126,7 @@ def make_load_chunk(head_dim, block_size):
             for i in range(nwords):
                 dst[o + i] = 0
 
-    @inline_device
+    @cuda.jit(device=True, inline="always")
     def load_chunk(kw, ko, vw, vo, k_flat, v_flat, block_tables, s, c0, end, g, t, words_per_block, head_off):
         for n in range(2):
             load_token(kw, ko + n * QW, k_flat, block_tables, s, c0 + 8 * n + g, end, t * QW, QW, words_per_block,
