@@ -41,8 +41,7 @@ from dataclasses import dataclass, fields
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedattn.errors import InvalidRequestError
@@ -546,33 +545,50 @@ class _Job:
                 pass
         return self.response()
 
-    async def events(self):
-        """The SSE events (bytes) of a streamed response, [DONE] included. The chunks of one output (one
-        per choice that changed, as OpenAI sends them) go out in one write."""
+    async def write(self, send):
+        """Send the SSE events of a streamed response to the ASGI `send`, [DONE] included, each output's chunks
+        (one per choice that changed, as OpenAI sends them) in one body message. One coroutine from the
+        request's stream to the socket: a token's way through the server is this loop, the stream's wake-up
+        and uvicorn's write (async generators and Starlette's streaming response between cost more per
+        chunk than the rest; the API process's CPU per streamed token is what limits one API process)."""
+        done = b"data: [DONE]\n\n"
         try:
-            for chunk in self.first_chunks():
-                yield _sse(chunk)
-            continuous = self.req.continuous_usage
-            async for i, out in merge_streams(self.streams):
-                events = []
-                for index, c, finish in list(self.updates(i, out)):
-                    events.append(_sse(self.chunk([self.stream_choice(index, c, finish)],
-                                                  self.usage_dict() if continuous else None)))
-                if events:
-                    yield events[0] if len(events) == 1 else b"".join(events)
+            head = b"".join(_sse(chunk) for chunk in self.first_chunks())
+            if head:
+                await send({"type": "http.response.body", "body": head, "more_body": True})
+            if len(self.streams) == 1:  # (no generator between the stream and the socket)
+                async for out in self.streams[0]:
+                    body = self.body(0, out)
+                    if body:
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+            else:
+                async for i, out in merge_streams(self.streams):
+                    body = self.body(i, out)
+                    if body:
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
             if self.req.include_usage:
-                yield _sse(self.chunk([], usage=self.usage_dict()))
+                done = _sse(self.chunk([], usage=self.usage_dict())) + done
         except (EngineStepError, EngineDeadError, InvalidRequestError) as e:
-            yield "data: " + json.dumps(_engine_error(e).body()) + "\n\n"
+            done = b"data: " + json.dumps(_engine_error(e).body()).encode() + b"\n\n" + done
         finally:
             self.abort()                # a no-op unless the client left early
-        yield b"data: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": done, "more_body": False})
+
+    def body(self, i, out):
+        """The SSE events (bytes) of one output of prompt i: a chunk per choice that changed."""
+        usage = self.usage_dict if self.req.continuous_usage else _no_usage
+        return b"".join([_sse(self.chunk([self.stream_choice(index, c, finish)], usage()))
+                         for index, c, finish in list(self.updates(i, out))])
 
     def first_chunks(self):
         return []
 
 
 _JSON = msgspec.json.Encoder()
+
+
+def _no_usage():
+    return None
 
 
 def _sse(chunk):
@@ -712,16 +728,36 @@ def token_bytes(tokenizer, token_id, text):
     return list(text.encode("utf-8"))
 
 
+class SSEResponse(Response):
+    """A streamed response (text/event-stream) written by the job itself (_Job.write). While it writes, a task
+    waits for the client's disconnect; if that comes first, the writer is cancelled and the job's requests are
+    aborted (their blocks freed before the engine's next step)."""
+    media_type = "text/event-stream"
+
+    def __init__(self, job):
+        self.job, self.status_code, self.background = job, 200, None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send):
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        writer = asyncio.ensure_future(self.job.write(send))
+        gone = asyncio.ensure_future(_wait_disconnect_message(receive))
+        try:
+            await asyncio.wait({writer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not writer.done():
+                writer.cancel()
+            self.job.abort()
+        if not writer.cancelled() and writer.exception() is not None:
+            raise writer.exception()
+        if self.background is not None:
+            await self.background()
+
+
 def sse_response(job):
-    """A streamed response; if the client disconnects, Starlette cancels the stream and the background
-    task aborts the job's requests (the stream's own `finally` does too, once it is closed)."""
-    return StreamingResponse(job.events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                             background=BackgroundTask(_abort_job, job))
-
-
-async def _abort_job(job):
-    job.abort()
+    """A streamed response; if the client disconnects, its requests are aborted (SSEResponse)."""
+    return SSEResponse(job)
 
 
 async def until_disconnected(raw, job):
@@ -744,7 +780,11 @@ async def until_disconnected(raw, job):
 
 
 async def _wait_disconnect(raw):
+    await _wait_disconnect_message(raw.receive)
+
+
+async def _wait_disconnect_message(receive):
     while True:
-        message = await raw.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
