@@ -33,6 +33,8 @@ TILE_VALUES weights (whole rows) at a time into one buffer and multiplies them w
 Threads: the output features (of all parts) are cut into one contiguous range per thread of numba's
 parallel loop, as in cpu_linear.
 """
+import functools
+
 import numpy as np
 import torch
 from numba import njit, prange
@@ -331,13 +333,16 @@ def linear(x, blocks, fmt, bias=None, num_threads=None):
     return linear_parts(x, [(blocks, fmt)], bias, num_threads)
 
 
-def linear_parts(x, parts, bias=None, num_threads=None):
+def linear_parts(x, parts, bias=None, num_threads=None, tile_dtype=torch.float32):
     """x [M, K] @ [W_0; W_1; ...]^T (+ bias) -> float32 torch tensor [M, N_0 + N_1 + ...] in one call: a
     fused layer whose parts are stored apart, each in its own format (q / k / v, gate / up).
 
     parts: [(blocks, fmt), ...] as `linear` takes them, every part K values a row, or a Parts of them
-    (checked once: a layer called every step keeps one). bias: float32 [sum of N_p] or None. The rest
-    as `linear`."""
+    (checked once: a layer called every step keeps one). bias: float32 [sum of N_p] or None.
+    tile_dtype: the dtype of the GEMM above MAX_ROWS rows: torch.float32 (the dequantized matrix's product),
+    or torch.bfloat16 (x and each dequantized tile rounded to bfloat16, the products rounded to bfloat16
+    before they are written: relative error ~3e-3, a few times faster where the CPU multiplies bfloat16
+    natively, see native_bf16; slower elsewhere). The rest as `linear`."""
     # a prefill's x may be a strided view (SiLU-and-mul's output is the gate half of [T, 2 I]): torch's GEMM
     # takes its strides, the block kernel (few rows) a contiguous copy
     xa = _check(x, "x", np.float32, 2, contiguous=False)
@@ -350,16 +355,25 @@ def linear_parts(x, parts, bias=None, num_threads=None):
     threads = num_threads or torch.get_num_threads()
     out = torch.empty(M, N, dtype=torch.float32)
     if M > MAX_ROWS:
+        if tile_dtype not in (torch.float32, torch.bfloat16):
+            raise KernelLaunchError(f"tile_dtype: {tile_dtype}, expected torch.float32 or torch.bfloat16")
         xt = torch.from_numpy(xa)
         # few input rows: a tile that stays in cache for the GEMM; many: the GEMM is compute-bound and
         # runs best on wide tiles (1024 rows or more), rewritten to memory or not
         # (a power of two: torch's GEMM ran 1170-row tiles 1.3x slower than 1024-row ones)
         rows = max(16 if M < 128 else 1024, 1 << (TILE_VALUES // xa.shape[1]).bit_length() - 1)
         tile = np.empty((min(rows, max(wa.shape[0] for wa in parts.blocks)), xa.shape[1]), np.float32)
+        low = tile_dtype == torch.bfloat16
+        if low:                         # x rounded once for every part; each tile rounded into one buffer
+            xt, tile_low = xt.to(torch.bfloat16), torch.empty(tile.shape, dtype=torch.bfloat16)
         for wa, fmt, c in zip(parts.blocks, parts.fmts, parts.offsets):
             for n0 in range(0, wa.shape[0], rows):
-                w = _dequantize_into(wa[n0:n0 + rows], fmt, tile, threads)
-                torch.matmul(xt, torch.from_numpy(w).T, out=out[:, c + n0:c + n0 + w.shape[0]])
+                w = torch.from_numpy(_dequantize_into(wa[n0:n0 + rows], fmt, tile, threads))
+                dst = out[:, c + n0:c + n0 + w.shape[0]]
+                if low:
+                    dst.copy_(torch.matmul(xt, tile_low[:w.shape[0]].copy_(w).T))
+                else:
+                    torch.matmul(xt, w.T, out=dst)
         if bias is not None:
             out += torch.from_numpy(ba)
         return out
@@ -422,6 +436,19 @@ def dequantize(blocks, fmt, num_threads=None):
     wa = _check(blocks, "blocks", np.uint8, 2)
     K = row_values(fmt, wa.shape[1])
     return _dequantize_into(wa, fmt, np.empty((wa.shape[0], K), np.float32), num_threads or torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def native_bf16():
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16, as torch reports it): there
+    torch's bfloat16 GEMM ran a prefill tile's product [2048, 896] x [896, 4864] at 420-730 GFLOP/s against
+    float32's 146 (two cores of an AMD EPYC with AVX512-BF16, 265-310 with the roundings to and from
+    bfloat16); elsewhere bfloat16 is emulated and slower than float32."""
+    try:
+        caps = torch.cpu.get_capabilities()
+    except Exception:  # noqa: BLE001 (a torch without the query: take float32)
+        return False
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
 def _dequantize_into(wa, fmt, buf, threads):

@@ -208,6 +208,63 @@ def test_codegen_unpacks_in_byte_lanes_and_multiplies_in_float32_lanes(fmt):
     assert sum(bool(re.fullmatch(r"v?(mul|add)ps|vfmadd\d+ps", o)) for o in ops) >= 4
 
 
+BF16_U = 2.0 ** -9     # bfloat16's unit roundoff (8 significant bits, round to nearest)
+
+
+# a prompt's rows in bfloat16 tiles: 17 rows (16-row tiles of W), 200 (1024-row tiles: N = 1100 crosses one)
+@pytest.mark.parametrize("M, N", [(17, 67), (200, 1100)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bfloat16_tiles_within_their_rounding_bound(M, N, with_bias):
+    """tile_dtype=torch.bfloat16: x and every dequantized tile rounded to bfloat16 (u = 2^-9 each), the
+    products accumulated in float32, each output rounded to bfloat16 (u again): |y - ref| <= (3 u + (K + 1)
+    2^-24) |x| |W| (+ the bias's float32 rounding), every format of a fused layer's parts in one call; typical
+    errors far inside (random roundings); NaN stays in its row. Any x86 CPU runs it (bfloat16 is emulated
+    where it is not native)."""
+    fmts = ["Q5_0", "Q8_0", "Q6_K", "Q4_K"]
+    raws = [synthetic_blocks(f, n, 256 // quant.BLOCK[f][0], seed=40 + i)
+            for i, (f, n) in enumerate(zip(fmts, [N, 5, 9, 3]))]
+    w = np.concatenate([quant.dequantize(r, f) for r, f in zip(raws, fmts)])
+    rng = np.random.default_rng(M * 10 + with_bias)
+    x = rng.standard_normal((M, 256)).astype(np.float32)
+    b = rng.standard_normal(w.shape[0]).astype(np.float32) if with_bias else None
+    y = cpu_quant.linear_parts(torch.from_numpy(x), list(zip(raws, fmts)), None if b is None else torch.from_numpy(b),
+                               num_threads=2, tile_dtype=torch.bfloat16)
+    ref = reference(x, w, b)
+    mag = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
+    tol = (3 * BF16_U + 257 * 2.0 ** -24) * mag + (U * np.abs(b) if b is not None else 0) + 1e-30
+    err = np.abs(y.double().numpy() - ref)
+    assert (err <= tol).all(), f"max err/bound {(err / tol).max():.2f}"
+    assert np.median(err / tol) < 0.25, f"median err/bound {np.median(err / tol):.3f}"
+    assert not torch.equal(y, cpu_quant.linear_parts(torch.from_numpy(x), list(zip(raws, fmts)),
+                                                     None if b is None else torch.from_numpy(b)))   # it is bfloat16
+    x[3, 7] = np.nan
+    y = cpu_quant.linear_parts(torch.from_numpy(x), list(zip(raws, fmts)), tile_dtype=torch.bfloat16)
+    assert torch.isnan(y[3]).all() and torch.isfinite(y[[0, 1, 2, 4]]).all()
+    with pytest.raises(KernelLaunchError, match="^tile_dtype:"):
+        cpu_quant.linear_parts(torch.from_numpy(x), list(zip(raws, fmts)), tile_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_quant_weight_takes_bfloat16_tiles_with_int8_activations_on_a_native_cpu(monkeypatch, native):
+    """QuantWeight: int8 activations and a CPU that multiplies bfloat16 natively -> a prompt's tiles in
+    bfloat16; float32 activations, or no native bfloat16 -> float32 tiles (the dequantized matrix's GEMM);
+    a decode's few rows are the int8 kernel's either way."""
+    from kernels_numba import cpu_quant_int8
+    from pagedattn.models.gguf_weights import GGUFTensor, QuantWeight
+
+    monkeypatch.setattr(cpu_quant, "native_bf16", lambda: native)
+    raw = synthetic_blocks("Q5_0", 40, 8, seed=50)
+    t = GGUFTensor("blk.0.attn_q.weight", "Q5_0", (40, 256), raw)
+    x = torch.randn(33, 256, generator=torch.Generator().manual_seed(50))
+    for activations in ("float32", "int8"):
+        qw = QuantWeight([t], activations)
+        want = torch.bfloat16 if native and activations == "int8" else torch.float32
+        assert qw.tile_dtype == want
+        assert torch.equal(qw(x), cpu_quant.linear_parts(x, [(raw, "Q5_0")], tile_dtype=want))
+        few = cpu_quant_int8.linear if activations == "int8" else cpu_quant.linear
+        assert torch.equal(qw(x[:4]), few(x[:4], raw, "Q5_0"))
+
+
 def test_nan_and_inf_propagate_to_their_rows_only():
     raw = synthetic_blocks("Q4_K", 40, 1, seed=6)
     x = torch.randn(8, 256)

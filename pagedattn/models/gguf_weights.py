@@ -250,7 +250,8 @@ class QuantWeight:
         w = QuantWeight([q, k, v])           # shape (Nq + Nk + Nv, K)
         y = w(x, bias)                       # x float32 [M, K] -> [M, N]
         QuantWeight([q, k, v], "int8")       # the same with x rounded to int8 per block of 32
-                                             # (kernels_numba/cpu_quant_int8.py; 1-16 rows)
+                                             # (kernels_numba/cpu_quant_int8.py; 1-16 rows), and a
+                                             # prompt's GEMM in bfloat16 where the CPU has it natively
         rows = w.embedding(ids)              # one part only: rows of the table
     """
 
@@ -259,6 +260,11 @@ class QuantWeight:
         if activations not in ("float32", "int8"):
             raise ModelLoadError(f"activations must be 'float32' or 'int8', got {activations!r}")
         self.activations = activations
+        # a prompt's rows (> cpu_quant.MAX_ROWS): the dequantized tiles' GEMM. With int8 activations (a rounded
+        # x already) in bfloat16 where the CPU multiplies it natively: its error (~3e-3 of a product's scale)
+        # is below int8's (~5e-3), and the GEMM is the prompt's cost (docs/cpu_quant.md)
+        low = activations == "int8" and cpu_quant.native_bf16()
+        self.tile_dtype = torch.bfloat16 if low else torch.float32
         if not parts or any(p.fmt not in cpu_quant.FORMATS or len(p.shape) != 2 for p in parts):
             raise ModelLoadError(f"QuantWeight takes quantized matrices, got {[(p.name, p.fmt) for p in parts]}")
         K = parts[0].shape[1]
@@ -284,7 +290,8 @@ class QuantWeight:
         if self.activations == "int8":
             from kernels_numba import cpu_quant_int8
 
-            return cpu_quant_int8.linear_parts(x, self.checked, bias, num_threads=num_threads)
+            return cpu_quant_int8.linear_parts(x, self.checked, bias, num_threads=num_threads,
+                                               tile_dtype=self.tile_dtype)
         return cpu_quant.linear_parts(x, self.checked, bias, num_threads=num_threads)
 
     def embedding(self, ids, num_threads=None):
