@@ -155,6 +155,7 @@ def child_startup(args):
     pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
     with open(os.path.join(args.out, f"startup_{args.tag}_cprofile.txt"), "w") as f:
         f.write(s.getvalue())
+    prof.dump_stats(os.path.join(args.out, f"startup_{args.tag}.prof"))     # for pstats' callers / callees
     return dict(tag=args.tag, import_s=t_import, llm_s=t_llm, first_token_s=t_first,
                 to_first_token_s=t_import + t_llm + t_first,
                 generate1_s=times[0], generate2_s=times[1], first_over_later=times[0] / times[1],

@@ -67,6 +67,27 @@ def test_unconstrained_batch_matches_hf(tiny_checkpoint, hf_greedy):
     assert_clean(llm)
 
 
+def test_lm_head_rows_padded_to_the_graph_ladder_match_hf(tiny_checkpoint, hf_greedy):
+    """On CUDA an eager step's LM head runs on its sampling rows padded to the decode graphs' ladder (the
+    last row repeated, the extra logits dropped); forced on here (the CPU runs unpadded): the same greedy
+    tokens as HF, with 9 sampling rows at first (padded to 16) and fewer as requests end."""
+    llm = LLM(tiny_checkpoint, device="cpu", num_blocks=256)
+    runner = llm.engine.executor.runner
+    runner.logit_rows = [1, 2, 4, 8, 16]
+    calls = []
+    lm_head = runner.model.compute_logits
+    runner.model.compute_logits = lambda h, **kw: calls.append(h.shape[0]) or lm_head(h, **kw)
+    for i, p in enumerate(PROMPTS):
+        llm.engine.add_request(str(i), p, greedy())
+    outs = {}
+    while llm.engine.has_unfinished_requests():
+        for o in llm.engine.step():
+            outs[o.request_id] = o
+    assert [outs[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == hf_greedy
+    assert calls and set(calls) <= {1, 2, 4, 8, 16}
+    assert_clean(llm)
+
+
 def test_staggered_arrivals_match_hf(tiny_checkpoint, hf_greedy):
     llm = LLM(tiny_checkpoint, device="cpu", num_blocks=256, max_num_batched_tokens=64)
     engine, results = llm.engine, {}

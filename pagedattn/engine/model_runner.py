@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from pagedattn.config import kv_pool_blocks
+from pagedattn.engine.cuda_graph import graph_batch_sizes, padded_batch_size
 from pagedattn.errors import KernelLaunchError
 from pagedattn.kv_cache import KVCache
 from pagedattn.layers.attention import AttentionMetadata, get_backend
@@ -93,6 +94,11 @@ class ModelRunner:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        # CUDA: the LM head of an eager step runs on its sampling rows padded to the decode graphs' ladder
+        # (1, 2, 4, ..., max_num_seqs), row counts the graph captures met already: every other count was a
+        # cuBLAS shape of its own, whose first use cost ~4 ms of host time (a prefill-heavy workload's
+        # first run: each step a new count)
+        self.logit_rows = graph_batch_sizes(config.max_num_seqs) if self.cuda else None
         self._closed = False
         if self.cuda:
             ModelRunner._open_on_cuda += 1
@@ -220,7 +226,11 @@ class ModelRunner:
             hidden = self.model.forward(ids, f["positions"], self.kv_cache, meta)      # (T, hidden)
         N, logits = step.num_samples, None
         if N:
-            logits = self.model.compute_logits(hidden[f["sample_rows"]], float32=False)   # (N, V), the model's dtype
+            rows = f["sample_rows"]
+            padded = padded_batch_size(N, self.logit_rows) if self.logit_rows else None
+            if padded is not None and padded > N:       # (the last row again; its logits are dropped)
+                rows = torch.cat([rows, rows[-1:].expand(padded - N)])
+            logits = self.model.compute_logits(hidden[rows], float32=False)[:N]   # (N, V), the model's dtype
             st = sampler.SamplingTensors(temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"],
                                  seed=f["seed"], index=f["comp_index"], position=f["position"])
             sampler.sample(logits, st, out_tokens=self.sampled_tokens[:N], out_logprobs=self.sampled_logprobs[:N])
