@@ -288,19 +288,24 @@ def test_int8_activations_in_the_engine(bundled_model_dir, bundled_gguf):  # noq
     assert len(out[0].outputs[0].token_ids) == 6
 
 
+NEAR_TIE = 0.1      # HF's top-two probabilities closer than this: either token is HF's answer up to rounding
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("activations", ["auto", "float32"])
 def test_greedy_matches_hf_generate(bundled_model_dir, bundled_gguf, activations):  # noqa: F811
     """32 greedy tokens of LLM(device="cpu") on the GGUF blocks identical to HF generate(do_sample=False)
     on the converted float32 checkpoint, on the chat prompts of tests/test_bundled_model.py decoded
-    together (the 5-row decode steps run the block kernels, the prefill the dequantized tiles): with the
-    default activations (int8 where the target has AVX2: a slightly different function, which on these
-    prompts gives the same tokens) and with float32 activations (the dequantized matrices' products)."""
+    together (the 5-row decode steps run the block kernels, the prefill the dequantized tiles): with float32
+    activations (the dequantized matrices' products) every token; with the default activations (int8 where
+    the target has AVX2, and the prompt's GEMM in bfloat16 where the CPU has it: a slightly different
+    function) every token up to a first difference, which must be a near tie of HF's (one such on these
+    prompts with bfloat16, HF's probabilities 0.418 / 0.395; none with int8 alone)."""
     from pagedattn import LLM, SamplingParams
     from test_bundled_model import MAX_NEW_TOKENS, PROMPTS
 
     # HF's answers: computed once per run (test_bundled_model.py compares against the same ones)
-    tok, prompts, hf_answers, _ = hf_greedy_reference(bundled_model_dir, PROMPTS, MAX_NEW_TOKENS)
+    tok, prompts, hf_answers, hf_logits = hf_greedy_reference(bundled_model_dir, PROMPTS, MAX_NEW_TOKENS)
     llm = LLM(bundled_model_dir, device="cpu", weights="quantized", activations=activations, num_blocks=64,
               max_model_len=512)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS), use_tqdm=False)
@@ -308,4 +313,17 @@ def test_greedy_matches_hf_generate(bundled_model_dir, bundled_gguf, activations
         n = len(hf_tokens)
         assert n >= 16, "answers should be long enough to compare"
         ours = list(out.outputs[0].token_ids)
-        assert ours[:n] == hf_tokens, f"prompt {p}: ours {tok.decode(ours[:n])!r}\nhf {tok.decode(hf_tokens)!r}"
+        if activations == "float32" or ours[:n] == hf_tokens:
+            assert ours[:n] == hf_tokens, f"prompt {p}: ours {tok.decode(ours[:n])!r}\nhf {tok.decode(hf_tokens)!r}"
+            continue
+        # The default is not the dequantized matrices' function (int8 activations; a prompt's GEMM in bfloat16
+        # where the CPU has it): where its tokens leave HF's, HF's own choice there must be a near tie that
+        # ours took the other way (HF's two likeliest tokens within NEAR_TIE of probability); later tokens
+        # continue another text and are not compared.
+        i = next(j for j in range(n) if ours[j] != hf_tokens[j])
+        probs = torch.softmax(hf_logits[p][i].double(), -1)
+        top2 = torch.topk(probs, 2)
+        print(f"prompt {p}: token {i} is HF's runner-up, HF probabilities {top2.values.tolist()}")
+        assert ours[i] == top2.indices[1].item() and (top2.values[0] - top2.values[1]).item() < NEAR_TIE, (
+            f"prompt {p}, token {i}: ours {tok.decode(ours[:i + 1])!r}, HF's probabilities {top2.values.tolist()} "
+            f"for {tok.decode(top2.indices.tolist())!r}")
