@@ -14,6 +14,7 @@ disconnect (streaming or not) free their blocks; 64 concurrent streaming clients
 """
 import asyncio
 import json
+import logging
 import socket
 import time
 from types import SimpleNamespace
@@ -319,7 +320,11 @@ def aborted(before, after):
             - metric(before, "pagedattn_request_finished_total", finished_reason="abort"))
 
 
-def test_streaming_client_that_disconnects_frees_its_blocks(server):
+def test_streaming_client_that_disconnects_frees_its_blocks(server, caplog):
+    """The request is aborted (its blocks freed) and the server logs no error for it: the writer is cancelled,
+    not left to fail."""
+    uvicorn_log = logging.getLogger("uvicorn.error")          # (uvicorn's loggers do not propagate)
+    uvicorn_log.addHandler(caplog.handler)
     before = scrape(server.url)
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 240, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60,
@@ -327,6 +332,9 @@ def test_streaming_client_that_disconnects_frees_its_blocks(server):
         assert next(r.iter_lines()).startswith("data: ")        # generating; now leave
     assert_no_leak(server)
     assert aborted(before, scrape(server.url)) == 1
+    time.sleep(0.5)                                             # the server's side of the disconnect
+    uvicorn_log.removeHandler(caplog.handler)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 def test_non_streaming_client_that_disconnects_frees_its_blocks(server):

@@ -740,16 +740,8 @@ class SSEResponse(Response):
 
     async def __call__(self, scope, receive, send):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        writer = asyncio.ensure_future(self.job.write(send))
-        gone = asyncio.ensure_future(_wait_disconnect_message(receive))
-        try:
-            await asyncio.wait({writer, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not writer.done():
-                writer.cancel()
-            self.job.abort()
-        if not writer.cancelled() and writer.exception() is not None:
+        writer = await _unless_gone(self.job.write(send), receive, self.job)
+        if writer.done() and not writer.cancelled() and writer.exception() is not None:
             raise writer.exception()
         if self.background is not None:
             await self.background()
@@ -760,10 +752,11 @@ def sse_response(job):
     return SSEResponse(job)
 
 
-async def until_disconnected(raw, job):
-    """Run a non-streamed job; if the client disconnects first, abort it (nobody is left to answer)."""
-    work = asyncio.ensure_future(job.run())
-    gone = asyncio.ensure_future(_wait_disconnect(raw))
+async def _unless_gone(coro, receive, job):
+    """Run coro as a task until it ends or the client disconnects, whichever comes first; on a disconnect
+    the task is cancelled and the job's requests aborted (nobody is left to answer). Returns the task."""
+    work = asyncio.ensure_future(coro)
+    gone = asyncio.ensure_future(_wait_disconnect(receive))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -771,6 +764,12 @@ async def until_disconnected(raw, job):
         if not work.done():
             work.cancel()
             job.abort()
+    return work
+
+
+async def until_disconnected(raw, job):
+    """Run a non-streamed job; if the client disconnects first, abort it (nobody is left to answer)."""
+    work = await _unless_gone(job.run(), raw.receive, job)
     if not work.done() or work.cancelled():
         return Response(status_code=499)   # the client is gone; this is never read
     try:
@@ -779,11 +778,7 @@ async def until_disconnected(raw, job):
         return _engine_error(e).response()
 
 
-async def _wait_disconnect(raw):
-    await _wait_disconnect_message(raw.receive)
-
-
-async def _wait_disconnect_message(receive):
+async def _wait_disconnect(receive):
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
