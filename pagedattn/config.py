@@ -68,9 +68,10 @@ class EngineConfig:
         there, "float32" otherwise. with_model_path resolves it and sets gguf_file.
     activations: "auto", "float32" or "int8", the quantized path's activations. "int8": each 32-value
         block of x rounded to int8 with its own scale, as llama.cpp does, and integer dot products per
-        block (kernels_numba/cpu_quant_int8.py): ~1.3x the decode speed of "float32", a slightly
-        different function (outputs off by ~1e-2 of their scale; on the bundled model's test prompts the
-        same greedy tokens as HF's float32 model, docs/cpu_quant.md). "float32": every product is the
+        block (kernels_numba/cpu_quant_int8.py), and a prompt's GEMM on bfloat16 tiles where the CPU multiplies
+        bfloat16 natively (kernels_numba/cpu_quant.native_bf16): ~1.3x the decode speed of "float32", a slightly
+        different function (outputs off by ~1e-2 of their scale; on the bundled model's test prompts HF's
+        greedy tokens up to near ties, docs/cpu_quant.md). "float32": every product is the
         dequantized float32 matrix's. "auto" (default): "int8" where the CPU numba compiles for has AVX2
         (its byte multiply-adds make it fast), "float32" elsewhere and on float32 weights;
         with_model_path resolves it. "int8" needs weights="quantized" (or "auto" resolving to it).
