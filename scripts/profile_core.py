@@ -63,6 +63,21 @@ def run(llm, prompts, out_lens, way, tag):
     return tokens, time.perf_counter() - w0, time.process_time() - c0
 
 
+def run_way(llm, prompts, out_lens, way, tag):
+    """run() with the engine's output processor for `way`: its own (offline), or the engine core's (no
+    tokenizer, deltas only: pagedattn/serving/engine_core.py's EngineCore), restored afterwards."""
+    from pagedattn.engine.output_processor import OutputProcessor
+
+    engine = llm.engine
+    own = engine.outputs
+    if way == "core":
+        engine.outputs = OutputProcessor(None, engine.eos_token_ids, engine.max_model_len, deltas_only=True)
+    try:
+        return run(llm, prompts, out_lens, way, tag)
+    finally:
+        engine.outputs = own
+
+
 def top_functions(fn, n=30):
     prof = cProfile.Profile()
     prof.enable()
@@ -86,21 +101,13 @@ def main():
     args = ap.parse_args()
 
     from pagedattn import LLM
-    from pagedattn.engine.output_processor import OutputProcessor
 
     ckpt = args.model or benchlib.random_checkpoint("0.5b")
     prompts, out_lens = benchlib.nano_vllm_workload(args.num_requests)
     llm = LLM(ckpt, device=args.device, enable_prefix_caching=False)
-    engine = llm.engine
-    own = engine.outputs
-    core = OutputProcessor(None, engine.eos_token_ids, engine.max_model_len, deltas_only=True)
 
     def way_run(way, tag):
-        engine.outputs = core if way == "core" else own
-        try:
-            return run(llm, prompts, out_lens, way, tag)
-        finally:
-            engine.outputs = own
+        return run_way(llm, prompts, out_lens, way, tag)
 
     way_run("offline", "warm0")
     way_run("core", "warm1")

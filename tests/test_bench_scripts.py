@@ -293,3 +293,42 @@ def test_memory_sharing_counts_shared_blocks(tiny_random, tmp_path):
     for r in rows:                                     # forks share the prompt's blocks: physical < logical
         assert 0 < r["peak_physical_blocks"] < r["peak_logical_blocks"] and 0 < r["saving_at_peak"] < 1
     assert "| parallel sampling | 2 |" in (tmp_path / "memory_sharing.md").read_text()
+
+
+# ---- scripts/profile_ttft.py and scripts/profile_core.py on CPU, tiny random model ----
+from scripts import profile_core, profile_ttft  # noqa: E402
+
+
+def test_profile_ttft_rows_follow_the_workload_step_by_step(tiny_random):
+    """Every prompt token is scheduled once (no prefix cache), first tokens only grow and reach every request,
+    a TTFT per request, a full run's tok/s; the engine is left empty."""
+    from pagedattn import LLM
+
+    prompts, out_lens = tiny_workload(6)
+    llm = LLM(tiny_random, device="cpu", enable_prefix_caching=False, max_num_batched_tokens=32, **ENGINE)
+    rows, ttfts, tok_s = profile_ttft.run(llm, prompts, out_lens, "t", max_steps=100, full=True)
+    assert sum(r["prompt_tokens"] for r in rows) == sum(map(len, prompts))
+    firsts = [r["first_tokens"] for r in rows]
+    assert firsts == sorted(firsts) and firsts[-1] == len(prompts) and firsts[0] < len(prompts)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert len(ttfts) == len(prompts) and all(t > 0 for t in ttfts) and tok_s > 0
+    assert not llm.engine.has_unfinished_requests()
+    rows, ttfts, tok_s = profile_ttft.run(llm, prompts, out_lens, "u", max_steps=100)    # stops at the last first token
+    assert rows[-1]["first_tokens"] == len(prompts) and tok_s is None
+    assert not llm.engine.has_unfinished_requests()
+    llm.close()
+
+
+def test_profile_core_ways_generate_the_same_tokens(tiny_random):
+    """The offline way and the core's streamed way count the same output tokens (every request to its
+    max_tokens), and the engine's own output processor is back afterwards."""
+    from pagedattn import LLM
+
+    prompts, out_lens = tiny_workload(5)
+    llm = LLM(tiny_random, device="cpu", enable_prefix_caching=False, **ENGINE)
+    own = llm.engine.outputs
+    for way in ("offline", "core"):
+        tokens, wall, cpu = profile_core.run_way(llm, prompts, out_lens, way, way)
+        assert tokens == sum(out_lens) and wall > 0 and cpu > 0, way
+        assert llm.engine.outputs is own and not llm.engine.has_unfinished_requests()
+    llm.close()
