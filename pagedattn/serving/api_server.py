@@ -548,9 +548,8 @@ class _Job:
     async def write(self, send):
         """Send the SSE events of a streamed response to the ASGI `send`, [DONE] included, each output's chunks
         (one per choice that changed, as OpenAI sends them) in one body message. One coroutine from the
-        request's stream to the socket: a token's way through the server is this loop, the stream's wake-up
-        and uvicorn's write (async generators and Starlette's streaming response between cost more per
-        chunk than the rest; the API process's CPU per streamed token is what limits one API process)."""
+        request's stream to uvicorn's send, where two async generators and Starlette's streaming response
+        were: the API process's CPU per streamed token is what limits one API process (docs/serving.md)."""
         done = b"data: [DONE]\n\n"
         try:
             head = b"".join(_sse(chunk) for chunk in self.first_chunks())
@@ -576,19 +575,15 @@ class _Job:
 
     def body(self, i, out):
         """The SSE events (bytes) of one output of prompt i: a chunk per choice that changed."""
-        usage = self.usage_dict if self.req.continuous_usage else _no_usage
-        return b"".join([_sse(self.chunk([self.stream_choice(index, c, finish)], usage()))
-                         for index, c, finish in list(self.updates(i, out))])
+        changed = list(self.updates(i, out))        # (first: the usage counts these tokens)
+        usage = self.usage_dict() if self.req.continuous_usage else None
+        return b"".join([_sse(self.chunk([self.stream_choice(index, c, finish)], usage)) for index, c, finish in changed])
 
     def first_chunks(self):
         return []
 
 
 _JSON = msgspec.json.Encoder()
-
-
-def _no_usage():
-    return None
 
 
 def _sse(chunk):
