@@ -116,6 +116,19 @@ def test_completion_streamed_equals_unstreamed_equals_generate(server, ref, prom
     assert all(ch.usage is None for ch in chunks[:-1])
 
 
+def test_continuous_usage_counts_every_chunks_tokens(server, ref):
+    """stream_options.continuous_usage_stats (vLLM's extra): every chunk carries the usage so far, its
+    completion tokens growing by the chunk's tokens, up to the total in the last chunk."""
+    want = generate(ref, PROMPTS[0], temperature=0, max_tokens=20, ignore_eos=True)
+    chunks = list(server.client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [ch.usage.completion_tokens for ch in chunks]
+    assert all(ch.usage is not None and ch.usage.prompt_tokens == len(want.prompt_token_ids) for ch in chunks)
+    assert counts == sorted(counts) and counts[-1] == len(want.outputs[0].token_ids) == 20
+    assert chunks[-1].choices == [] and len({c for c in counts}) > 1
+
+
 def test_chat_streamed_equals_unstreamed_equals_generate(server, ref):
     for messages in CHATS:
         want = generate(ref, chat_prompt(ref, messages), temperature=0, max_tokens=32)
