@@ -26,8 +26,6 @@ from scripts import benchlib  # noqa: E402
 def run(llm, prompts, out_lens, tag, max_steps, full=False):
     """The workload, greedy, until every request has its first token (full: to the end; the rows stop at
     max_steps either way). Returns (per-step rows, TTFTs in seconds, output tok/s of a full run or None)."""
-    from pagedattn import SamplingParams
-
     engine = llm.engine
     scheduled = []
     schedule = engine.scheduler.schedule
@@ -42,15 +40,14 @@ def run(llm, prompts, out_lens, tag, max_steps, full=False):
     groups = {}
     try:
         t0 = time.perf_counter()
-        for i, (p, n) in enumerate(zip(prompts, out_lens)):
-            rid = f"{tag}-{i}"
-            engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-            groups[rid] = engine.groups[rid]
+        groups = add_workload(engine, prompts, out_lens, tag)
         rows, generated, tok_s = [], 0, None
         while engine.has_unfinished_requests():
             outs = engine.step()
             generated += sum(len(c.token_ids) for o in outs if o.finished for c in o.outputs)
             if len(rows) >= max_steps:
+                if not full:
+                    break
                 continue
             firsts = sum(g.first_token_time is not None for g in groups.values())
             prompt_tokens, decodes = scheduled[-1] if scheduled else (0, 0)
@@ -63,27 +60,38 @@ def run(llm, prompts, out_lens, tag, max_steps, full=False):
         ttfts = [g.first_token_time - g.arrival_time for g in groups.values() if g.first_token_time is not None]
     finally:
         engine.scheduler.schedule = schedule
-        for rid in groups:
-            engine.abort_request(rid)
-        while engine.has_unfinished_requests():
-            engine.step()
+        abort_all(engine, groups)
     return rows, ttfts, tok_s
+
+
+def add_workload(engine, prompts, out_lens, tag):
+    """Add the workload's requests (greedy, ignore_eos); returns {request id: SequenceGroup}."""
+    from pagedattn import SamplingParams
+
+    groups = {}
+    for i, (p, n) in enumerate(zip(prompts, out_lens)):
+        rid = f"{tag}-{i}"
+        engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        groups[rid] = engine.groups[rid]
+    return groups
+
+
+def abort_all(engine, request_ids):
+    """Abort the requests still running and step until the engine is empty."""
+    for rid in request_ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def gpu_ms(llm, prompts, out_lens, tag, steps):
     """GPU kernel time (ms, torch.profiler) of the workload's first `steps` steps, and their wall time."""
-    from pagedattn import SamplingParams
-
     engine = llm.engine
-    for i, (p, n) in enumerate(zip(prompts, out_lens)):
-        engine.add_request(f"{tag}-{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    groups = add_workload(engine, prompts, out_lens, tag)
     t0 = time.perf_counter()
     times = benchlib.kernel_times(engine.step, steps)
     wall = 1e3 * (time.perf_counter() - t0)
-    for i in range(len(prompts)):
-        engine.abort_request(f"{tag}-{i}")
-    while engine.has_unfinished_requests():
-        engine.step()
+    abort_all(engine, groups)
     return sum(k["us"] for k in times["kernels"].values()) / 1e3, wall
 
 
