@@ -5,7 +5,8 @@ Plain state, in vLLM's words:
     free_blocks      free list: block ids with ref_count 0, ordered by the time they were freed
                      (oldest first; allocation takes from the front)
     ref_count        [total_blocks] how many block-table entries point at each block
-    sequence_blocks  seq_id -> block table (list of physical block ids, logical order)
+    sequence_blocks  seq_id -> block table (array('i') of physical block ids, logical order: a step
+                     packs every table with one bytes join)
 
 A sequence's token at position p lives in block `sequence_blocks[seq][p // block_size]` at offset
 `p % block_size`. Sharing (share_prefix) only bumps ref counts; a writer into a shared block first
@@ -63,7 +64,7 @@ class BlockManager:
     # State, filled by __post_init__ (left out of repr: it can be large).
     free_blocks: OrderedDict = _state()                 # block id -> None, oldest-freed first
     ref_count: list[int] = _state()                     # [total_blocks]
-    sequence_blocks: dict[Hashable, list[int]] = _state()
+    sequence_blocks: dict[Hashable, array] = _state()     # seq_id -> array('i') of block ids
     # Prefix cache. A hashed block keeps its hash while used *and* while free (evictable).
     block_hash: dict[int, int] = _state()               # block id -> chain hash
     block_key: dict[int, tuple] = _state()              # block id -> (parent hash, token ids)
@@ -158,7 +159,7 @@ class BlockManager:
         if n > len(self.free_blocks):
             raise OutOfBlocksError(f"need {n} blocks for sequence {seq_id!r}, {len(self.free_blocks)} free")
         new = [self._take_free_block() for _ in range(n)]
-        self.sequence_blocks.setdefault(seq_id, []).extend(new)
+        self.sequence_blocks.setdefault(seq_id, array("i")).extend(new)
         return new
 
     def free_sequence(self, seq_id: Hashable) -> None:
@@ -239,7 +240,7 @@ class BlockManager:
                 del self.free_blocks[block]
             self.ref_count[block] += 1
         fresh = [self._take_free_block() for _ in range(n_total - len(hits))]
-        self.sequence_blocks[seq_id] = hits + fresh
+        self.sequence_blocks[seq_id] = array("i", hits + fresh)
         self.seq_hashes[seq_id] = [self.block_hash[b] for b in hits]
         if self.enable_prefix_caching:
             self.num_query_tokens += len(token_ids)
@@ -303,7 +304,7 @@ class BlockManager:
 
     # ---- helpers -------------------------------------------------------------------------------
 
-    def _table(self, seq_id: Hashable) -> list[int]:
+    def _table(self, seq_id: Hashable) -> array:
         if seq_id not in self.sequence_blocks:
             raise BlockManagerError(f"unknown sequence {seq_id!r}")
         return self.sequence_blocks[seq_id]

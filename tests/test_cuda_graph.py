@@ -7,6 +7,8 @@ a mixed workload re-run eagerly on the same state (logits within fp16 noise, arg
 margin is clear); a padded replay writes only the real rows' slots; every dtype x backend either replays
 graphs or runs eagerly by design (float32 / the torch backend: eager), never crashes.
 """
+from array import array
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from pagedattn.block_manager import BlockManager
 from pagedattn.engine.cuda_graph import decode_header, graph_batch_sizes, pad_decode_step, padded_batch_size
 from pagedattn.engine.scheduler import SchedulerOutput
 from pagedattn.engine.sequence import Sequence
-from pagedattn.engine.step_inputs import SampleRow, StepInputs, build_step_inputs, layout
+from pagedattn.engine.step_inputs import SampleRow, StepInputs, _padded_tables, build_step_inputs, layout
 from pagedattn.sampling_params import SamplingParams
 
 
@@ -66,11 +68,25 @@ def test_build_step_inputs_matches_a_loop():
     assert np.allclose(f["temperature"], [0.7, 0.0]) and f["top_k"].tolist() == [5, 0]
     assert f["seed"].view(np.uint64).tolist() == [7, 11]
     assert f["block_copies"].tolist() == [[3, 9]]
+    tables = [bm.block_table(s.seq_id) for s in (a, b, c)]                     # 3, 2 and 1 blocks
+    assert f["block_tables"].tolist() == [t + [0] * (3 - len(t)) for t in tables]
     assert step.max_context_len == 9 and not step.pure_decode
     assert layout(step.header)["seed"][0] % 2 == 0                  # int64 view needs 8-byte alignment
     assert torch.from_numpy(step.data)[layout(step.header)["seed"][0]:].view(torch.int64)[0] == 7
     again = StepInputs.from_header_array(step.header_array(), step.data.copy())   # what a worker rebuilds
     assert again.header == step.header
+
+
+def test_padded_tables_from_arrays_and_lists():
+    """The tables are packed from the BlockManager's arrays as they are; a list table (built by hand) too."""
+    rng = np.random.default_rng(0)
+    tables = [array("i", rng.integers(1, 1000, n).tolist()) for n in (5, 0, 17, 1, 17)] + [[4, 5, 6]]
+    got = _padded_tables(tables)
+    want = np.zeros((6, 17), np.int32)
+    for i, t in enumerate(tables):
+        want[i, :len(t)] = list(t)
+    assert got.dtype == np.int32 and got.shape == (6, 17) and (got == want).all()
+    assert _padded_tables([array("i"), []]).shape == (2, 0)
 
 
 def test_pad_decode_step():

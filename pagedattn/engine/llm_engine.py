@@ -30,6 +30,8 @@ import logging
 import os
 import time
 
+import numpy as np
+
 from pagedattn.block_manager import BlockManager
 from pagedattn.engine.beam_search import BeamState
 from pagedattn.engine.executor import make_executor
@@ -324,6 +326,8 @@ class LLMEngine:
         """The tokens of a launched step: append, stop, fork, beam search.
         Returns (RequestOutputs, number of tokens generated)."""
         tokens, logprobs, beams = result.wait()
+        if plan.sample_rows:
+            tokens, logprobs = np.asarray(tokens).tolist(), np.asarray(logprobs).tolist()   # Python numbers, once
         t = now()
         touched = {}
         failed = {}                     # request_id -> (group, exception): finished alone, with an error
@@ -345,7 +349,7 @@ class LLMEngine:
                     continue            # finished one step earlier (async), aborted, or failed in this step
                 target = seq
             generated += 1
-            token = int(tokens[i])
+            token = tokens[i]
             try:
                 if not 0 <= token < self.vocab_size:
                     raise RuntimeError(f"the sampler returned token id {token} for this request's row, outside "
@@ -356,6 +360,8 @@ class LLMEngine:
                 continue
             if reason is not None:
                 self.scheduler.finish(target, reason)
+            elif not group.stream:
+                continue                # nothing to report until it finishes
             touched[group.request_id] = group
         for j, seq in enumerate(plan.beam_rows):
             group = self.groups.get(seq.request_id)

@@ -170,13 +170,14 @@ class Scheduler:
         """After the model ran the step: the scheduled tokens are now in the cache."""
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
-        bm = self.block_manager
+        bm, bs = self.block_manager, self.block_size
         if bm.enable_prefix_caching:
+            committed = bm.seq_hashes                   # (bm.num_committed_blocks, without a call per sequence)
             for seq, _ in out.scheduled:
                 # blocks whose tokens are all computed and known (an in-flight token is not yet known)
-                full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
-                if full > bm.num_committed_blocks(seq.seq_id):
-                    bm.commit_full_blocks(seq.seq_id, seq.token_ids, full * self.block_size)
+                full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs
+                if full > len(committed.get(seq.seq_id, ())):
+                    bm.commit_full_blocks(seq.seq_id, seq.token_ids, full * bs)
 
     def _hold(self, chosen, budget):
         """Keep the waiting sequences out of this step (admission_interval; the module's docstring)."""
@@ -205,8 +206,11 @@ class Scheduler:
     def _reserve(self, seq, n, block_copies):
         """Make seq's blocks cover its next n tokens; copy a shared partial block it will write.
         Returns False (changing nothing) when the pool is too small."""
-        bm = self.block_manager
+        bm, bs = self.block_manager, self.block_size
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        table = bm.sequence_blocks.get(seq.seq_id)
+        if table is not None and end <= len(table) * bs and (start % bs == 0 or bm.ref_count[table[start // bs]] == 1):
+            return True         # most decode steps: room in the last block, which this sequence alone holds
         num_blocks = bm.num_blocks_of(seq.seq_id)
         new_blocks = bm.blocks_needed(seq.seq_id, end)
         first = start // self.block_size
