@@ -14,8 +14,9 @@ supported shape, with a split-KV merge that stays cheap however many partitions 
     merged in shared memory. d=64 and d=128, any group size: no fallback to older versions.
   * plan (decode_plan): each (sequence, head group) gets its share of 8 warps per SM: one CTA of
     2, 4 or 8 warps over the whole context when that share is <= 8 warps (large batches: v9's
-    plan, no split); else partitions of 4-warp CTAs, up to MAX_SPLITS, so that one wave of
-    resident CTAs covers the batch (1-8 sequences fill the 132 SMs).
+    plan, no split) or the context is short (<= 512 tokens: 8 warps); else partitions of 4-warp
+    (one or two sequences) or 8-warp CTAs, up to MAX_SPLITS, so that one wave of resident CTAs
+    covers the batch (1-8 sequences fill the 132 SMs).
   * the merge of a split context: each partition writes a record (accumulators, max, sum) and
     the partitions are merged with every load in flight at once (attention_parts.make_split_merge):
     v4-v9's merge kernel looped over the partitions one dependent L2 round trip after another
@@ -61,7 +62,10 @@ from kernels_numba.launcher import launch as launch_kernel
 MAX_HEADS_PER_CTA = 16  # the mma's 16 rows; a larger group is cut into head blocks
 STAGES = 3  # ring stages per warp: 2 chunks in flight (deeper rings measured <= 5% better, docs/tune_splits.md)
 WARPS_PER_SM = 8  # about 8 warps per SM stream the pool as fast as 16 (docs/tune_splits.md)
-SPLIT_WARPS = 4  # warps per CTA once a context is split
+SPLIT_WARPS = 4  # warps per CTA once a context is split, for the fewest (sequence, head group) pairs ...
+SPLIT_WARPS_MANY = 8  # ... and once a pair's share is at most MANY_PAIRS_SHARE warps (3 or more sequences)
+MANY_PAIRS_SHARE = 128
+SHORT_CONTEXT = 512  # up to this many tokens a context is never split: one CTA of up to 8 warps
 FUSED_MERGE_MAX_SPLITS = 16  # beyond, the merge kernel spreads the records over more SMs
 MERGE_THREADS = 128
 
@@ -202,17 +206,26 @@ def decode_plan(num_seqs, num_kv_heads, group, max_context_len, num_sms, splits=
     Each (sequence, head group) gets w = the power of two at or below WARPS_PER_SM * num_sms / pairs
     warps (at least 2):
         w <= 8       one CTA of w warps over the whole context (large batches, as v9)
-        w > 8        CTAs of 4 warps over min(w / 4, MAX_SPLITS, ctx / 128) partitions, so that the
-                     batch's CTAs are about one wave of 2 resident CTAs per SM; merged "fused" up to
-                     FUSED_MERGE_MAX_SPLITS partitions, by the merge "kernel" beyond
-    splits, warps, merge: override the plan's choice (scripts/tune_splits.py measures them)."""
+        w > 8        contexts of <= SHORT_CONTEXT tokens: one CTA of 8 warps (a split's records and merge
+                     cost more than its parallelism gains there); longer ones: CTAs of c warps over
+                     min(w / c, MAX_SPLITS, ctx / (32 c)) partitions, so that the batch's CTAs are about one
+                     wave; c = 4 for the fewest pairs (w > MANY_PAIRS_SHARE: one or two sequences), 8 for
+                     more; merged "fused" up to FUSED_MERGE_MAX_SPLITS partitions, by the merge "kernel" beyond
+    (the choices measured by scripts/tune_splits.py: docs/tune_splits.md, v10)
+    splits, warps, merge: override the plan's choice."""
     pairs = max(1, num_seqs * num_kv_heads * head_blocks(group)[0])
     share = max(2, 1 << max(0, (WARPS_PER_SM * num_sms // pairs).bit_length() - 1))
-    plan_warps = share if share <= 8 else SPLIT_WARPS
+    short = share > 8 and max_context_len <= SHORT_CONTEXT
+    if share <= 8:
+        plan_warps = share
+    elif short:
+        plan_warps = 8
+    else:
+        plan_warps = SPLIT_WARPS if share > MANY_PAIRS_SHARE else SPLIT_WARPS_MANY
     w = plan_warps if warps is None else warps
     step = CHUNK * w
     if splits is None:
-        splits = 1 if share <= 8 else min(share // w, MAX_SPLITS, max(1, max_context_len // (2 * step)))
+        splits = 1 if share <= 8 or short else min(share // w, MAX_SPLITS, max(1, max_context_len // (2 * step)))
     partition = -(-max_context_len // min(splits, MAX_SPLITS))
     partition = -(-partition // step) * step
     splits = -(-max_context_len // partition)

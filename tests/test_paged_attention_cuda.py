@@ -196,13 +196,20 @@ def test_split_plan_fills_the_gpu():
 
 def test_decode_plan_splits_small_batches_only():
     """Large batches keep v9's launch (one CTA over each whole context); 1-8 sequences are split so
-    that about 8 warps per SM run, merged in the last CTA up to 16 partitions, by a kernel beyond."""
+    that about 8 warps per SM run, merged in the last CTA up to 16 partitions, by a kernel beyond;
+    contexts of <= 512 tokens are not split; split CTAs have 4 warps for one sequence, 8 for 3 or more
+    (the fastest configurations of docs/tune_splits.md's v10 sweep)."""
     for batch, ctx in [(256, 512), (512, 512), (128, 2048), (64, 2048), (64, 512)]:
         plan = pa.decode_plan(batch, 2, 7, ctx, 132)
         assert (plan.splits, plan.partition, plan.warps, plan.merge) == (*tensor_core.v9_plan(batch, 2, ctx, 132),
                                                                          "none")
-    assert pa.decode_plan(8, 2, 7, 2048, 132) == pa.DecodePlan(16, 128, 4, 3, "fused")
+    assert pa.decode_plan(8, 2, 7, 2048, 132) == pa.DecodePlan(8, 256, 8, 3, "fused")
+    assert pa.decode_plan(32, 2, 7, 2048, 132) == pa.DecodePlan(2, 1024, 8, 3, "fused")
+    assert pa.decode_plan(1, 2, 7, 2048, 132) == pa.DecodePlan(16, 128, 4, 3, "fused")
     assert pa.decode_plan(1, 2, 7, 8192, 132) == pa.DecodePlan(64, 128, 4, 3, "kernel")
+    for batch, ctx in [(1, 256), (1, 512), (8, 512), (32, 512), (1, 1)]:          # short: one CTA of 8 warps
+        assert pa.decode_plan(batch, 2, 7, ctx, 132) == pa.DecodePlan(1, max(ctx, 128), 8, 3, "none"), (batch, ctx)
+    assert pa.decode_plan(1, 2, 7, 513, 132).splits > 1
     assert pa.decode_plan(1, 2, 7, 32768, 132).splits == parts.MAX_SPLITS
     for batch, kv_heads, group, ctx in [(1, 2, 7, 4000), (3, 2, 7, 5000), (7, 2, 7, 8191), (2, 1, 20, 1000),
                                         (1, 4, 7, 100), (40, 2, 7, 3000)]:
