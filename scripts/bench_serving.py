@@ -402,13 +402,15 @@ def server_cpu_s(root_pid):
 def cpu_columns(before, after, seconds, tokens):
     """Row columns from two server_cpu_s readings around a load: CPU ms per 1000 output tokens and the
     busy fraction of one CPU over the load, for the engine core(s) and the API server(s) (the busiest
-    one's fraction: a process near 1.0 is the bottleneck)."""
+    one's fraction: a process near 1.0 is the bottleneck), and each process's busy fraction by name (JSON
+    only: how the load spread over several API processes)."""
     row = {}
     for kind in ("core", "api"):
         used = {n: after[n] - before.get(n, 0.0) for n in after if n.startswith(f"pagedattn-{kind}")}
         if used and tokens:
             row[f"{kind}_cpu_ms_per_ktok"] = 1e6 * sum(used.values()) / tokens
             row[f"{kind}_busy_max"] = max(used.values()) / seconds
+            row[f"{kind}_busy_each"] = {n: round(u / seconds, 3) for n, u in sorted(used.items())}
     return row
 
 

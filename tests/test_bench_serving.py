@@ -25,6 +25,17 @@ def _chunked(body, sizes):
     return out + b"0\r\n\r\n"
 
 
+def test_cpu_columns_per_kind_and_per_process():
+    """CPU ms per 1000 tokens over a kind's processes, the busiest one's share, and every process's share."""
+    before = {"pagedattn-core0": 1.0, "pagedattn-api0": 2.0, "pagedattn-api1": 0.5, "launcher": 9.0}
+    after = {"pagedattn-core0": 3.0, "pagedattn-api0": 3.5, "pagedattn-api1": 1.0, "launcher": 9.5}
+    row = bench_serving.cpu_columns(before, after, seconds=2.0, tokens=1000)
+    assert row["core_cpu_ms_per_ktok"] == pytest.approx(2000.0) and row["core_busy_max"] == pytest.approx(1.0)
+    assert row["api_cpu_ms_per_ktok"] == pytest.approx(2000.0) and row["api_busy_max"] == pytest.approx(0.75)
+    assert row["api_busy_each"] == {"pagedattn-api0": 0.75, "pagedattn-api1": 0.25}
+    assert bench_serving.cpu_columns({}, {"launcher": 1.0}, 1.0, 100) == {}
+
+
 @pytest.mark.parametrize("chunked", [True, False])
 def test_sse_reader_yields_every_event_whatever_the_cuts(chunked):
     events = [json.dumps({"choices": [{"text": t}], "usage": {"completion_tokens": k}}).encode()
