@@ -172,7 +172,7 @@ def test_tp_layer_diff_on_two_cpu_ranks_finds_no_jump(tmp_path):
 # ---- scripts/bench_throughput.py and scripts/profile_step.py: their logic on CPU, tiny random model ----
 import random  # noqa: E402
 
-from scripts import bench_throughput, profile_step  # noqa: E402
+from scripts import bench_throughput, graph_eager_tokens, profile_step  # noqa: E402
 
 ENGINE = dict(max_num_seqs=8, max_model_len=256, num_blocks=96, block_size=8)
 
@@ -317,6 +317,13 @@ def test_profile_ttft_rows_follow_the_workload_step_by_step(tiny_random):
     assert rows[-1]["first_tokens"] == len(prompts) and tok_s is None
     assert not llm.engine.has_unfinished_requests()
     llm.close()
+
+
+def test_graph_eager_tokens_on_the_cpu_finds_the_paths_equal(tiny_random):
+    """On the CPU every path is eager: one row per path and request, each the eager path's tokens."""
+    rows = graph_eager_tokens.run(tiny_random, "cpu", [20, 33], 6, 64, 128, engine_kw=dict(num_blocks=32))
+    assert [(r["path"], r["prompt_len"]) for r in rows] == [(p, n) for p in graph_eager_tokens.PATHS for n in (20, 33)]
+    assert all(r["first_difference"] == "none" and r["tokens"] == 6 and not r["graphs"] for r in rows)
 
 
 def test_profile_core_ways_generate_the_same_tokens(tiny_random):
