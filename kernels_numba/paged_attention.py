@@ -209,8 +209,9 @@ def decode_plan(num_seqs, num_kv_heads, group, max_context_len, num_sms, splits=
         w > 8        contexts of <= SHORT_CONTEXT tokens: one CTA of 8 warps (a split's records and merge
                      cost more than its parallelism gains there); longer ones: CTAs of c warps over
                      min(w / c, MAX_SPLITS, ctx / (32 c)) partitions, so that the batch's CTAs are about one
-                     wave; c = 4 for the fewest pairs (w > MANY_PAIRS_SHARE: one or two sequences), 8 for
-                     more; merged "fused" up to FUSED_MERGE_MAX_SPLITS partitions, by the merge "kernel" beyond
+                     wave; c = 4 for the fewest pairs (w > MANY_PAIRS_SHARE at 132 SMs: 1-4 pairs, e.g. one
+                     or two sequences of 2 KV heads), 8 for more; merged "fused" up to FUSED_MERGE_MAX_SPLITS
+                     partitions, by the merge "kernel" beyond
     (the choices measured by scripts/tune_splits.py: docs/tune_splits.md, v10)
     splits, warps, merge: override the plan's choice."""
     pairs = max(1, num_seqs * num_kv_heads * head_blocks(group)[0])

@@ -197,8 +197,8 @@ def test_split_plan_fills_the_gpu():
 def test_decode_plan_splits_small_batches_only():
     """Large batches keep v9's launch (one CTA over each whole context); 1-8 sequences are split so
     that about 8 warps per SM run, merged in the last CTA up to 16 partitions, by a kernel beyond;
-    contexts of <= 512 tokens are not split; split CTAs have 4 warps for one sequence, 8 for 3 or more
-    (the fastest configurations of docs/tune_splits.md's v10 sweep)."""
+    contexts of <= 512 tokens are not split; split CTAs have 4 warps for one sequence of 2 KV heads, 8 for 3 or
+    more (the fastest configurations of docs/tune_splits.md's v10 sweep)."""
     for batch, ctx in [(256, 512), (512, 512), (128, 2048), (64, 2048), (64, 512)]:
         plan = pa.decode_plan(batch, 2, 7, ctx, 132)
         assert (plan.splits, plan.partition, plan.warps, plan.merge) == (*tensor_core.v9_plan(batch, 2, ctx, 132),
@@ -240,6 +240,8 @@ V10_SPLIT_CASES = [
     ("kernel_ragged", 4, 1, 64, 16, np.float16, [1, 20, 70], pa.DecodePlan(3, 32, 2, 3, "kernel"), 1),
     ("fused_20_heads_bs8", 20, 1, 64, 8, np.float16, [45, 9], pa.DecodePlan(2, 32, 2, 3, "fused"), 1),
     ("kernel_d128_bf16_bs32", 4, 1, 128, 32, "bf16", [40, 70], pa.DecodePlan(3, 32, 2, 3, "kernel"), 1),
+    # the plan's 8-warp split CTAs with the fused merge, on head blocks of more than 8 rows (20 heads: 2 x 10)
+    ("fused_8_warps_20_heads", 20, 1, 64, 16, np.float16, [200, 9], pa.DecodePlan(2, 128, 8, 3, "fused"), 2),
 ]
 
 
@@ -567,6 +569,10 @@ V10_GPU_CASES = [
     ("d128_g7_bf16_bs8", [3000, 1025, 77], 28, 4, 128, 8, torch.bfloat16, None),
     ("g20_bs32", [2048, 5], 40, 2, 64, 32, torch.float16, "kernel"),
     ("g16_d128_bs32", [513, 4000], 32, 2, 128, 32, torch.float16, "fused"),
+    # 8-warp split CTAs (3 sequences x 2 KV heads x 2 head blocks: a share of 64 warps) and the fused merge on
+    # head blocks of 10 rows, at d=64 and d=128
+    ("g20_8warps_fused", [3000, 700, 5], 40, 2, 64, 16, torch.float16, None),
+    ("g20_d128_8warps_fused", [3000, 700, 5], 40, 2, 128, 16, torch.bfloat16, None),
 ]
 
 
@@ -582,6 +588,9 @@ def test_gpu_v10_plans_within_twice_sdpa_error(case):
     if merge is not None:
         plan = pa.decode_plan(len(lens), num_kv_heads, num_heads // num_kv_heads, max(lens), 132, merge=merge)
         assert plan.splits > 1, plan
+    if "8warps" in name:                        # the case is there for this plan: make sure it still gets it
+        own = pa.decode_plan(len(lens), num_kv_heads, num_heads // num_kv_heads, max(lens), 132)
+        assert (own.warps, own.merge) == (8, "fused") and own.splits > 1, own
     out = torch.full_like(q, float("nan"))
     pa.paged_attention(q, k, v, bt, ctx, out=out, max_context_len=max(lens), plan=plan)
     torch.cuda.synchronize()
