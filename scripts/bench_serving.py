@@ -371,9 +371,10 @@ def stop_server(proc):
 
 
 def server_cpu_s(root_pid):
-    """{process name: CPU seconds (user + system) so far} for the server process `root_pid` and every
-    process under it, read from /proc (Linux; {} elsewhere). The launcher names its children
-    pagedattn-core<R> and pagedattn-api<I>, which is how the rows tell the engine core from the API servers."""
+    """{"launcher" or "<process name> (pid <pid>)": CPU seconds (user + system) so far} for the server process
+    `root_pid` and every process under it, read from /proc (Linux; {} elsewhere). The launcher names its
+    children pagedattn-core<R> and pagedattn-api<I>, which is how the rows tell the engine core from the API
+    servers; the pid keeps apart two processes whose names /proc cuts to the same 15 bytes (core1, core10)."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     stats = {}
     try:
@@ -393,7 +394,7 @@ def server_cpu_s(root_pid):
         pid = todo.pop()
         if pid in stats:
             name, _, cpu = stats[pid]
-            key = name if pid != root_pid else "launcher"
+            key = f"{name} (pid {pid})" if pid != root_pid else "launcher"
             tree[key] = tree.get(key, 0.0) + cpu
             todo += [p for p, (_, ppid, _) in stats.items() if ppid == pid]
     return tree

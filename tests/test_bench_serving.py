@@ -3,6 +3,7 @@ run, the multi-process server through the launcher (two API servers) and the in-
 multi-process load generator with the chat, nano-vllm and light loads, and the files it writes. Timings
 on a shared CPU mean nothing; what must hold is that every request completed whole and the pool was freed."""
 import json
+import os
 import random
 
 import pytest
@@ -23,6 +24,21 @@ def _chunked(body, sizes):
     if i < len(body):
         out += b"%x\r\n%s\r\n" % (len(body) - i, body[i:])
     return out + b"0\r\n\r\n"
+
+
+def test_server_cpu_s_keeps_same_named_children_apart():
+    import subprocess
+    import sys
+
+    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) for _ in range(2)]
+    try:
+        tree = bench_serving.server_cpu_s(os.getpid())
+        mine = [k for k in tree if any(k.endswith(f"(pid {c.pid})") for c in children)]
+        assert "launcher" in tree and len(mine) == 2 and all(tree[k] >= 0 for k in mine)
+    finally:
+        for c in children:
+            c.kill()
+            c.wait()
 
 
 def test_cpu_columns_per_kind_and_per_process():
