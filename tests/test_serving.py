@@ -235,6 +235,12 @@ def test_models_health_and_metrics_counters(server):
     assert delta("pagedattn_time_to_first_token_seconds_count") == 1
     assert delta("pagedattn_e2e_request_latency_seconds_count") == 1
     assert delta("pagedattn_inter_token_latency_seconds_count") == 9             # 10 tokens, 9 gaps
+    # the engine's own counters: 10 tokens take 10 steps at least (a prompt may be chunked), each a decode or
+    # a prompt chunk; the time inside steps grows with them
+    assert delta("pagedattn_engine_steps_total") >= 10
+    # the prompt (less what the prefix cache served; its last token always runs) and 9 fed-back tokens
+    assert 1 + 9 <= delta("pagedattn_engine_computed_tokens_total") <= got.usage.prompt_tokens + 9
+    assert delta("pagedattn_engine_step_seconds_total") > 0
     assert metric(after, "pagedattn_kv_cache_blocks") == ENGINE["num_blocks"]
     assert metric(after, "pagedattn_prefix_cache_queries_total") >= metric(after, "pagedattn_prefix_cache_hits_total")
     assert 0 <= metric(after, "pagedattn_prefix_cache_hit_rate") <= 1

@@ -111,6 +111,11 @@ class _Collector:
          "Prompt tokens looked up in the prefix cache."),
         ("pagedattn_prefix_cache_hits", "prefix_cache_hit_tokens", "Prompt tokens the prefix cache served."),
         ("pagedattn_num_preemptions", "num_preemptions", "Sequences preempted for lack of KV blocks."),
+        ("pagedattn_engine_steps", "num_steps", "Engine steps run (summed over data-parallel ranks)."),
+        ("pagedattn_engine_step_seconds", "step_time_s",
+         "Seconds spent inside engine steps (summed over data-parallel ranks): with the steps, the mean step."),
+        ("pagedattn_engine_computed_tokens", "num_computed_tokens",
+         "Tokens run through the model: prompt chunks and decoded tokens."),
     ]
 
     def __init__(self, owner):
