@@ -27,8 +27,13 @@ stream_options.include_usage and continuous_usage_stats, so each chunk says how 
 Measured on the client: TTFT (send -> first chunk with a token), ITL (a chunk's gap since the previous
 one, split evenly over the tokens it brings), e2e (send -> [DONE]), throughput (output tokens / (last
 [DONE] - first send)). After every load the server's /metrics must show every KV block free again.
+The load generator runs on CPUs of its own (--cpu-split auto, with >= 8 CPUs: the second half of the physical
+cores; the first half for this process, its offline engine and the servers): in production the clients are
+other machines, and here a client on the engine core's physical core would slow the core's host path.
 Measured on the server (Linux /proc): the CPU time the engine core(s) and the API server(s) spent during the
-load, per 1000 output tokens, and the busiest one's share of a CPU (near 1.0: that process is the limit).
+load, per 1000 output tokens, and the busiest one's share of a CPU (near 1.0: that process is the limit);
+from /metrics: the engine's steps during the load, its mean step and the share of the time it was stepping
+(the same for the offline rows, from the engine's counters).
 
 Offline (one LLM in this process, before any server; freed afterwards): LLM.generate on each load's
 requests (chat: the messages through the tokenizer's chat template, as the server does), and the decode
@@ -232,9 +237,12 @@ async def run_specs(host, port, specs, concurrency, timeout_s):
     return results
 
 
-def client_process(conn):
-    """A load-generator process: ("run", host, port, specs, concurrency, timeout_s) -> results; None: exit."""
+def client_process(conn, cpus=None):
+    """A load-generator process: ("run", host, port, specs, concurrency, timeout_s) -> results; None: exit.
+    cpus: the CPUs it may run on (cpu_split)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     while True:
         cmd = conn.recv()
         if cmd is None:
@@ -246,12 +254,12 @@ def client_process(conn):
 class ClientPool:
     """`processes` spawned load-generator processes; run() spreads the requests and the streams over them."""
 
-    def __init__(self, processes):
+    def __init__(self, processes, cpus=None):
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for i in range(processes):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=client_process, args=(child,), name=f"bench-client-{i}", daemon=True)
+            p = ctx.Process(target=client_process, args=(child, cpus), name=f"bench-client-{i}", daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
@@ -303,6 +311,50 @@ def summarize(results, specs):
         for q, v in benchlib.percentiles([1000 * x for x in xs]).items():
             row[f"{name}_{q}_ms"] = v
     return row, errors
+
+
+# ---- the CPUs -------------------------------------------------------------------------------------------
+def physical_cores(cpus, sysfs="/sys/devices/system/cpu"):
+    """The CPUs `cpus` grouped by physical core (hyperthread siblings together, from sysfs), in CPU order."""
+    cores = {}
+    for c in sorted(cpus):
+        try:
+            with open(f"{sysfs}/cpu{c}/topology/thread_siblings_list") as f:
+                siblings = _cpu_list(f.read())
+        except (OSError, ValueError):
+            siblings = {c}
+        cores.setdefault(min(siblings), set()).add(c)
+    return [sorted(v) for _, v in sorted(cores.items())]
+
+
+def _cpu_list(text):
+    """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11}."""
+    out = set()
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def cpu_split(mode, cpus=None, min_cpus=8, sysfs="/sys/devices/system/cpu"):
+    """(server CPUs, client CPUs), or None to share them all. In production the clients are other machines;
+    here they share the host, and a client process on the engine core's physical core (or its hyperthread
+    sibling) slows the core's host path. mode "auto": with at least min_cpus CPUs, the first half of the
+    physical cores (with their siblings) for the server side (this process: the offline engine; the
+    servers it starts), the rest for the load generator; "off": no split; "S:C": explicit CPU lists."""
+    if mode == "off":
+        return None
+    if mode != "auto":
+        server, _, client = mode.partition(":")
+        if not client:
+            raise ValueError(f"--cpu-split must be auto, off or SERVER:CLIENT CPU lists (0-7:8-15), got {mode!r}")
+        return sorted(_cpu_list(server)), sorted(_cpu_list(client))
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if len(cpus) < min_cpus:
+        return None
+    cores = physical_cores(cpus, sysfs)
+    half = -(-len(cores) // 2)
+    return [c for core in cores[:half] for c in core], [c for core in cores[half:] for c in core]
 
 
 # ---- the servers ---------------------------------------------------------------------------------------
@@ -425,6 +477,39 @@ def free_blocks(url):
     return values.get("pagedattn_kv_cache_free_blocks"), values.get("pagedattn_kv_cache_blocks")
 
 
+def engine_counters(url):
+    """{steps, step_s, computed}: the engine's step counters from the server's /metrics (summed over cores)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {s.name: s.value for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
+              for s in f.samples}
+    return {"steps": values.get("pagedattn_engine_steps_total"),
+            "step_s": values.get("pagedattn_engine_step_seconds_total"),
+            "computed": values.get("pagedattn_engine_computed_tokens_total")}
+
+
+def step_columns(before, after, seconds, tokens):
+    """Row columns from two step-counter readings around a load ({steps, step_s, computed}, as
+    engine_counters or engine_stats): the engine's steps, its mean step (ms), the share of the load's
+    wall time it spent inside steps (summed over cores), and output tokens per step. A served row whose
+    mean step matches the offline one but whose stepping share is low waited for requests; one whose
+    steps are slower had them slowed (a busier host, more prefill steps)."""
+    if not before or not after or None in before.values() or None in after.values():
+        return {}
+    steps = after["steps"] - before["steps"]
+    step_s = after["step_s"] - before["step_s"]
+    if steps <= 0 or not seconds:
+        return {}
+    return {"engine_steps": int(steps), "engine_step_ms": 1000 * step_s / steps, "engine_stepping": step_s / seconds,
+            "tokens_per_step": tokens / steps, "computed_per_step": (after["computed"] - before["computed"]) / steps}
+
+
+def engine_stats(llm):
+    st = llm.engine.stats
+    return {"steps": st.num_steps, "step_s": st.step_time, "computed": st.num_computed_tokens}
+
+
 def wait_until_free(url, timeout_s=60):
     deadline = time.monotonic() + timeout_s
     while True:
@@ -502,13 +587,16 @@ def offline_runs(model_dir, llm_kwargs, loads, vocab_size, batch, fake_step_ms=N
                      use_tqdm=False)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        stats0 = engine_stats(llm)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         rows[name] = {"server": "offline", "load": name, "requests": len(prompts), "concurrency": batch,
-                      "failed": 0, "seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds}
-        print(f"offline {name}: {tokens / seconds:.1f} output tok/s ({seconds:.2f} s, {tokens} tokens)", flush=True)
+                      "failed": 0, "seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+                      **step_columns(stats0, engine_stats(llm), seconds, tokens)}
+        print(f"offline {name}: {tokens / seconds:.1f} output tok/s ({seconds:.2f} s, {tokens} tokens; engine: "
+              f"{rows[name].get('engine_steps')} steps of {rows[name].get('engine_step_ms', 0):.2f} ms)", flush=True)
     max_len = llm.engine.max_model_len
     step = decode_step_ms(llm, vocab_size, batch, min(100, max_len // 4), min(128, max_len // 2))
     print(f"offline decode step at {batch} sequences: {step:.3f} ms", flush=True)
@@ -548,6 +636,7 @@ def replay_offline(model_dir, llm_kwargs, load, offline_of, arrivals, fake_step_
         torch.cuda.synchronize()
     engine, order = llm.engine, sorted(range(len(prompts)), key=lambda i: arrivals[i])
     tokens, nxt = 0, 0
+    stats0 = engine_stats(llm)
     t0 = time.perf_counter()
     while nxt < len(order) or engine.has_unfinished_requests():
         t = time.perf_counter() - t0
@@ -560,13 +649,14 @@ def replay_offline(model_dir, llm_kwargs, load, offline_of, arrivals, fake_step_
         else:
             time.sleep(max(0.0, arrivals[order[nxt]] - t))
     seconds = time.perf_counter() - t0
+    steps = step_columns(stats0, engine_stats(llm), seconds, tokens)
     llm.close()
     del llm
     gc.collect()
     print(f"offline, served arrivals, {load}: {tokens / seconds:.1f} output tok/s ({seconds:.2f} s, {tokens} tokens)",
           flush=True)
     return {"load": load, "requests": len(prompts), "failed": 0, "seconds": seconds, "output_tokens": tokens,
-            "output_tok_s": tokens / seconds}
+            "output_tok_s": tokens / seconds, **steps}
 
 
 def save_results(out, rows, failures, step_ms, meta, final):
@@ -577,7 +667,8 @@ def save_results(out, rows, failures, step_ms, meta, final):
     goals = goal_lines(rows, step_ms)
     columns = ["server", "load", "requests", "concurrency", "failed", "seconds", "output_tok_s", "offline_tok_s",
                "served_over_offline", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_over_decode_step",
-               "e2e_p50_ms", "e2e_p99_ms", "core_cpu_ms_per_ktok", "core_busy_max", "api_cpu_ms_per_ktok", "api_busy_max",
+               "e2e_p50_ms", "e2e_p99_ms", "engine_steps", "engine_step_ms", "engine_stepping", "tokens_per_step",
+               "core_cpu_ms_per_ktok", "core_busy_max", "api_cpu_ms_per_ktok", "api_busy_max",
                "kv_blocks_free_after", "server_start_s", "skipped"]
     table = benchlib.markdown_table(rows, columns)
     table += (f"\n\nOffline decode step at {meta['decode_step_batch']} sequences: {step_ms:.3f} ms. Stream interval "
@@ -644,7 +735,7 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
          max_num_seqs=256,
          num_blocks=None, stream_interval=1, warmup=16, server_timeout_s=600, time_budget_s=None,
          request_timeout_s=600.0, smoke=False, seed=0, fake_step_ms=None, fake_prefill_ms=None, admission_interval=1,
-         replay_arrivals=False):
+         replay_arrivals=False, cpus="auto"):
     """Run the benchmark; returns the table rows (also written under `out`). time_budget_s: a server row is
     skipped (and marked so) when the time spent so far plus the longest server row so far would pass it.
     servers: default mp1, mp2, mp4, inproc (smoke: mp2, inproc). fake_step_ms: every engine (offline and
@@ -654,7 +745,8 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
     mp<N>-eager: with --no-piecewise-graphs; mp<N>-h11: with --http-impl h11; mp<N>-a<K>: with
     --admission-interval K for that server alone (combinable). replay_arrivals: after the servers, the offline
     engine is fed the chat and nano requests at the times the first server's clients sent them (a row
-    "offline@<server>": the engine alone under the served arrival shape)."""
+    "offline@<server>": the engine alone under the served arrival shape). cpus: cpu_split's mode (the load
+    generator on CPUs of its own)."""
     from scripts import benchlib
 
     t_start = time.monotonic()
@@ -712,7 +804,14 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
                      stream_interval=stream_interval, smoke=smoke, seed=seed, fake_step_ms=fake_step_ms,
                      fake_prefill_ms=fake_prefill_ms,
                      env=benchlib.env_line())
-    pool = ClientPool(client_processes)            # started before the offline LLM: small, CUDA-free processes
+    split = cpu_split(cpus) if hasattr(os, "sched_setaffinity") else None
+    meta_base["cpu_split"] = {"server": split[0], "client": split[1]} if split else "off"
+    if split:
+        print(f"CPUs: server side (this process, the offline engine, the servers) {split[0]}, load generator "
+              f"{split[1]}", flush=True)
+    pool = ClientPool(client_processes, split[1] if split else None)   # before the offline LLM: CUDA-free
+    if split:
+        os.sched_setaffinity(0, split[0])           # the servers started from here inherit it
     try:
         offline, step_ms, num_blocks = offline_runs(model_dir, llm_kwargs,
                                                     {k: {"offline": offline_of.get(k)} for k in specs}, vocab,
@@ -744,6 +843,8 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
                                         warm_specs)
                     if warm["failed"]:
                         print(f"server {name} {load}: {warm['failed']} warm-up requests failed", flush=True)
+                    wait_until_free(url)                # idle: the cores' counters in /metrics are exact
+                    steps0 = engine_counters(url)
                     cpu0 = server_cpu_s(proc.pid)
                     results = pool.run(url, load_specs, conc, procs, request_timeout_s)
                     cpu1 = server_cpu_s(proc.pid)
@@ -754,6 +855,7 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
                     row = {"server": name, "load": load, "concurrency": conc, **row,
                            **cpu_columns(cpu0, cpu1, row["seconds"], row["output_tokens"])}
                     free, total = wait_until_free(url)
+                    row.update(step_columns(steps0, engine_counters(url), row["seconds"], row["output_tokens"]))
                     row["kv_blocks_free_after"] = f"{free:.0f}/{total:.0f}" if free is not None else "no metric"
                     if free is None or free != total:
                         errors.append(f"KV blocks not all free after the load: {row['kv_blocks_free_after']}")
@@ -772,6 +874,8 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
                           f"{row.get('ttft_p50_ms', nan):.1f} ms, ITL p50 {row.get('itl_p50_ms', nan):.2f} ms, "
                           f"CPU ms per 1000 tokens: core {row.get('core_cpu_ms_per_ktok', nan):.0f}, API "
                           f"{row.get('api_cpu_ms_per_ktok', nan):.0f} (busiest API {row.get('api_busy_max', nan):.2f}), "
+                          f"engine: {row.get('engine_steps', 0)} steps of {row.get('engine_step_ms', nan):.2f} ms, "
+                          f"stepping {row.get('engine_stepping', nan):.2f} of the time, "
                           f"failed {row['failed']}, KV free {row['kv_blocks_free_after']}", flush=True)
             finally:
                 stop_server(proc)
@@ -836,9 +940,12 @@ if __name__ == "__main__":
                          "first server received them (the engine alone under the served arrival shape)")
     ap.add_argument("--admission-interval", type=int, default=1,
                     help="the scheduler's admission_interval, offline and served (1: every step)")
+    ap.add_argument("--cpu-split", default="auto",
+                    help="auto: with >= 8 CPUs, half the physical cores for the server side (offline engine, "
+                         "servers) and half for the load generator; off: shared; or SERVER:CLIENT lists (0-7:8-15)")
     a = ap.parse_args()
     main(a.out, a.model, a.servers, a.loads, a.device, a.dtype, a.chat_requests, a.chat_max_tokens, a.concurrency,
          a.client_processes, a.nano_requests, a.min_len, a.max_len, a.light_requests, a.light_prompt_len,
          a.max_model_len, a.max_num_seqs, a.num_blocks, a.stream_interval, a.warmup, time_budget_s=a.time_budget,
          smoke=a.smoke, fake_step_ms=a.fake_step_ms, fake_prefill_ms=a.fake_prefill_ms,
-         admission_interval=a.admission_interval, replay_arrivals=a.replay_arrivals)
+         admission_interval=a.admission_interval, replay_arrivals=a.replay_arrivals, cpus=a.cpu_split)

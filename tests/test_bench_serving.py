@@ -52,6 +52,45 @@ def test_cpu_columns_per_kind_and_per_process():
     assert bench_serving.cpu_columns({}, {"launcher": 1.0}, 1.0, 100) == {}
 
 
+def test_step_columns_from_two_counter_readings():
+    """The engine's steps over a load: their count, the mean step, the share of the wall time inside steps."""
+    before = {"steps": 10, "step_s": 0.5, "computed": 1000}
+    after = {"steps": 110, "step_s": 0.8, "computed": 7400}
+    row = bench_serving.step_columns(before, after, seconds=0.4, tokens=6000)
+    assert row == {"engine_steps": 100, "engine_step_ms": pytest.approx(3.0), "engine_stepping": pytest.approx(0.75),
+                   "tokens_per_step": pytest.approx(60.0), "computed_per_step": pytest.approx(64.0)}
+    missing = dict(after, steps=None)               # a server without the counters: no columns, no error
+    assert bench_serving.step_columns(before, missing, 0.4, 6000) == {}
+    assert bench_serving.step_columns(before, before, 0.4, 0) == {}
+
+
+def _fake_topology(root, siblings):
+    for cpu, group in siblings.items():
+        d = root / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "thread_siblings_list").write_text(group + "\n")
+
+
+def test_cpu_split_keeps_hyperthread_siblings_together(tmp_path):
+    # 8 physical cores, 2 threads each, numbered as Linux does on many hosts: cpu c and c + 8 are siblings
+    _fake_topology(tmp_path, {c: f"{c % 8},{c % 8 + 8}" for c in range(16)})
+    assert bench_serving.physical_cores(range(16), str(tmp_path)) == [[c, c + 8] for c in range(8)]
+    server, client = bench_serving.cpu_split("auto", range(16), sysfs=str(tmp_path))
+    assert server == [0, 8, 1, 9, 2, 10, 3, 11] and client == [4, 12, 5, 13, 6, 14, 7, 15]
+    assert not set(server) & set(client)
+    # too few CPUs to split, explicitly off, explicit lists; a bad list names the option
+    assert bench_serving.cpu_split("auto", range(4), sysfs=str(tmp_path)) is None
+    assert bench_serving.cpu_split("off", range(16)) is None
+    assert bench_serving.cpu_split("0-2,5:3-4") == ([0, 1, 2, 5], [3, 4])
+    with pytest.raises(ValueError, match="--cpu-split"):
+        bench_serving.cpu_split("0-3")
+
+
+def test_cpu_split_without_topology_counts_each_cpu_as_a_core(tmp_path):
+    server, client = bench_serving.cpu_split("auto", range(9), sysfs=str(tmp_path / "missing"))
+    assert server == [0, 1, 2, 3, 4] and client == [5, 6, 7, 8]
+
+
 @pytest.mark.parametrize("chunked", [True, False])
 def test_sse_reader_yields_every_event_whatever_the_cuts(chunked):
     events = [json.dumps({"choices": [{"text": t}], "usage": {"completion_tokens": k}}).encode()
@@ -119,9 +158,16 @@ def test_smoke_run(tmp_path):
         assert r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["itl_p50_ms"] > 0 and r["e2e_p50_ms"] >= r["ttft_p50_ms"]
         if r["load"] != "light":
             assert r["served_over_offline"] > 0 and r["itl_over_decode_step"] > 0
+        # the engine's counters over the load (from /metrics): a step gives at most one token to each of the
+        # max_num_seqs = 8 sequences; steps take time, never more of it than the wall time (one core)
+        assert r["engine_steps"] > 0 and 0 < r["tokens_per_step"] <= 8 and r["engine_step_ms"] > 0
+        assert 0 < r["engine_stepping"] <= 1.0
     nano_tokens = sum(bench_serving.nano_workload(8, 4, 24, 512)[1])
     assert [r["output_tokens"] for r in rows if r["load"] == "nano"] == [nano_tokens] * 3
     assert [r["output_tokens"] for r in served if r["load"] == "light"] == [3 * 16] * 2
+    for r in rows:
+        if r["server"] == "offline" and r["load"] != "light":
+            assert r["engine_steps"] > 0 and 0 < r["engine_stepping"] <= 1.0
     offline_light = rows[-1]                  # the engine's own TTFT, one request at a time
     assert offline_light["requests"] == expected["light"] and offline_light["ttft_p50_ms"] > 0
     for r in rows:
