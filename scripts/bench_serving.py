@@ -357,6 +357,25 @@ def cpu_split(mode, cpus=None, min_cpus=8, sysfs="/sys/devices/system/cpu"):
     return [c for core in cores[:half] for c in core], [c for core in cores[half:] for c in core]
 
 
+def pin_server(root_pid, cpus):
+    """Pin server `root_pid`'s processes (every thread of each): the engine cores one CPU each (the first of
+    `cpus`, in pid order), the API servers and the launcher the rest. Returns {process key: CPUs}."""
+    keys = server_cpu_s(root_pid)                     # "<name> (pid N)" for every process under the server
+    cores = sorted(k for k in keys if k.startswith("pagedattn-core"))
+    others = sorted(k for k in keys if not k.startswith("pagedattn-core"))
+    rest = cpus[len(cores):] or cpus
+    placed = {k: [cpus[i % len(cpus)]] for i, k in enumerate(cores)}
+    placed.update({k: list(rest) for k in others})
+    for key, mask in placed.items():
+        pid = root_pid if key == "launcher" else int(key.rsplit("pid ", 1)[1].rstrip(")"))
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(tid), mask)
+        except OSError:
+            pass                                      # a thread that ended meanwhile
+    return placed
+
+
 # ---- the servers ---------------------------------------------------------------------------------------
 def free_port():
     with socket.socket() as s:
@@ -735,7 +754,7 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
          max_num_seqs=256,
          num_blocks=None, stream_interval=1, warmup=16, server_timeout_s=600, time_budget_s=None,
          request_timeout_s=600.0, smoke=False, seed=0, fake_step_ms=None, fake_prefill_ms=None, admission_interval=1,
-         replay_arrivals=False, cpus="auto"):
+         replay_arrivals=False, cpus="auto", pin=False):
     """Run the benchmark; returns the table rows (also written under `out`). time_budget_s: a server row is
     skipped (and marked so) when the time spent so far plus the longest server row so far would pass it.
     servers: default mp1, mp2, mp4, inproc (smoke: mp2, inproc). fake_step_ms: every engine (offline and
@@ -746,7 +765,8 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
     --admission-interval K for that server alone (combinable). replay_arrivals: after the servers, the offline
     engine is fed the chat and nano requests at the times the first server's clients sent them (a row
     "offline@<server>": the engine alone under the served arrival shape). cpus: cpu_split's mode (the load
-    generator on CPUs of its own)."""
+    generator on CPUs of its own). pin: with a CPU split, each server's engine core on a CPU of its own and
+    its other processes on the rest of the server side (pin_server)."""
     from scripts import benchlib
 
     t_start = time.monotonic()
@@ -837,6 +857,8 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
             proc, url = start_server(name, model_dir, engine_args, os.path.join(out, f"server_{name}.log"),
                                      server_timeout_s)
             started = time.monotonic() - t0
+            if pin and split:
+                print(f"server {name} pinned: {pin_server(proc.pid, split[0])}", flush=True)
             try:
                 for load, (load_specs, conc, procs, warm_specs) in specs.items():
                     warm, _ = summarize(pool.run(url, warm_specs, min(conc, warmup), procs, request_timeout_s),
@@ -852,7 +874,8 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
                     if replay_arrivals and load in offline_of and load not in arrivals:
                         first = min(r[4] for r in results)
                         arrivals[load] = (name, [r[4] - first for r in results])
-                    row = {"server": name, "load": load, "concurrency": conc, **row,
+                    row = {"server": name + ("-pinned" if pin and split else ""), "load": load, "concurrency": conc,
+                           **row,
                            **cpu_columns(cpu0, cpu1, row["seconds"], row["output_tokens"])}
                     free, total = wait_until_free(url)
                     row.update(step_columns(steps0, engine_counters(url), row["seconds"], row["output_tokens"]))
@@ -943,9 +966,12 @@ if __name__ == "__main__":
     ap.add_argument("--cpu-split", default="auto",
                     help="auto: with >= 8 CPUs, half the physical cores for the server side (offline engine, "
                          "servers) and half for the load generator; off: shared; or SERVER:CLIENT lists (0-7:8-15)")
+    ap.add_argument("--pin-server", action="store_true",
+                    help="with a CPU split: each engine core on a CPU of its own, the API servers on the rest")
     a = ap.parse_args()
     main(a.out, a.model, a.servers, a.loads, a.device, a.dtype, a.chat_requests, a.chat_max_tokens, a.concurrency,
          a.client_processes, a.nano_requests, a.min_len, a.max_len, a.light_requests, a.light_prompt_len,
          a.max_model_len, a.max_num_seqs, a.num_blocks, a.stream_interval, a.warmup, time_budget_s=a.time_budget,
          smoke=a.smoke, fake_step_ms=a.fake_step_ms, fake_prefill_ms=a.fake_prefill_ms,
-         admission_interval=a.admission_interval, replay_arrivals=a.replay_arrivals, cpus=a.cpu_split)
+         admission_interval=a.admission_interval, replay_arrivals=a.replay_arrivals, cpus=a.cpu_split,
+         pin=a.pin_server)

@@ -2,9 +2,12 @@
 run, the multi-process server through the launcher (two API servers) and the in-process one, driven by the
 multi-process load generator with the chat, nano-vllm and light loads, and the files it writes. Timings
 on a shared CPU mean nothing; what must hold is that every request completed whole and the pool was freed."""
+import contextlib
 import json
 import os
 import random
+import signal
+import time
 
 import pytest
 from serving_helpers import write_tiny_chat_checkpoint
@@ -39,6 +42,42 @@ def test_server_cpu_s_keeps_same_named_children_apart():
         for c in children:
             c.kill()
             c.wait()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs sched_setaffinity and two CPUs")
+def test_pin_server_puts_the_core_on_a_cpu_of_its_own():
+    """The engine core (named as the launcher names it) alone on the first CPU, every thread of it; the
+    other processes of the tree on the rest."""
+    import subprocess
+    import sys
+
+    code = ("import ctypes, threading, time; ctypes.CDLL(None).prctl(15, b'pagedattn-core0', 0, 0, 0); "
+            "threading.Thread(target=time.sleep, args=(30,), daemon=True).start(); print('up', flush=True); "
+            "time.sleep(30)")
+    root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                             f"c = subprocess.Popen([sys.executable, '-c', {code!r}]); time.sleep(30)"])
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    try:
+        deadline = time.monotonic() + 20
+        while not any(k.startswith("pagedattn-core0") for k in bench_serving.server_cpu_s(root.pid)):
+            assert time.monotonic() < deadline, "the child did not name itself"
+            time.sleep(0.1)
+        time.sleep(0.5)                                  # its second thread is up
+        placed = bench_serving.pin_server(root.pid, cpus)
+        core = next(k for k in placed if k.startswith("pagedattn-core0"))
+        assert placed[core] == [cpus[0]] and placed["launcher"] == [cpus[1]]
+        pid = int(core.rsplit("pid ", 1)[1].rstrip(")"))
+        tids = os.listdir(f"/proc/{pid}/task")
+        assert len(tids) >= 2 and all(os.sched_getaffinity(int(t)) == {cpus[0]} for t in tids)
+        assert os.sched_getaffinity(root.pid) == {cpus[1]}
+    finally:
+        for key in bench_serving.server_cpu_s(root.pid):
+            if key != "launcher":
+                with contextlib.suppress(OSError):
+                    os.kill(int(key.rsplit("pid ", 1)[1].rstrip(")")), signal.SIGKILL)
+        root.kill()
+        root.wait()
 
 
 def test_cpu_columns_per_kind_and_per_process():
