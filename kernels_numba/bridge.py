@@ -26,7 +26,9 @@ Every torch entry point of kernels_numba launches through these helpers:
     scratch(device, shape, dtype=np.float32, zero=False, tag=None)  a persistent buffer per (device,
                                       stream, shape, dtype, tag): launches on one stream run in order, so reusing it
                                       is safe, also inside a captured graph. zero=True: zero-filled once
-                                      when first made (kernels that need it zero leave it zero)
+                                      when first made (kernels that need it zero leave it zero); never
+                                      first made inside a graph capture (an error: warm up on the capture
+                                      stream first, see scratch)
     num_sms(device)                   streaming multiprocessors of the device (132 on an H200)
     allow_dynamic_smem(kernel, args, nbytes)  lets a kernel take more than 48 KiB of dynamic shared memory
     owner(token)                      context manager: the cached views and scratch buffers made or
@@ -217,11 +219,28 @@ def scratch(device, shape, dtype=np.float32, zero=False, tag=None):
     key = (device, stream, tuple(shape), dtype.str, zero, tag)
     hit = _SCRATCH.get(key)
     if hit is None:
+        if zero and _capturing():
+            # Made here, the buffer would come from the graph's memory pool, and torch.zeros would only be
+            # recorded into that graph: its bytes stay whatever the pool held until the graph replays, so a
+            # graph captured later that finds it here starts on garbage, and the temporaries of a graph
+            # captured earlier share its memory and overwrite it at each replay. Made outside the capture, on
+            # the capture's stream (one run before capturing), it is zero once and for all.
+            raise RuntimeError(f"zero-filled scratch {tuple(shape)} {dtype} (tag {tag!r}) first requested inside a "
+                               f"CUDA graph capture: run the launch once on the capture's stream before capturing")
         tdtype = {"<f4": torch.float32, "<i4": torch.int32, "<u4": torch.int32, "<i8": torch.int64}[dtype.str]
         t = (torch.zeros if zero else torch.empty)(tuple(shape), dtype=tdtype, device=device)
         hit = _SCRATCH[key] = (as_array(t, "uint32" if dtype.str == "<u4" else None), t, set())
     hit[2].add(_OWNER.get())
     return hit[0]
+
+
+def _capturing():
+    """Is the current stream capturing a CUDA graph?"""
+    if SIMULATOR:
+        return False
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
 
 
 def num_sms(device):

@@ -121,7 +121,7 @@ def graph_time_us(fn, calls=20, replays=10, warmup=3):
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):     # the warm-up's stream: its kept buffers exist already
         for i in range(calls):
             call(i)
     graph.replay()

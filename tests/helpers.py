@@ -106,6 +106,23 @@ TINY_CONFIG = dict(
 )
 
 
+def capture_after_warmup(fn):
+    """A CUDA graph of fn(), captured on the side stream a first call of fn() ran on, as the engine captures:
+    the buffers fn's kernels keep per stream (kernels_numba.bridge.scratch) are made, and zeroed where they
+    must start at zero, before the capture (bridge.scratch refuses to make a zero-filled one inside it)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
 def make_hf_tiny_model(seed=0, **overrides):
     """transformers.Qwen2ForCausalLM (float32, eager attention) with reproducible random weights."""
     import transformers

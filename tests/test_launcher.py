@@ -252,6 +252,26 @@ def test_simulator_launch_converts_tensors():
     assert torch.equal(out, a + 3)
 
 
+def test_zero_scratch_is_never_first_made_inside_a_capture(monkeypatch):
+    """A zero-filled scratch buffer made inside a graph capture would be zeroed only when that graph
+    replays (and would live in its memory pool): refused with an error that says what to do. One made
+    before the capture is found inside it; one that need not start at zero may be made there."""
+    if not launcher.bridge.SIMULATOR:
+        pytest.skip("the simulator path (scratch on a CPU device)")
+    bridge, dev, token = launcher.bridge, torch.device("cpu"), object()
+    with bridge.owner(token):
+        monkeypatch.setattr(bridge, "_capturing", lambda: True)
+        with pytest.raises(RuntimeError, match="inside a CUDA graph capture: run the launch once"):
+            bridge.scratch(dev, (3, 5), np.int32, zero=True, tag="capture-test")
+        monkeypatch.setattr(bridge, "_capturing", lambda: False)
+        made = bridge.scratch(dev, (3, 5), np.int32, zero=True, tag="capture-test")
+        assert not np.asarray(made).any()
+        monkeypatch.setattr(bridge, "_capturing", lambda: True)
+        assert bridge.scratch(dev, (3, 5), np.int32, zero=True, tag="capture-test") is made
+        assert bridge.scratch(dev, (4,), np.float32, tag="capture-test").shape == (4,)
+    assert bridge.release(token) == 2
+
+
 @pytest.mark.gpu
 def test_engine_same_tokens_with_and_without_plans(monkeypatch, tmp_path):
     """Greedy ids of a small fp16 model through eager prefill, decode and mixed steps (graphs off, small

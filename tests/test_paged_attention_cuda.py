@@ -23,7 +23,7 @@ from kernels_numba import attention_parts as parts
 from kernels_numba import common, decode_journey as journey, paged_attention as pa
 from kernels_numba import decode_journey_cuda_core as cuda_core
 from kernels_numba import decode_journey_tensor_core as tensor_core
-from helpers import full_matrix_param
+from helpers import capture_after_warmup, full_matrix_param
 from pagedattn.errors import KernelLaunchError
 from reference.attention import paged_decode_attention
 
@@ -529,11 +529,7 @@ def test_gpu_version_within_twice_sdpa_error(version, case):
 def test_gpu_launch_replays_in_cuda_graph():
     q, k, v, bt, lens = _gpu_problem(3, 8, 14, 2, 64, 16, torch.float16)
     out = torch.empty_like(q)
-    pa.paged_attention(q, k, v, bt, lens, out=out)  # compile + warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        pa.paged_attention(q, k, v, bt, lens, out=out)
+    graph = capture_after_warmup(lambda: pa.paged_attention(q, k, v, bt, lens, out=out))
     for seed in range(3):
         q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q.dtype))
         out.fill_(float("nan"))
@@ -602,6 +598,23 @@ def test_gpu_v10_plans_within_twice_sdpa_error(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu
+def test_gpu_zero_scratch_first_made_inside_a_capture_is_refused():
+    """The fused merge's counters must start at zero: made inside a capture they would be zeroed only by
+    that graph's replays. A launch compiled on another stream only, then captured, is refused clearly
+    (7 sequences: a counters shape no other test makes)."""
+    q, k, v, bt, lens = _gpu_problem(11, 7, 14, 2, 64, 16, torch.float16, [5000, 70, 2048, 3333, 900, 4100, 17])
+    plan = pa.decode_plan(7, 2, 7, 5000, 132, merge="fused")
+    assert plan.splits > 1
+    out = torch.empty_like(q)
+    pa.paged_attention(q, k, v, bt, lens, out=out, max_context_len=5000, plan=plan)   # the default stream only
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
+            pa.paged_attention(q, k, v, bt, lens, out=out, max_context_len=5000, plan=plan)
+
+
 @pytest.mark.parametrize("merge", ["fused", "kernel"])
 def test_gpu_v10_split_replays_in_cuda_graph(merge):
     """A captured split launch replayed with new queries: the fused merge's counters reset inside
@@ -610,11 +623,8 @@ def test_gpu_v10_split_replays_in_cuda_graph(merge):
     plan = pa.decode_plan(4, 2, 7, 5000, 132, merge=merge)
     assert plan.splits > 1
     out = torch.empty_like(q)
-    pa.paged_attention(q, k, v, bt, lens, out=out, max_context_len=5000, plan=plan)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        pa.paged_attention(q, k, v, bt, lens, out=out, max_context_len=5000, plan=plan)
+    graph = capture_after_warmup(lambda: pa.paged_attention(q, k, v, bt, lens, out=out, max_context_len=5000,
+                                                            plan=plan))
     for seed in range(3):
         q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q.dtype))
         out.fill_(float("nan"))

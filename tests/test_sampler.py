@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import reference.sampling as ref
+from helpers import capture_after_warmup
 from kernels_numba import sampling as ks, sampling_journey as journey
 from pagedattn.layers.sampler import SamplingTensors, sample
 from pagedattn.sampling_params import SamplingParams
@@ -626,9 +627,7 @@ def test_gpu_sampling_replays_in_a_cuda_graph(n):
     logprobs = torch.zeros(n, device="cuda")
     sample(logits, st, tokens, logprobs)                           # compile and allocate before capture
     eager = tokens.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sample(logits, st, tokens, logprobs)
+    graph = capture_after_warmup(lambda: sample(logits, st, tokens, logprobs))
     for step in range(3):                                          # new positions, new draws, same rule
         st.position.add_(1)
         tokens.zero_()

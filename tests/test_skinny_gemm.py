@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import compile_in_subprocesses
+from helpers import capture_after_warmup, compile_in_subprocesses
 from kernels_numba import skinny_gemm as sg
 from pagedattn.errors import KernelLaunchError
 from reference import layers as ref_layers
@@ -579,9 +579,7 @@ def test_gpu_graph_capture_and_replay(variant, norm):
     torch.cuda.synchronize()
     want = out.clone()
     want_res = kw["residual_out"].clone() if norm else None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sg.skinny_linear(x, w, out=out, variant=variant, **kw)
+    graph = capture_after_warmup(lambda: sg.skinny_linear(x, w, out=out, variant=variant, **kw))
     out.zero_()
     if norm:
         kw["residual_out"].zero_()

@@ -166,7 +166,7 @@ class CudaGraphRunner:
                 self._fill_padding(batch)
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
+                with torch.cuda.graph(g, pool=self.pool, stream=side):
                     _, self.logits[batch] = self.runner.run_step(self._step(batch), self.dev)
                 if self.pool is None:
                     self.pool = g.pool()

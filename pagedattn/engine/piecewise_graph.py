@@ -159,7 +159,7 @@ class PiecewiseGraphs:
             with no_collection():
                 for piece in b.pieces:
                     g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.pool):
+                    with torch.cuda.graph(g, pool=self.pool, stream=side):
                         out, residual = piece()
                     if self.pool is None:
                         self.pool = g.pool()
