@@ -89,6 +89,26 @@ def test_padded_tables_from_arrays_and_lists():
     assert _padded_tables([array("i"), []]).shape == (2, 0)
 
 
+def test_short_context_graphs_where_the_decode_plan_differs():
+    """A batch gets a second decode graph for contexts of <= 512 tokens exactly where v10 plans them otherwise
+    (small batches: no split); a step replays the graph of the smallest bound holding its longest context."""
+    from pagedattn.engine.cuda_graph import CudaGraphRunner
+    from pagedattn.layers.attention import NumbaBackend
+    from pagedattn.layers.torch_attention import TorchPagedBackend
+
+    numba_backend = NumbaBackend(validate=False)
+    bounds = {b: numba_backend.decode_context_bounds(b, 2, 7, 4096, "cuda:0") for b in (1, 8, 32, 64, 128, 256)}
+    assert bounds == {1: [512, 4096], 8: [512, 4096], 32: [512, 4096], 64: [4096], 128: [4096], 256: [4096]}
+    assert numba_backend.decode_context_bounds(1, 2, 7, 512, "cuda:0") == [512]          # nothing longer to split
+    assert TorchPagedBackend().decode_context_bounds(1, 2, 7, 4096, "cpu") == [4096]
+
+    graphs = CudaGraphRunner.__new__(CudaGraphRunner)       # its choice of graph only (capture needs a GPU)
+    graphs.sizes, graphs.bounds = [1, 2, 4], {1: [512, 4096], 2: [512, 4096], 4: [4096]}
+    step = lambda n, longest: StepInputs(dict(decode_header(n, 4), max_context_len=longest), None)  # noqa: E731
+    assert graphs.key(step(1, 512)) == (1, 512) and graphs.key(step(1, 513)) == (1, 4096)
+    assert graphs.key(step(2, 17)) == (2, 512) and graphs.key(step(3, 17)) == (4, 4096)
+
+
 def test_pad_decode_step():
     bm = BlockManager(16, 4)
     seqs = [Sequence(i, i, [1] * (3 + i), 3, SamplingParams(temperature=0.5, seed=i), key=i) for i in range(3)]
@@ -129,15 +149,18 @@ def _random_real_checkpoint():
                                     SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=200,
                                                    ignore_eos=True)], ids=["greedy", "seeded"])
 def test_graph_equals_eager_batch1_tokens(params):
-    """One sequence (graph of size 1, no padding): the same tokens with graphs as eager, 200 steps."""
+    """One sequence (graph of size 1, no padding): the same tokens with graphs as eager, 200 steps whose
+    contexts cross the short-context bound (400 -> 600 tokens: the graph of bound 512, then of 1024)."""
     from pagedattn import LLM
     ckpt = _random_real_checkpoint()
-    prompt = np.random.default_rng(1).integers(0, 10000, 300).tolist()
+    prompt = np.random.default_rng(1).integers(0, 10000, 400).tolist()
     toks = {}
     for eager in (True, False):
         with LLM(ckpt, device="cuda", max_num_seqs=4, max_model_len=1024, num_blocks=256, enforce_eager=eager) as llm:
             toks[eager] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
             assert (llm.engine.runner.graphs is None) == eager
+            if not eager:
+                assert llm.engine.runner.graphs.bounds[1] == [512, 1024]
     assert toks[True] == toks[False]
 
 
@@ -185,7 +208,7 @@ def test_graph_equals_eager_mixed_workload():
     assert stats["steps"] > 20 and len(stats["sizes"]) > 3
     assert stats["mismatch"] == 0
     assert stats["worst"] < 1.0, "graph and eager logits differ by more than fp16 noise"
-    assert graphs.graphs.keys() == {1, 2, 4, 8, 16}
+    assert graphs.graphs.keys() == {(b, 512) for b in (1, 2, 4, 8, 16)}      # max_model_len 512: one bound each
 
 
 @pytest.mark.gpu

@@ -11,8 +11,11 @@ by one host-to-device copy per step. A batch of n sequences runs the graph of th
 Rows n..B-1 are padding: slot -1 (the cache write skips it), context_len 1 and block table row
 [0, 0, ...] (attention reads one slot of block 0, a valid block, and the result is discarded: every op
 outside attention is row-wise, so a padding row cannot reach a real one), greedy sampling. The
-split-KV plan of the decode kernel is fixed at capture from W * block_size (max_context_len None),
-the largest context a graph can see, so the same graph serves every context length.
+split-KV plan of the decode kernel is fixed at capture from a bound on the contexts: W * block_size (the
+largest context a graph can see) and, for the batch sizes where the kernel plans short contexts otherwise
+(ModelRunner.context_bounds: one CTA per sequence and head group instead of split partitions and their
+merge, v10 up to 512 tokens), a second graph for that short bound. A step replays the graph of the smallest
+bound that holds its longest context.
 
 The captured step begins by reading the ids of in-flight tokens from the shared sampled-token buffer
 (input_src >= 0) and ends by writing its own sampled tokens into that buffer, so consecutive steps chain
@@ -128,8 +131,9 @@ class CudaGraphRunner:
         self.host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
         self.dev = torch.zeros(size, dtype=torch.int32, device=runner.device)
         self.copied = torch.cuda.Event()
-        self.graphs = {}
-        self.logits = {}                          # batch -> the graph's logits [batch, V] (read after a replay)
+        self.bounds = {b: runner.context_bounds(b) for b in self.sizes}     # batch -> context bounds, ascending
+        self.graphs = {}                          # (batch, bound) -> CUDAGraph
+        self.logits = {}                          # (batch, bound) -> the graph's logits [batch, V] (read after a replay)
         self.pool = None
 
     @property
@@ -155,32 +159,40 @@ class CudaGraphRunner:
         (the pool then fits the smaller ones). All rows are padding during capture: nothing is written."""
         side = capture_stream(self.runner.device)
         side.wait_stream(torch.cuda.current_stream())
+        keys = [(batch, bound) for batch in self.sizes for bound in self.bounds[batch]]
         with torch.cuda.stream(side):
-            for batch in self.sizes:
+            for batch, bound in keys:
                 self._fill_padding(batch)
-                self.runner.run_step(self._step(batch), self.dev)
+                self.runner.run_step(self._step(batch), self.dev, max_context_len=bound)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         with no_collection():
-            for batch in reversed(self.sizes):
+            for batch, bound in reversed(keys):
                 self._fill_padding(batch)
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool, stream=side):
-                    _, self.logits[batch] = self.runner.run_step(self._step(batch), self.dev)
+                    _, self.logits[batch, bound] = self.runner.run_step(self._step(batch), self.dev,
+                                                                        max_context_len=bound)
                 if self.pool is None:
                     self.pool = g.pool()
-                self.graphs[batch] = g
+                self.graphs[batch, bound] = g
         torch.cuda.synchronize()
+
+    def key(self, step):
+        """(batch, bound) of the graph that runs this pure-decode step."""
+        batch = padded_batch_size(step.num_seqs, self.sizes)
+        bounds = self.bounds[batch]
+        return batch, next((b for b in bounds if step.max_context_len <= b), bounds[-1])
 
     def run(self, step):
         """Replay the graph for this pure-decode step; its sampled tokens land in the runner's buffers.
         Returns the graph's logits [padded batch, V] (valid until the next replay)."""
-        batch = padded_batch_size(step.num_seqs, self.sizes)
-        data = pad_decode_step(step, batch, self.width)
+        key = self.key(step)
+        data = pad_decode_step(step, key[0], self.width)
         self.copied.synchronize()                 # the previous step's copy has left the pinned buffer
         self.host[:data.shape[0]].numpy()[:] = data
         self.dev[:data.shape[0]].copy_(self.host[:data.shape[0]], non_blocking=True)
         self.copied.record()
-        self.graphs[batch].replay()
-        return self.logits[batch]
+        self.graphs[key].replay()
+        return self.logits[key]

@@ -115,10 +115,11 @@ class ModelRunner:
         capturable = self.cuda and backend.can_capture(config.dtype, mc.head_dim, config.block_size)
         self.use_graphs = capturable and not config.enforce_eager
         self.use_piecewise = self.use_graphs and config.piecewise_graphs and world_size == 1
-        # Where graphs can run, every step plans the decode kernel for the graphs' longest context: the same
-        # split and float32 sums whether a step replays a graph or runs eagerly (enforce_eager included), so
-        # a request's tokens do not depend on the path its steps took.
+        # Where graphs can run, every step plans the decode kernel for a context bound of the graphs (plan_len_of):
+        # the same split and float32 sums whether a step replays a graph or runs eagerly (enforce_eager
+        # included), so a request's tokens do not depend on the path its steps took.
         self.plan_len = self.graph_width * self.block_size if capturable else None
+        self._bounds = {}
         rows = config.max_num_seqs
         self.sampled_tokens = torch.zeros(rows, dtype=torch.int32, device=self.device)
         self.sampled_logprobs = torch.zeros(rows, dtype=torch.float32, device=self.device)
@@ -145,6 +146,24 @@ class ModelRunner:
         self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, self.num_kv_heads, self.block_size, mc.head_dim,
                                 dtype=self.config.dtype, device=str(self.device))
         self.num_slots = num_blocks * self.block_size
+
+    def context_bounds(self, num_seqs):
+        """The context bounds of the decode graphs of num_seqs sequences, ascending, the last plan_len: the
+        backend's bounds where its decode kernel plans short contexts otherwise (decode_context_bounds)."""
+        if num_seqs not in self._bounds:
+            mc = self.model_config
+            self._bounds[num_seqs] = self.model.attn_backend.decode_context_bounds(
+                num_seqs, self.num_kv_heads, mc.num_attention_heads // mc.num_key_value_heads, self.plan_len,
+                self.device)
+        return self._bounds[num_seqs]
+
+    def plan_len_of(self, num_seqs, max_context_len):
+        """The bound a decode of num_seqs sequences whose longest context is max_context_len plans for: the
+        smallest of context_bounds(num_seqs) that holds it (a graph of that batch would take the same)."""
+        for bound in self.context_bounds(num_seqs):
+            if max_context_len <= bound:
+                return bound
+        return self.plan_len
 
     def capture_graphs(self):
         """Capture the decode graphs now (otherwise before the first pure-decode step)."""
@@ -253,7 +272,9 @@ class ModelRunner:
             if piecewise is not None and not piecewise.can_run(step):
                 piecewise = None
             with self.model.ops.step_scope(len(host["input_ids"])):
-                hidden, _ = self.run_step(step, dev, max_context_len=self.plan_len or step.max_context_len,
+                plan_len = (self.plan_len_of(step.num_seqs - step.num_prefills, step.max_context_len)
+                            if self.plan_len else step.max_context_len)
+                hidden, _ = self.run_step(step, dev, max_context_len=plan_len,
                                           gather=bool((host["input_src"] >= 0).any()), piecewise=piecewise)
                 if step.num_beams:
                     rows = step.fields(dev)["beam_rows"]

@@ -205,6 +205,21 @@ class NumbaBackend(TorchPagedBackend):
         on_device = device.type == "cuda" or (self.simulated and device.type == "cpu")
         return self.fused_kernels and _as_dtype(dtype) in self.KERNEL_DTYPES and on_device
 
+    def decode_context_bounds(self, num_seqs, num_kv_heads, group, max_context_len, device):
+        """[SHORT_CONTEXT, max_context_len] where v10 plans a batch of short contexts (<= 512 tokens) otherwise
+        than one of max_context_len-token ones (small batches: one CTA per sequence and head group against
+        split partitions and their merge), else [max_context_len]."""
+        pa = self.paged_attention
+        short = getattr(pa, "SHORT_CONTEXT", None)
+        if pa is None or short is None or short >= max_context_len:
+            return [max_context_len]
+        from kernels_numba import bridge
+        sms = bridge.num_sms(torch.device(device))
+        a, b = (pa.decode_plan(num_seqs, num_kv_heads, group, n, sms) for n in (short, max_context_len))
+        if a.splits == b.splits == 1 and a.warps == b.warps:      # one partition each: the same launch
+            return [max_context_len]
+        return [short, max_context_len]
+
     def can_capture(self, dtype, head_dim, block_size):
         """Every piece of a decode step is a numba kernel or a torch op without host syncs for fp16/bf16
         at the head_dim / block_size the decode kernel covers."""

@@ -139,6 +139,12 @@ class TorchPagedBackend:
         """Copy-on-write: block_copies [C, 2] rows (src, dst), copied in every layer's K and V pool."""
         copy_blocks(k_caches, v_caches, block_copies)
 
+    def decode_context_bounds(self, num_seqs, num_kv_heads, group, max_context_len, device):
+        """The context bounds <= max_context_len at which the decode kernel of a batch of num_seqs sequences
+        runs a launch of its own (one decode graph per bound; a step takes the smallest bound >= its longest
+        context). This backend has one: [max_context_len]."""
+        return [max_context_len]
+
     def can_capture(self, dtype, head_dim, block_size):
         """Whether a decode step through this backend can be recorded in a CUDA graph: no, the gather
         is sized on the host (int(context_lens.max())), so float32 / torch steps run eagerly by design."""
