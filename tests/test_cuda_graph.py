@@ -145,16 +145,16 @@ def _random_real_checkpoint():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prompt_len, piecewise", [(300, True), (400, False)], ids=["300", "400-no-piecewise"])
+@pytest.mark.parametrize("prompt_len, piecewise", [(300, True), (400, True), (400, False)],
+                         ids=["300", "400", "400-no-piecewise"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
                                     SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=200,
                                                    ignore_eos=True)], ids=["greedy", "seeded"])
 def test_graph_equals_eager_batch1_tokens(params, prompt_len, piecewise):
     """One sequence (graph of size 1, no padding): the same tokens with graphs as eager, 200 steps. From a
-    400-token prompt the contexts cross the short-context bound (the graph of bound 512, then of 1024); that
-    case runs the prompt eagerly (piecewise_graphs=False) so that only the decode graphs are compared: the
-    piecewise prefill runs the prompt's GEMMs over padded rows, whose rounding may differ from the eager
-    step's, and a greedy run follows any difference at a near tie (tests/test_piecewise_graph.py checks it)."""
+    400-token prompt the contexts cross the short-context bound: the graph of bound 512, then the one of
+    1024, under async scheduling (the step after the switch reads the previous step's token on the device).
+    The prompt runs through the piecewise graphs, or eagerly (piecewise_graphs=False)."""
     from pagedattn import LLM
     ckpt = _random_real_checkpoint()
     prompt = np.random.default_rng(1).integers(0, 10000, prompt_len).tolist()
