@@ -598,7 +598,6 @@ def test_gpu_v10_plans_within_twice_sdpa_error(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.gpu
 def test_gpu_zero_scratch_first_made_inside_a_capture_is_refused():
     """The fused merge's counters must start at zero: made inside a capture they would be zeroed only by
     that graph's replays. A launch compiled on another stream only, then captured, is refused clearly
@@ -615,6 +614,7 @@ def test_gpu_zero_scratch_first_made_inside_a_capture_is_refused():
             pa.paged_attention(q, k, v, bt, lens, out=out, max_context_len=5000, plan=plan)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("merge", ["fused", "kernel"])
 def test_gpu_v10_split_replays_in_cuda_graph(merge):
     """A captured split launch replayed with new queries: the fused merge's counters reset inside
