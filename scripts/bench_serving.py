@@ -29,7 +29,7 @@ one, split evenly over the tokens it brings), e2e (send -> [DONE]), throughput (
 [DONE] - first send)). After every load the server's /metrics must show every KV block free again.
 The load generator runs on CPUs of its own (--cpu-split auto, with >= 8 CPUs: the second half of the physical
 cores; the first half for this process, its offline engine and the servers): in production the clients are
-other machines, and here a client on the engine core's physical core would slow the core's host path.
+other machines; here they would otherwise compete with the server's processes for the same CPUs.
 Measured on the server (Linux /proc): the CPU time the engine core(s) and the API server(s) spent during the
 load, per 1000 output tokens, and the busiest one's share of a CPU (near 1.0: that process is the limit);
 from /metrics: the engine's steps during the load, its mean step and the share of the time it was stepping
@@ -338,8 +338,8 @@ def _cpu_list(text):
 
 def cpu_split(mode, cpus=None, min_cpus=8, sysfs="/sys/devices/system/cpu"):
     """(server CPUs, client CPUs), or None to share them all. In production the clients are other machines;
-    here they share the host, and a client process on the engine core's physical core (or its hyperthread
-    sibling) slows the core's host path. mode "auto": with at least min_cpus CPUs, the first half of the
+    here they share the host, and a client process on a server process's CPU (or its hyperthread sibling)
+    takes time from it. mode "auto": with at least min_cpus CPUs, the first half of the
     physical cores (with their siblings) for the server side (this process: the offline engine; the
     servers it starts), the rest for the load generator; "off": no split; "S:C": explicit CPU lists."""
     if mode == "off":
@@ -486,23 +486,24 @@ def cpu_columns(before, after, seconds, tokens):
     return row
 
 
-def free_blocks(url):
-    """(free KV blocks, pool size) from the server's /metrics."""
+def scrape(url):
+    """{sample name: value} of the server's /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    values = {s.name: s.value for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
-              for s in f.samples}
+    return {s.name: s.value for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
+            for s in f.samples}
+
+
+def free_blocks(url):
+    """(free KV blocks, pool size) from the server's /metrics."""
+    values = scrape(url)
     return values.get("pagedattn_kv_cache_free_blocks"), values.get("pagedattn_kv_cache_blocks")
 
 
 def engine_counters(url):
     """{steps, step_s, computed}: the engine's step counters from the server's /metrics (summed over cores)."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    values = {s.name: s.value for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
-              for s in f.samples}
+    values = scrape(url)
     return {"steps": values.get("pagedattn_engine_steps_total"),
             "step_s": values.get("pagedattn_engine_step_seconds_total"),
             "computed": values.get("pagedattn_engine_computed_tokens_total")}
