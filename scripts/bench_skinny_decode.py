@@ -104,7 +104,8 @@ def checked_decode_steps(llm, stats):
             skinny.max_rows = 0
         try:
             dev = torch.from_numpy(step.data).to(runner.device)
-            e_logits = runner.run_step(step, dev, max_context_len=runner.plan_len_of(n, step.max_context_len))[1].clone()
+            plan_len = runner.plan_len_of(n, step.max_context_len)           # the graph's plan
+            e_logits = runner.run_step(step, dev, max_context_len=plan_len)[1].clone()
         finally:
             if skinny is not None:
                 skinny.max_rows = rows

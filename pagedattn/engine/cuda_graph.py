@@ -81,6 +81,11 @@ def graph_batch_sizes(max_num_seqs):
     return sizes
 
 
+def bound_for(bounds, context_len):
+    """The smallest of the ascending context `bounds` that holds context_len (the last when none does)."""
+    return next((b for b in bounds if context_len <= b), bounds[-1])
+
+
 def padded_batch_size(n, sizes):
     """The smallest ladder size >= n, or None when n exceeds the ladder."""
     for b in sizes:
@@ -131,7 +136,7 @@ class CudaGraphRunner:
         self.host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
         self.dev = torch.zeros(size, dtype=torch.int32, device=runner.device)
         self.copied = torch.cuda.Event()
-        self.bounds = {b: runner.context_bounds(b) for b in self.sizes}     # batch -> context bounds, ascending
+        self.bounds = {b: runner.context_bounds(b) for b in self.sizes}     # batch -> its bounds, ascending
         self.graphs = {}                          # (batch, bound) -> CUDAGraph
         self.logits = {}                          # (batch, bound) -> the graph's logits [batch, V] (read after a replay)
         self.pool = None
@@ -182,8 +187,7 @@ class CudaGraphRunner:
     def key(self, step):
         """(batch, bound) of the graph that runs this pure-decode step."""
         batch = padded_batch_size(step.num_seqs, self.sizes)
-        bounds = self.bounds[batch]
-        return batch, next((b for b in bounds if step.max_context_len <= b), bounds[-1])
+        return batch, bound_for(self.bounds[batch], step.max_context_len)
 
     def run(self, step):
         """Replay the graph for this pure-decode step; its sampled tokens land in the runner's buffers.

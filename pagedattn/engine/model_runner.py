@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pagedattn.config import kv_pool_blocks
-from pagedattn.engine.cuda_graph import graph_batch_sizes, padded_batch_size
+from pagedattn.engine.cuda_graph import bound_for, graph_batch_sizes, padded_batch_size
 from pagedattn.errors import KernelLaunchError
 from pagedattn.kv_cache import KVCache
 from pagedattn.layers.attention import AttentionMetadata, get_backend
@@ -160,10 +160,7 @@ class ModelRunner:
     def plan_len_of(self, num_seqs, max_context_len):
         """The bound a decode of num_seqs sequences whose longest context is max_context_len plans for: the
         smallest of context_bounds(num_seqs) that holds it (a graph of that batch would take the same)."""
-        for bound in self.context_bounds(num_seqs):
-            if max_context_len <= bound:
-                return bound
-        return self.plan_len
+        return bound_for(self.context_bounds(num_seqs), max_context_len)
 
     def capture_graphs(self):
         """Capture the decode graphs now (otherwise before the first pure-decode step)."""

@@ -62,7 +62,8 @@ now = time.perf_counter
 # Engine metrics that add up over data-parallel ranks; the ratios are recomputed from the sums.
 _SUMMED = ("num_blocks", "num_free_blocks", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
            "num_preemptions", "num_running", "num_waiting", "num_steps", "num_computed_tokens",
-           "num_generated_tokens", "num_finished_requests", "step_time_s", "generation_throughput_tok_s", "total_throughput_tok_s")
+           "num_generated_tokens", "num_finished_requests", "step_time_s", "generation_throughput_tok_s",
+           "total_throughput_tok_s")
 
 
 def aggregate_metrics(snapshots):
