@@ -25,10 +25,10 @@ Every torch entry point of kernels_numba launches through these helpers:
                                       views the simulator neither copies nor writes back)
     scratch(device, shape, dtype=np.float32, zero=False, tag=None)  a persistent buffer per (device,
                                       stream, shape, dtype, tag): launches on one stream run in order, so reusing it
-                                      is safe, also inside a captured graph. zero=True: zero-filled once
-                                      when first made (kernels that need it zero leave it zero); never
-                                      first made inside a graph capture (an error: warm up on the capture
-                                      stream first, see scratch)
+                                      is safe, also inside a captured graph. zero=True: one buffer per
+                                      (device, shape, dtype, tag) on every stream, zero-filled once when
+                                      first made (the kernels that use it leave it zero); a graph captured
+                                      on any stream after a warm-up launch finds it (see scratch)
     num_sms(device)                   streaming multiprocessors of the device (132 on an H200)
     allow_dynamic_smem(kernel, args, nbytes)  lets a kernel take more than 48 KiB of dynamic shared memory
     owner(token)                      context manager: the cached views and scratch buffers made or
@@ -209,29 +209,43 @@ def ints(t):
 
 
 def scratch(device, shape, dtype=np.float32, zero=False, tag=None):
-    """A persistent numba array of `shape` on `device`, one per (device, current stream, shape,
-    dtype, zero, tag). zero=True: zero-filled when made; a kernel using it must leave it zero.
-    tag: a family's own buffers (never shared with another family's of the same shape)."""
+    """A persistent numba array of `shape` on `device`. tag: a family's own buffers (never shared with
+    another family's of the same shape).
+
+    zero=False: one per (device, current stream, shape, dtype, tag), contents undefined: launches on one
+    stream run in order, so reusing it is safe; two streams never share one.
+    zero=True: one per (device, shape, dtype, tag), whatever the stream: zero-filled when made, and every
+    kernel using it leaves it zero when it ends (counters it counts back down). Being the stream's alone
+    would make torch's own capture recipe fail (warm up on a side stream, then capture on torch's capture
+    stream: the buffer would be first needed inside the capture, where it cannot be zeroed), so it is not;
+    launches that share it must not overlap (one stream, or graphs replayed one after another), as with
+    every buffer a captured graph holds."""
     import torch
 
-    stream = 0 if SIMULATOR else torch.cuda.current_stream(device).cuda_stream
     dtype = np.dtype(dtype)
-    key = (device, stream, tuple(shape), dtype.str, zero, tag)
+    key = (device, None if zero else _current_stream(device), tuple(shape), dtype.str, zero, tag)
     hit = _SCRATCH.get(key)
     if hit is None:
         if zero and _capturing():
             # Made here, the buffer would come from the graph's memory pool, and torch.zeros would only be
-            # recorded into that graph: its bytes stay whatever the pool held until the graph replays, so a
-            # graph captured later that finds it here starts on garbage, and the temporaries of a graph
-            # captured earlier share its memory and overwrite it at each replay. Made outside the capture, on
-            # the capture's stream (one run before capturing), it is zero once and for all.
+            # recorded into that graph: its bytes stay whatever the pool held until the graph replays. A
+            # launch of the same shape before the capture (on any stream) makes it, zeroed once and for all.
             raise RuntimeError(f"zero-filled scratch {tuple(shape)} {dtype} (tag {tag!r}) first requested inside a "
-                               f"CUDA graph capture: run the launch once on the capture's stream before capturing")
+                               f"CUDA graph capture: run the launch once before capturing")
         tdtype = {"<f4": torch.float32, "<i4": torch.int32, "<u4": torch.int32, "<i8": torch.int64}[dtype.str]
         t = (torch.zeros if zero else torch.empty)(tuple(shape), dtype=tdtype, device=device)
         hit = _SCRATCH[key] = (as_array(t, "uint32" if dtype.str == "<u4" else None), t, set())
     hit[2].add(_OWNER.get())
     return hit[0]
+
+
+def _current_stream(device):
+    """The handle of torch's current stream on `device` (0 under the simulator)."""
+    if SIMULATOR:
+        return 0
+    import torch
+
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _capturing():

@@ -107,9 +107,10 @@ TINY_CONFIG = dict(
 
 
 def capture_after_warmup(fn):
-    """A CUDA graph of fn(), captured on the side stream a first call of fn() ran on, as the engine captures:
-    the buffers fn's kernels keep per stream (kernels_numba.bridge.scratch) are made, and zeroed where they
-    must start at zero, before the capture (bridge.scratch refuses to make a zero-filled one inside it)."""
+    """A CUDA graph of fn(), made by torch's own recipe: a first call of fn() on a fresh side stream (kernels
+    compiled, the buffers they keep made), then `with torch.cuda.graph(graph):` on torch's capture stream, as
+    any torch user writes it. The kernels must capture this way (kernels_numba.bridge.scratch: a buffer that
+    must start at zero is found from any stream)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -117,7 +118,7 @@ def capture_after_warmup(fn):
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph):
         fn()
     torch.cuda.synchronize()
     return graph

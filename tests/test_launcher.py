@@ -272,6 +272,24 @@ def test_zero_scratch_is_never_first_made_inside_a_capture(monkeypatch):
     assert bridge.release(token) == 2
 
 
+def test_zero_scratch_is_found_from_another_stream(monkeypatch):
+    """torch's capture recipe warms up on a side stream and captures on torch's own capture stream: a
+    zero-filled buffer made by the warm-up must be the one the capture finds (one per device, not per
+    stream), while buffers of undefined contents stay the stream's own (two streams never share one)."""
+    if not launcher.bridge.SIMULATOR:
+        pytest.skip("the simulator path (scratch on a CPU device)")
+    bridge, dev, token = launcher.bridge, torch.device("cpu"), object()
+    with bridge.owner(token):
+        monkeypatch.setattr(bridge, "_current_stream", lambda device: 11)      # the warm-up's side stream
+        zeroed = bridge.scratch(dev, (6,), np.int32, zero=True, tag="stream-test")
+        loose = bridge.scratch(dev, (6,), np.float32, tag="stream-test")
+        monkeypatch.setattr(bridge, "_current_stream", lambda device: 22)      # the capture's stream
+        monkeypatch.setattr(bridge, "_capturing", lambda: True)
+        assert bridge.scratch(dev, (6,), np.int32, zero=True, tag="stream-test") is zeroed
+        assert bridge.scratch(dev, (6,), np.float32, tag="stream-test") is not loose
+    assert bridge.release(token) == 3
+
+
 @pytest.mark.gpu
 def test_engine_same_tokens_with_and_without_plans(monkeypatch, tmp_path):
     """Greedy ids of a small fp16 model through eager prefill, decode and mixed steps (graphs off, small
