@@ -17,9 +17,11 @@ slowest single specialisation, not as long as the kernel function with the most 
 workers (one per core but one, at most MAX_WORKERS) are started by step 1's first missing
 specialisation, and each missing specialisation is handed to them as soon as step 1 meets it: the
 compiles run while the rest of step 1 does (what step 1 cannot hand over goes at step 2, longest first by
-an estimate per kernel function: COMPILE_SECONDS). A worker compiles (the PTX, and the cubin linked for the device) and writes nothing:
+an estimate per kernel function: COMPILE_SECONDS). A worker compiles (the PTX, and the cubin linked for the device's compute capability) and writes nothing:
 it sends back what numba's cache would write for that specialisation (the kernel's reduced states, cubin
-included). This process saves each one with the kernel's own cache object (`save_overload`), so every
+included). A worker never opens the GPU: NVVM and nvJitLink need only the compute capability, which this
+process passes it, so the workers take no GPU memory (a CUDA context each would compete with an engine that
+already holds its KV pool) and start as fast as an interpreter and the kernels' modules import. This process saves each one with the kernel's own cache object (`save_overload`), so every
 entry gets the key a normal compile gives it, and only one process writes an index file (numba keeps one
 per kernel function, shared by every specialisation and every closure of that function: two processes
 updating it at once could lose an entry).
@@ -162,7 +164,8 @@ def recording():
                     workers_asked = True
                     modules = sorted(m for m in sys.modules if m.startswith("kernels_numba."))   # as here
                     try:
-                        needed.workers = Workers(default_workers(), cuda.get_current_device().id, modules)
+                        needed.workers = Workers(default_workers(), cuda.get_current_device().compute_capability,
+                                                 modules)
                     except Exception:       # noqa: BLE001 - compile_all starts its own
                         needed.workers = None
                 key = (recipe, argtypes)
@@ -206,15 +209,15 @@ def rebuild(recipe):
 
 
 class Workers:
-    """`count` spawned processes that compile tasks for device `device_id`. Each starts (in the background)
-    by selecting the device and importing `modules`: an interpreter, numba, torch and the kernels'
-    modules, a CUDA context, seconds that overlap whatever this process does meanwhile."""
+    """`count` spawned processes that compile tasks for GPUs of compute capability `cc` (major, minor). Each
+    starts (in the background) by importing `modules`: an interpreter, numba, torch and the kernels' modules,
+    seconds that overlap whatever this process does meanwhile. They open no CUDA context."""
 
-    def __init__(self, count, device_id, modules=()):
-        self.count, self.device_id = count, device_id
+    def __init__(self, count, cc, modules=()):
+        self.count, self.cc = count, tuple(cc)
         self.executor = concurrent.futures.ProcessPoolExecutor(
             max_workers=count, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
-            initargs=(device_id, tuple(modules)))
+            initargs=(self.cc, tuple(modules)))
         for _ in range(count):              # the executor spawns a process per task it cannot place
             self.executor.submit(os.getpid)
 
@@ -223,17 +226,38 @@ class Workers:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _start_worker(device_id, modules):
-    """Worker start: the device the kernels are compiled for (its compute capability picks the cubin),
-    and the modules the tasks will rebuild kernels from (an import that fails is left to the task)."""
-    from numba import cuda
+_WORKER_ERROR = None  # in a worker: why its start failed (each task then raises it; see _start_worker)
 
-    cuda.select_device(device_id)
+
+def _start_worker(cc, modules):
+    """Worker start: compile for `cc` without a device (compile_without_device), and import the modules the
+    tasks will rebuild kernels from (an import that fails is left to the task). Nothing here raises: an
+    initializer that raises makes the pool print a traceback and break; a task reports it instead."""
+    global _WORKER_ERROR
+    try:
+        compile_without_device(cc)
+    except Exception as e:                  # noqa: BLE001 - raised again by every task
+        _WORKER_ERROR = e
+        return
     for module in modules:
         try:
             importlib.import_module(module)
         except Exception:                   # noqa: BLE001 - the task that needs it reports it
             pass
+
+
+def compile_without_device(cc):
+    """Make numba-cuda compile kernels for compute capability `cc` in this process without a GPU: its
+    compiler asks the device for nothing but the compute capability (the kernel's target, the PTX and cubin
+    caches' key); here that answer comes from `cc`, and any other device query still goes to the driver. For
+    worker processes, which compile and never launch."""
+    from numba.cuda import codegen, dispatcher
+
+    cc = tuple(int(v) for v in cc)
+    target = (cc[0], cc[1], "a" if cc >= (9, 0) else "")            # the key numba-cuda itself gives a device
+    device = collections.namedtuple("CompileTarget", "compute_capability")(cc)
+    dispatcher.get_current_device = lambda: device
+    codegen.CUDACodeLibrary._ensure_cc = lambda self, want: target if want is None else want
 
 
 def _has_disk_cache(recipe):
@@ -255,16 +279,18 @@ def _compile_task(recipe, argtypes):
     """Worker: compile one specialisation, writing nothing to the disk cache. Returns (payload, seconds):
     payload is what numba's cache would write for it (the kernel's reduced states: PTX and cubin
     included, serialised by numba), seconds the compile's alone (not the module's import)."""
+    if _WORKER_ERROR is not None:
+        raise _WORKER_ERROR
+    from numba.cuda.dispatcher import _Kernel
     from numba.cuda.serialize import dumps
 
     kernel = rebuild(recipe)
-    cache = kernel._cache
     t = time.perf_counter()
-    cache.disable()                         # loads nothing, saves nothing: the parent saves the result
-    compiled = kernel.compile(argtypes)     # also links the cubin (bind), which the payload carries
+    compiled = _Kernel(kernel.py_func, argtypes, **kernel.targetoptions)    # as the dispatcher's compile does
+    compiled._codelibrary.get_cubin()      # linked now (a compile in place would load it: bind), carried along
     if getattr(compiled, "launch_config_sensitive", False):
         raise RuntimeError("its cache key depends on the launch configuration")
-    payload = dumps(cache._impl.reduce(compiled))
+    payload = dumps(kernel._cache._impl.reduce(compiled))
     return payload, time.perf_counter() - t
 
 
@@ -280,7 +306,7 @@ def save_compiled(recipe, argtypes, payload):
     cache.save_overload(argtypes, compiled)
 
 
-MAX_WORKERS = 16  # each worker holds a CUDA context (hundreds of MiB) beside an engine's KV pool
+MAX_WORKERS = 16  # each worker is an interpreter with numba and torch (~0.5 GiB of host memory)
 
 
 def default_workers():
@@ -294,24 +320,28 @@ def default_workers():
     return max(1, min(MAX_WORKERS, cores - 1))
 
 
-def compile_all(needed, workers=None, device_id=0, log=None):
+def compile_all(needed, workers=None, cc=None, log=None):
     """Compile what `needed` holds into the disk cache, one specialisation per task, longest first, over
     the processes its recording started (needed.workers: default_workers()) or else `workers` spawned now
-    (default_workers(); never more than the tasks). This process saves each result as it arrives
-    (kernels without a disk cache are left out). Returns {task name: seconds the worker spent compiling
-    it}, slowest first (the phase cannot end before the first). A task that fails is reported through
-    `log` and left to compile on first use."""
+    (default_workers(); never more than the tasks), for compute capability `cc` (default: the current
+    device's). This process saves each result as it arrives (kernels without a disk cache are left out).
+    Returns {task name: seconds the worker spent compiling it}, slowest first (the phase cannot end before
+    the first). What fails is reported through `log` in one line and left to compile on first use."""
     tasks = [t for t in needed.tasks() if _has_disk_cache(t.recipe)]
+    if cc is None:
+        from numba import cuda
+
+        cc = cuda.get_current_device().compute_capability
     pool, needed.workers = needed.workers, None
     early, needed.submitted = needed.submitted, {}
-    if pool is not None and (not tasks or pool.device_id != device_id):
+    if pool is not None and (not tasks or pool.cc != tuple(cc)):
         pool.close()
         pool, early = None, {}
     if not tasks:
         return {}
     if pool is None:
-        pool = Workers(min(workers or default_workers(), len(tasks)), device_id)
-    seconds = {}
+        pool = Workers(min(workers or default_workers(), len(tasks)), cc)
+    seconds, failed = {}, []
     with pool.executor:
         futures = {}
         for t in tasks:             # those handed over during the recording, then the rest (FIFO order)
@@ -324,7 +354,11 @@ def compile_all(needed, workers=None, device_id=0, log=None):
                 save_compiled(task.recipe, task.argtypes, payload)
             except Exception as e:          # noqa: BLE001 - the main process compiles it instead
                 seconds.pop(task.name, None)
-                if log is not None:
-                    why = (str(e).strip().splitlines() or [""])[0][:300]
-                    log(f"precompiling {task.name} failed ({type(e).__name__}: {why}); it compiles on first use")
+                failed.append((task, e))
+    if failed and log is not None:
+        task, e = failed[0]
+        why = (str(e).strip().splitlines() or [""])[0][:300]
+        more = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
+        log(f"precompiling {task.name}{more} failed ({type(e).__name__}: {why}); "
+            f"{'they compile' if more else 'it compiles'} on first use")
     return dict(sorted(seconds.items(), key=lambda kv: -kv[1]))

@@ -30,7 +30,7 @@ from numba import cuda
 from numba.cuda import codegen
 SM90 = (9, 0)
 cuda.get_current_device = dispatcher.get_current_device = lambda: types.SimpleNamespace(id=0, compute_capability=SM90)
-codegen.CUDACodeLibrary._ensure_cc = lambda self, cc: cc or SM90
+codegen.CUDACodeLibrary._ensure_cc = lambda self, cc: cc or (9, 0, "a")   # numba-cuda's own key for sm_90
 codegen.JITCUDACodegen.magic_tuple = lambda self: ("no driver", SM90)
 dispatcher._Kernel.bind = lambda self: self._codelibrary.get_cubin()     # link the cubin, load nothing
 cuda.select_device = lambda device_id: None

@@ -209,6 +209,52 @@ def test_workers_compile_and_this_process_saves(tmp_path):
     assert out["hits"] == [1, 1] and out["misses"] == [0, 0], out
 
 
+WORKER_WITHOUT_DEVICE = """
+import json, pickle
+import torch
+from numba import types
+from numba.cuda.cudadrv import driver
+from kernels_numba import precompile
+
+precompile._start_worker((9, 0), ("kernels_numba.rmsnorm",))
+recipe = ("kernels_numba.rmsnorm", "_make_kernel", (False, True), (), None)
+u32, i64 = types.uint32[::1], types.int64
+payload, seconds = precompile._compile_task(recipe, (u32, i64, u32, i64, u32, u32, i64, i64, i64, types.float64))
+library = pickle.loads(payload)["codelibrary"]
+cubin = next(iter(library._cubin_cache.values()))
+print(json.dumps(dict(cubins=[list(k) for k in library._cubin_cache], code_type=cubin.code_type,
+    cubin_bytes=len(cubin.code), driver_started=driver.driver.pid is not None,
+    torch_cuda=torch.cuda.is_initialized(), seconds=seconds)))
+"""
+
+
+def test_a_compile_worker_never_opens_the_gpu():
+    """A compile worker compiles a real kernel (PTX by NVVM, the cubin linked for sm_90) for the compute
+    capability it was given, without initialising the CUDA driver: it holds no context, so it takes no GPU
+    memory from an engine beside it (on a machine without a GPU, any driver call would fail here)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-c", WORKER_WITHOUT_DEVICE], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    if p.returncode != 0 and "CUDA toolkit" in p.stderr:
+        pytest.skip("no CUDA toolkit (NVVM) to compile with")
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["cubins"] == [[9, 0, "a"]], out                     # the key numba-cuda gives an sm_90 device
+    assert out["code_type"] == "cubin" and out["cubin_bytes"] > 1000, out
+    assert not out["driver_started"] and not out["torch_cuda"], out
+
+
+def test_a_worker_that_cannot_start_reports_through_its_tasks(monkeypatch):
+    """A worker whose start fails raises nothing there (an initializer that raises breaks the pool with a
+    traceback printed by each process); every task it is given raises the reason instead."""
+    monkeypatch.setattr(precompile, "compile_without_device", lambda cc: (_ for _ in ()).throw(OSError("no NVVM")))
+    monkeypatch.setattr(precompile, "_WORKER_ERROR", None)
+    precompile._start_worker((9, 0), ())
+    with pytest.raises(OSError, match="no NVVM"):
+        precompile._compile_task(("math", "pi", None, None, None), ())
+
+
 def test_rebuild_follows_a_recipe():
     """A recipe names a factory and its arguments (or a module-level kernel): rebuilding gives the very
     object the factory returns in this process (so a worker process gets the same disk-cache key)."""

@@ -111,7 +111,9 @@ def warm_up(engine, workers=None):
             logger.info(f"compiling {len(needed)} specialisations of {len(groups)} kernels in {n} processes "
                         f"(once per machine) ...")
             t = time.perf_counter()
-            seconds = precompile.compile_all(needed, workers=n, device_id=runner.device.index or 0,
+            import torch
+
+            seconds = precompile.compile_all(needed, workers=n, cc=torch.cuda.get_device_capability(runner.device),
                                              log=logger.warning)
             times["compile_kernels"] = time.perf_counter() - t
             if seconds:
