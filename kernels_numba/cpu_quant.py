@@ -483,6 +483,22 @@ _CODE = {name: code for name, (code, _, _) in FORMATS.items()}
 _TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.uint8): torch.uint8, np.dtype(np.int64): torch.int64}
 
 
+@njit(cache=True, nogil=True)
+def skip_strings(buf, pos, count):
+    """The position after `count` GGUF strings (each a little-endian uint64 length, then its bytes) that
+    start at `pos` in `buf` (uint8 [n]): a GGUF file's tokenizer holds ~300k of them (tokens, merges),
+    which a Python loop walks past in about a second. Loading this compiled loop also loads numba's CPU
+    target, which the layers' kernels need a moment later anyway. -1 when they run past the buffer's end."""
+    for _ in range(count):
+        if pos + 8 > buf.shape[0]:
+            return -1
+        n = np.uint64(0)
+        for b in range(8):
+            n |= np.uint64(buf[pos + b]) << np.uint64(8 * b)
+        pos += 8 + np.int64(n)
+    return pos if pos <= buf.shape[0] else -1
+
+
 def _check(t, name, dtype, ndim, contiguous=True):
     """C-contiguous numpy view of a CPU tensor or array of `dtype` (no copy when it already is one), or
     KernelLaunchError naming `name`. contiguous=False: any strides (the caller copies what it must)."""

@@ -19,7 +19,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from helpers import bundled_model_dir  # noqa: F401 (session fixture)
 
 from kernels_numba import cpu_quant
-from pagedattn.errors import KernelLaunchError
+from pagedattn.errors import KernelLaunchError, ModelLoadError
 from reference import quant
 
 U = 2.0 ** -24
@@ -325,6 +325,35 @@ def test_gguf_tensor_linear_and_embedding(tmp_path):
     check_product(y, x.numpy(), quant.dequantize(raw, "Q5_0"), bias)
     assert torch.equal(gguf_weights.quant_linear(x, w, torch.from_numpy(bias)), y)
     assert same_bits(gguf_weights.embedding([4, 1], w).numpy(), quant.dequantize(raw, "Q5_0")[[4, 1]])
+
+
+def test_gguf_header_walks_past_string_arrays(tmp_path):
+    """The header's string arrays (a tokenizer's tokens and merges) are skipped by the compiled loop: the
+    tensors after them are found where they are, and a file cut inside such an array is refused by name."""
+    import gguf
+
+    from pagedattn.models import gguf_weights
+
+    rng = np.random.default_rng(3)
+    tokens = ["".join(chr(c) for c in rng.integers(33, 0x2FFF, int(n))) for n in rng.integers(0, 40, 3000)]
+    raw = synthetic_blocks("Q8_0", 4, 1, seed=2)
+    path = str(tmp_path / "t.gguf")
+    writer = gguf.GGUFWriter(path, "qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(tokens[:1000])
+    writer.add_tensor("blk.0.attn_k.weight", raw, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    t = gguf_weights.read_gguf(path)["blk.0.attn_k.weight"]
+    assert (t.fmt, t.shape) == ("Q8_0", (4, 32)) and np.array_equal(t.data, raw)
+    data = open(path, "rb").read()
+    cut = data.index(next(t for t in tokens[1500:] if len(t) > 20).encode())     # inside the token list
+    with open(tmp_path / "cut.gguf", "wb") as f:
+        f.write(data[:cut])
+    with pytest.raises(ModelLoadError, match="cannot read GGUF file .*string array runs past the end"):
+        gguf_weights.read_gguf(str(tmp_path / "cut.gguf"))
 
 
 @pytest.mark.slow

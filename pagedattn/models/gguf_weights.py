@@ -100,7 +100,8 @@ _TYPES = {0: "F32", 1: "F16", 8: "Q8_0", 6: "Q5_0", 14: "Q6_K", 12: "Q4_K"}
 class _Header:
     """A GGUF file's header read with struct from its bytes: the metadata values are skipped (only
     general.alignment is kept), the tensor infos kept. The gguf package's reader builds a Python object
-    for each of the tokenizer's ~300k metadata strings (~15 s); this walks past them in well under a second."""
+    for each of the tokenizer's ~300k metadata strings (~15 s); this walks past them in a compiled loop
+    (kernels_numba.cpu_quant.skip_strings) in milliseconds."""
 
     def __init__(self, buf):
         self.buf, self.pos = buf, 0
@@ -152,10 +153,9 @@ class _Header:
             if itype in _SCALAR:
                 self.pos += count * struct.calcsize("<" + _SCALAR[itype])
             elif itype == 8:                 # strings (the tokenizer's ~150k tokens and merges): lengths only
-                pos, buf, length = self.pos, self.buf, struct.Struct("<Q").unpack_from
-                for _ in range(count):
-                    pos += 8 + length(buf, pos)[0]
-                self.pos = pos
+                self.pos = int(cpu_quant.skip_strings(np.frombuffer(self.buf, np.uint8), self.pos, count))
+                if self.pos < 0:
+                    raise ValueError("a string array runs past the end of the file")
             else:
                 for _ in range(count):
                     self.value(itype)
