@@ -38,10 +38,10 @@ than the two matrix products it sits between).
 
 Scheduling: work items are sorted by cost (rows x keys) and dealt round-robin to the threads, so a
 long sequence and a causal tile near the end of a long prompt do not leave a thread idle while another
-finishes them. The threads are Python threads (kernels_numba.cpu_threads; calls below PARALLEL_MIN_WORK
+finishes them. The threads are Python threads (`Threads` below; calls below PARALLEL_MIN_WORK
 run on the calling thread alone: a decode step of one short sequence costs less than waking a second
 thread), or numba's thread pool with `numba_threads` (a parallel loop that starts in microseconds: the
-CPU backend's choice inside a small step, pagedattn/layers/cpu_attention.py).
+CPU backend's choice inside a small step, pagedattn/layers/cpu.py).
 
 Pools: float32 is read in place; bfloat16 and float16 pools (numba's CPU target has neither type) are
 passed as 16-bit integer views, uint16 for bf16 and int16 for fp16, and each block tile is widened
@@ -57,6 +57,8 @@ slots a write will touch) before any work and return an error code; the wrappers
 KernelLaunchError naming the field.
 """
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,7 +68,7 @@ from numba.core import types
 from numba.extending import overload
 
 from kernels_numba.cpu_simd import vf_fma, vf_load, vf_splat, vf_store, vf_zero
-from kernels_numba.cpu_threads import Threads, numba_threads as set_numba_threads
+from kernels_numba.cpu_linear import numba_threads as set_numba_threads
 from kernels_numba.errors import KernelLaunchError
 
 # Fast-math without 'nnan'/'ninf': poisoned pool slots are never read, but a NaN or inf that does
@@ -450,6 +452,31 @@ def _run_parallel(num_threads, q, k_cache, v_cache, block_tables, cu_seqlens_q, 
              tile_seq, tile_q0, order, out)
 
 
+class Threads:
+    """A small pool of Python threads for the large calls (a prefill's). Python threads rather than numba's
+    `prange` for calls made while torch's own threads are busy: they sleep on a lock between calls, where
+    numba's OpenMP threads would spin for milliseconds on the cores torch's GEMMs need (numba links the
+    system libgomp, torch ships its own). Waking one costs ~0.1 ms, so inside a small step, where torch runs
+    on one thread, the CPU backend uses numba's parallel loop instead. The kernels release the GIL
+    (`nogil=True`), so the threads run them at once on disjoint work. Rebuilt after a fork."""
+
+    def __init__(self, prefix):
+        self.prefix = prefix
+        self.executor, self.size, self.pid = None, 0, None
+
+    def run(self, fn, num_threads, args):
+        """fn(t, num_threads, *args) for t in 0..num_threads-1; thread 0 in the calling thread."""
+        if num_threads <= 1:
+            return fn(0, 1, *args)
+        if self.executor is None or self.size < num_threads - 1 or self.pid != os.getpid():
+            self.executor = ThreadPoolExecutor(max_workers=num_threads - 1, thread_name_prefix=self.prefix)
+            self.size, self.pid = num_threads - 1, os.getpid()
+        futures = [self.executor.submit(fn, t, num_threads, *args) for t in range(1, num_threads)]
+        fn(0, num_threads, *args)
+        for f in futures:
+            f.result()
+
+
 _THREADS = Threads("cpu_attention")
 
 
@@ -520,16 +547,13 @@ def as_numpy(x, name="tensor"):
     return np.asarray(x)
 
 
-def _int32(x, name):
-    return np.ascontiguousarray(as_numpy(x, name), dtype=np.int32)
-
-
 def make_plan(block_tables, cu_seqlens_q, context_lens, num_blocks, num_kv_heads, block_size, query_tile=QUERY_TILE):
     """Check the metadata (every block id a call reads is in the pool, 1 <= q_len <= context_len) and
     order the work. block_tables: [S, max_blocks] int; cu_seqlens_q: [S + 1] int (sequence s owns query
     rows cu[s]:cu[s+1]; a decode owns one); context_lens: [S] int. Raises KernelLaunchError."""
-    tables, cu, ctx = (_int32(block_tables, "block_tables"), _int32(cu_seqlens_q, "cu_seqlens_q"),
-                       _int32(context_lens, "context_lens"))
+    tables = np.ascontiguousarray(as_numpy(block_tables, "block_tables"), dtype=np.int32)
+    cu = np.ascontiguousarray(as_numpy(cu_seqlens_q, "cu_seqlens_q"), dtype=np.int32)
+    ctx = np.ascontiguousarray(as_numpy(context_lens, "context_lens"), dtype=np.int32)
     if tables.ndim != 2 or tables.shape[0] != ctx.shape[0] or cu.shape != (ctx.shape[0] + 1,) or cu[0] != 0:
         raise KernelLaunchError(f"block_tables {tables.shape}, cu_seqlens_q {cu.shape} (from {cu[:1]}), "
                                 f"context_lens {ctx.shape}: expected [S, max_blocks], [S + 1] from 0, [S]")

@@ -19,21 +19,40 @@ Threads: the output features are cut into one contiguous range per thread (multi
 a numba parallel loop (a few microseconds to start; a Python thread pool's wake-up costs ~0.1 ms here,
 and a decode step makes ~100 of these calls).
 
-The CPU backend (pagedattn.layers.cpu_attention) runs every GEMM of a step of at most MAX_ROWS rows
+The CPU backend (pagedattn.layers.cpu) runs every GEMM of a step of at most MAX_ROWS rows
 here, with torch on one thread meanwhile (its OpenMP threads would spin on the cores these threads
 use); measured against torch on two threads (docs/cpu.md), the kernel is as fast at 1-3 rows and up to
 2x faster at 4-16 (the LM head: 37 against 75 ms at 8 rows). Sums run in float32 in another order than
 torch's: results differ from F.linear by float32 rounding (relative ~1e-6 of the row's magnitude).
 """
+import numba
 import numpy as np
 import torch
 from numba import njit, prange
+from numba.extending import register_jitable
 
-from kernels_numba.cpu_threads import numba_threads, product_threads
 from kernels_numba.errors import KernelLaunchError
 
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}   # as cpu_attention: NaN and inf propagate
 MAX_ROWS = 16                # above: torch's blocked GEMM (prefill) does more arithmetic per byte than this
+ROWS_PER_THREAD = 64         # a product's threads: at most one per this many output features
+
+
+@register_jitable
+def product_threads(num_threads, num_out):
+    """Threads of a product with num_out output features on at most num_threads: the one split every CPU
+    product uses (this file's, cpu_quant's, cpu_quant_int8's), called from Python and from compiled code
+    alike (the fused layer's products must cut their rows as the unfused calls do)."""
+    return max(1, min(num_threads, num_out // ROWS_PER_THREAD))
+
+
+def numba_threads(num_threads):
+    """Set numba's thread count for this thread's next parallel loop to num_threads (at most numba's pool
+    size, at least 1); returns the count set."""
+    n = max(1, min(num_threads, numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+    return n
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)

@@ -42,7 +42,7 @@ from numba import njit, prange
 from kernels_numba.cpu_simd import (load_u16, load_u32, prefetch, vb_add, vb_and, vb_bits, vb_load, vb_nibbles, vb_or,
                                      vb_shl, vb_shr, vb_sub, vb_to_f32, vf_add, vf_fma, vf_load, vf_mul, vf_mul_rounded,
                                      vf_splat, vf_store, vf_sub_rounded, vf_sum, vf_zero)
-from kernels_numba.cpu_threads import numba_threads, product_threads
+from kernels_numba.cpu_linear import numba_threads, product_threads
 from kernels_numba.errors import KernelLaunchError
 
 MAX_ROWS = 16                # above: `linear` dequantizes tiles of W and runs torch's GEMM

@@ -63,7 +63,7 @@ from kernels_numba.cpu_simd import (f32_bits, f32_from_bits, load_u16, load_u32,
                                     vb_dot4, vb_dot4_avx2, vb_load, vb_or, vb_shl, vb_shr, vb_udot4, vb_udot4_avx2,
                                     vb_udot4_minus, vb_udot4_minus_avx2, vf_bytes, vf_fma, vf_i8, vf_mul,
                                     vf_mul_rounded, vf_splat, vf_spread_pairs, vf_store, vf_sum, vf_zero)
-from kernels_numba.cpu_threads import numba_threads, product_threads
+from kernels_numba.cpu_linear import numba_threads, product_threads
 from kernels_numba.errors import KernelLaunchError
 
 # the integer products' spelling: AVX2's byte multiply-adds where the compile target has them

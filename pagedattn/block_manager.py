@@ -73,6 +73,7 @@ class BlockManager:
     num_query_tokens: int = _state(default=0)           # prompt tokens looked up
     num_hit_tokens: int = _state(default=0)             # of those, served from the cache
     num_evictions: int = _state(default=0)              # cached blocks taken for new data
+    min_free_blocks: int = _state(default=0)            # the free list's low-water mark (peak usage)
 
     def __post_init__(self):
         if not isinstance(self.total_blocks, int) or self.total_blocks < 0:
@@ -80,6 +81,7 @@ class BlockManager:
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise BlockManagerError(f"block_size must be an int >= 1, got {self.block_size!r}")
         self.free_blocks = OrderedDict.fromkeys(range(self.total_blocks))
+        self.min_free_blocks = self.total_blocks
         self.ref_count = [0] * self.total_blocks
         self.sequence_blocks = {}
         self.block_hash, self.block_key, self.cached_blocks, self.seq_hashes = {}, {}, {}, {}
@@ -93,6 +95,11 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.total_blocks - len(self.free_blocks)
+
+    @property
+    def peak_num_used_blocks(self) -> int:
+        """The most blocks held at once since this manager was made."""
+        return self.total_blocks - self.min_free_blocks
 
     @property
     def utilization(self) -> float:
@@ -240,6 +247,7 @@ class BlockManager:
                 del self.free_blocks[block]
             self.ref_count[block] += 1
         fresh = [self._take_free_block() for _ in range(n_total - len(hits))]
+        self.min_free_blocks = min(self.min_free_blocks, len(self.free_blocks))     # (hits only: none taken)
         self.sequence_blocks[seq_id] = array("i", hits + fresh)
         self.seq_hashes[seq_id] = [self.block_hash[b] for b in hits]
         if self.enable_prefix_caching:
@@ -322,6 +330,7 @@ class BlockManager:
     def _take_free_block(self) -> int:
         """Pop the least recently freed block; a cached one loses its hash (evicted)."""
         block, _ = self.free_blocks.popitem(last=False)
+        self.min_free_blocks = min(self.min_free_blocks, len(self.free_blocks))
         if block in self.block_hash:
             self.num_evictions += 1
             self._drop_hash(block)

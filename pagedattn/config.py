@@ -53,12 +53,14 @@ class EngineConfig:
         available host memory and at most this many GiB (default 10% and 1 GiB: ~43k tokens of the
         bundled model in float32); set num_blocks to choose the size yourself.
     tensor_parallel_size: ranks the model is sharded over (NCCL on cuda:0..P-1, gloo on CPU).
+    fused_allreduce: with tensor_parallel_size > 1, which steps run the all-reduces after o_proj and down_proj
+        fused with the add + RMSNorm after them (a reduce-scatter, the norm on each rank's rows, an
+        all-gather; pagedattn/distributed/allreduce_norm.py): "auto" (steps whose [T, hidden] message is at
+        least 16 MiB, on CUDA; never on CPU), "on" (every eager step), "off", or a row count N (steps of at
+        least N rows).
     warmup: compile every kernel and capture the CUDA graphs when the engine is built (a small workload of
         its own, pagedattn.engine.warmup), so the first request runs the program every later one does.
         None = on for CUDA (where compilation and capture are the cost), off for CPU.
-    admission_interval: while sequences decode, waiting requests join at most every this many steps unless
-        they would fill half the token budget or the step holds a prompt chunk anyway (pagedattn.engine.scheduler):
-        fewer mixed prefill + decode steps under a trickle of arrivals. 1 (default): every step.
     seed: the engine-level seed unseeded requests take their random keys from.
     weights: "auto", "quantized" or "float32". "quantized": the model's matrices stay the GGUF file's
         blocks (CPU, float32, one rank; ~0.46 GB for the bundled model instead of 2.4 GB, and ~1.5x the
@@ -94,7 +96,7 @@ class EngineConfig:
     cpu_kv_cache_fraction: float = 0.1
     cpu_kv_cache_max_gib: float = 1.0
     tensor_parallel_size: int = 1
-    admission_interval: int = 1
+    fused_allreduce: str | int = "auto"
     seed: int = 0
     weights: str = "auto"
     activations: str = "auto"
@@ -127,7 +129,7 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 8192 if kind == "cuda" else 2048
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                     "tensor_parallel_size", "admission_interval"):
+                     "tensor_parallel_size"):
             _check_int(name, getattr(self, name))
         if self.num_blocks is not None:
             _check_int("num_blocks", self.num_blocks)
@@ -154,6 +156,11 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enforce_eager", "piecewise_graphs", "async_scheduling", "warmup"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.fused_allreduce not in ("auto", "on", "off") and (
+                isinstance(self.fused_allreduce, bool) or not isinstance(self.fused_allreduce, int)
+                or self.fused_allreduce < 0):
+            raise InvalidRequestError(f"fused_allreduce must be 'auto', 'on', 'off' or a row count >= 0, got "
+                                      f"{self.fused_allreduce!r}")
         if self.weights not in ("auto", "quantized", "float32"):
             raise InvalidRequestError(f"weights must be 'auto', 'quantized' or 'float32', got {self.weights!r}")
         if self.weights == "quantized" and (kind != "cpu" or self.dtype != torch.float32

@@ -1,4 +1,4 @@
-"""The physical KV cache: one preallocated pool of K and one of V per layer.
+"""The physical KV cache: one preallocated pool of K and one of V per layer, and a step's view of it.
 
 Layout, per layer:
 
@@ -10,6 +10,10 @@ place in the pool is its *slot*:
 
     slot = block_id * block_size + offset          (slot -1 = padding, written nowhere)
 
+A step addresses the pool through its AttentionMetadata: where each new token's K/V goes (slot_mapping),
+which blocks each sequence reads (block_tables) and how many tokens (context_lens), and where its
+prefill chunks start (cu_seqlens_q); the attention backends (pagedattn/layers/attention.py) read nothing else.
+
 The torch functions here are the portable implementations (CPU, and the GPU fallback); the
 numba kernels in kernels_numba.cache_ops must match them exactly.
 """
@@ -17,6 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch import Tensor
+
+from pagedattn.errors import KernelLaunchError
 
 
 def slots_for(block_tables, rows, positions, block_size):
@@ -27,6 +34,103 @@ def slots_for(block_tables, rows, positions, block_size):
     """
     positions = np.asarray(positions, dtype=np.int64)
     return block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+
+@dataclass
+class AttentionMetadata:
+    num_prefills: int                 # sequences in prefill, first in the batch
+    num_prefill_tokens: int           # their tokens, first in the batch
+    num_decode_tokens: int            # one per decoding sequence, after them
+    slot_mapping: Tensor              # [num_tokens] int64, where each token's new K/V goes (-1 = skip)
+    context_lens: Tensor              # [num_seqs] int32, tokens in the cache *after* this step's write
+    block_tables: Tensor              # [num_seqs, max_blocks] int32, prefills first then decodes
+    cu_seqlens_q: Tensor              # [num_prefills + 1] int32, prefill chunk boundaries
+    max_context_len: int | None = None  # host int >= every context_len (eager steps: sizes the decode
+                                        # kernel's split-KV plan, spares the torch path a sync); None inside
+                                        # CUDA graphs: block-table width x block size
+    # The prefill kernel's work lists of this step (kernels_numba.paged_prefill_fa2's plans=): built by the
+    # first layer's attention, reused by the others; a new step is a new object, so never a stale plan
+    prefill_plans: dict = field(default_factory=dict, repr=False, compare=False)
+    # The CPU kernels' work list of this step ((pool geometry, Plan); pagedattn/layers/cpu.py): the same way
+    cpu_plan: object = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        # Shape checks only: they never read tensor data, so they cost no device sync.
+        num_seqs = self.num_prefills + self.num_decode_tokens
+        num_tokens = self.num_prefill_tokens + self.num_decode_tokens
+        checks = [
+            (self.slot_mapping.shape[0] == num_tokens, "slot_mapping", (num_tokens,), self.slot_mapping.shape),
+            (self.context_lens.shape[0] == num_seqs, "context_lens", (num_seqs,), self.context_lens.shape),
+            (self.block_tables.dim() == 2 and self.block_tables.shape[0] == num_seqs,
+             "block_tables", (num_seqs, "max_blocks"), self.block_tables.shape),
+        ]
+        if self.num_prefills > 0:
+            n = self.num_prefills + 1
+            checks.append((self.cu_seqlens_q.shape[0] == n, "cu_seqlens_q", (n,), self.cu_seqlens_q.shape))
+        for ok, name, want, got in checks:
+            if not ok:
+                raise KernelLaunchError(f"AttentionMetadata.{name} has shape {tuple(got)}, expected {want} "
+                                        f"(num_prefills={self.num_prefills}, num_prefill_tokens="
+                                        f"{self.num_prefill_tokens}, num_decode_tokens={self.num_decode_tokens})")
+        if self.num_prefills > self.num_prefill_tokens:
+            raise KernelLaunchError(f"num_prefills={self.num_prefills} > num_prefill_tokens={self.num_prefill_tokens}: "
+                                    "every prefill chunk has at least one token")
+
+    @property
+    def num_tokens(self):
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def num_seqs(self):
+        return self.num_prefills + self.num_decode_tokens
+
+    @property
+    def prefill_only(self):
+        return self.num_decode_tokens == 0
+
+    @property
+    def decode_only(self):
+        return self.num_prefills == 0
+
+    @classmethod
+    def build(cls, query_lens, context_lens, block_tables, block_size, num_prefills, device="cpu"):
+        """Metadata for a step given per-sequence lists (tests, scripts, simple loops).
+
+        query_lens: [num_seqs] ints, new tokens of each sequence this step (decodes: 1), prefills first.
+        context_lens: [num_seqs] ints, tokens in the cache after this step's write (>= query_len).
+        block_tables: [num_seqs] lists of physical block ids (enough for context_len tokens).
+        block_size: tokens per block; num_prefills: how many leading sequences are prefills.
+        The new tokens are the last query_len positions of each sequence; their slots are computed
+        from the block tables.
+        """
+        query_lens, context_lens = [int(x) for x in query_lens], [int(x) for x in context_lens]
+        if not (len(query_lens) == len(context_lens) == len(block_tables)):
+            raise ValueError("query_lens, context_lens and block_tables need one entry per sequence")
+        if any(q != 1 for q in query_lens[num_prefills:]):
+            raise ValueError(f"decode sequences have query_len 1, got {query_lens[num_prefills:]}")
+        for q_len, ctx, table in zip(query_lens, context_lens, block_tables):
+            if not 1 <= q_len <= ctx or len(table) * block_size < ctx:
+                raise ValueError(f"sequence with query_len={q_len}, context_len={ctx} and "
+                                 f"{len(table)} blocks of {block_size} is inconsistent")
+        width = max([len(t) for t in block_tables] + [1])
+        tables = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        rows = np.repeat(np.arange(len(query_lens)), query_lens)                       # (T,) sequence of a token
+        positions = np.concatenate([np.arange(c - q, c) for q, c in zip(query_lens, context_lens)] or [[]])
+        slots = slots_for(np.asarray(tables, dtype=np.int64).reshape(len(tables), width), rows,
+                          positions.astype(np.int64), block_size).tolist()
+        cu = [0]
+        for q_len in query_lens[:num_prefills]:
+            cu.append(cu[-1] + q_len)
+        return cls(
+            num_prefills=num_prefills,
+            num_prefill_tokens=cu[-1],
+            num_decode_tokens=len(query_lens) - num_prefills,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device).reshape(len(tables), width),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            max_context_len=max(context_lens, default=0),
+        )
 
 
 def write_kv(k_cache, v_cache, key, value, slot_mapping):

@@ -91,13 +91,15 @@ def first_difference(a, b):
 
 def layer_modules(llm, run):
     """run() with the model's decoder layers as modules (the fused CPU layers off), as before they existed."""
+    from pagedattn.layers.ops import run_layer
+
     def unfused():
-        model = llm.engine.model
-        keep, model.cpu_layers = model.cpu_layers, None
+        ops = llm.engine.model.ops
+        keep, ops.decoder_layer = ops.decoder_layer, run_layer
         try:
             return run()
         finally:
-            model.cpu_layers = keep
+            ops.decoder_layer = keep
     return unfused
 
 
@@ -372,7 +374,9 @@ def profile_decode(llm, num_seqs, context_len, steps=30):
 
     engine, prof = llm.engine, StepProfile()
     model = engine.model
-    model.cpu_layers = None          # the layer modules: one call a layer has no separate pieces to time
+    from pagedattn.layers.ops import run_layer
+
+    model.ops.decoder_layer = run_layer     # the layer modules: one call a layer has no separate pieces to time
     prof.wrap(engine.scheduler, "schedule", "schedule")
     prof.wrap(llm_engine, "build_step_inputs", "build_step_inputs (pack the step)")
     prof.wrap(engine, "_process", "process outputs (append, stop checks, detokenize)")

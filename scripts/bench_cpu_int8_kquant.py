@@ -93,7 +93,7 @@ def read_only(threads):
     from numba import njit, prange
 
     from kernels_numba.cpu_simd import vf_add, vf_load, vf_sum, vf_zero
-    from kernels_numba.cpu_threads import numba_threads
+    from kernels_numba.cpu_linear import numba_threads
 
     @njit(parallel=True, nogil=True)
     def touch(nt, f, sink):

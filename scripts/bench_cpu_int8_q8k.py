@@ -40,7 +40,7 @@ from kernels_numba.cpu_quant import _F16  # noqa: E402
 from kernels_numba.cpu_quant_int8 import _kq_half, _prefetch_in_step  # noqa: E402
 from kernels_numba.cpu_simd import (_B32, _F8, _I32, _declare, _load, _ptr, f32x8, load_u16, load_u32,  # noqa: E402
                                     u8x32, vf_fma, vf_splat, vf_sum, vf_zero)
-from kernels_numba.cpu_threads import numba_threads  # noqa: E402
+from kernels_numba.cpu_linear import numba_threads  # noqa: E402
 
 _I16x16, _I32x8 = ir.VectorType(ir.IntType(16), 16), ir.VectorType(_I32, 8)
 

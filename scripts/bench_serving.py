@@ -57,7 +57,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import multiprocessing as mp
 import os
 import random
@@ -390,19 +389,16 @@ def server_command(name, model_dir, port, engine_args):
            "--served-model-name", "bench", "--log-level", "warning", *engine_args]
     if name == "inproc":
         return cmd + ["--in-process"]
-    m = re.fullmatch(r"mp(\d+)(?:@([0-9.]+))?((?:-eager|-h11|-a\d+)*)", name)
+    m = re.fullmatch(r"mp(\d+)(?:@([0-9.]+))?((?:-eager|-h11)*)", name)
     if not m:
         raise ValueError(f"unknown server {name!r}: mp<N> (the engine core and N API servers), mp<N>@<F> (and "
-                         f"--prefill-delay-factor F), with -eager (--no-piecewise-graphs), -h11 "
-                         f"(--http-impl h11) and/or -a<K> (--admission-interval K), or inproc")
+                         f"--prefill-delay-factor F), with -eager (--no-piecewise-graphs) and/or -h11 "
+                         f"(--http-impl h11), or inproc")
     cmd += ["--api-server-count", m.group(1)]
     if "-eager" in m.group(3):
         cmd += ["--no-piecewise-graphs"]
     if "-h11" in m.group(3):
         cmd += ["--http-impl", "h11"]
-    interval = re.search(r"-a(\d+)", m.group(3))
-    if interval:                        # after the engine's own arguments: the last --admission-interval counts
-        cmd += ["--admission-interval", interval.group(1)]
     return cmd + (["--prefill-delay-factor", m.group(2)] if m.group(2) is not None else [])
 
 
@@ -595,8 +591,8 @@ def offline_runs(model_dir, llm_kwargs, loads, vocab_size, batch, fake_step_ms=N
 
     llm = LLM(model_dir, **llm_kwargs)
     if fake_step_ms:
-        from pagedattn.serving.fake_engine import install_fake_executor
-        install_fake_executor(llm, fake_step_ms, prefill_ms=fake_prefill_ms or 0.0)
+        from pagedattn.serving.fake_engine import install_fake_runner
+        install_fake_runner(llm, fake_step_ms, prefill_ms=fake_prefill_ms or 0.0)
     rows = {}
     for name, load in loads.items():
         if load.get("offline") is None:
@@ -647,8 +643,8 @@ def replay_offline(model_dir, llm_kwargs, load, offline_of, arrivals, fake_step_
 
     llm = LLM(model_dir, **llm_kwargs)
     if fake_step_ms:
-        from pagedattn.serving.fake_engine import install_fake_executor
-        install_fake_executor(llm, fake_step_ms, prefill_ms=fake_prefill_ms or 0.0)
+        from pagedattn.serving.fake_engine import install_fake_runner
+        install_fake_runner(llm, fake_step_ms, prefill_ms=fake_prefill_ms or 0.0)
     prompts, params = offline_of(llm, SamplingParams)
     llm.generate(prompts, [dataclasses.replace(p, max_tokens=min(p.max_tokens, 8)) for p in params],
                  use_tqdm=False)                                     # the same warm-up as the offline run
@@ -754,7 +750,7 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
          nano_requests=256, min_len=100, max_len=1024, light_requests=20, light_prompt_len=100, max_model_len=2048,
          max_num_seqs=256,
          num_blocks=None, stream_interval=1, warmup=16, server_timeout_s=600, time_budget_s=None,
-         request_timeout_s=600.0, smoke=False, seed=0, fake_step_ms=None, fake_prefill_ms=None, admission_interval=1,
+         request_timeout_s=600.0, smoke=False, seed=0, fake_step_ms=None, fake_prefill_ms=None,
          replay_arrivals=False, cpus="auto", pin=False):
     """Run the benchmark; returns the table rows (also written under `out`). time_budget_s: a server row is
     skipped (and marked so) when the time spent so far plus the longest server row so far would pass it.
@@ -762,8 +758,7 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
     served) on the synthetic device of pagedattn.serving.fake_engine: steps of that many ms, random tokens
     (the serving stack's own overhead, measurable on a CPU); fake_prefill_ms: what a step with a prompt chunk
     costs on top there (a GPU's eager mixed step). A server mp<N>@<F> is mp<N> with --prefill-delay-factor F;
-    mp<N>-eager: with --no-piecewise-graphs; mp<N>-h11: with --http-impl h11; mp<N>-a<K>: with
-    --admission-interval K for that server alone (combinable). replay_arrivals: after the servers, the offline
+    mp<N>-eager: with --no-piecewise-graphs; mp<N>-h11: with --http-impl h11 (combinable). replay_arrivals: after the servers, the offline
     engine is fed the chat and nano requests at the times the first server's clients sent them (a row
     "offline@<server>": the engine alone under the served arrival shape). cpus: cpu_split's mode (the load
     generator on CPUs of its own). pin: with a CPU split, each server's engine core on a CPU of its own and
@@ -785,7 +780,7 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
     if num_blocks is None:              # enough for every sequence at full length: no preemption in either run
         num_blocks = max_num_seqs * -(-max_model_len // 16)
     llm_kwargs = dict(device=device, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                      num_blocks=num_blocks, enable_prefix_caching=False, admission_interval=admission_interval)
+                      num_blocks=num_blocks, enable_prefix_caching=False)
     os.makedirs(out, exist_ok=True)
     print(benchlib.env_line())
     print(f"model {model_dir}; loads {loads}; servers {servers}; engine {llm_kwargs}", flush=True)
@@ -841,7 +836,7 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
         llm_kwargs["num_blocks"] = num_blocks
         engine_args = ["--device", device, "--dtype", dtype, "--max-model-len", str(max_model_len),
                        "--max-num-seqs", str(max_num_seqs), "--num-blocks", str(num_blocks), "--no-prefix-caching",
-                       "--stream-interval", str(stream_interval), "--admission-interval", str(admission_interval)]
+                       "--stream-interval", str(stream_interval)]
         if fake_step_ms:
             engine_args += ["--fake-step-ms", str(fake_step_ms)]
             if fake_prefill_ms:
@@ -962,8 +957,6 @@ if __name__ == "__main__":
     ap.add_argument("--replay-arrivals", action="store_true",
                     help="after the servers, the offline engine fed the chat and nano requests at the times the "
                          "first server received them (the engine alone under the served arrival shape)")
-    ap.add_argument("--admission-interval", type=int, default=1,
-                    help="the scheduler's admission_interval, offline and served (1: every step)")
     ap.add_argument("--cpu-split", default="auto",
                     help="auto: with >= 8 CPUs, half the physical cores for the server side (offline engine, "
                          "servers) and half for the load generator; off: shared; or SERVER:CLIENT lists (0-7:8-15)")
@@ -974,5 +967,5 @@ if __name__ == "__main__":
          a.client_processes, a.nano_requests, a.min_len, a.max_len, a.light_requests, a.light_prompt_len,
          a.max_model_len, a.max_num_seqs, a.num_blocks, a.stream_interval, a.warmup, time_budget_s=a.time_budget,
          smoke=a.smoke, fake_step_ms=a.fake_step_ms, fake_prefill_ms=a.fake_prefill_ms,
-         admission_interval=a.admission_interval, replay_arrivals=a.replay_arrivals, cpus=a.cpu_split,
+         replay_arrivals=a.replay_arrivals, cpus=a.cpu_split,
          pin=a.pin_server)

@@ -5,8 +5,8 @@
     python3 scripts/bench_tp_fused_norm.py --device cpu --out OUT               # 2 CPU ranks over gloo: a smoke run
 
 Each config (random weights of scripts/benchlib.py's Qwen2 configs, fp16 on CUDA; on the CPU a tiny config
-in float32) runs in one engine per mode, LLM(tensor_parallel_size=2), built with PAGEDATTN_FUSED_ALLREDUCE
-set (read by every rank's model build; pagedattn/distributed/allreduce_norm.py):
+in float32) runs in one engine per mode, LLM(tensor_parallel_size=2, fused_allreduce=mode) (every rank's model
+build reads it; pagedattn/distributed/allreduce_norm.py):
 
     off   the all-reduce after o_proj and down_proj in every step (what auto does below its threshold)
     on    the fused path (reduce-scatter, add + norm on this rank's rows, all-gather) in every eager step;
@@ -30,7 +30,6 @@ import os
 import random
 import statistics
 import sys
-import time
 
 if __name__ == "__main__":          # run as a file: make `scripts.` and `pagedattn` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,7 +38,6 @@ import torch  # noqa: E402
 
 from scripts import benchlib  # noqa: E402
 
-ENV = "PAGEDATTN_FUSED_ALLREDUCE"
 TINY = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=2)
 CUDA_DEFAULTS = dict(configs=("0.5b", "7b"), prefill_tokens=(512, 2048, 8192), decode_batch=(1, 32),
@@ -65,39 +63,36 @@ def _seconds(llm, prompts, max_tokens):
 
 
 def run_mode(ckpt, device, mode, eager, args, vocab):
-    """One engine at TP=2 with PAGEDATTN_FUSED_ALLREDUCE=mode: the check ids, prefill_ms and decode_tok_s."""
+    """One engine at TP=2 with fused_allreduce=mode: the check ids, prefill_ms and decode_tok_s."""
     from pagedattn import LLM
 
     rng = random.Random(0)
     longest = max(max(args["prefill_tokens"]), args["decode_prompt"] + args["decode_tokens"])
     batch = max(args["decode_batch"])
-    engine_kw = dict(device=device, tensor_parallel_size=2, enforce_eager=eager, enable_prefix_caching=False,
+    engine_kw = dict(device=device, tensor_parallel_size=2, fused_allreduce=mode, enforce_eager=eager,
+                     enable_prefix_caching=False,
                      max_model_len=longest + 16, max_num_seqs=max(batch, CHECK_PROMPTS),
                      max_num_batched_tokens=max(max(args["prefill_tokens"]), args["decode_prompt"] * batch))
     if device == "cuda":
         engine_kw["dtype"] = "float16"
-    os.environ[ENV] = mode
-    try:
-        with LLM(ckpt, **engine_kw) as llm:
-            fused = llm.engine.executor.runner.model.fused_allreduce         # rank 0's (every rank's alike)
-            min_tokens = fused.min_tokens if fused is not None else None
-            del fused                                                        # nothing outlives the engine
-            _, check = _seconds(llm, _prompts(CHECK_PROMPTS, 24, vocab, random.Random(7)), CHECK_TOKENS)
-            for T in args["prefill_tokens"]:                              # warm-up: kernels, graphs, cuBLAS
-                _seconds(llm, _prompts(1, T, vocab, rng), 1)
-            prefill = {T: 1e3 * statistics.median(_seconds(llm, _prompts(1, T, vocab, rng), 1)[0]
-                                                  for _ in range(args["repeats"]))
-                       for T in args["prefill_tokens"]}
-            decode = {}
-            for B in args["decode_batch"]:
-                n = args["decode_tokens"]
-                t1 = statistics.median(_seconds(llm, _prompts(B, args["decode_prompt"], vocab, rng), 1)[0]
-                                       for _ in range(args["repeats"]))
-                tn = statistics.median(_seconds(llm, _prompts(B, args["decode_prompt"], vocab, rng), n)[0]
-                                       for _ in range(args["repeats"]))
-                decode[B] = B * (n - 1) / max(tn - t1, 1e-9)
-    finally:
-        os.environ.pop(ENV, None)
+    with LLM(ckpt, **engine_kw) as llm:
+        fused = llm.engine.runner.model.fused_allreduce         # rank 0's (every rank's alike)
+        min_tokens = fused.min_tokens if fused is not None else None
+        del fused                                                        # nothing outlives the engine
+        _, check = _seconds(llm, _prompts(CHECK_PROMPTS, 24, vocab, random.Random(7)), CHECK_TOKENS)
+        for T in args["prefill_tokens"]:                              # warm-up: kernels, graphs, cuBLAS
+            _seconds(llm, _prompts(1, T, vocab, rng), 1)
+        prefill = {T: 1e3 * statistics.median(_seconds(llm, _prompts(1, T, vocab, rng), 1)[0]
+                                              for _ in range(args["repeats"]))
+                   for T in args["prefill_tokens"]}
+        decode = {}
+        for B in args["decode_batch"]:
+            n = args["decode_tokens"]
+            t1 = statistics.median(_seconds(llm, _prompts(B, args["decode_prompt"], vocab, rng), 1)[0]
+                                   for _ in range(args["repeats"]))
+            tn = statistics.median(_seconds(llm, _prompts(B, args["decode_prompt"], vocab, rng), n)[0]
+                                   for _ in range(args["repeats"]))
+            decode[B] = B * (n - 1) / max(tn - t1, 1e-9)
     return dict(mode=mode, graphs=not eager and device == "cuda", min_tokens=min_tokens,
                 prefill_ms=prefill, decode_tok_s=decode, check_ids=check)
 
@@ -112,7 +107,7 @@ def _release(device):
 def _markdown(rows, ratios, meta):
     lines = [f"TP=2, {meta['device']}, dtype {meta['dtype']}; prefill: one request of T tokens, max_tokens=1 (ms, "
              f"median of {meta['repeats']}); decode: B requests of {meta['decode_prompt']} prompt tokens, "
-             f"{meta['decode_tokens']} new tokens (tok/s). on = PAGEDATTN_FUSED_ALLREDUCE=on (every eager step "
+             f"{meta['decode_tokens']} new tokens (tok/s). on = fused_allreduce='on' (every eager step "
              "fused; decode graphs keep the all-reduce), off = the all-reduce always.", ""]
     prefill_cols = [f"prefill {T} ms" for T in meta["prefill_tokens"]]
     decode_cols = [f"decode B={B} tok/s" for B in meta["decode_batch"]]

@@ -1,7 +1,7 @@
 """Where an engine step's host time goes, with the model forward taken out (CPU only, no GPU needed).
 
 The engine runs as usual (scheduler, block manager with prefix caching, step packing, output processing);
-only the model is replaced: the executor does the runner's host-side work for the step (the metadata
+only the model is replaced: the runner does its host-side work for the step (the metadata
 views, the host checks, AttentionMetadata over the packed array) and returns token 0 for every sampling
 row. So what is timed is exactly what a GPU step adds on the host before and after its kernels. Phases,
 per step (median of --reps steps, milliseconds):
@@ -51,17 +51,19 @@ class _Done:
         return np.zeros(self.n, np.int32), np.zeros(self.n, np.float32), None
 
 
-class HostOnlyExecutor:
-    """Stands in for UniprocExecutor: the ModelRunner's host-side work on the step, no forward."""
+class HostOnlyRunner:
+    """Stands in for the engine's ModelRunner: its host-side work on the step, no forward."""
 
-    def __init__(self, runner, num_blocks):
-        self.runner, self.num_blocks = runner, num_blocks
+    def __init__(self, runner):
+        self.runner, self.num_blocks = runner, runner.num_blocks
 
     def execute(self, step):
-        from pagedattn.layers.attention import AttentionMetadata
+        from pagedattn.kv_cache import AttentionMetadata
 
         host = step.fields()
-        self.runner._check(host)                                  # host checks on the packed arrays
+        slots, tables = host["slot_mapping"], host["block_tables"]          # the runner's host checks
+        len(slots) and (int(slots.max()), int(slots.min()))
+        tables.size and (int(tables.max()), int(tables.min()))
         bool((host["input_src"] >= 0).any())                      # the gather decision
         f = step.fields(torch.from_numpy(step.data))              # the views the forward reads
         AttentionMetadata(num_prefills=step.num_prefills, num_prefill_tokens=step.num_prefill_tokens,
@@ -70,8 +72,8 @@ class HostOnlyExecutor:
                           cu_seqlens_q=f["cu_seqlens_q"], max_context_len=step.max_context_len)
         return _Done(step.num_samples)
 
-    def shutdown(self):
-        pass
+    def close(self):
+        self.runner.close()
 
 
 class PhaseTimer:
@@ -93,12 +95,12 @@ class PhaseTimer:
 @contextlib.contextmanager
 def phases(engine):
     """Inside the block, engine.step()'s phases accumulate in the yielded PhaseTimer's `now` (seconds):
-    schedule, pack, runner (executor.execute: on a real runner, the host work *and* the forward's launches),
+    schedule, pack, runner (runner.execute: on a real runner, the host work *and* the forward's launches),
     update, process. The engine is restored on exit."""
     from pagedattn.engine import llm_engine
 
     timer = PhaseTimer()
-    sched, ex = engine.scheduler, engine.executor
+    sched, ex = engine.scheduler, engine.runner
     saved = [(sched, "schedule"), (sched, "update"), (ex, "execute"), (engine, "_process")]
     originals = [(obj, name, obj.__dict__.get(name)) for obj, name in saved]
     build = llm_engine.build_step_inputs
@@ -117,7 +119,7 @@ def phases(engine):
 
 
 def make_engine(max_num_seqs, max_num_batched_tokens, num_blocks=16384, max_model_len=2048):
-    """An LLMEngine on the tiny checkpoint, CPU, prefix caching on, with the HostOnlyExecutor in place."""
+    """An LLMEngine on the tiny checkpoint, CPU, prefix caching on, with the HostOnlyRunner in place."""
     from pagedattn.config import EngineConfig
     from pagedattn.engine.llm_engine import LLMEngine
 
@@ -126,8 +128,7 @@ def make_engine(max_num_seqs, max_num_batched_tokens, num_blocks=16384, max_mode
                        max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
                        max_model_len=max_model_len, async_scheduling=False)
     engine = LLMEngine(cfg)
-    real = engine.executor
-    engine.executor = HostOnlyExecutor(real.runner, real.num_blocks)
+    engine.runner = HostOnlyRunner(engine.runner)
     return engine
 
 

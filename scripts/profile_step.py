@@ -11,7 +11,7 @@ the same way. Per step:
     kernels inside CUDA-graph replays appear one by one); kernels per layer = kernels per step /
     num_hidden_layers; the top kernels by GPU time;
   * the prefill step's host phases (scripts/profile_host.py's `phases`): schedule, pack, runner (the
-    executor's execute: the runner's host work and the launches of the forward, which the GPU may still
+    runner's execute: its host work and the launches of the forward, which the GPU may still
     be running when it returns), update, process (waits for the sampled tokens);
   * memory floor: the bytes a decode step must read — every weight once (the embedding only for
     the batch's rows) plus the KV cache of every sequence — over the copy bandwidth measured in the

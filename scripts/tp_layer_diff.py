@@ -87,15 +87,7 @@ def load(path, device, dtype, backend, rank=0, world_size=1):
 
     # The hooks read each layer's attention and MLP outputs as all-reduced sums: the model keeps the
     # all-reduce that is not fused with the next norm (which would leave them partial sums).
-    old = os.environ.get("PAGEDATTN_FUSED_ALLREDUCE")
-    os.environ["PAGEDATTN_FUSED_ALLREDUCE"] = "off"
-    try:
-        return load_model(path, device, dtype, backend, tp_rank=rank, tp_size=world_size)
-    finally:
-        if old is None:
-            del os.environ["PAGEDATTN_FUSED_ALLREDUCE"]
-        else:
-            os.environ["PAGEDATTN_FUSED_ALLREDUCE"] = old
+    return load_model(path, device, dtype, backend, tp_rank=rank, tp_size=world_size, fused_allreduce="off")
 
 
 def _tensor_of(output):

@@ -175,7 +175,7 @@ def test_get_backend(monkeypatch):
     assert get_backend(backend) is backend
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         get_backend("flash", "cpu")
-    # the numba CPU backend (pagedattn.layers.cpu_attention) is "auto" on CPU when it imports
+    # the numba CPU backend (pagedattn.layers.cpu) is "auto" on CPU when it imports
     import pagedattn.layers.attention as attention
 
     class CpuBackend(TorchPagedBackend):
@@ -183,7 +183,7 @@ def test_get_backend(monkeypatch):
 
     monkeypatch.setattr(attention, "_cpu_backend_class", lambda: None)
     assert type(get_backend("auto", "cpu")) is TorchPagedBackend
-    with pytest.raises(ValueError, match="'cpu' needs pagedattn.layers.cpu_attention"):
+    with pytest.raises(ValueError, match="'cpu' needs pagedattn.layers.cpu"):
         get_backend("cpu", "cpu")
     monkeypatch.setattr(attention, "_cpu_backend_class", lambda: CpuBackend)
     assert type(get_backend("auto", "cpu")) is CpuBackend and type(get_backend("cpu", "cpu")) is CpuBackend

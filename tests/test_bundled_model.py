@@ -323,7 +323,7 @@ def test_greedy_matches_hf_generate(bundled_model_dir, one_thread, monkeypatch):
     through the paged cache with the CPU default backend (numba CPU kernels: attention, and the GEMMs of
     the 4-16-row steps); every step's logits within 1e-3 of HF's (float32 on both sides)."""
     from kernels_numba import cpu_linear
-    from pagedattn.layers.cpu_attention import CpuNumbaBackend
+    from pagedattn.layers.cpu import CpuNumbaBackend
     from pagedattn.models.loader import load_model
 
     gemms, kernel = [], cpu_linear.linear

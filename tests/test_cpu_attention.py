@@ -18,7 +18,7 @@ from kernels_numba import cpu_attention as ca
 from pagedattn.errors import KernelLaunchError
 from pagedattn.kv_cache import write_kv as torch_write_kv
 from pagedattn.layers.attention import AttentionMetadata, TorchPagedBackend
-from pagedattn.layers.cpu_attention import CpuNumbaBackend
+from pagedattn.layers.cpu import CpuNumbaBackend
 from reference import paged_decode_attention, paged_prefill_attention
 
 HEADS = [(14, 2, 64), (4, 4, 32)]            # Qwen2-0.5B's GQA 7, and MHA
@@ -220,19 +220,20 @@ def test_backend_mixed_step_matches_torch_backend(pool_dtype):
 
 
 def test_backend_plan_is_made_once_per_step():
-    """Every layer of a step reuses the first layer's plan; metadata changed in place, even inside
-    torch.inference_mode (no version counters there), gets a new one."""
+    """Every layer of a step reuses the first layer's plan, kept in the step's metadata; the next step (a new
+    metadata object) gets its own, and a pool of another geometry gets its own."""
     rng = np.random.default_rng(7)
     k_cache, v_cache, tables, _ = make_pool(rng, [20, 33], 2, 16, 8)
-    meta = AttentionMetadata.build([4, 1], [20, 33], [list(t[:3]) for t in tables.tolist()[:1]] +
-                                   [list(tables[1, :5].tolist())], 8, num_prefills=1)
+    args = ([4, 1], [20, 33], [list(t[:3]) for t in tables.tolist()[:1]] + [list(tables[1, :5].tolist())], 8)
+    meta = AttentionMetadata.build(*args, num_prefills=1)
     backend = CpuNumbaBackend()
     q = torch.randn(5, 4, 16)
     with torch.inference_mode():
         first = backend.attend(q, k_cache, v_cache, meta)
-        plan = backend._plan
+        plan = meta.cpu_plan[1]
         again = backend.attend(q, k_cache, v_cache, meta)
-        assert backend._plan is plan and torch.equal(first, again)
-        meta.context_lens[1] = 32                    # in place: the plan must follow
-        backend.attend(q, k_cache, v_cache, meta)
-        assert backend._plan is not plan and backend._plan.context_lens[1] == 32
+        assert meta.cpu_plan[1] is plan and torch.equal(first, again)
+        step2 = AttentionMetadata.build(*args[:1], [20, 32], *args[2:], num_prefills=1)
+        backend.attend(q, k_cache, v_cache, step2)
+        assert step2.cpu_plan[1] is not plan and step2.cpu_plan[1].context_lens[1] == 32
+        assert backend.plan(meta, torch.cat([k_cache, k_cache[:1]])) is not plan          # another pool geometry

@@ -1,4 +1,4 @@
-"""kernels_numba.cpu_glue (a small CPU step's RMSNorm and rotary + KV write) against reference/layers.py.
+"""kernels_numba.cpu_layer's glue (a small CPU step's RMSNorm and rotary + KV write) against reference/layers.py.
 
 Tolerances: rotary is the reference's float32 formula element by element, x1 cos - x2 sin with two
 roundings; the kernel may contract one product into an FMA, so it is within 2 ulp of the result
@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import tiny_checkpoint  # noqa: F401  (session fixture)
 
-from kernels_numba import cpu_glue
+from kernels_numba import cpu_layer as cpu_glue
 from pagedattn.errors import KernelLaunchError
 from pagedattn.layers.rotary import rope_cos_sin_cache
 from reference import layers as ref
@@ -86,6 +86,7 @@ def test_model_step_on_the_cpu_glue_equals_the_torch_path(tiny_checkpoint, monke
     default, kernels_numba/cpu_layer.py)."""
     from kernels_numba import cpu_linear
     from pagedattn import LLM, SamplingParams
+    from pagedattn.layers.ops import run_layer
 
     calls = {"norm": 0, "rotary": 0, "gemm": 0}
     for mod, name, key in [(cpu_glue, "add_rms_norm", "norm"), (cpu_glue, "rotary_cache", "rotary"),
@@ -99,7 +100,7 @@ def test_model_step_on_the_cpu_glue_equals_the_torch_path(tiny_checkpoint, monke
     for run, backend in (("modules", "cpu"), ("one call a layer", "cpu"), ("torch", "torch")):
         llm = LLM(tiny_checkpoint, device="cpu", block_size=8, num_blocks=64, attn_backend=backend)
         if run == "modules":
-            llm.engine.model.cpu_layers = None
+            llm.engine.model.ops.decoder_layer = run_layer
         outs[run] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if run == "modules":
             assert min(calls.values()) > 0, calls              # the decode steps took the kernels

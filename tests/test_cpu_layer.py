@@ -1,4 +1,4 @@
-"""The fused CPU decoder layer (kernels_numba/cpu_layer.py, pagedattn/layers/cpu_layer.py): SiLU-and-mul
+"""The fused CPU decoder layer (kernels_numba/cpu_layer.py, the CPU backend's `decoder_layer`): SiLU-and-mul
 against float64, and a whole small step through the fused layers equal, bit for bit, to the same step
 through the layer modules (every hidden state the model returns, prefill chunks and decodes): the bundled
 model's GGUF blocks with float32 and int8 activations, and float32 weights (a tiny random checkpoint)."""
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import bundled_gguf, bundled_model_dir, tiny_checkpoint  # noqa: F401 (session fixtures)
+from helpers import ROOT, bundled_gguf, bundled_model_dir, tiny_checkpoint  # noqa: F401 (session fixtures)
 from kernels_numba import cpu_layer
 from pagedattn.errors import KernelLaunchError
 
@@ -48,26 +48,19 @@ PROMPTS = [[97, 11, 18, 0], [78, 39, 13, 52, 11, 32, 27, 15, 82, 13, 120, 40, 10
            [17, 48, 22, 17, 28]]                      # token ids (4, 15 and 5 of them) within the tiny vocabulary
 
 
-def record_steps(llm, fused):
+def record_steps(llm, fused, monkeypatch):
     """Every hidden-state tensor the model's forward returns while generating PROMPTS greedily (a token
     budget of 12 chunks the prompts, so steps of prefill chunks and decodes together stay small), with
-    the fused layers on or off; and the tokens."""
+    the fused layers on (the CPU backend's decoder_layer) or off (each layer's own forward); and the tokens."""
     from pagedattn import SamplingParams
+    from pagedattn.layers.ops import run_layer
 
     model = llm.engine.model
-    layers, forward, seen = model.cpu_layers, model.forward, []
-
-    class Counting:                                    # the fused layers, counting the steps they run
-        steps = 0
-
-        def takes(self, model, num_rows, kv_cache):
-            return layers.takes(model, num_rows, kv_cache)
-
-        def __call__(self, *args):
-            Counting.steps += 1
-            return layers(*args)
-
-    model.cpu_layers = Counting() if fused else None
+    keep, forward, seen, calls = model.ops.decoder_layer, model.forward, [], [0]
+    run = cpu_layer.run_layer
+    monkeypatch.setattr(cpu_layer, "run_layer", lambda *a: calls.__setitem__(0, calls[0] + 1) or run(*a))
+    if not fused:
+        model.ops.decoder_layer = run_layer
 
     def recording_forward(input_ids, positions, kv_cache, attn_metadata):
         out = forward(input_ids, positions, kv_cache, attn_metadata)
@@ -78,14 +71,17 @@ def record_steps(llm, fused):
     try:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     finally:
-        model.forward, model.cpu_layers = forward, layers
-    assert Counting.steps == (len(seen) if fused else 0)     # every step is small here
+        model.forward, model.ops.decoder_layer = forward, keep
+        monkeypatch.setattr(cpu_layer, "run_layer", run)
+    num_layers = len(model.model.layers)
+    assert calls[0] == (len(seen) * num_layers if fused else 0)     # every step is small here
     return seen, [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.parametrize("weights, activations", [("quantized", "float32"), ("quantized", "int8"), ("float32", None)])
-def test_fused_layers_equal_the_layer_modules(request, weights, activations):
+def test_fused_layers_equal_the_layer_modules(request, weights, activations, monkeypatch):
     from pagedattn import LLM
+    from pagedattn.layers.cpu import _fused_weights
 
     if weights == "quantized":
         request.getfixturevalue("bundled_gguf")
@@ -94,11 +90,11 @@ def test_fused_layers_equal_the_layer_modules(request, weights, activations):
         path, kw = request.getfixturevalue("tiny_checkpoint"), {}
     llm = LLM(path, device="cpu", weights=weights, num_blocks=32, max_model_len=256, max_num_batched_tokens=12,
               enable_prefix_caching=False, **kw)
-    layers = llm.engine.model.cpu_layers
-    assert layers is not None
-    fused, fused_tokens = record_steps(llm, True)
-    plain, plain_tokens = record_steps(llm, False)
-    assert layers.kind == cpu_layer.layer_kind(activations)
+    model = llm.engine.model
+    assert model.ops.decoder_layer == model.attn_backend.decoder_layer
+    fused, fused_tokens = record_steps(llm, True, monkeypatch)
+    plain, plain_tokens = record_steps(llm, False, monkeypatch)
+    assert _fused_weights(model.model.layers[0])[0] == cpu_layer.layer_kind(activations)
     assert len(fused) == len(plain) > 6
     for i, (a, b) in enumerate(zip(fused, plain)):
         assert a.shape == b.shape and torch.equal(a, b), f"step {i}: max difference {(a - b).abs().max()}"
@@ -106,33 +102,65 @@ def test_fused_layers_equal_the_layer_modules(request, weights, activations):
 
 
 def test_fused_layers_are_chosen_where_they_apply(tiny_checkpoint, monkeypatch):  # noqa: F811
-    """The CPU backend in float32 on one rank: on; PAGEDATTN_CPU_LAYER=0, the torch backend, bfloat16: off;
-    a step above cpu_quant.MAX_ROWS rows, outside a small step's scope or on a 16-bit pool, or layers whose
-    weights are not of one kind: the layer modules."""
+    """The CPU backend in float32: its decoder_layer; the torch backend, bfloat16: each layer's own forward.
+    Within it, the fused call runs in a small step's scope on float32 pools; a step above cpu_quant.MAX_ROWS
+    rows, outside a small step's scope or on a 16-bit pool, or a layer whose weights are not of one kind, runs
+    the layer's own forward."""
     from kernels_numba import cpu_quant
     from pagedattn import LLM
+    from pagedattn.layers.ops import run_layer
 
     llm = LLM(tiny_checkpoint, device="cpu", num_blocks=8, max_model_len=64)
-    model, kv = llm.engine.model, llm.engine.executor.runner.kv_cache
-    layers = model.cpu_layers
-    assert layers is not None
-    assert not layers.takes(model, 1, kv)                 # outside the step's scope
-    with model.ops.step_scope(4):
-        assert layers.takes(model, 4, kv) and layers.kind == "dense"
-        assert not layers.takes(model, cpu_quant.MAX_ROWS + 1, kv)
+    model, kv = llm.engine.model, llm.engine.runner.kv_cache
+    backend = model.attn_backend
+    assert model.ops.decoder_layer == backend.decoder_layer
+    class Fused(Exception):
+        pass
 
-        class Pools16:
-            k_caches = [torch.zeros(1, dtype=torch.bfloat16)]
-        assert not layers.takes(model, 4, Pools16)
-        layers._layers = None                             # weights of two kinds: refused, and remembered
-        model.model.layers[1].mlp.down_proj.weight.data = model.model.layers[1].mlp.down_proj.weight.data.half()
-        assert not layers.takes(model, 4, kv) and layers.kind is False
+    def fused(*args):
+        raise Fused
+
+    monkeypatch.setattr(cpu_layer, "run_layer", fused)
+    monkeypatch.setattr(type(model.model.layers[0]), "forward", lambda *a: "module")
+    layer, k, v = model.model.layers[0], kv.k_caches[0], kv.v_caches[0]
+
+    def which(rows, k_cache=k):
+        from pagedattn.kv_cache import AttentionMetadata
+        meta = AttentionMetadata.build([1] * rows, [1] * rows, [[0]] * rows, kv.block_size, 0)
+        x = torch.zeros(rows, model.config.hidden_size)
+        try:
+            return "module" if backend.decoder_layer(layer, torch.zeros(rows, dtype=torch.int32), x, None, k_cache,
+                                                     v, meta) == "module" else "?"
+        except Fused:
+            return "fused"
+
+    assert which(4) == "module"                                      # outside the step's scope
+    with model.ops.step_scope(4):
+        assert which(4) == "fused"
+        assert which(cpu_quant.MAX_ROWS + 1) == "module"
+        assert which(4, torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16)) == "module"
+        backend._layers.clear()                                      # weights of two kinds: the module, remembered
+        layer.mlp.down_proj.weight.data = layer.mlp.down_proj.weight.data.half()
+        assert which(4) == "module" and backend._layers[layer] is None
     assert LLM(tiny_checkpoint, device="cpu", attn_backend="torch", num_blocks=8,
-               max_model_len=64).engine.model.cpu_layers is None
+               max_model_len=64).engine.model.ops.decoder_layer is run_layer
     bf16 = LLM(tiny_checkpoint, device="cpu", dtype="bfloat16", num_blocks=8, max_model_len=64)
-    assert bf16.engine.model.cpu_layers is None
-    monkeypatch.setenv("PAGEDATTN_CPU_LAYER", "0")
-    assert LLM(tiny_checkpoint, device="cpu", num_blocks=8, max_model_len=64).engine.model.cpu_layers is None
+    assert bf16.engine.model.ops.decoder_layer is run_layer
+
+
+def _layer_args(llm):
+    """(kind, weights, pool) of the bundled model's first layer as cpu_layer.run_layer takes them."""
+    import math
+
+    from pagedattn.layers.cpu import _fused_weights
+
+    model, kv = llm.engine.model, llm.engine.runner.kv_cache
+    layer = model.model.layers[0]
+    kind, w = _fused_weights(layer)
+    attn = layer.self_attn
+    pool = (kv.k_caches[0].numpy(), kv.v_caches[0].numpy(), attn.rotary_emb.cos_sin_cache.numpy(), attn.num_heads,
+            attn.num_kv_heads, attn.head_dim, np.float32(1.0 / math.sqrt(attn.head_dim)))
+    return kind, w, pool
 
 
 def test_a_bad_position_is_named(bundled_model_dir, bundled_gguf):  # noqa: F811
@@ -141,11 +169,8 @@ def test_a_bad_position_is_named(bundled_model_dir, bundled_gguf):  # noqa: F811
     from pagedattn import LLM
 
     llm = LLM(bundled_model_dir, device="cpu", weights="quantized", num_blocks=8, max_model_len=64)
-    model, kv = llm.engine.model, llm.engine.executor.runner.kv_cache
-    layers = model.cpu_layers
-    layers._prepare(model, kv)
-    w, k_cache, v_cache = layers._layers[0]
-    cos_sin, H, Hkv, D, scale = layers.geometry
+    kind, w, pool = _layer_args(llm)
+    k_cache, cos_sin, Hkv = pool[0], pool[2], pool[4]
     E = w[0].shape[0]
     x = np.zeros((1, E), np.float32)
     tables, ctx = np.zeros((1, 1), np.int32), np.ones(1, np.int32)
@@ -157,7 +182,7 @@ def test_a_bad_position_is_named(bundled_model_dir, bundled_gguf):  # noqa: F811
         positions, slots = np.array(positions, np.int32), np.array(slots, np.int32)     # the engine's dtypes
         step = (positions, slots, tables, np.array([0, 1], np.int32), ctx, *plan_items, 1)
         with pytest.raises(KernelLaunchError, match=field):
-            cpu_layer.run_layer(layers.kind, x, None, w, (k_cache, v_cache, cos_sin, H, Hkv, D, scale), step, 1)
+            cpu_layer.run_layer(kind, x, None, w, pool, step, 1)
     assert np.array_equal(k_cache.view(np.uint32), before.view(np.uint32))      # bits (the pool is uninitialised)
 
 
@@ -165,16 +190,13 @@ _FIRST_LOOP = """
 import numpy as np, sys
 from pagedattn import LLM
 from kernels_numba import cpu_layer
+from tests.test_cpu_layer import _layer_args
 llm = LLM(sys.argv[1], device="cpu", weights="quantized", num_blocks=8, max_model_len=64)
-model, kv = llm.engine.model, llm.engine.executor.runner.kv_cache
-layers = model.cpu_layers
-layers._prepare(model, kv)
-w, k_cache, v_cache = layers._layers[0]
-cos_sin, H, Hkv, D, scale = layers.geometry
+kind, w, pool = _layer_args(llm)
 x = np.ones((1, w[0].shape[0]), np.float32)
 step = (np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros((1, 1), np.int32), np.array([0, 1], np.int32),
-        np.ones(1, np.int32), np.zeros(1, np.int64), np.zeros(1, np.int64), np.arange(Hkv, dtype=np.int64), 2)
-out, res = cpu_layer.run_layer(layers.kind, x, None, w, (k_cache, v_cache, cos_sin, H, Hkv, D, scale), step, 2)
+        np.ones(1, np.int32), np.zeros(1, np.int64), np.zeros(1, np.int64), np.arange(pool[4], dtype=np.int64), 2)
+out, res = cpu_layer.run_layer(kind, x, None, w, pool, step, 2)
 print("finite", bool(np.isfinite(out).all()))
 """
 
@@ -188,5 +210,5 @@ def test_a_layer_may_be_the_first_parallel_loop_of_a_process(bundled_model_dir, 
 
     for _ in range(2):
         r = subprocess.run([sys.executable, "-c", _FIRST_LOOP, bundled_model_dir], capture_output=True, text=True,
-                           timeout=600)
+                           timeout=600, cwd=ROOT)
         assert r.returncode == 0 and "finite True" in r.stdout, r.stderr[-3000:]

@@ -109,7 +109,7 @@ def test_small_steps_run_through_the_kernel(monkeypatch):
     """CpuStep.scope (the CPU ops' step scope): inside a small step's scope the GEMMs go to the kernel on
     torch's former thread count and torch runs on one thread; a large step, and any call outside a scope,
     stay with torch; the thread count comes back (after an exception too); nested scopes change nothing."""
-    from pagedattn.layers.cpu_attention import CpuStep
+    from pagedattn.layers.cpu import CpuStep
 
     calls, kernel = [], cpu_linear.linear
     monkeypatch.setattr(cpu_linear, "linear", lambda *a, **k: calls.append(k["num_threads"]) or kernel(*a, **k))

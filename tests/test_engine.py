@@ -72,7 +72,7 @@ def test_lm_head_rows_padded_to_the_graph_ladder_match_hf(tiny_checkpoint, hf_gr
     last row repeated, the extra logits dropped); forced on here (the CPU runs unpadded): the same greedy
     tokens as HF, with 9 sampling rows at first (padded to 16) and fewer as requests end."""
     llm = LLM(tiny_checkpoint, device="cpu", num_blocks=256)
-    runner = llm.engine.executor.runner
+    runner = llm.engine.runner
     runner.logit_rows = [1, 2, 4, 8, 16]
     calls = []
     lm_head = runner.model.compute_logits

@@ -203,12 +203,12 @@ def test_core_steps_carry_only_each_steps_new_tokens(checkpoint):
         llm.close()
 
 
-def test_fake_executor_runs_steps_of_the_given_time_to_max_tokens(checkpoint):
+def test_fake_runner_runs_steps_of_the_given_time_to_max_tokens(checkpoint):
     """The synthetic device (benchmarks): requests run to max_tokens (no end-of-sequence id is drawn), and
     a step takes at least step_ms."""
-    from pagedattn.serving.fake_engine import install_fake_executor
+    from pagedattn.serving.fake_engine import install_fake_runner
 
-    llm = install_fake_executor(LLM(checkpoint, **ENGINE), step_ms=5.0)
+    llm = install_fake_runner(LLM(checkpoint, **ENGINE), step_ms=5.0)
     try:
         t0 = time.perf_counter()
         outs = llm.generate([[5, 17, 301], [9, 9]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
@@ -228,15 +228,15 @@ def test_core_holds_arrivals_while_decoding_so_they_share_a_prefill_step(checkpo
     then they all join one prefill step. Factor 0 admits every arrival at once (each makes a prefill step
     of its own). An AbortRequests, or its client going away, removes a held request (that client's only)."""
     from pagedattn.serving.engine_core import AbortRequests, AddRequest, EngineCore
-    from pagedattn.serving.fake_engine import install_fake_executor
+    from pagedattn.serving.fake_engine import install_fake_runner
 
-    llm = install_fake_executor(LLM(checkpoint, **ENGINE), step_ms=1.0, prefill_ms=50.0)
-    execute, prefill_steps = llm.engine.executor.execute, []
+    llm = install_fake_runner(LLM(checkpoint, **ENGINE), step_ms=1.0, prefill_ms=50.0)
+    execute, prefill_steps = llm.engine.runner.execute, []
 
     def counting(step):
         prefill_steps.append(step.num_prefills)
         return execute(step)
-    llm.engine.executor.execute = counting
+    llm.engine.runner.execute = counting
     params = SamplingParams(temperature=0, max_tokens=40)
     cores = []
 

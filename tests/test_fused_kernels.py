@@ -272,7 +272,7 @@ def test_ops_table_is_chosen_at_build(tiny_checkpoint):  # noqa: F811
     backend keep torch ops."""
     from kernels_numba import activation, rmsnorm
     from pagedattn.layers import ops as ops_module
-    from pagedattn.layers.attention import NumbaBackend, TorchPagedBackend
+    from pagedattn.layers.attention import NumbaBackend, TorchPagedBackend, fused_rotary_and_cache_write
     from pagedattn.models.loader import load_model
 
     numba = NumbaBackend()
@@ -281,7 +281,8 @@ def test_ops_table_is_chosen_at_build(tiny_checkpoint):  # noqa: F811
     assert model.attn_backend is numba and ops.backend is numba and ops.attention == numba.attend
     assert ops.rms_norm.func is rmsnorm.rms_norm and ops.add_rms_norm.func is rmsnorm.fused_add_rms_norm
     assert ops.silu_and_mul.func is activation.silu_and_mul
-    assert ops.rotary_and_cache_write.func is ops_module.fused_rotary_and_cache_write
+    assert ops.rotary_and_cache_write.func is fused_rotary_and_cache_write
+    assert ops.decoder_layer is ops_module.run_layer                 # every layer through its own forward
     layer = model.model.layers[1]
     assert all(m.ops is ops for m in (layer.input_layernorm, layer.mlp.act_fn, layer.mlp.down_proj,
                                       layer.self_attn, model.lm_head))

@@ -16,7 +16,7 @@ from pagedattn.errors import InvalidRequestError, ModelLoadError
 
 @pytest.fixture(scope="module")
 def quant_model(bundled_model_dir, bundled_gguf):  # noqa: F811
-    from pagedattn.layers.cpu_attention import CpuNumbaBackend
+    from pagedattn.layers.cpu import CpuNumbaBackend
     from pagedattn.models.loader import load_gguf_model
 
     return load_gguf_model(bundled_model_dir, bundled_gguf, CpuNumbaBackend())

@@ -22,7 +22,7 @@ LOWER_LAYERS = {
     "pagedattn.errors": ["pagedattn.engine", "pagedattn.layers", "pagedattn.llm"],
     "pagedattn.block_manager": ["pagedattn.engine", "pagedattn.layers", "pagedattn.models"],
     "pagedattn.kv_cache": ["pagedattn.engine", "pagedattn.layers", "pagedattn.models"],
-    "pagedattn.layers.cpu_attention": ["pagedattn.engine", "pagedattn.models", "pagedattn.layers.attention"],
+    "pagedattn.layers.cpu": ["pagedattn.engine", "pagedattn.models", "pagedattn.layers.attention"],
     "pagedattn.layers.attention": ["pagedattn.engine", "pagedattn.models"],
     "pagedattn.models.qwen2": ["pagedattn.engine", "pagedattn.serving"],
     "pagedattn.distributed.worker": ["pagedattn.engine", "pagedattn.models", "pagedattn.layers"],

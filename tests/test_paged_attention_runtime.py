@@ -33,6 +33,12 @@ class Recorder:
     def __call__(self, *args, **kwargs):
         return self.inner(*args, **kwargs)
 
+    def ops_table(self, *args, **kwargs):
+        """The model's ops through this recorder: torch ops, its write and attend."""
+        from pagedattn.layers.ops import torch_ops
+
+        return torch_ops(self)
+
     def write(self, k, v, k_cache, v_cache, slot_mapping):
         self.inner.write(k, v, k_cache, v_cache, slot_mapping)
         self.written = (k.clone(), v.clone())

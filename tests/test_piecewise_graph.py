@@ -30,7 +30,7 @@ def _compare_steps(llm, piecewise):
     """Wrap the runner's run_step: every eager step runs through the pieces first, then through the model's
     forward (whose sampled tokens the engine keeps); returns the list of (rows, padded rows, max |diff|,
     max |hidden|, kinds) per step."""
-    runner = llm.engine.executor.runner
+    runner = llm.engine.runner
     run_step, seen = runner.run_step, []
 
     def both(step, dev, max_context_len=None, gather=True, piecewise_arg=None, **kw):
@@ -64,7 +64,7 @@ def test_pieces_equal_the_forward_on_every_step(tmp_path):
     plain = [o.outputs[0].token_ids for o in LLM(ckpt, **kwargs).generate(prompts, params, use_tqdm=False)]
 
     llm = LLM(ckpt, **kwargs)
-    pieces = PiecewiseGraphs(llm.engine.executor.runner, 64, graphs=False)
+    pieces = PiecewiseGraphs(llm.engine.model, llm.engine.kv_cache, 64, graphs=False)
     seen = _compare_steps(llm, pieces)
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens == plain
@@ -88,12 +88,12 @@ def test_captured_pieces_replay_the_forward(tmp_path):
     prompts = _prompts(16, 128, seed=1)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with LLM(ckpt, piecewise_graphs=False, **kwargs) as eager:
-        assert eager.engine.executor.runner.piecewise_graphs() is None
+        assert eager.engine.runner.piecewise is None
         plain = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
 
     llm = LLM(ckpt, warmup=False, **kwargs)                  # on by default on CUDA
-    runner = llm.engine.executor.runner
-    seen = _compare_steps(llm, runner.piecewise_graphs())
+    runner = llm.engine.runner
+    seen = _compare_steps(llm, runner.piecewise)
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert seen and runner.piecewise.buckets and all(b.graphs for b in runner.piecewise.buckets.values())
     for rows, padded, diff, scale, kind in seen:
@@ -101,7 +101,7 @@ def test_captured_pieces_replay_the_forward(tmp_path):
     assert tokens == plain                                   # run_step keeps the eager forward's tokens
 
     fresh = LLM(ckpt, **kwargs)              # tokens from the replayed pieces themselves; the warm-up captured
-    ladder = fresh.engine.executor.runner.piecewise   # every padded size, so no step captures
+    ladder = fresh.engine.runner.piecewise   # every padded size, so no step captures
     assert ladder is not None and sorted(ladder.buckets) == ladder.sizes == [16, 32, 64, 128, 256]
     replayed = [o.outputs[0].token_ids for o in fresh.generate(prompts, params, use_tqdm=False)]
     same = sum(a == b for a, b in zip(replayed, plain))

@@ -28,11 +28,9 @@ class FakeEngine:
 
     total_steps = 0
 
-    def __init__(self, num_blocks, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, prefix_caching=False,
-                 admission_interval=1):
+    def __init__(self, num_blocks, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, prefix_caching=False):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, block_size, admission_interval),
-                               self.bm)
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, block_size), self.bm)
         self.max_tokens = {}
         self.next_id = 0
         self.finished = {}
@@ -116,45 +114,6 @@ def test_prefills_packed_before_decodes():
     out = eng.step()
     assert [s.seq_id for s, _ in out.scheduled] == [b.seq_id, a.seq_id] and out.num_prefills == 1
     eng.run()
-
-
-def test_admission_interval_gathers_a_trickle_of_arrivals_into_one_prompt_step():
-    """K = 4: while a sequence decodes, arrivals wait until 4 steps have passed since the last admission,
-    then join together; a crowd (>= half the budget), an idle engine, or a step holding a prompt chunk anyway
-    admits at once. The tokens are those of K = 1."""
-    def trickle(k):
-        eng = FakeEngine(num_blocks=128, max_num_batched_tokens=32, admission_interval=k)
-        first = eng.add([1, 2, 3], max_tokens=20)
-        kinds, late = [], []
-        for t in range(12):
-            if t in (1, 2, 3, 6):                                 # one 3-token prompt every few steps
-                late.append(eng.add([t + 4, t + 5, t + 6], max_tokens=8))
-            out = eng.step()
-            kinds.append(out.num_prefills)
-        eng.run()
-        return kinds, [first.output_token_ids] + [s.output_token_ids for s in late]
-
-    every, tokens_every = trickle(1)
-    held, tokens_held = trickle(4)
-    assert every[:8] == [1, 1, 1, 1, 0, 0, 1, 0]                   # a mixed step per arrival
-    assert held[:8] == [1, 0, 0, 0, 3, 0, 0, 0]                    # the 3 arrivals wait, then join at step 4
-    assert held[8] == 1                                            # the 4th: 4 steps after that admission
-    assert tokens_held == tokens_every
-
-    eng = FakeEngine(num_blocks=128, max_num_batched_tokens=32, admission_interval=4)
-    eng.add([1, 2, 3], max_tokens=20)
-    eng.step()
-    crowd = eng.add(list(range(1, 17)), max_tokens=2)              # 16 tokens: half the budget
-    assert [s.seq_id for s, n in eng.step().scheduled if n > 1] == [crowd.seq_id]
-    eng = FakeEngine(num_blocks=128, max_num_batched_tokens=8, admission_interval=4)
-    long = eng.add(list(range(1, 21)), max_tokens=2)              # chunks of 8, 8, 4
-    eng.step()
-    small = eng.add([5, 6], max_tokens=2)
-    eng.step()                                                     # the budget is the long prompt's chunk
-    out = eng.step()                                               # its last chunk: a prompt step anyway
-    assert [(s.seq_id, n) for s, n in out.scheduled] == [(long.seq_id, 4), (small.seq_id, 2)]
-    with pytest.raises(Exception, match="admission_interval"):
-        SchedulerConfig(admission_interval=0)
 
 
 def test_max_num_seqs_caps_admission():

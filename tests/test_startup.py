@@ -404,13 +404,13 @@ def test_tokenizer_loads_beside_the_warm_up(tmp_path, monkeypatch):
 
 
 def test_a_failed_warm_up_gives_the_engine_back(tmp_path, monkeypatch):
-    """An error during the warm-up reaches the caller, and the half-built engine's executor (weights, KV pool,
-    workers) is shut down on the way, not left to the garbage collector."""
-    from pagedattn.engine import executor, warmup
+    """An error during the warm-up reaches the caller, and the half-built engine's runner (weights, KV pool,
+    workers) is closed on the way, not left to the garbage collector."""
+    from pagedattn.engine import model_runner, warmup
 
     shut = []
-    monkeypatch.setattr(executor.UniprocExecutor, "shutdown",
-                        lambda self, _real=executor.UniprocExecutor.shutdown: (shut.append(self), _real(self)))
+    monkeypatch.setattr(model_runner.ModelRunner, "close",
+                        lambda self, _real=model_runner.ModelRunner.close: (shut.append(self), _real(self)))
 
     def failing(engine, *args, **kwargs):
         raise RuntimeError("the warm-up broke")
@@ -419,4 +419,4 @@ def test_a_failed_warm_up_gives_the_engine_back(tmp_path, monkeypatch):
     ckpt = write_tiny_checkpoint(tmp_path / "tiny")
     with pytest.raises(RuntimeError, match="the warm-up broke"):
         LLM(ckpt, device="cpu", warmup=True, num_blocks=16, max_model_len=32)
-    assert len(shut) == 1 and shut[0].runner is None
+    assert len(shut) >= 1 and all(r is shut[0] for r in shut) and shut[0]._closed

@@ -93,7 +93,7 @@ def test_check_names_vocab_and_intermediate():
 def test_greedy_matches_tp1_and_close_leaves_no_children(tiny_checkpoint):  # noqa: F811
     expected = run_workload(LLM(tiny_checkpoint, **ENGINE_ARGS))
     with LLM(tiny_checkpoint, tensor_parallel_size=TP, **ENGINE_ARGS) as llm:
-        group = llm.engine.executor
+        group = llm.engine.runner.workers
         pids = group.pids
         assert len(pids) == TP - 1
         got = run_workload(llm)
@@ -152,14 +152,14 @@ def test_idle_engine_keeps_its_workers(tiny_checkpoint, monkeypatch):  # noqa: F
         first = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
         time.sleep(5)
         assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids == first
-        (pid,) = llm.engine.executor.pids
+        (pid,) = llm.engine.runner.workers.pids
         assert not is_gone(pid)
 
 
 def test_worker_failure_raises_in_parent(tiny_checkpoint):  # noqa: F811
     llm = LLM(tiny_checkpoint, tensor_parallel_size=TP, **ENGINE_ARGS)
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    (pid,) = llm.engine.executor.pids
+    (pid,) = llm.engine.runner.workers.pids
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(TensorParallelError, match="worker failed"):
@@ -172,11 +172,11 @@ def test_worker_failure_raises_in_parent(tiny_checkpoint):  # noqa: F811
 def test_worker_exception_surfaces_in_parent(tiny_checkpoint):  # noqa: F811
     """An exception raised inside the worker (here: an op it does not know) reaches the parent with the
     worker's traceback, within seconds."""
-    from pagedattn.engine.executor import send
+    from pagedattn.distributed.worker import send
 
     llm = LLM(tiny_checkpoint, tensor_parallel_size=TP, **ENGINE_ARGS)
-    (pid,) = llm.engine.executor.pids
-    send(99, None, llm.engine.executor.ctrl)
+    (pid,) = llm.engine.runner.workers.pids
+    send(99, None, None, llm.engine.runner.workers.ctrl)
     t0 = time.monotonic()
     with pytest.raises(TensorParallelError, match="unknown op 99"):
         llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -236,15 +236,13 @@ def test_fused_all_reduce_add_rms_norm_equals_unfused_on_gloo():
 
 
 # ---- the fused path wired into the model ----------------------------------------------------------
-FUSED_ENV = "PAGEDATTN_FUSED_ALLREDUCE"
-
-
-def test_fused_allreduce_threshold_and_env(monkeypatch):
+def test_fused_allreduce_threshold_and_setting():
     """auto: on CUDA, steps whose [T, hidden] message is >= FUSED_MIN_BYTES (decode steps of <= 256 rows
-    stay below it at every Qwen2 width), off on gloo; on / off / N override it; one rank: never."""
+    stay below it at every Qwen2 width), off on gloo; on / off / N override it; one rank: never; a bad
+    setting is refused by the engine's config, naming the field."""
+    from pagedattn.config import EngineConfig
     from pagedattn.distributed import allreduce_norm as arn
 
-    monkeypatch.delenv(FUSED_ENV, raising=False)
     seven_b = arn.fused_allreduce_for(2, "cuda", torch.float16, 3584)
     assert seven_b.min_tokens == 2341 and 2341 * 3584 * 2 >= arn.FUSED_MIN_BYTES > 2340 * 3584 * 2
     assert arn.fused_allreduce_for(2, "cuda", torch.float16, 896).min_tokens == 9363
@@ -252,27 +250,20 @@ def test_fused_allreduce_threshold_and_env(monkeypatch):
     assert min(arn.default_min_tokens(h, 2, "cuda") for h in (896, 1536, 3584, 8192)) > 256
     assert arn.fused_allreduce_for(2, "cpu", torch.float32, 64) is None
     assert arn.fused_allreduce_for(1, "cuda", torch.float16, 3584) is None
-    for value, want in (("on", 1), ("off", None), ("auto", 2341), ("700", 700), ("0", None)):
-        monkeypatch.setenv(FUSED_ENV, value)
-        got = arn.fused_allreduce_for(2, "cuda", torch.float16, 3584)
+    for value, want in (("on", 1), ("off", None), ("auto", 2341), (700, 700), (0, None)):
+        got = arn.fused_allreduce_for(2, "cuda", torch.float16, 3584, value)
         assert (got and got.min_tokens) == want, (value, got)
-    monkeypatch.setenv(FUSED_ENV, "sometimes")
-    with pytest.raises(ValueError, match=FUSED_ENV):
-        arn.fused_allreduce_for(2, "cpu", torch.float32, 64)
-    assert arn.fused_allreduce_for(2, "cpu", torch.float32, 64, min_tokens=3).takes(3)       # the argument wins
-    assert not arn.fused_allreduce_for(2, "cpu", torch.float32, 64, min_tokens=3).takes(2)
+    with pytest.raises(ValueError, match="fused_allreduce"):
+        arn.fused_allreduce_for(2, "cpu", torch.float32, 64, "sometimes")
+    assert arn.fused_allreduce_for(2, "cpu", torch.float32, 64, 3).takes(3)
+    assert not arn.fused_allreduce_for(2, "cpu", torch.float32, 64, 3).takes(2)
+    for bad in ("sometimes", -1, True, 2.5):
+        with pytest.raises(InvalidRequestError, match="fused_allreduce"):
+            EngineConfig(device="cpu", fused_allreduce=bad)
 
 
 FUSED_LAYER_PROMPTS = [1, 5, 17, 40]   # steps of 63 (odd: a padding row), 4 and 1 rows
 FUSED_LAYER_CHUNKS = [None, 12]         # whole prompts; 12-token chunks starting mid-block (8-token blocks)
-
-
-class _PiecewiseRunner:
-    """What PiecewiseGraphs reads of a ModelRunner."""
-
-    def __init__(self, model, config, kv_cache, world_size):
-        self.model, self.model_config, self.kv_cache, self.world_size = model, config, kv_cache, world_size
-        self.device = torch.device("cpu")
 
 
 def _fused_sites(model, T, record):
@@ -320,8 +311,7 @@ def _run_fused_plan(model, config, plan, tokens, tables, num_blocks, block_size,
                  config.head_dim, dtype=torch.float32, device="cpu")
     for pool in kv.k_caches + kv.v_caches:
         pool.fill_(float("nan"))                    # a read past a sequence's end poisons the output
-    runner = _PiecewiseRunner(model, config, kv, world_size)
-    pieces = PiecewiseGraphs(runner, 64, graphs=False) if piecewise else None
+    pieces = PiecewiseGraphs(model, kv, 64, graphs=False) if piecewise else None
     steps = []
     for step in plan:
         ids = torch.tensor([t for s, start, q, _ in step for t in tokens[s][start:start + q]])          # (T,)
@@ -332,7 +322,7 @@ def _run_fused_plan(model, config, plan, tokens, tables, num_blocks, block_size,
         record, T = {}, len(ids)
         with torch.inference_mode(), model.ops.step_scope(T):
             if pieces is not None:
-                record["hidden"] = pieces.forward(ids.int(), pos.int(), meta.slot_mapping, meta).clone()
+                record["hidden"] = pieces.forward(ids.int(), pos.int(), kv, meta).clone()
             else:
                 handles = _fused_sites(model, T, record)
                 try:
@@ -345,7 +335,7 @@ def _run_fused_plan(model, config, plan, tokens, tables, num_blocks, block_size,
 
 
 def _fused_layers_rank(rank, world_size, init_method, ckpt):
-    """One gloo rank: the tiny model loaded twice (PAGEDATTN_FUSED_ALLREDUCE=on, =off) runs the same steps;
+    """One gloo rank: the tiny model loaded twice (fused_allreduce "on", "off") runs the same steps;
     every recorded site of every step must be equal (see the test)."""
     import torch.distributed as dist
 
@@ -357,8 +347,8 @@ def _fused_layers_rank(rank, world_size, init_method, ckpt):
     try:
         models = {}
         for mode in ("on", "off"):
-            os.environ[FUSED_ENV] = mode
-            models[mode], config = load_model(ckpt, "cpu", torch.float32, "auto", rank, world_size)
+            models[mode], config = load_model(ckpt, "cpu", torch.float32, "auto", rank, world_size,
+                                              fused_allreduce=mode)
         assert models["on"].fused_allreduce.min_tokens == 1 and models["off"].fused_allreduce is None
         block_size = 8
         for chunk in FUSED_LAYER_CHUNKS:
@@ -408,9 +398,9 @@ def test_fused_allreduce_model_equals_unfused_layer_by_layer_on_gloo(tiny_checkp
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-def test_fused_allreduce_engine_at_tp2_equals_tp1(tiny_checkpoint, monkeypatch):  # noqa: F811
-    """The engine at TP=2 with the fused path forced on for every step (PAGEDATTN_FUSED_ALLREDUCE=on, read by
-    both ranks' model builds): the workload (ragged prompts, padding rows, chunked prefill, a prefix-cache
+def test_fused_allreduce_engine_at_tp2_equals_tp1(tiny_checkpoint):  # noqa: F811
+    """The engine at TP=2 with the fused path forced on for every step (fused_allreduce="on", which both ranks'
+    model builds read from the engine's config): the workload (ragged prompts, padding rows, chunked prefill, a prefix-cache
     hit, n=2 forks), a 1-token prompt alone (1-row steps) and beam search give TP=1's token ids, float32."""
     from pagedattn.sampling_params import BeamSearchParams
 
@@ -418,9 +408,8 @@ def test_fused_allreduce_engine_at_tp2_equals_tp1(tiny_checkpoint, monkeypatch):
     tp1 = LLM(tiny_checkpoint, **ENGINE_ARGS)
     expected = (run_workload(tp1), tp1.generate([[9]], ONE_TOKEN, use_tqdm=False)[0].outputs[0].token_ids,
                 tp1.beam_search(BEAM_PROMPTS, beams, use_tqdm=False))
-    monkeypatch.setenv(FUSED_ENV, "on")
-    with LLM(tiny_checkpoint, tensor_parallel_size=TP, **ENGINE_ARGS) as llm:
-        model = llm.engine.executor.runner.model
+    with LLM(tiny_checkpoint, tensor_parallel_size=TP, fused_allreduce="on", **ENGINE_ARGS) as llm:
+        model = llm.engine.runner.model
         assert model.fused_allreduce.min_tokens == 1
         assert model.model.layers[0].mlp.down_proj.fused is model.model.norm.fused is model.fused_allreduce
         got = (run_workload(llm), llm.generate([[9]], ONE_TOKEN, use_tqdm=False)[0].outputs[0].token_ids,
@@ -471,7 +460,7 @@ CTRL_C_SCRIPT = textwrap.dedent("""
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
         llm = LLM(sys.argv[1], device="cpu", block_size=8, num_blocks=64, tensor_parallel_size=2)
-        print(*llm.engine.executor.pids, flush=True)
+        print(*llm.engine.runner.workers.pids, flush=True)
         faulthandler.dump_traceback_later(25, exit=True)   # a hang shows where it is (the test fails on it)
         while True:
             llm.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
@@ -507,11 +496,11 @@ def test_ctrl_c_stops_workers(tiny_checkpoint, tmp_path):  # noqa: F811
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < TP, reason=f"needs {TP} GPUs")
 @pytest.mark.parametrize("fused", ["off", "on"])
-def test_gpu_nccl_greedy_matches_tp1(tiny_checkpoint, fused, monkeypatch):  # noqa: F811
+def test_gpu_nccl_greedy_matches_tp1(tiny_checkpoint, fused):  # noqa: F811
     """The same workload on GPUs: rank r on cuda:r, NCCL all-reduces, float32 (no fp16 near-ties), eager. fused
     on: every step, decodes included (1-7 rows: padding rows), through NCCL's reduce-scatter + all-gather."""
-    monkeypatch.setenv(FUSED_ENV, fused)
-    args = dict(ENGINE_ARGS, device="cuda", dtype="float32", attn_backend="torch", enforce_eager=True)
+    args = dict(ENGINE_ARGS, device="cuda", dtype="float32", attn_backend="torch", enforce_eager=True,
+                fused_allreduce=fused)
     expected = run_workload(LLM(tiny_checkpoint, **args))
     with LLM(tiny_checkpoint, tensor_parallel_size=TP, **args) as llm:
         assert llm.engine.kv_cache.num_kv_heads == 1
@@ -523,7 +512,7 @@ def test_gpu_nccl_greedy_matches_tp1(tiny_checkpoint, fused, monkeypatch):  # no
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < TP, reason=f"needs {TP} GPUs")
 @pytest.mark.parametrize("chunk", [None, 48])
-def test_gpu_layer_by_layer_at_qwen2_0p5b_shapes(chunk, monkeypatch):
+def test_gpu_layer_by_layer_at_qwen2_0p5b_shapes(chunk):
     """TP=2 against TP=1 on the 0.5B shapes in fp16 with the numba kernels (7 query heads / 1 KV head per
     rank), ragged prompts, optionally in 48-token chunks that start mid-block, then decode steps: every
     attention, MLP and layer output stays within the noise of TP=1 against a float32 reference
@@ -531,8 +520,6 @@ def test_gpu_layer_by_layer_at_qwen2_0p5b_shapes(chunk, monkeypatch):
     hooks read self_attn's and mlp's outputs as whole sums; the fused path is compared layer by layer in
     test_fused_allreduce_model_equals_unfused_layer_by_layer_on_gloo)."""
     from scripts.tp_layer_diff import main
-
-    monkeypatch.setenv(FUSED_ENV, "off")                  # the spawned ranks inherit it
 
     res = main(device="cuda", backend="numba", config="0.5b", dtype="float16", chunk=chunk)
     assert res["first_jump"] is None, res["first_jump"]
@@ -542,14 +529,12 @@ def test_gpu_layer_by_layer_at_qwen2_0p5b_shapes(chunk, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < TP, reason=f"needs {TP} GPUs")
 @pytest.mark.parametrize("fused", ["auto", "on"])
-def test_gpu_engine_tp2_equals_tp1_at_qwen2_0p5b_shapes(fused, monkeypatch):
-    """The whole engine path at TP=2 (the executor, the broadcast step, each rank's pool and runner) on the
+def test_gpu_engine_tp2_equals_tp1_at_qwen2_0p5b_shapes(fused):
+    """The whole engine path at TP=2 (rank 0's workers, the broadcast step, each rank's pool and runner) on the
     0.5B shapes in float32 (no fp16 near-ties): 64 mixed requests give TP=1's greedy ids, every one. fused:
-    PAGEDATTN_FUSED_ALLREDUCE (on: every eager step through NCCL's reduce-scatter + all-gather, the decode
+    the fused_allreduce option (on: every eager step through NCCL's reduce-scatter + all-gather, the decode
     graphs with their all-reduce)."""
     from scripts.benchlib import nano_vllm_workload, random_checkpoint
-
-    monkeypatch.setenv(FUSED_ENV, fused)
 
     ckpt = random_checkpoint("0.5b")
     prompts, _ = nano_vllm_workload(64, 20, 300)
@@ -557,7 +542,7 @@ def test_gpu_engine_tp2_equals_tp1_at_qwen2_0p5b_shapes(fused, monkeypatch):
     args = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=32, max_num_batched_tokens=1024)
     with LLM(ckpt, **args) as llm:
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    with LLM(ckpt, tensor_parallel_size=TP, **args) as llm:
+    with LLM(ckpt, tensor_parallel_size=TP, fused_allreduce=fused, **args) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     same = sum(e == g for e, g in zip(expected, got))
     assert same == len(prompts), f"{same} of {len(prompts)} identical"

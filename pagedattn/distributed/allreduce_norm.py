@@ -40,17 +40,14 @@ both: 4 messages of [T, hidden]), 2 messages at P = 2: ~8 us for a 16 MiB messag
 the path pays only for messages of FUSED_MIN_BYTES or more: T >= 16 MiB / (hidden · itemsize), 2341 rows
 for Qwen2-7B in fp16 (large prompt steps), 9363 for the 0.5B (beyond the 8192-token budget: never). Decode
 steps (at most max_num_seqs = 256 rows by default: < 2 MB) keep the one all-reduce. On gloo (CPU) two
-collectives cost more than one at every size measured (docs/tensor_parallel.md), so auto is off there. PAGEDATTN_FUSED_ALLREDUCE=auto|on|off|N overrides it (on: every
-step; N: steps of >= N rows), read when the model is built. A CUDA graph's capture (decode steps) always
-keeps the all-reduce.
+collectives cost more than one at every size measured (docs/tensor_parallel.md), so auto is off there. The
+engine's `fused_allreduce` option (auto | on | off | N: steps of >= N rows) chooses otherwise when the model
+is built. A CUDA graph's capture (decode steps) always keeps the all-reduce.
 """
-import os
-
 import torch
 import torch.distributed as dist
 
 FUSED_MIN_BYTES = 16 << 20          # auto on CUDA: steps whose [T, hidden] message is at least this big
-ENV = "PAGEDATTN_FUSED_ALLREDUCE"   # auto | on | off | N (steps of >= N rows)
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -128,30 +125,23 @@ def default_min_tokens(hidden_size, itemsize, device_type):
     return -(-FUSED_MIN_BYTES // (hidden_size * itemsize))
 
 
-def min_tokens_from_env(default):
-    """PAGEDATTN_FUSED_ALLREDUCE as a row threshold: auto (or unset) -> default, on -> 1, off -> 0, N -> N."""
-    value = os.environ.get(ENV, "").strip().lower()
-    if value in ("", "auto"):
+def min_tokens_of(setting, default):
+    """The `fused_allreduce` option as a row threshold: "auto" -> default, "on" -> 1, "off" -> 0, N -> N."""
+    if setting == "auto":
         return default
-    if value in ("on", "off"):
-        return 1 if value == "on" else 0
-    try:
-        n = int(value)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"{ENV}={value!r}: expected auto, on, off or a row count >= 0")
-    return n
+    if setting in ("on", "off"):
+        return 1 if setting == "on" else 0
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 0:
+        raise ValueError(f"fused_allreduce must be 'auto', 'on', 'off' or a row count >= 0, got {setting!r}")
+    return setting
 
 
-def fused_allreduce_for(tp_size, device, dtype, hidden_size, min_tokens=None):
+def fused_allreduce_for(tp_size, device, dtype, hidden_size, setting="auto"):
     """The FusedAllReduceNorm of a model of tp_size ranks on `device` in `dtype`, or None where no step
-    fuses (tp_size 1, a threshold of 0). min_tokens: None -> PAGEDATTN_FUSED_ALLREDUCE, else auto
-    (default_min_tokens); 0 -> off; n -> steps of >= n rows."""
+    fuses (tp_size 1, a threshold of 0). setting: "auto" (default_min_tokens), "on", "off" or a row count."""
     if tp_size == 1:
         return None
     device = torch.device(device)
-    if min_tokens is None:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        min_tokens = min_tokens_from_env(default_min_tokens(hidden_size, itemsize, device.type))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    min_tokens = min_tokens_of(setting, default_min_tokens(hidden_size, itemsize, device.type))
     return FusedAllReduceNorm(min_tokens, cuda=device.type == "cuda") if min_tokens > 0 else None

@@ -1,9 +1,11 @@
-"""Tensor-parallel ranks: their devices, their process groups, and how rank 0 reaches them.
+"""Tensor-parallel ranks: their devices, their process groups, and how rank 0 reaches them (Workers).
 
-The worker loop itself (build the ModelRunner, receive each step, run it) and the step's wire format are
-the engine's: pagedattn/engine/executor.py (worker_main, send, recv). What follows describes them together.
+The worker loop itself (build the ModelRunner, receive each step, run it) is the engine's:
+pagedattn/engine/model_runner.py (worker_main, serve_steps); what travels is a step's header and int32 data
+(pagedattn/engine/step_inputs.py), which this module sends and receives as arrays, knowing nothing of the
+engine. What follows describes them together.
 
-Rank 0 is the process that owns the scheduler (LLMEngine with a MultiprocExecutor). Ranks 1..P-1 are
+Rank 0 is the process that owns the scheduler (LLMEngine, whose ModelRunner holds the Workers). Ranks 1..P-1 are
 either processes it starts itself with torch.multiprocessing (spawn, one host), or, when the script was
 launched by torchrun (`torchrun_launch()` finds RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
 in the environment), the launcher's other ranks on any number of hosts, which join the process group
@@ -31,14 +33,20 @@ requests) keeps its workers, and a worker whose rank 0 vanished without closing 
 gives up within CTRL_TIMEOUT_S. The model's collectives keep the longer TIMEOUT_S (a first step may
 compile kernels).
 """
+import contextlib
 import os
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from pagedattn.distributed.parallel import init_process_group
+from pagedattn.distributed.parallel import free_port, init_process_group
 from pagedattn.errors import PagedAttnError
 
 OP_STOP, OP_STEP, OP_PING = 0, 1, 2
@@ -104,3 +112,165 @@ def agree_num_blocks(runner):
     n = torch.tensor([runner.available_blocks()], dtype=torch.int64, device=runner.device)
     dist.all_reduce(n, op=dist.ReduceOp.MIN)
     return int(n.item())
+
+
+def send(op, header, data, ctrl):
+    """Rank 0: broadcast an op, and for OP_STEP a step's header (int64 [header_len]) and data (int32 [n])."""
+    head = torch.zeros(2 + (0 if header is None else len(header)), dtype=torch.int64)
+    head[0] = op
+    if op == OP_STEP:
+        head[1] = data.shape[0]
+        head[2:] = torch.from_numpy(header)
+    dist.broadcast(head, src=0, group=ctrl)
+    if op == OP_STEP:
+        dist.broadcast(torch.from_numpy(data), src=0, group=ctrl)
+
+
+def recv(ctrl, header_len):
+    """Ranks 1..P-1: (op, header int64 [header_len] or None, data int32 [n] or None) of rank 0's next send."""
+    head = torch.empty(2 + header_len, dtype=torch.int64)
+    dist.broadcast(head, src=0, group=ctrl)
+    op = int(head[0])
+    if op != OP_STEP:
+        return op, None, None
+    data = torch.empty(int(head[1]), dtype=torch.int32)
+    dist.broadcast(data, src=0, group=ctrl)
+    return op, head[2:].numpy(), np.ascontiguousarray(data.numpy())
+
+
+def exit_cleanly():
+    """A clean stop leaves no work behind; skip interpreter teardown, where a C++ thread left over by the
+    communication library can abort the process (exit code -6) after the work is done."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class Workers:
+    """Rank 0's handle on ranks 1..P-1 of `config.tensor_parallel_size` (device "cpu" or "cuda" =
+    cuda:0..P-1 of each host). launch: torchrun's placement of this process (then the other ranks exist
+    already), or None (then this process starts ranks 1..P-1 on this host, each running
+    entry(index, P, init_method, config, ctrl_timeout_s)). Joins the process group; `device` is rank 0's.
+    Stops the workers on shutdown() (idempotent) and after a failed step. A heartbeat thread keeps idle
+    workers waiting (CTRL_TIMEOUT_S, HEARTBEAT_S)."""
+
+    def __init__(self, config, entry, header_len, launch=None):
+        P = self.world_size = config.tensor_parallel_size
+        self.launch, self.header_len = launch, header_len
+        ranks_here = P if launch is None else launch.local_world_size
+        if config.device_type == "cuda" and torch.cuda.device_count() < ranks_here:
+            raise TensorParallelError(f"{ranks_here} ranks on this host need {ranks_here} GPUs, "
+                                      f"{torch.cuda.device_count()} visible")
+        if launch is None and dist.is_initialized():
+            raise TensorParallelError("a torch.distributed default process group already exists in this process; "
+                                      "tensor_parallel_size > 1 creates its own (or launch with torchrun)")
+        self.owns_group = not dist.is_initialized()
+        self.closed, self.healthy = False, True
+        self.lock, self.stopping, self.heartbeat_error = threading.Lock(), threading.Event(), None
+        self.last_send = time.monotonic()
+        self.context, self.heartbeat = None, None
+        if launch is None:
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+            self.context = mp.start_processes(entry, args=(P, init_method, config, CTRL_TIMEOUT_S), nprocs=P - 1,
+                                              join=False, daemon=True, start_method="spawn")
+        else:
+            init_method = "env://"
+        try:
+            self.device = rank_device(config.device_type, 0 if launch is None else launch.local_rank)
+            if config.device_type == "cpu":
+                torch.set_num_threads(cpu_threads_per_rank(ranks_here))
+            self.ctrl = join_group(0, P, init_method, self.device, CTRL_TIMEOUT_S)
+        except BaseException as e:
+            self.fail(e)
+        self.heartbeat = threading.Thread(target=self._heartbeat, args=(HEARTBEAT_S,), daemon=True,
+                                          name="tp-heartbeat")
+        self.heartbeat.start()
+
+    @property
+    def pids(self):
+        """The worker processes this rank started (empty under torchrun)."""
+        return [] if self.context is None else [p.pid for p in self.context.processes]
+
+    @contextlib.contextmanager
+    def step(self, header, data):
+        """Around rank 0's share of a step: the step broadcast first (header int64, data int32 arrays); any
+        failure, here or inside the block, stops the workers and raises TensorParallelError."""
+        self.check_alive()
+        try:
+            with self.lock:            # no heartbeat between a step's broadcast and rank 0's share of it
+                send(OP_STEP, header, data, self.ctrl)
+                yield
+                self.last_send = time.monotonic()
+        except BaseException as e:
+            self.fail(e)
+
+    def _heartbeat(self, period):
+        """Rank 0's thread: OP_PING when nothing was sent for `period` seconds; a failed send is kept for
+        the next check_alive (a worker that died while the engine was idle)."""
+        while not self.stopping.wait(period / 4):
+            with self.lock:
+                if self.stopping.is_set() or time.monotonic() - self.last_send < period:
+                    continue
+                try:
+                    send(OP_PING, None, None, self.ctrl)
+                except Exception as e:
+                    self.heartbeat_error = e
+                    return
+                self.last_send = time.monotonic()
+
+    def check_alive(self):
+        if self.closed:
+            raise TensorParallelError("the tensor-parallel workers have been shut down (close() or an earlier failure)")
+        if self.heartbeat_error is not None:
+            self.fail(self.heartbeat_error)
+        if self.context is not None and any(not p.is_alive() for p in self.context.processes):
+            self.fail(None)
+
+    def fail(self, cause):
+        """Shut down and raise TensorParallelError, with the failed worker's traceback when there is one."""
+        self.healthy = False
+        worker_error = None
+        if self.context is not None and not isinstance(cause, KeyboardInterrupt):   # on Ctrl-C: just stop them
+            try:
+                self.context.join(timeout=5)      # raises if a worker exited with an error or a signal
+            except Exception as e:                 # ProcessRaisedException / ProcessExitedException
+                worker_error = e
+        self.shutdown()
+        if worker_error is not None:
+            raise TensorParallelError(f"a tensor-parallel worker failed (spawn process i is rank i + 1):\n"
+                                      f"{worker_error}") from cause
+        if isinstance(cause, KeyboardInterrupt):
+            raise cause
+        raise TensorParallelError(f"tensor-parallel step failed on rank 0: {cause!r}; workers shut down") from cause
+
+    def shutdown(self):
+        """Stop every worker: a clean OP_STOP when healthy, then (the processes this rank started) join,
+        terminate, kill; destroy the process group. Under torchrun, a worker that gets no OP_STOP sees the
+        group close and exits with an error."""
+        if self.closed:
+            return
+        self.closed = True
+        self.stopping.set()
+        if self.heartbeat is not None:
+            self.heartbeat.join(timeout=10)
+        procs = [] if self.context is None else self.context.processes
+        if self.healthy and dist.is_initialized() and all(p.is_alive() for p in procs):
+            try:
+                with self.lock:
+                    send(OP_STOP, None, None, self.ctrl)
+            except Exception:
+                pass
+        for p in procs:
+            p.join(timeout=10 if self.healthy else 1)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        if self.owns_group and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass

@@ -7,7 +7,7 @@
             print(out.outputs[0].text)
 
 One step: schedule (Scheduler) -> plan which rows sample -> pack (step_inputs) -> execute on every rank
-(executor: copy-on-write copies, forward, sampling on the device) -> the sampled tokens back on the host ->
+(the ModelRunner, on every rank: copy-on-write copies, forward, sampling on the device) -> the sampled tokens back on the host ->
 append, stop checks, beam search, forks for n > 1 (OutputProcessor, BeamState) -> RequestOutputs.
 Requests may be added or aborted between any two steps (continuous batching).
 
@@ -29,13 +29,14 @@ import json
 import logging
 import os
 import time
+from collections import namedtuple
 
 import numpy as np
 
 from pagedattn.block_manager import BlockManager
 from pagedattn.engine.beam_search import BeamState
-from pagedattn.engine.executor import make_executor
-from pagedattn.engine.metrics import EngineStats, now
+from pagedattn.engine.model_runner import start_runner
+from pagedattn.engine.metrics import now
 from pagedattn.engine.output_processor import OutputProcessor
 from pagedattn.engine.outputs import CompletionOutput, RequestOutput
 from pagedattn.engine.requests import InputProcessor
@@ -79,6 +80,45 @@ def request_key(engine_seed, serial):
     return z ^ (z >> 31)
 
 
+class EngineStats:
+    """Counters the engine bumps every step (LLMEngine.step) and per finished request."""
+
+    def __init__(self):
+        self.num_steps = 0
+        self.num_computed_tokens = 0     # tokens run through the model (prefill chunks + decodes)
+        self.num_generated_tokens = 0
+        self.num_finished_requests = 0
+        self.step_time = 0.0             # seconds inside step()
+        self.frag_sum, self.frag_n = 0.0, 0      # mean_kv_fragmentation's samples
+        self.frag_steps = 0                      # steps with running sequences (every FRAGMENTATION_EVERY-th sampled)
+        self.ttfts, self.itls = [], []
+
+    def record_request(self, metrics):
+        self.num_finished_requests += 1
+        if metrics.ttft is not None:
+            self.ttfts.append(metrics.ttft)
+        if metrics.mean_itl is not None:
+            self.itls.append(metrics.mean_itl)
+
+    def as_dict(self):
+        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+        return {
+            "num_steps": self.num_steps,
+            "num_computed_tokens": self.num_computed_tokens,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_finished_requests": self.num_finished_requests,
+            "step_time_s": self.step_time,
+            "generation_throughput_tok_s": self.num_generated_tokens / self.step_time if self.step_time else 0.0,
+            "total_throughput_tok_s": self.num_computed_tokens / self.step_time if self.step_time else 0.0,
+            "mean_ttft_s": mean(self.ttfts),
+            "mean_itl_s": mean(self.itls),
+        }
+
+
+# What a launched step samples: num_tokens it computes, its SampleRows and beam rows, in row order.
+_Plan = namedtuple("_Plan", "num_tokens sample_rows beam_rows")
+
+
 class LLMEngine:
     def __init__(self, config):
         config = config.with_model_path(config.model)
@@ -94,9 +134,9 @@ class LLMEngine:
             tokenizer = pool.submit(timed, load_tokenizer, config.model)
             startup_log.info("loading the model ...")
             t = time.perf_counter()
-            self.executor = make_executor(config)
+            self.runner = start_runner(config)
             times["load_model"] = time.perf_counter() - t
-            mc = self.model_config = self.executor.model_config
+            mc = self.model_config = self.runner.model_config
             self.vocab_size = mc.vocab_size
             self.max_model_len = min(config.max_model_len, mc.max_position_embeddings)
             gen = _read_json(os.path.join(config.model, "generation_config.json"))
@@ -125,13 +165,13 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self.inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.config.max_num_seqs,
-                                     self.config.block_size, self.executor.num_blocks, self.config.model)
+                                     self.config.block_size, self.runner.num_blocks, self.config.model)
         self.reset_state()
 
     def _shutdown_quietly(self):
-        """shutdown() of a half-built engine (its executor may not exist yet); errors are not raised over the
+        """shutdown() of a half-built engine (its runner may not exist yet); errors are not raised over the
         one that stopped the build."""
-        if getattr(self, "executor", None) is None:
+        if getattr(self, "runner", None) is None:
             return
         try:
             self.shutdown()
@@ -143,43 +183,36 @@ class LLMEngine:
         contents, the model and the captured graphs stay). The warm-up ends with it."""
         config = self.config
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size,
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.block_size, config.admission_interval),
-                                   self.block_manager)
+                                                   config.block_size), self.block_manager)
         self.groups = {}                   # request_id -> SequenceGroup, unfinished requests
         self.seq_ids = itertools.count()
         self.serials = itertools.count()   # unseeded requests' random keys
         self.pending = None                # (plan, StepResult) of the step in flight (async scheduling)
         self.deferred = []                 # other callers' outputs met by a blocking LLM call; next step's
         self.stats = EngineStats()
-        self._frag_sum, self._frag_n, self._frag_steps = 0.0, 0, 0
 
     @property
     def num_blocks(self):
         return self.block_manager.total_blocks
 
     @property
-    def runner(self):
-        """Rank 0's ModelRunner (its model, KV cache and graphs)."""
-        return self.executor.runner
-
-    @property
     def model(self):
-        return self.executor.runner.model
+        return self.runner.model
 
     @property
     def kv_cache(self):
         """Rank 0's KV pool (with tensor parallelism: its share of the KV heads of every block)."""
-        return self.executor.runner.kv_cache
+        return self.runner.kv_cache
 
     def shutdown(self):
         """Stop the workers and give back the model, the KV pool, the CUDA graphs and this engine's kernel
         scratch (LLM.close, the end of `with LLM(...)`, and a collected LLM call it); idempotent. The
         engine keeps its requests' bookkeeping; a step after it raises."""
         self.pending = None                # the step in flight's pinned buffers and event
-        self.executor.shutdown()
+        self.runner.close()
         gc.collect()                       # the graphs, held in reference cycles, give their memory back now
 
     # ---- requests -------------------------------------------------------------------------------
@@ -258,15 +291,12 @@ class LLMEngine:
         self.deferred.append(output)
 
     # ---- the step -------------------------------------------------------------------------------
-    def _overlap(self):
-        return self.config.async_scheduling and not any(g.beam is not None for g in self.groups.values())
-
     def step(self):
         """Run one step. Returns RequestOutputs: every request that finished, and the progress of streamed
         requests that got tokens. With async scheduling they are those of the step launched by the
-        previous call."""
+        previous call (not while a beam search runs: its driver needs each step's candidates at once)."""
         t0 = now()
-        overlap = self._overlap()
+        overlap = self.config.async_scheduling and not any(g.beam is not None for g in self.groups.values())
         outputs, generated, self.deferred = self.deferred, 0, []
         if self.pending is not None and not overlap:
             outs, generated = self._process(*self.pending)
@@ -284,15 +314,24 @@ class LLMEngine:
             outs, n = self._process(plan, result)
             outputs += outs
             generated += n
-        self.stats.record_step(launched[0].num_tokens if launched else 0, generated, now() - t0,
-                               self.block_manager.utilization)
-        self._sample_fragmentation()
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_computed_tokens += launched[0].num_tokens if launched else 0
+        stats.num_generated_tokens += generated
+        stats.step_time += now() - t0
+        if self.scheduler.running:
+            if stats.frag_steps % FRAGMENTATION_EVERY == 0:
+                # mean_kv_fragmentation's sample: a pass over every running sequence's table (~5% of a
+                # 256-sequence decode step's host work if taken every step)
+                stats.frag_sum += self._fragmentation().ratio
+                stats.frag_n += 1
+            stats.frag_steps += 1
         return outputs
 
     def _launch(self):
         """Schedule, plan and launch a step. Returns (plan, result) or None when nothing ran."""
         out = self.scheduler.schedule()
-        if out.is_empty:
+        if not out.scheduled:
             if (self.pending is None and self.scheduler.waiting
                     and not any(s.num_new_tokens for s in self.scheduler.running)):
                 raise RuntimeError(f"no progress possible: {len(self.scheduler.waiting)} sequences wait for blocks "
@@ -310,9 +349,11 @@ class LLMEngine:
                 group.forked = True
                 sample_rows += [SampleRow(seq, j, fork=True) for j in range(1, seq.params.n)]
             sample_rows.append(SampleRow(seq, seq.index))
-        beam_k = max((2 * self.groups[s.request_id].beam.params.beam_width for s in beam_rows), default=0)
-        step = build_step_inputs(out, self.block_manager, sample_rows, beam_rows, min(beam_k, self.vocab_size))
-        result = self.executor.execute(step)
+        beam_k = 0
+        if beam_rows:
+            beam_k = min(self.vocab_size, max(2 * self.groups[s.request_id].beam.params.beam_width for s in beam_rows))
+        step = build_step_inputs(out, self.block_manager, sample_rows, beam_rows, beam_k)
+        result = self.runner.execute(step)
         for i, row in enumerate(sample_rows):
             if not row.fork:
                 seq = row.seq
@@ -425,15 +466,6 @@ class LLMEngine:
                 for s in self.scheduler.running}
         return bm.internal_fragmentation(lens)
 
-    def _sample_fragmentation(self):
-        """mean_kv_fragmentation's sample: every FRAGMENTATION_EVERY-th step with running sequences (a pass over
-        every running sequence's table: ~5% of a 256-sequence decode step's host work if taken every step)."""
-        if self.scheduler.running:
-            if self._frag_steps % FRAGMENTATION_EVERY == 0:
-                self._frag_sum += self._fragmentation().ratio
-                self._frag_n += 1
-            self._frag_steps += 1
-
     def metrics(self):
         """Engine metrics as a flat dict (see docs/engine.md)."""
         bm = self.block_manager
@@ -443,8 +475,9 @@ class LLMEngine:
             "block_size": bm.block_size,
             "num_free_blocks": bm.num_free_blocks,
             "kv_cache_usage": bm.utilization,
+            "peak_kv_usage": bm.peak_num_used_blocks / bm.total_blocks if bm.total_blocks else 0.0,
             "kv_fragmentation": frag.ratio,
-            "mean_kv_fragmentation": self._frag_sum / self._frag_n if self._frag_n else 0.0,
+            "mean_kv_fragmentation": self.stats.frag_sum / self.stats.frag_n if self.stats.frag_n else 0.0,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "prefix_cache_queried_tokens": bm.num_query_tokens,
             "prefix_cache_hit_tokens": bm.num_hit_tokens,
@@ -455,8 +488,3 @@ class LLMEngine:
         }
 
 
-class _Plan:
-    """What a launched step samples: num_tokens it computes, its SampleRows and beam rows, in row order."""
-
-    def __init__(self, num_tokens, sample_rows, beam_rows):
-        self.num_tokens, self.sample_rows, self.beam_rows = num_tokens, sample_rows, beam_rows

@@ -1,10 +1,8 @@
-"""Per-request latency metrics and engine-wide counters, as plain numbers.
+"""Per-request latency metrics as plain numbers, and the bytes a model's weights hold.
 
 Request: time to first token (TTFT = first token time - arrival), inter-token latency (ITL, the
 gaps between consecutive tokens of one sequence), token counts, prefix-cache hit, preemptions.
-Engine: KV usage, internal fragmentation, prefix-cache hit rate (tokens), preemptions,
-running/waiting counts, throughput (generated tokens / seconds spent in steps). Model: the bytes its
-weights hold (`model_weight_bytes`).
+The engine's own counters (KV usage, fragmentation, throughput, ...) are LLMEngine.metrics().
 """
 import time
 from dataclasses import asdict, dataclass
@@ -43,48 +41,6 @@ def request_metrics(group, now):
         ttft=None if first is None else first - group.arrival_time,
         mean_itl=sum(gaps) / len(gaps) if gaps else None,
     )
-
-
-class EngineStats:
-    """Counters the engine bumps every step."""
-
-    def __init__(self):
-        self.num_steps = 0
-        self.num_computed_tokens = 0     # tokens run through the model (prefill chunks + decodes)
-        self.num_generated_tokens = 0
-        self.num_finished_requests = 0
-        self.step_time = 0.0             # seconds inside step()
-        self.peak_kv_usage = 0.0
-        self.ttfts, self.itls = [], []
-
-    def record_step(self, num_tokens, num_generated, seconds, kv_usage):
-        self.num_steps += 1
-        self.num_computed_tokens += num_tokens
-        self.num_generated_tokens += num_generated
-        self.step_time += seconds
-        self.peak_kv_usage = max(self.peak_kv_usage, kv_usage)
-
-    def record_request(self, metrics):
-        self.num_finished_requests += 1
-        if metrics.ttft is not None:
-            self.ttfts.append(metrics.ttft)
-        if metrics.mean_itl is not None:
-            self.itls.append(metrics.mean_itl)
-
-    def as_dict(self):
-        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-        return {
-            "num_steps": self.num_steps,
-            "num_computed_tokens": self.num_computed_tokens,
-            "num_generated_tokens": self.num_generated_tokens,
-            "num_finished_requests": self.num_finished_requests,
-            "step_time_s": self.step_time,
-            "generation_throughput_tok_s": self.num_generated_tokens / self.step_time if self.step_time else 0.0,
-            "total_throughput_tok_s": self.num_computed_tokens / self.step_time if self.step_time else 0.0,
-            "peak_kv_usage": self.peak_kv_usage,
-            "mean_ttft_s": mean(self.ttfts),
-            "mean_itl_s": mean(self.itls),
-        }
 
 
 def model_weight_bytes(model):

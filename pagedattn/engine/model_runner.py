@@ -1,30 +1,41 @@
 """One rank's model: its shard of the weights, its KV pool, its CUDA graphs; runs one step at a time.
 
-    runner = ModelRunner(config, rank=0, world_size=1)        # loads the (shard of the) checkpoint
-    runner.allocate_kv_cache(num_blocks)                      # after the engine settles the pool size
+    runner = start_runner(config)                             # rank 0 (and, with P > 1, ranks 1..P-1 started)
     result = runner.execute(step_inputs)                      # launches the step (asynchronously on CUDA)
     tokens, logprobs, beams = result.wait()                   # host numpy arrays
+    runner.close()                                            # weights, pool, graphs, workers: given back
 
 Every rank runs the same ModelRunner on the same StepInputs (pagedattn.engine.step_inputs); with tensor
-parallelism (world_size P > 1) rank r loads query/KV heads [r*H/P, (r+1)*H/P) of every layer, holds only
-its KV heads of every block in its pool (so one block id means the same tokens on every rank), and the
-model's collectives join the ranks inside the forward. Rank 0's results are the engine's.
+parallelism (P = config.tensor_parallel_size > 1) rank r loads query/KV heads [r*H/P, (r+1)*H/P) of every
+layer, holds only its KV heads of every block in its pool (so one block id means the same tokens on every
+rank), and the model's collectives join the ranks inside the forward. Rank 0 drives the others: its runner
+holds the Workers (pagedattn.distributed.worker) and broadcasts each step before running it; ranks 1..P-1
+run `serve_steps` below, the same runner in a loop. Rank 0's results are the engine's.
 
 A step: copy-on-write block copies -> one host-to-device copy of the packed inputs -> the ids of
 in-flight tokens read from the previous step's sampled tokens -> forward -> logits of the sampling rows ->
 sampling on the device (pagedattn.layers.sampler) into the shared sampled-token buffer -> an asynchronous
 copy of the sampled tokens to pinned host memory. Pure-decode steps on CUDA replay a captured graph of
-all of it (pagedattn.engine.cuda_graph) unless enforce_eager or the attention backend cannot be captured.
+all of it (pagedattn.engine.cuda_graph) unless enforce_eager or the attention backend cannot be captured;
+steps with prompt tokens replay the forward's pieces between attentions (pagedattn.engine.piecewise_graph).
 """
+import contextlib
+
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from pagedattn.config import kv_pool_blocks
+from pagedattn.distributed.worker import (OP_PING, OP_STEP, OP_STOP, TensorParallelError, Workers, agree_num_blocks,
+                                          cpu_threads_per_rank, exit_cleanly, join_group, rank_device, recv,
+                                          torchrun_launch)
 from pagedattn.engine.cuda_graph import bound_for, graph_batch_sizes, padded_batch_size
-from pagedattn.errors import KernelLaunchError
-from pagedattn.kv_cache import KVCache
-from pagedattn.layers.attention import AttentionMetadata, get_backend
+from pagedattn.engine.step_inputs import HEADER_LEN, StepInputs
+from pagedattn.errors import InvalidRequestError, KernelLaunchError
+from pagedattn.kv_cache import AttentionMetadata, KVCache
 from pagedattn.layers import sampler
+from pagedattn.layers.attention import NumbaBackend, get_backend
+from pagedattn.models.loader import read_config
 
 
 class StepResult:
@@ -71,7 +82,7 @@ class _Staging:
 
 def load_shard(config, rank, world_size, device):
     """(model, model_config) of rank `rank`: the checkpoint's shard for world_size ranks, its attention
-    backend's host-side checks off (each step's metadata is checked once on the host: ModelRunner._check).
+    backend's host-side checks off (each step's metadata is checked once on the host: ModelRunner._run).
     config.weights "quantized": the GGUF file's blocks (config.gguf_file; CPU, one rank), config.activations their
     activations ("float32" or "int8")."""
     from pagedattn.models.loader import load_gguf_model, load_model
@@ -81,40 +92,90 @@ def load_shard(config, rank, world_size, device):
         backend.validate = False
     if config.weights == "quantized":
         return load_gguf_model(config.model, config.gguf_file, backend, config.activations)
-    return load_model(config.model, device, config.dtype, backend, tp_rank=rank, tp_size=world_size)
+    return load_model(config.model, device, config.dtype, backend, tp_rank=rank, tp_size=world_size,
+                      fused_allreduce=config.fused_allreduce)
+
+
+_ALONE = contextlib.nullcontext()       # a step of one rank: nothing to broadcast
+
+
+def kernel_cache_owner():
+    """A context manager factory making the numba CUDA kernels' cached views and scratch buffers made inside it
+    one runner's (kernels_numba.bridge.owner), and a function releasing them: (owned, release)."""
+    from kernels_numba import bridge
+
+    token = object()               # plain: the caches' owner sets must not keep the runner alive
+    return (lambda: bridge.owner(token)), (lambda: bridge.release(token))
+
+
+def start_runner(config):
+    """The engine's ModelRunner (rank 0). Under torchrun with tensor_parallel_size > 1, on ranks other than 0
+    this runs the worker loop and exits the process when rank 0 closes (never returning)."""
+    launch = torchrun_launch() if config.tensor_parallel_size > 1 else None
+    if launch is not None:
+        if launch.world_size != config.tensor_parallel_size:
+            raise InvalidRequestError(f"tensor_parallel_size={config.tensor_parallel_size} but torchrun started "
+                                      f"WORLD_SIZE={launch.world_size} ranks: they must be equal")
+        if launch.rank != 0:
+            run_torchrun_worker(config, launch)
+    return ModelRunner(config, launch=launch)
 
 
 class ModelRunner:
-    """config: an EngineConfig whose `model` is a directory; rank / world_size: tensor-parallel position;
-    device: this rank's device (default: config.device, or cuda:rank for tensor parallelism on CUDA)."""
+    """config: an EngineConfig whose `model` is a directory; rank: this rank of config.tensor_parallel_size;
+    device: this rank's device (default: config.device, or cuda:<local rank> with tensor parallelism on CUDA).
+    Rank 0 of several starts (or, under torchrun `launch`, joins) the other ranks and the process group
+    first; ranks 1..P-1 are built by serve_steps, in a group already joined. The pool size is settled here:
+    config.num_blocks, or what this rank can hold (with P ranks: the least any rank can)."""
 
-    def __init__(self, config, rank=0, world_size=1, device=None):
+    _open_on_cuda = 0                       # runners on CUDA not yet closed, in this process
+
+    def __init__(self, config, rank=0, device=None, launch=None):
+        P = self.world_size = config.tensor_parallel_size
+        self.config, self.rank = config, rank
+        self.workers = None
+        if rank == 0 and P > 1:
+            from pagedattn.distributed.parallel import check_tensor_parallel_size
+
+            check_tensor_parallel_size(read_config(config.model), P)       # before any process starts
+            self.workers = Workers(config, worker_main, HEADER_LEN, launch)
+            device = self.workers.device
         if device is None:
-            device = f"cuda:{rank}" if config.device_type == "cuda" and world_size > 1 else config.device
-        self.config, self.rank, self.world_size = config, rank, world_size
+            device = config.device
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.owned, self.release_caches = contextlib.nullcontext, lambda: None
+        self.model = self.kv_cache = self.graphs = self.piecewise = None
+        self._closed = False
+        if self.cuda:
+            ModelRunner._open_on_cuda += 1
+        try:
+            self._build(config)
+        except BaseException as e:
+            workers, self.workers = self.workers, None
+            self.close()
+            if workers is not None:
+                workers.fail(e)           # stops them; raises TensorParallelError (a worker's traceback if one failed)
+            raise
+
+    def _build(self, config):
+        self.model, self.model_config = load_shard(config, self.rank, self.world_size, self.device)
+        backend = self.model.attn_backend
+        if isinstance(backend, NumbaBackend):      # its kernels keep cached views and scratch: this runner's share
+            self.owned, self.release_caches = kernel_cache_owner()
+        mc = self.model_config
+        self.num_kv_heads = mc.num_key_value_heads // self.world_size
+        self.block_size = config.block_size
+        self.max_model_len = min(config.max_model_len, mc.max_position_embeddings)
+        self.graph_width = -(-self.max_model_len // self.block_size)      # block-table columns of a graph
         # CUDA: the LM head of an eager step runs on its sampling rows padded to the decode graphs' ladder
         # (1, 2, 4, ..., max_num_seqs), row counts the graph captures met already: every other count was a
         # cuBLAS shape of its own, whose first use cost ~4 ms of host time (a prefill-heavy workload's
         # first run: each step a new count)
         self.logit_rows = graph_batch_sizes(config.max_num_seqs) if self.cuda else None
-        self._closed = False
-        if self.cuda:
-            ModelRunner._open_on_cuda += 1
-        self.model, self.model_config = load_shard(config, rank, world_size, self.device)
-        backend = self.model.attn_backend
-        mc = self.model_config
-        self.num_kv_heads = mc.num_key_value_heads // world_size
-        self.block_size = config.block_size
-        self.max_model_len = min(config.max_model_len, mc.max_position_embeddings)
-        self.graph_width = -(-self.max_model_len // self.block_size)      # block-table columns of a graph
-        self.kv_cache = None
-        self.graphs = None
-        self.piecewise = None
         capturable = self.cuda and backend.can_capture(config.dtype, mc.head_dim, config.block_size)
         self.use_graphs = capturable and not config.enforce_eager
-        self.use_piecewise = self.use_graphs and config.piecewise_graphs and world_size == 1
+        self.use_piecewise = self.use_graphs and config.piecewise_graphs and self.world_size == 1
         # Where graphs can run, every step plans the decode kernel for a context bound of the graphs (plan_len_of):
         # the same split and float32 sums whether a step replays a graph or runs eagerly (enforce_eager
         # included), so a request's tokens do not depend on the path its steps took.
@@ -128,6 +189,13 @@ class ModelRunner:
             self._host_out = [(torch.zeros(rows, dtype=torch.int32, pin_memory=True),
                                torch.zeros(rows, dtype=torch.float32, pin_memory=True)) for _ in range(2)]
             self._flip = 0
+        self.num_blocks = self.available_blocks() if self.world_size == 1 else agree_num_blocks(self)
+        self.kv_cache = KVCache(mc.num_hidden_layers, self.num_blocks, self.num_kv_heads, self.block_size,
+                                mc.head_dim, dtype=config.dtype, device=str(self.device))
+        self.num_slots = self.num_blocks * self.block_size
+        if self.use_piecewise:
+            from pagedattn.engine.piecewise_graph import PiecewiseGraphs
+            self.piecewise = PiecewiseGraphs(self.model, self.kv_cache, config.max_num_batched_tokens)
 
     # ---- the KV pool ------------------------------------------------------------------------------
     @property
@@ -141,15 +209,10 @@ class ModelRunner:
         return kv_pool_blocks(self.config, self.model_config, self.bytes_per_block, self.max_model_len,
                               self.device)
 
-    def allocate_kv_cache(self, num_blocks):
-        mc = self.model_config
-        self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, self.num_kv_heads, self.block_size, mc.head_dim,
-                                dtype=self.config.dtype, device=str(self.device))
-        self.num_slots = num_blocks * self.block_size
-
+    # ---- graphs ---------------------------------------------------------------------------------
     def context_bounds(self, num_seqs):
-        """The context bounds of the decode graphs of num_seqs sequences, ascending, the last plan_len: the
-        backend's bounds where its decode kernel plans short contexts otherwise (decode_context_bounds)."""
+        """The context bounds a decode of num_seqs sequences is planned for, ascending, the last plan_len: the
+        backend's (its decode kernel may plan short contexts otherwise); each is a decode graph of its own."""
         if num_seqs not in self._bounds:
             mc = self.model_config
             self._bounds[num_seqs] = self.model.attn_backend.decode_context_bounds(
@@ -171,56 +234,36 @@ class ModelRunner:
             self.graphs = graphs
         return self.graphs
 
-    _open_on_cuda = 0                       # runners on CUDA not yet closed, in this process
-
-    def close(self):
-        """Called once by the executor's shutdown. When no other runner on CUDA is open, torch's cuBLAS
-        workspaces (32 MiB per stream the GEMMs ran on, kept by torch for the process's life) go too,
-        so memory_allocated() returns to what it was before the first engine."""
-        if not self.cuda or self._closed:
-            return
-        self._closed = True
-        self.graphs = None
-        self.piecewise = None
-        ModelRunner._open_on_cuda -= 1
-        if ModelRunner._open_on_cuda == 0:
-            torch.cuda.synchronize(self.device)
-            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-            if clear is not None:
-                clear()
-
-    def piecewise_graphs(self):
-        """The piecewise graphs of steps with prompt tokens (made on first use; each size captured when a step
-        first needs it)."""
-        if self.piecewise is None and self.use_piecewise:
-            from pagedattn.engine.piecewise_graph import PiecewiseGraphs
-            self.piecewise = PiecewiseGraphs(self, self.config.max_num_batched_tokens)
-        return self.piecewise
-
     def drop_graphs(self):
         """Forget the captured graphs (and their memory pools); the next steps capture anew."""
         self.graphs = None
-        self.piecewise = None
+        if self.piecewise is not None:
+            self.piecewise.drop()
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    # ---- a step -----------------------------------------------------------------------------------
-    def copy_blocks(self, copies):
-        """Copy-on-write: copies [C, 2] (src, dst) in every layer before the step writes into dst."""
-        if len(copies) == 0:
+    def close(self):
+        """Give everything back (the executor's shutdown, once): the workers stop, the graphs, pool and model
+        go with this object, and this runner's share of the kernels' cached views and scratch. When no other
+        runner on CUDA is open, torch's cuBLAS workspaces (32 MiB per stream the GEMMs ran on, kept by torch
+        for the process's life) go too, so memory_allocated() returns to what it was before the first
+        engine. Idempotent."""
+        if self._closed:
             return
-        self.model.attn_backend.copy_blocks(self.kv_cache.k_caches, self.kv_cache.v_caches,
-                                            np.asarray(copies, dtype=np.int64))
+        self._closed = True
+        if self.workers is not None:
+            self.workers.shutdown()
+        self.graphs = self.piecewise = self.model = self.kv_cache = self.staging = None
+        self.release_caches()
+        if self.cuda:
+            ModelRunner._open_on_cuda -= 1
+            if ModelRunner._open_on_cuda == 0:
+                torch.cuda.synchronize(self.device)
+                clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+                if clear is not None:
+                    clear()
 
-    def _check(self, f):
-        """The host-side checks that replace the kernels' per-call ones (host data: no sync)."""
-        slots = f["slot_mapping"]
-        if len(slots) and (int(slots.max()) >= self.num_slots or int(slots.min()) < 0):
-            raise KernelLaunchError(f"slot_mapping has slots outside [0, {self.num_slots})")
-        tables = f["block_tables"]
-        if tables.size and (int(tables.max()) >= self.kv_cache.num_blocks or int(tables.min()) < 0):
-            raise KernelLaunchError(f"block table entry outside the pool of {self.kv_cache.num_blocks} blocks")
-
+    # ---- a step -----------------------------------------------------------------------------------
     def run_step(self, step, dev, max_context_len=None, gather=True, piecewise=None):
         """The capturable core: forward + logits + sampling of `step` whose packed inputs are the int32
         tensor `dev` on this rank's device. gather: read in-flight ids from the sampled-token buffer.
@@ -236,10 +279,8 @@ class ModelRunner:
             num_decode_tokens=step.num_seqs - step.num_prefills, slot_mapping=f["slot_mapping"],
             context_lens=f["context_lens"], block_tables=f["block_tables"], cu_seqlens_q=f["cu_seqlens_q"],
             max_context_len=max_context_len)
-        if piecewise is not None:
-            hidden = piecewise.forward(ids, f["positions"], f["slot_mapping"], meta)     # (T, hidden)
-        else:
-            hidden = self.model.forward(ids, f["positions"], self.kv_cache, meta)      # (T, hidden)
+        forward = piecewise.forward if piecewise is not None else self.model.forward
+        hidden = forward(ids, f["positions"], self.kv_cache, meta)                      # (T, hidden)
         N, logits = step.num_samples, None
         if N:
             rows = f["sample_rows"]
@@ -248,49 +289,121 @@ class ModelRunner:
                 rows = torch.cat([rows, rows[-1:].expand(padded - N)])
             logits = self.model.compute_logits(hidden[rows], float32=False)[:N]   # (N, V), the model's dtype
             st = sampler.SamplingTensors(temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"],
-                                 seed=f["seed"], index=f["comp_index"], position=f["position"])
+                                         seed=f["seed"], index=f["comp_index"], position=f["position"])
             sampler.sample(logits, st, out_tokens=self.sampled_tokens[:N], out_logprobs=self.sampled_logprobs[:N])
         return hidden, logits
 
     @torch.inference_mode()
     def execute(self, step, want_results=True):
-        """Launch one step. Returns a StepResult (None when want_results is False: workers)."""
-        assert step.num_samples <= self.sampled_tokens.shape[0], "more sampling rows than max_num_seqs"
-        host = step.fields()
-        self._check(host)
-        self.copy_blocks(host["block_copies"])
-        beams = None
-        if self.use_graphs and self.capture_graphs().can_run(step):
-            self.graphs.run(step)
-        else:
-            dev = self.staging.upload(step.data) if self.cuda else torch.from_numpy(step.data)
-            # a small CPU step: the sampler's torch ops on one thread too (CpuStep.scope)
-            piecewise = self.piecewise_graphs()
-            if piecewise is not None and not piecewise.can_run(step):
-                piecewise = None
-            with self.model.ops.step_scope(len(host["input_ids"])):
-                plan_len = (self.plan_len_of(step.num_seqs - step.num_prefills, step.max_context_len)
-                            if self.plan_len else step.max_context_len)
-                hidden, _ = self.run_step(step, dev, max_context_len=plan_len,
-                                          gather=bool((host["input_src"] >= 0).any()), piecewise=piecewise)
-                if step.num_beams:
-                    rows = step.fields(dev)["beam_rows"]
-                    logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)   # (Nb, V)
-                    beams = logprobs.topk(step.beam_k, dim=-1)
-        if not want_results:
-            return None
-        N = step.num_samples
-        if not self.cuda:
-            return StepResult(self.sampled_tokens[:N].clone(), self.sampled_logprobs[:N].clone(),
-                              None if beams is None else (beams.values.clone(), beams.indices.clone()))
-        tok_h, lp_h = self._host_out[self._flip]
-        self._flip ^= 1
-        tok_h[:N].copy_(self.sampled_tokens[:N], non_blocking=True)
-        lp_h[:N].copy_(self.sampled_logprobs[:N], non_blocking=True)
-        beams_h = None
-        if beams is not None:
-            beams_h = (beams.values.to("cpu", non_blocking=True), beams.indices.to("cpu", non_blocking=True))
-        event = torch.cuda.Event()
-        event.record()
-        return StepResult(tok_h[:N], lp_h[:N], beams_h, event)
+        """Launch one step (on rank 0 of several: broadcast it to the others first). Returns a StepResult
+        (None when want_results is False: workers)."""
+        with _ALONE if self.workers is None else self.workers.step(step.header_array(), step.data):
+            if self._closed:
+                raise RuntimeError("the engine is closed: its model and KV pool were released")
+            assert step.num_samples <= self.sampled_tokens.shape[0], "more sampling rows than max_num_seqs"
+            host = step.fields()
+            # the host-side checks that replace the kernels' per-call ones (host data: no sync)
+            slots, tables, copies = host["slot_mapping"], host["block_tables"], host["block_copies"]
+            if len(slots) and (int(slots.max()) >= self.num_slots or int(slots.min()) < 0):
+                raise KernelLaunchError(f"slot_mapping has slots outside [0, {self.num_slots})")
+            if tables.size and (int(tables.max()) >= self.num_blocks or int(tables.min()) < 0):
+                raise KernelLaunchError(f"block table entry outside the pool of {self.num_blocks} blocks")
+            beams = None
+            with self.owned():
+                if len(copies):                           # copy-on-write: (src, dst) in every layer, before the writes
+                    self.model.attn_backend.copy_blocks(self.kv_cache.k_caches, self.kv_cache.v_caches,
+                                                        np.asarray(copies, dtype=np.int64))
+                if self.use_graphs and step.pure_decode and self.capture_graphs().can_run(step):
+                    self.graphs.run(step)
+                else:
+                    dev = self.staging.upload(step.data) if self.cuda else torch.from_numpy(step.data)
+                    piecewise = self.piecewise if self.piecewise is not None and self.piecewise.can_run(step) else None
+                    plan_len = (self.plan_len_of(step.num_seqs - step.num_prefills, step.max_context_len)
+                                if self.plan_len else step.max_context_len)
+                    with self.model.ops.step_scope(len(host["input_ids"])):   # a small CPU step: its kernels' threads
+                        hidden, _ = self.run_step(step, dev, max_context_len=plan_len,
+                                                  gather=bool((host["input_src"] >= 0).any()), piecewise=piecewise)
+                        if step.num_beams:
+                            rows = step.fields(dev)["beam_rows"]
+                            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)   # (Nb, V)
+                            beams = logprobs.topk(step.beam_k, dim=-1)
+            if not want_results:
+                return None
+            N = step.num_samples
+            if not self.cuda:
+                return StepResult(self.sampled_tokens[:N].clone(), self.sampled_logprobs[:N].clone(),
+                                  None if beams is None else (beams.values.clone(), beams.indices.clone()))
+            tok_h, lp_h = self._host_out[self._flip]
+            self._flip ^= 1
+            tok_h[:N].copy_(self.sampled_tokens[:N], non_blocking=True)
+            lp_h[:N].copy_(self.sampled_logprobs[:N], non_blocking=True)
+            beams_h = None
+            if beams is not None:
+                beams_h = (beams.values.to("cpu", non_blocking=True), beams.indices.to("cpu", non_blocking=True))
+            event = torch.cuda.Event()
+            event.record()
+            return StepResult(tok_h[:N], lp_h[:N], beams_h, event)
 
+
+# ---- ranks 1..P-1 ----------------------------------------------------------------------------------
+def serve_steps(rank, config, device, ctrl):
+    """A worker's life after joining the group: build its ModelRunner (the ranks agree on the pool), then run
+    every step rank 0 broadcasts until OP_STOP."""
+    runner = ModelRunner(config, rank, device)
+    try:
+        while True:
+            op, header, data = recv(ctrl, HEADER_LEN)
+            if op == OP_STOP:
+                return
+            if op == OP_STEP:
+                runner.execute(StepInputs.from_header_array(header, data), want_results=False)
+            elif op != OP_PING:
+                raise RuntimeError(f"rank {rank}: unknown op {op} from rank 0")
+    finally:
+        runner.close()
+
+
+def worker_main(index, world_size, init_method, config, ctrl_timeout_s):
+    """Entry point of spawned rank index + 1 (torch.multiprocessing passes `index`). Exits on OP_STOP."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C is the parent's to handle
+    rank = index + 1
+    device = rank_device(config.device_type, rank)
+    if config.device_type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(world_size))
+    ctrl = join_group(rank, world_size, init_method, device, ctrl_timeout_s)
+    try:
+        serve_steps(rank, config, device, ctrl)
+    finally:
+        dist.destroy_process_group()
+    exit_cleanly()
+
+
+def run_torchrun_worker(config, launch):
+    """Rank launch.rank (> 0) of a torchrun launch: join torchrun's group, serve rank 0's steps until it
+    stops them, then exit the process with code 0. Any failure (rank 0 or a peer gone, a collective timed
+    out) raises TensorParallelError out of the caller's LLM(...), whose process then exits with an error."""
+    from pagedattn.distributed.parallel import check_tensor_parallel_size
+
+    check_tensor_parallel_size(read_config(config.model), launch.world_size)
+    device = rank_device(config.device_type, launch.local_rank)
+    if config.device_type == "cuda" and torch.cuda.device_count() <= launch.local_rank:
+        raise TensorParallelError(f"rank {launch.rank} runs on {device}, but {torch.cuda.device_count()} GPUs "
+                                  "are visible")
+    if config.device_type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(launch.local_world_size))
+    owns_group = not dist.is_initialized()
+    ctrl = join_group(launch.rank, launch.world_size, "env://", device)
+    try:
+        serve_steps(launch.rank, config, device, ctrl)
+    except Exception as e:
+        raise TensorParallelError(f"tensor-parallel rank {launch.rank} of {launch.world_size} failed: {e!r} "
+                                  "(rank 0 or a peer gone, or a collective timed out)") from e
+    finally:
+        if owns_group:
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+    exit_cleanly()

@@ -10,11 +10,11 @@ attention into L + 1 pieces,
     piece i      o -> layer i-1 after its attention (o_proj, norm, MLP) -> layer i before its attention -> q_i
     piece L      o -> layer L-1 after its attention -> the final norm -> hidden
 
-(pagedattn.models.qwen2: Qwen2DecoderLayer.before_attention / after_attention), and each piece is captured
-once per padded token count T of a ladder (16, 32, 64, ... up to the step's token budget) and replayed with
-the attention of layer i launched eagerly after piece i, on the step's own metadata:
+(the model states them: Qwen2ForCausalLM.piece(i, ...), the same stages its forward runs), and each piece is
+captured once per padded token count T of a ladder (16, 32, 64, ... up to the step's token budget) and
+replayed with the attention of layer i launched eagerly after piece i, on the step's own metadata:
 
-    hidden = graphs.forward(ids, positions, slot_mapping, attn_metadata)     # [num_tokens, hidden]
+    hidden = graphs.forward(ids, positions, kv_cache, attn_metadata)     # [num_tokens, hidden]
 
 So a 24-layer step costs 25 graph launches plus 24 attention launches (each with its plan and merge)
 instead of ~200 kernel launches and ~250 torch calls from Python: tens of milliseconds of host time.
@@ -30,8 +30,6 @@ tokens, can differ from the eager path (as they do between eager steps of differ
 A bucket is captured the first time a step needs it (~25 captures, tens of milliseconds), or ahead by
 capture(sizes). The graphs share one memory pool, freed with this object.
 """
-import weakref
-
 import torch
 
 from pagedattn.engine.cuda_graph import capture_stream, no_collection
@@ -51,20 +49,20 @@ def token_ladder(max_tokens, min_tokens=MIN_TOKENS):
 
 
 class _Bucket:
-    """One padded token count's static inputs, its pieces (closures) and, once captured, their graphs and
-    outputs. run(i): piece i -> its q (or, the last, hidden): the graph replayed, or (not captured: the CPU,
-    tests) the closure called."""
+    """One padded token count's static inputs, its pieces on them (`piece(i)`, set by PiecewiseGraphs), and once
+    captured their graphs and outputs. run(i): piece i -> its q (or, the last, hidden): the graph replayed,
+    or (not captured: the CPU, tests) the piece called."""
 
     def __init__(self, tokens, num_heads, head_dim, dtype, device):
         self.ids = torch.zeros(tokens, dtype=torch.int32, device=device)
         self.positions = torch.zeros(tokens, dtype=torch.int32, device=device)
         self.slots = torch.full((tokens,), -1, dtype=torch.int32, device=device)
         self.o = torch.zeros(tokens, num_heads, head_dim, dtype=dtype, device=device)
-        self.pieces, self.graphs, self.outputs, self.kept = [], [], [], []
+        self.piece, self.graphs, self.outputs, self.kept = None, [], [], []
 
     def run(self, i):
         if not self.graphs:
-            return self.pieces[i]()[0]
+            return self.piece(i)[0]
         self.graphs[i].replay()
         return self.outputs[i]
 
@@ -72,20 +70,16 @@ class _Bucket:
 class PiecewiseGraphs:
     """Captures the model's forward in pieces per padded token count; forward() replays them.
 
-    runner: the ModelRunner (its model and KV cache; held weakly, the runner owns this object);
-    max_tokens: the largest step (the engine's token budget); graphs=False: no capture, each piece a
-    plain call (the same pieces and buffers on the CPU, for tests)."""
+    model: the Qwen2ForCausalLM (its pieces and ops table); kv_cache: the pool its pieces write and its
+    attention reads; max_tokens: the largest step (the engine's token budget); graphs=False: no capture,
+    each piece a plain call (the same pieces and buffers on the CPU, for tests)."""
 
-    def __init__(self, runner, max_tokens, graphs=True):
-        self._runner = weakref.ref(runner)
+    def __init__(self, model, kv_cache, max_tokens, graphs=True):
+        self.model, self.kv_cache = model, kv_cache
         self.sizes = token_ladder(max_tokens)
         self.graphs = graphs                              # False: the pieces as plain calls (the CPU, tests)
         self.buckets = {}
         self.pool = None
-
-    @property
-    def runner(self):
-        return self._runner()
 
     def padded(self, num_tokens):
         """The smallest ladder size >= num_tokens, or None."""
@@ -94,73 +88,59 @@ class PiecewiseGraphs:
     def can_run(self, step):
         return step.num_beams == 0 and 0 < step.num_tokens and self.padded(step.num_tokens) is not None
 
-    def forward(self, ids, positions, slot_mapping, attn_metadata):
-        """The model's forward of one step (ids, positions, slot_mapping: [T] device tensors; the step's
-        AttentionMetadata) through the graphs of its padded size. Returns hidden [T, hidden] (a view of
-        the graphs' output, valid until the next replay of that size)."""
+    def drop(self):
+        """Forget the captured pieces (and their memory pool); each size is captured again when next needed."""
+        self.buckets, self.pool = {}, None
+
+    def _piece_on(self, b):
+        """piece(i) on bucket b's buffers, the residual stream carried from one piece to the next."""
+        model, kv = self.model, self.kv_cache
+        carry = [None]
+
+        def piece(i):
+            x = b.ids if i == 0 else b.o
+            out, carry[0] = model.piece(i, b.positions, x, carry[0], kv, b.slots)
+            return out, carry[0]
+        return piece
+
+    def forward(self, ids, positions, kv_cache, attn_metadata):
+        """The model's forward of one step (ids, positions: [T] device tensors; kv_cache: the pool it was
+        captured on; the step's AttentionMetadata) through the pieces of its padded size. Returns hidden
+        [T, hidden] (a view of the graphs' output, valid until the next replay of that size)."""
         T = ids.shape[0]
         b = self.buckets.get(self.padded(T)) or self.capture_size(self.padded(T), self.graphs)
         b.ids[:T].copy_(ids)
         b.positions[:T].copy_(positions)
-        b.slots[:T].copy_(slot_mapping)
+        b.slots[:T].copy_(attn_metadata.slot_mapping)
         b.slots[T:].fill_(-1)
-        kv, attend = self.runner.kv_cache, self.runner.model.ops.attention
-        for i in range(len(b.pieces) - 1):
+        attend = self.model.ops.attention
+        for i in range(self.model.num_pieces - 1):
             q = b.run(i)
-            attend(q[:T], kv.k_caches[i], kv.v_caches[i], attn_metadata, out=b.o[:T])
-        return b.run(len(b.pieces) - 1)[:T]
-
-    def _pieces(self, b):
-        """The L + 1 pieces on bucket b's buffers, as closures run in order; each returns (q_i, residual) or,
-        the last, (hidden, residual). The residual stream goes from one piece to the next through `carry`."""
-        model, kv = self.runner.model, self.runner.kv_cache
-        layers = model.model.layers
-        carry = [None]
-
-        def first():
-            x = model.model.embed_tokens(b.ids)
-            q, carry[0] = layers[0].before_attention(b.positions, x, None, kv.k_caches[0], kv.v_caches[0], b.slots)
-            return q, carry[0]
-
-        def middle(i):
-            def piece():
-                x, residual = layers[i - 1].after_attention(b.o, carry[0])
-                q, carry[0] = layers[i].before_attention(b.positions, x, residual, kv.k_caches[i], kv.v_caches[i],
-                                                         b.slots)
-                return q, carry[0]
-            return piece
-
-        def final():
-            x, residual = layers[-1].after_attention(b.o, carry[0])
-            hidden, carry[0] = model.model.norm(x, residual)
-            return hidden, carry[0]
-
-        return [first] + [middle(i) for i in range(1, len(layers))] + [final]
+            attend(q[:T], kv_cache.k_caches[i], kv_cache.v_caches[i], attn_metadata, out=b.o[:T])
+        return b.run(self.model.num_pieces - 1)[:T]
 
     @torch.inference_mode()
     def capture_size(self, tokens, graphs=True):
         """Capture the pieces for `tokens` padded rows (all padding: nothing is written into the pool).
         graphs=False (the CPU, tests): the bucket runs its pieces as plain calls."""
-        runner = self.runner
-        mc = runner.model_config
-        b = _Bucket(tokens, mc.num_attention_heads // runner.world_size, mc.head_dim, runner.kv_cache.dtype,
-                    runner.device)
-        b.pieces = self._pieces(b)
+        mc, kv = self.model.config, self.kv_cache
+        b = _Bucket(tokens, mc.num_attention_heads // self.model.tp_size, mc.head_dim, kv.dtype, kv.k_caches[0].device)
+        b.piece = self._piece_on(b)
         if graphs:
-            side = capture_stream(runner.device)
+            side = capture_stream(b.ids.device)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):                 # warm-up: kernels loaded, cuBLAS set up for T rows
-                for piece in b.pieces:
-                    piece()
+                for i in range(self.model.num_pieces):
+                    b.piece(i)
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             # Every piece's outputs are kept: a later piece (or the eager attention) reads them at their
             # capture-time addresses, so the pool must never hand their memory to another piece.
             with no_collection():
-                for piece in b.pieces:
+                for i in range(self.model.num_pieces):
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=self.pool, stream=side):
-                        out, residual = piece()
+                        out, residual = b.piece(i)
                     if self.pool is None:
                         self.pool = g.pool()
                     b.graphs.append(g)

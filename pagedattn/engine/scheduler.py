@@ -11,14 +11,8 @@ computes a chunk of the gap for some of them. Policy, per step:
    the front of the waiting queue; it is recomputed later (recompute, not swap).
 2. Only if nothing was preempted this step, waiting sequences are admitted in arrival order (no
    skipping) while the token budget, `max_num_seqs` (counting the sequences a request will fork
-   into) and the pool allow. With `admission_interval` K > 1, a step that would otherwise be pure
-   decode admits nothing until K steps have passed since the last admission, unless the waiting
-   prompts would fill half the token budget: a trickle of arrivals (chat traffic) joins in one
-   prompt step every K steps instead of making nearly every step a mixed prefill + decode step,
-   while a crowd of arrivals, or a step that holds a prompt chunk anyway, is admitted at once.
-   Counted in steps, so the same requests give the same steps every run. Admission allocates the
-   blocks of every known token at once; with prefix caching, leading full blocks already in the
-   cache are reused and count as computed.
+   into) and the pool allow. Admission allocates the blocks of every known token at once; with
+   prefix caching, leading full blocks already in the cache are reused and count as computed.
 
 A sequence whose token is still in flight (asynchronous scheduling: the step that samples it has not
 returned) is scheduled like any other: the runner reads its id on the device. One whose in-flight token
@@ -38,16 +32,14 @@ from pagedattn.errors import InvalidRequestError
 @dataclass
 class SchedulerConfig:
     """max_num_seqs: sequences in one step; max_num_batched_tokens: tokens in one step (the chunk
-    budget); block_size: tokens per KV block; admission_interval: while sequences decode, admit new
-    ones at most every this many steps (see the module's docstring; 1: every step)."""
+    budget); block_size: tokens per KV block."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    admission_interval: int = 1
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "admission_interval"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequestError(f"{name} must be an int >= 1, got {value!r}")
@@ -88,7 +80,6 @@ class Scheduler:
         self.waiting = deque()     # arrival order; preempted sequences go back to the front
         self.running = []          # admission order; preemption takes from the end
         self.num_preemptions = 0
-        self.steps_since_admission = 0
 
     # ---- queues -------------------------------------------------------------------------------
     def add(self, seq):
@@ -141,10 +132,8 @@ class Scheduler:
                 continue
             break               # seq preempted itself: it was the last running sequence
 
-        # 2. Admit waiting sequences, unless this step had to preempt or it is not yet time to (cadence).
-        self.steps_since_admission += 1
-        if not out.preempted and self.waiting and not self._hold(chosen, budget):
-            self.steps_since_admission = 0
+        # 2. Admit waiting sequences, unless this step had to preempt.
+        if not out.preempted and self.waiting:
             # Sequences running now or forked later (n > 1, beams): admission keeps them <= max_num_seqs.
             seats = sum(1 + s.num_pending_forks for s in self.running)
             while self.waiting and budget > 0 and len(chosen) < self.config.max_num_seqs:
@@ -160,8 +149,9 @@ class Scheduler:
                 chosen.append((seq, n))
                 budget -= n
 
-        prefills = [(s, n) for s, n in chosen if n > 1]
-        decodes = [(s, n) for s, n in chosen if n == 1]
+        prefills, decodes = [], []
+        for pair in chosen:
+            (prefills if pair[1] > 1 else decodes).append(pair)
         out.scheduled = prefills + decodes
         out.num_prefills = len(prefills)
         return out
@@ -178,18 +168,6 @@ class Scheduler:
                 full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs
                 if full > len(committed.get(seq.seq_id, ())):
                     bm.commit_full_blocks(seq.seq_id, seq.token_ids, full * bs)
-
-    def _hold(self, chosen, budget):
-        """Keep the waiting sequences out of this step (admission_interval; the module's docstring)."""
-        k = self.config.admission_interval
-        if k == 1 or not chosen or self.steps_since_admission >= k or any(n > 1 for _, n in chosen):
-            return False
-        want = 0
-        for seq in self.waiting:            # arrival order, stopping once half the budget is reached
-            want += seq.num_new_tokens
-            if 2 * want >= budget:
-                return False
-        return True
 
     # ---- blocks ---------------------------------------------------------------------------------
     def _can_admit(self, seq):

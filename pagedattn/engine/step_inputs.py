@@ -26,6 +26,7 @@ from array import array
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from pagedattn.kv_cache import slots_for
 
@@ -61,10 +62,13 @@ class SampleRow:
 
 
 class StepInputs:
-    """The packed step: `header` (dict of ints) and `data` (int32 numpy array, layout(header))."""
+    """The packed step: `header` (dict of ints, also attributes: step.num_tokens, ...) and `data` (int32
+    numpy array, layout(header))."""
 
     def __init__(self, header, data):
         self.header, self.data = header, data
+        self.__dict__.update(header)
+        self.layout = layout(header)
 
     @classmethod
     def from_header_array(cls, header_arr, data):
@@ -72,11 +76,6 @@ class StepInputs:
 
     def header_array(self):
         return np.array([self.header[k] for k in HEADER], dtype=np.int64)
-
-    def __getattr__(self, name):
-        if name in HEADER:
-            return self.header[name]
-        raise AttributeError(name)
 
     @property
     def pure_decode(self):
@@ -88,24 +87,20 @@ class StepInputs:
         """{name: view} of `arr` (default: data; a torch tensor works too): int32 views, and float32 /
         int64 views for temperature, top_p and seed."""
         arr = self.data if arr is None else arr
+        f32, i64 = (np.float32, np.int64) if isinstance(arr, np.ndarray) else (torch.float32, torch.int64)
         out = {}
-        for name, (o, n) in layout(self.header).items():
+        for name, (o, n) in self.layout.items():
             if name.startswith("_"):
                 continue
             v = arr[o:o + n]
             if name in ("temperature", "top_p"):
-                v = v.view(np.float32) if isinstance(v, np.ndarray) else v.view(_torch().float32)
+                v = v.view(f32)
             elif name == "seed":
-                v = v.view(np.int64) if isinstance(v, np.ndarray) else v.view(_torch().int64)
+                v = v.view(i64)
             out[name] = v
         out["block_tables"] = out["block_tables"].reshape(self.num_seqs, self.width)
         out["block_copies"] = out["block_copies"].reshape(self.num_copies, 2)
         return out
-
-
-def _torch():
-    import torch
-    return torch
 
 
 def _padded_tables(tables):
@@ -157,8 +152,8 @@ def build_step_inputs(sched_out, block_manager, sample_rows, beam_rows, beam_k):
     header = dict(num_tokens=T, num_seqs=S, width=W, num_prefills=P, num_prefill_tokens=int(cu[P]),
                   num_samples=len(sample_rows), num_beams=len(beam_rows), beam_k=beam_k,
                   num_copies=len(sched_out.block_copies), max_context_len=int(ctx.max()))
-    lay = layout(header)
-    step = StepInputs(header, np.zeros(lay["_size"][1], dtype=np.int32))
+    step = StepInputs(header, None)
+    step.data = np.zeros(step.layout["_size"][1], dtype=np.int32)
     f = step.fields()
     f["input_ids"][:] = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int32, count=T)
     f["input_src"][:] = -1

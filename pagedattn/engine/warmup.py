@@ -76,7 +76,7 @@ def _marker(engine):
     from kernels_numba import bridge
     from pagedattn.bundled import cache_root
 
-    cfg, mc, runner = engine.config, engine.model_config, engine.executor.runner
+    cfg, mc, runner = engine.config, engine.model_config, engine.runner
     what = dict(sources=bridge.source_digest(), numba_cuda=version("numba-cuda"),
                 gpu=torch.cuda.get_device_name(runner.device), cc=torch.cuda.get_device_capability(runner.device),
                 cache_dir=os.environ.get("NUMBA_CACHE_DIR", ""), dtype=str(cfg.dtype), block_size=cfg.block_size,
@@ -94,9 +94,9 @@ def warm_up(engine, workers=None):
     from kernels_numba import bridge, precompile
 
     times = {}
-    runner = engine.executor.runner
+    runner = engine.runner
     cuda = engine.config.device_type == "cuda"
-    marker = _marker(engine) if cuda and engine.executor.world_size == 1 and precompile.available() else None
+    marker = _marker(engine) if cuda and engine.runner.world_size == 1 and precompile.available() else None
     if marker is not None and not _marker_holds(marker):
         t = time.perf_counter()
         logger.info("checking the kernel cache ...")
@@ -124,10 +124,10 @@ def warm_up(engine, workers=None):
     logger.info("loading kernels and capturing CUDA graphs ..." if cuda else "loading kernels ...")
     run_workload(engine)
     times["warm_up"] = time.perf_counter() - t
-    if runner is not None and runner.use_piecewise:
+    if runner is not None and runner.piecewise is not None:
         t = time.perf_counter()
         logger.info("capturing the piecewise CUDA graphs ...")
-        runner.piecewise_graphs().capture()          # every padded size: no capture inside a request's step
+        runner.piecewise.capture()                   # every padded size: no capture inside a request's step
         times["capture_piecewise"] = time.perf_counter() - t
     hits2, misses2 = bridge.disk_cache_stats()
     times["kernels_loaded"], times["kernels_compiled"] = hits2 - hits, misses2 - misses

@@ -16,9 +16,9 @@ KV head h // (H // Hkv).
 A backend also has `validate`, which turns the kernels' host-side checks on (False in the engine, which
 checks each step's metadata once on the host); `can_capture(dtype, head_dim, block_size)`, whether every
 piece of a decode step can be recorded in a CUDA graph; and `copy_blocks`, the copy-on-write block copies
-of every layer. NumbaBackend.glue_kernels_for(device, dtype) says whether its glue kernels (RMSNorm,
-rotary + K/V write, SiLU-and-mul) load and cover that device and dtype; pagedattn/layers/ops.py reads it
-once, when the model is built.
+of every layer. And `ops_table(device, dtype, widths)`: the model's ops table (pagedattn/layers/ops.py), the
+backend's kernels for every op of a layer on that device and dtype, chosen once when the model is built
+(NumbaBackend: its glue kernels where glue_kernels_for(device, dtype) says they load and cover it).
 
 Backends:
   * TorchPagedBackend (pagedattn/layers/torch_attention.py): torch ops on any device. Gathers each
@@ -29,120 +29,24 @@ Backends:
     piece whose kernel module does not import falls back to the torch version of that piece. The prefill
     kernel's work list is made by a step's first layer and reused by its other layers (kept in the step's
     AttentionMetadata.prefill_plans).
-  * CpuNumbaBackend (pagedattn/layers/cpu_attention.py): numba CPU kernels reading the pool in place.
+  * CpuNumbaBackend (pagedattn/layers/cpu.py): numba CPU kernels reading the pool in place, and a small
+    step's whole decoder layer as one call.
 
 get_backend("auto" | "torch" | "numba" | "cpu", device) picks one.
 """
 import importlib
 import warnings
-from dataclasses import dataclass, field
+from functools import partial
 
-import numpy as np
 import torch
-from torch import Tensor
 
-from pagedattn.errors import KernelLaunchError
-from pagedattn.kv_cache import slots_for
+from pagedattn.kv_cache import AttentionMetadata  # noqa: F401 - the backends' contract, re-exported
 from pagedattn.layers.torch_attention import TorchPagedBackend
 
 try:
-    from pagedattn.layers.cpu_attention import CpuNumbaBackend
+    from pagedattn.layers.cpu import CpuNumbaBackend
 except ImportError:          # numba's CPU target unavailable: "auto" on CPU is the torch backend
     CpuNumbaBackend = None
-
-
-@dataclass
-class AttentionMetadata:
-    num_prefills: int                 # sequences in prefill, first in the batch
-    num_prefill_tokens: int           # their tokens, first in the batch
-    num_decode_tokens: int            # one per decoding sequence, after them
-    slot_mapping: Tensor              # [num_tokens] int64, where each token's new K/V goes (-1 = skip)
-    context_lens: Tensor              # [num_seqs] int32, tokens in the cache *after* this step's write
-    block_tables: Tensor              # [num_seqs, max_blocks] int32, prefills first then decodes
-    cu_seqlens_q: Tensor              # [num_prefills + 1] int32, prefill chunk boundaries
-    max_context_len: int | None = None  # host int >= every context_len (eager steps: sizes the decode
-                                        # kernel's split-KV plan, spares the torch path a sync); None inside
-                                        # CUDA graphs: block-table width x block size
-    # The prefill kernel's work lists of this step (kernels_numba.paged_prefill_fa2's plans=): built by the
-    # first layer's attention, reused by the others; a new step is a new object, so never a stale plan
-    prefill_plans: dict = field(default_factory=dict, repr=False, compare=False)
-
-    def __post_init__(self):
-        # Shape checks only: they never read tensor data, so they cost no device sync.
-        num_seqs = self.num_prefills + self.num_decode_tokens
-        checks = [
-            (self.slot_mapping.shape[0] == self.num_tokens, "slot_mapping", (self.num_tokens,), self.slot_mapping.shape),
-            (self.context_lens.shape[0] == num_seqs, "context_lens", (num_seqs,), self.context_lens.shape),
-            (self.block_tables.dim() == 2 and self.block_tables.shape[0] == num_seqs,
-             "block_tables", (num_seqs, "max_blocks"), self.block_tables.shape),
-        ]
-        if self.num_prefills > 0:
-            n = self.num_prefills + 1
-            checks.append((self.cu_seqlens_q.shape[0] == n, "cu_seqlens_q", (n,), self.cu_seqlens_q.shape))
-        for ok, name, want, got in checks:
-            if not ok:
-                raise KernelLaunchError(f"AttentionMetadata.{name} has shape {tuple(got)}, expected {want} "
-                                        f"(num_prefills={self.num_prefills}, num_prefill_tokens="
-                                        f"{self.num_prefill_tokens}, num_decode_tokens={self.num_decode_tokens})")
-        if self.num_prefills > self.num_prefill_tokens:
-            raise KernelLaunchError(f"num_prefills={self.num_prefills} > num_prefill_tokens={self.num_prefill_tokens}: "
-                                    "every prefill chunk has at least one token")
-
-    @property
-    def num_tokens(self):
-        return self.num_prefill_tokens + self.num_decode_tokens
-
-    @property
-    def num_seqs(self):
-        return self.num_prefills + self.num_decode_tokens
-
-    @property
-    def prefill_only(self):
-        return self.num_decode_tokens == 0
-
-    @property
-    def decode_only(self):
-        return self.num_prefills == 0
-
-    @classmethod
-    def build(cls, query_lens, context_lens, block_tables, block_size, num_prefills, device="cpu"):
-        """Metadata for a step given per-sequence lists (tests, scripts, simple loops).
-
-        query_lens: [num_seqs] ints, new tokens of each sequence this step (decodes: 1), prefills first.
-        context_lens: [num_seqs] ints, tokens in the cache after this step's write (>= query_len).
-        block_tables: [num_seqs] lists of physical block ids (enough for context_len tokens).
-        block_size: tokens per block; num_prefills: how many leading sequences are prefills.
-        The new tokens are the last query_len positions of each sequence; their slots are computed
-        from the block tables.
-        """
-        query_lens, context_lens = [int(x) for x in query_lens], [int(x) for x in context_lens]
-        if not (len(query_lens) == len(context_lens) == len(block_tables)):
-            raise ValueError("query_lens, context_lens and block_tables need one entry per sequence")
-        if any(q != 1 for q in query_lens[num_prefills:]):
-            raise ValueError(f"decode sequences have query_len 1, got {query_lens[num_prefills:]}")
-        for q_len, ctx, table in zip(query_lens, context_lens, block_tables):
-            if not 1 <= q_len <= ctx or len(table) * block_size < ctx:
-                raise ValueError(f"sequence with query_len={q_len}, context_len={ctx} and "
-                                 f"{len(table)} blocks of {block_size} is inconsistent")
-        width = max([len(t) for t in block_tables] + [1])
-        tables = [list(t) + [0] * (width - len(t)) for t in block_tables]
-        rows = np.repeat(np.arange(len(query_lens)), query_lens)                       # (T,) sequence of a token
-        positions = np.concatenate([np.arange(c - q, c) for q, c in zip(query_lens, context_lens)] or [[]])
-        slots = slots_for(np.asarray(tables, dtype=np.int64).reshape(len(tables), width), rows,
-                          positions.astype(np.int64), block_size).tolist()
-        cu = [0]
-        for q_len in query_lens[:num_prefills]:
-            cu.append(cu[-1] + q_len)
-        return cls(
-            num_prefills=num_prefills,
-            num_prefill_tokens=cu[-1],
-            num_decode_tokens=len(query_lens) - num_prefills,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=device).reshape(len(tables), width),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-            max_context_len=max(context_lens, default=0),
-        )
 
 
 def _run_into(out, result):
@@ -220,6 +124,27 @@ class NumbaBackend(TorchPagedBackend):
             return [max_context_len]
         return [short, max_context_len]
 
+    def ops_table(self, device, dtype, hidden_size, intermediate_size, head_dim, tp_size=1):
+        """The model's ops table (pagedattn.layers.ops.make_ops asks the backend): the numba CUDA glue kernels
+        where they cover the device, the dtype and the widths (rows moved in 16-byte pieces), torch ops and
+        this backend's K/V write elsewhere."""
+        from pagedattn.layers import ops
+
+        table = ops.torch_ops(self)
+        if not self.glue_kernels_for(device, dtype):
+            return table
+        from kernels_numba import activation, rmsnorm
+
+        v = self.validate
+        if hidden_size % 8 == 0:
+            table.rms_norm = partial(rmsnorm.rms_norm, validate=v)
+            table.add_rms_norm = partial(rmsnorm.fused_add_rms_norm, validate=v)
+        if intermediate_size % 8 == 0:
+            table.silu_and_mul = partial(activation.silu_and_mul, validate=v)
+        if head_dim % 16 == 0:                          # 8-element pieces of each half
+            table.rotary_and_cache_write = partial(fused_rotary_and_cache_write, v)
+        return table
+
     def can_capture(self, dtype, head_dim, block_size):
         """Every piece of a decode step is a numba kernel or a torch op without host syncs for fp16/bf16
         at the head_dim / block_size the decode kernel covers."""
@@ -258,11 +183,24 @@ class NumbaBackend(TorchPagedBackend):
                                                             max_context_len=max_context_len))
 
 
+def fused_rotary_and_cache_write(validate, positions, qkv, num_heads, num_kv_heads, head_dim, cos_sin_cache,
+                                 k_cache, v_cache, slot_mapping):
+    """One kernel (kernels_numba/rotary.py): q rotated into a new contiguous buffer, k rotated and v copied
+    into the pool."""
+    from kernels_numba.rotary import rotary_embedding_and_cache
+    from pagedattn.layers.ops import split_qkv
+
+    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                      q_out=q_out, validate=validate)
+
+
 BACKENDS = {"torch": TorchPagedBackend, "numba": NumbaBackend}
 
 
 def _cpu_backend_class():
-    """CpuNumbaBackend (numba's CPU target) when pagedattn.layers.cpu_attention imported, else None."""
+    """CpuNumbaBackend (numba's CPU target) when pagedattn.layers.cpu imported, else None."""
     return CpuNumbaBackend
 
 
@@ -283,7 +221,7 @@ def get_backend(name="auto", device="cpu"):
     if name == "cpu":
         cls = _cpu_backend_class()
         if cls is None:
-            raise ValueError("attention backend 'cpu' needs pagedattn.layers.cpu_attention, which did not import")
+            raise ValueError("attention backend 'cpu' needs pagedattn.layers.cpu, which did not import")
         return cls()
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}: choose 'auto', 'cpu', " +

@@ -10,22 +10,27 @@
     ops.silu_and_mul(x)                              -> silu(gate) * up      x [T, 2 I] -> [T, I]
     ops.linear(x, weight, bias)                      -> x weight^T + bias
     ops.embedding(ids, weight)                       -> rows ids of the table weight [V, E]
-    ops.step_scope(num_rows)                         a context around a forward of num_rows rows
+    ops.decoder_layer(layer, positions, x, residual, k_cache, v_cache, attn_metadata)
+                                                     -> the layer's (output, residual): its own forward,
+                                                        or the backend's whole-layer call
+    ops.step_scope(num_rows)                         a context around a step of num_rows rows (the runner's)
     ops.backend                                      the attention backend (copy_blocks, can_capture)
 
 The layers (pagedattn/layers/*.py, pagedattn/models/qwen2.py) get the table at construction and make one
-call per op; which kernel runs is decided here, once, from the backend, the device and the dtype:
+call per op; which kernel runs each op is the backend's choice, made here once from the device and the
+dtype (`backend.ops_table`):
 
-    backend             glue (norms, rotary + K/V write, SiLU-and-mul)         linear
-    NumbaBackend        numba CUDA kernels on fp16/bf16 on the GPU (CPU         torch
-                        tensors under the simulator) where the widths allow;
-                        torch ops + the backend's K/V write otherwise
-    CpuNumbaBackend     float32: kernels_numba.cpu_glue in a small step,         kernels_numba.cpu_linear in a
-                        torch ops + the backend's K/V write in a large one       small step, torch otherwise
-    any other           torch ops + the backend's K/V write                      torch
+    backend                                glue (norms, rotary + K/V write, SiLU-and-mul)   linear     layer
+    NumbaBackend (pagedattn/layers/        numba CUDA kernels on fp16/bf16 on the GPU (CPU    torch      its forward
+      attention.py)                        tensors under the simulator) where the widths
+                                           allow; torch ops + the backend's K/V write else
+    CpuNumbaBackend (pagedattn/layers/     float32: numba CPU kernels in a small step, torch  cpu_linear one numba call
+      cpu.py)                              ops + the backend's K/V write in a large one       in a small in a small
+                                                                                              step       float32 step
+    TorchPagedBackend                      torch ops + the backend's K/V write                torch      its forward
 
 weights="quantized" (float32 CPU models loaded from a GGUF file, pagedattn/models/loader.py: load_gguf_model):
-the same glue, while `linear`, the LM head and `embedding` read the GGUF blocks the layers hold
+the same table, while `linear`, the LM head and `embedding` read the GGUF blocks the layers hold
 (pagedattn.models.gguf_weights.QuantWeight, kernels_numba/cpu_quant.py) on the step's threads; a layer
 still holding a float32 tensor goes to the float32 linear above.
 
@@ -39,7 +44,6 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from pagedattn.layers.attention import CpuNumbaBackend, NumbaBackend, get_backend
 from pagedattn.layers.rotary import apply_rotary
 
 
@@ -57,6 +61,16 @@ class Ops:
     step_scope: Callable
     backend: Any
     embedding: Callable = F.embedding
+    decoder_layer: Callable = None        # None: the layer's own forward (run_layer)
+
+    def __post_init__(self):
+        if self.decoder_layer is None:
+            self.decoder_layer = run_layer
+
+
+def run_layer(layer, positions, x, residual, k_cache, v_cache, attn_metadata):
+    """A decoder layer through its own forward (its ops one by one)."""
+    return layer(positions, x, residual, k_cache, v_cache, attn_metadata)
 
 
 # ---- torch ops: every device and dtype ----------------------------------------------------------
@@ -105,83 +119,6 @@ def no_scope(num_rows):
     return contextlib.nullcontext()
 
 
-# ---- the numba CUDA glue kernels ----------------------------------------------------------------
-def fused_rotary_and_cache_write(validate, positions, qkv, num_heads, num_kv_heads, head_dim, cos_sin_cache,
-                                 k_cache, v_cache, slot_mapping):
-    """One kernel (kernels_numba/rotary.py): q rotated into a new contiguous buffer, k rotated and v copied
-    into the pool."""
-    from kernels_numba.rotary import rotary_embedding_and_cache
-
-    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                                      q_out=q_out, validate=validate)
-
-
-def _numba_ops(backend, hidden_size, intermediate_size, head_dim):
-    from kernels_numba import activation, rmsnorm
-
-    v = backend.validate
-    norm_ok = hidden_size % 8 == 0                  # the kernels move rows in 16-byte pieces
-    act_ok = intermediate_size % 8 == 0
-    rotary_ok = head_dim % 16 == 0                  # 8-element pieces of each half
-    return Ops(
-        rms_norm=partial(rmsnorm.rms_norm, validate=v) if norm_ok else rms_norm,
-        add_rms_norm=partial(rmsnorm.fused_add_rms_norm, validate=v) if norm_ok else add_rms_norm,
-        rotary_and_cache_write=(partial(fused_rotary_and_cache_write, v) if rotary_ok
-                                else partial(rotary_then_write, backend.write)),
-        attention=backend.attend,
-        silu_and_mul=partial(activation.silu_and_mul, validate=v) if act_ok else silu_and_mul,
-        linear=torch_linear, step_scope=no_scope, backend=backend)
-
-
-# ---- the numba CPU kernels of a small step -------------------------------------------------------
-def cpu_rms_norm(step, x, weight, eps):
-    """A small step: one numba call (kernels_numba.cpu_glue); a large one: torch ops."""
-    from kernels_numba import cpu_glue
-
-    return cpu_glue.add_rms_norm(x, None, weight, eps) if step.small else rms_norm(x, weight, eps)
-
-
-def cpu_add_rms_norm(step, x, residual, weight, eps):
-    from kernels_numba import cpu_glue
-
-    return cpu_glue.add_rms_norm(x, residual, weight, eps) if step.small else add_rms_norm(x, residual, weight, eps)
-
-
-def cpu_rotary_and_cache_write(step, write, positions, qkv, num_heads, num_kv_heads, head_dim, cos_sin_cache,
-                               k_cache, v_cache, slot_mapping):
-    """A small step: one numba call (kernels_numba.cpu_glue); a large one: torch rotary + the backend's write."""
-    if step.small:
-        from kernels_numba import cpu_glue
-
-        return cpu_glue.rotary_cache(positions, qkv, num_heads, num_kv_heads, head_dim, cos_sin_cache, k_cache,
-                                     v_cache, slot_mapping)
-    return rotary_then_write(write, positions, qkv, num_heads, num_kv_heads, head_dim, cos_sin_cache, k_cache,
-                             v_cache, slot_mapping)
-
-
-def cpu_silu_and_mul(step, x):
-    """A small step: one numba call (kernels_numba.cpu_layer, the fused CPU layer's own); a large one: torch."""
-    if step.small:
-        from kernels_numba import cpu_layer
-
-        return cpu_layer.silu_and_mul(x)
-    return silu_and_mul(x)
-
-
-def _cpu_ops(backend, device, dtype):
-    step = backend.step
-    glue = device.type == "cpu" and dtype == torch.float32          # the CPU glue kernels: float32 CPU tensors
-    return Ops(
-        rms_norm=partial(cpu_rms_norm, step) if glue else rms_norm,
-        add_rms_norm=partial(cpu_add_rms_norm, step) if glue else add_rms_norm,
-        rotary_and_cache_write=(partial(cpu_rotary_and_cache_write, step, backend.write) if glue
-                                else partial(rotary_then_write, backend.write)),
-        attention=backend.attend, silu_and_mul=partial(cpu_silu_and_mul, step) if glue else silu_and_mul,
-        linear=step.linear, step_scope=step.scope, backend=backend)
-
-
 def torch_ops(backend):
     """Torch ops for every piece, the backend's K/V write and attention."""
     return Ops(rms_norm=rms_norm, add_rms_norm=add_rms_norm,
@@ -217,22 +154,20 @@ def quantize_ops(ops, device, dtype):
     return ops
 
 
-def make_ops(backend, device, dtype, hidden_size, intermediate_size, head_dim, weights="float32"):
-    """The ops table of a model on `device` in `dtype`.
+def make_ops(backend, device, dtype, hidden_size, intermediate_size, head_dim, weights="float32", tp_size=1):
+    """The ops table of a model on `device` in `dtype`, as the backend chooses it (backend.ops_table).
 
     backend: "auto" / "torch" / "numba" / "cpu" or a backend object (pagedattn.layers.attention.get_backend).
     hidden_size: the normed width; intermediate_size: this rank's MLP width I (SiLU-and-mul's output);
     head_dim: D. The widths decide whether the glue kernels cover the layers (16-byte pieces).
     weights: "float32" (tensors) or "quantized" (the layers hold GGUF blocks: CPU, float32 only).
+    tp_size: the ranks the model is sharded over (a backend's whole-layer call has no all-reduce: one rank only).
     """
+    from pagedattn.layers.attention import get_backend
+
     backend = get_backend(backend, device)
     device, dtype = torch.device(device), getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if isinstance(backend, NumbaBackend) and backend.glue_kernels_for(device, dtype):
-        ops = _numba_ops(backend, hidden_size, intermediate_size, head_dim)
-    elif CpuNumbaBackend is not None and isinstance(backend, CpuNumbaBackend):
-        ops = _cpu_ops(backend, device, dtype)
-    else:
-        ops = torch_ops(backend)
+    ops = backend.ops_table(device, dtype, hidden_size, intermediate_size, head_dim, tp_size=tp_size)
     if weights == "quantized":
         return quantize_ops(ops, device, dtype)
     if weights != "float32":

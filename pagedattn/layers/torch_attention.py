@@ -149,3 +149,10 @@ class TorchPagedBackend:
         """Whether a decode step through this backend can be recorded in a CUDA graph: no, the gather
         is sized on the host (int(context_lens.max())), so float32 / torch steps run eagerly by design."""
         return False
+
+    def ops_table(self, device, dtype, hidden_size, intermediate_size, head_dim, tp_size=1):
+        """The model's ops table (pagedattn.layers.ops.make_ops asks the backend): torch ops, this backend's
+        K/V write and attention."""
+        from pagedattn.layers.ops import torch_ops
+
+        return torch_ops(self)

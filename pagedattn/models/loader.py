@@ -109,20 +109,24 @@ def _default_dtype(dtype):
 
 
 def build_model(config, device="cpu", dtype=torch.float32, attn_backend="auto", tp_rank=0, tp_size=1,
-                weights="float32"):
+                weights="float32", fused_allreduce="auto"):
     """An unloaded Qwen2ForCausalLM (rank tp_rank of tp_size) with uninitialised parameters on `device`;
-    weights: "float32" (tensors) or "quantized" (its layers will hold GGUF blocks: its ops table says so)."""
+    weights: "float32" (tensors) or "quantized" (its layers will hold GGUF blocks: its ops table says so);
+    fused_allreduce: see Qwen2ForCausalLM."""
     with _default_dtype(dtype), torch.device(device):
-        return Qwen2ForCausalLM(config, attn_backend, tp_rank, tp_size, weights=weights)
+        return Qwen2ForCausalLM(config, attn_backend, tp_rank, tp_size, weights=weights,
+                                fused_allreduce=fused_allreduce)
 
 
-def load_model(path, device="cpu", dtype=torch.float32, attn_backend="auto", tp_rank=0, tp_size=1):
+def load_model(path, device="cpu", dtype=torch.float32, attn_backend="auto", tp_rank=0, tp_size=1,
+               fused_allreduce="auto"):
     """Build Qwen2ForCausalLM from a HF checkpoint directory: the whole model, or rank tp_rank's shard.
 
     path: directory with config.json and *.safetensors. device: "cpu", "cuda", "cuda:1", ... dtype: parameter
     dtype. attn_backend: "auto" / "torch" / "numba" or a backend object (pagedattn.layers.attention).
     tp_rank, tp_size: tensor-parallel position; the ranks' forwards all-reduce on the default process group,
-    so with tp_size > 1 every rank must run each forward together.
+    so with tp_size > 1 every rank must run each forward together. fused_allreduce: which steps fuse the
+    all-reduces with the norms after them (Qwen2ForCausalLM).
     Returns (model in eval mode on `device`, parameters frozen, Qwen2Config).
     """
     from pagedattn.distributed.parallel import check_tensor_parallel_size
@@ -139,7 +143,7 @@ def load_model(path, device="cpu", dtype=torch.float32, attn_backend="auto", tp_
         if name not in where:
             raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint in {path!r}")
         by_file.setdefault(where[name], []).append(name)
-    model = build_model(config, device, dtype, attn_backend, tp_rank, tp_size)
+    model = build_model(config, device, dtype, attn_backend, tp_rank, tp_size, fused_allreduce=fused_allreduce)
     for file, names in by_file.items():
         with safe_open(file, framework="pt", device="cpu") as f:
             slices = {name: f.get_slice(name) for name in names}

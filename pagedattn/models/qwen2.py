@@ -5,26 +5,27 @@ token per decoding sequence) described by AttentionMetadata. There is no batch d
 padding: every projection, norm and MLP is a row-wise op on [T, hidden]; only attention needs to know
 which tokens belong to which sequence, and the backend reads that from the metadata.
 
-A decoder layer, and the kernels of a step with the numba backend on fp16/bf16 (~9 per layer):
+The model is stated once, as stages:
 
-    x, residual = input_layernorm(x, residual)      fused residual add + RMSNorm           1 kernel
-    qkv = qkv_proj(x)                               q, k, v in one GEMM (+ bias)            1 GEMM
-    q = rotary + KV-cache write                     k, v rotated/copied into the pool       1 kernel
-    o = attention over the pool                     paged decode (or prefill) kernel        1-2
-    x = o_proj(o)                                                                           1 GEMM
-    x, residual = post_attention_layernorm(x, residual)                                     1 kernel
-    x = down_proj(silu_and_mul(gate_up_proj(x)))    gate and up in one GEMM                 3
+    embed          ids -> x                                       embed_tokens
+    per layer i    before_attention: x, residual -> q, residual   fused residual add + RMSNorm, the q/k/v GEMM
+                                                                  (+ bias), rotary and the K/V write
+                   attention: q -> o                              the backend's paged attention
+                   after_attention: o, residual -> x, residual    o_proj, add + RMSNorm, gate_up GEMM,
+                                                                  SiLU-and-mul, down_proj
+    final          x, residual -> hidden                          the final add + RMSNorm
+    logits         hidden rows -> logits                          the LM head
 
-Steps of a few rows (decode at batch sizes up to 8 by default) run each layer in 5 launches plus attention's
-1-2 instead: the norms and SiLU-and-mul ride in the skinny GEMM's prologue and epilogue
-(pagedattn/layers/skinny_decode.py; the same roundings, the same (x, residual) between layers). On the CPU
-(float32, one rank, the numba backend) a step of at most 16 rows runs each whole layer as one numba call
-instead (`model.cpu_layers`, pagedattn/layers/cpu_layer.py: the same kernels in the same order, bit for bit).
+`forward` runs them in that order (each layer through the ops table's `decoder_layer`, which is the layer's
+own forward except where a backend runs a whole layer as one call: the CPU's small steps,
+pagedattn/layers/cpu.py). `piece(i, ...)` runs the same stages cut at the attentions, for the runner that
+captures the pieces between attentions as CUDA graphs (pagedattn/engine/piecewise_graph.py). Kernels per
+layer with the numba backend on fp16/bf16: norm 1, q/k/v 1 GEMM, rotary + K/V write 1, attention 1-2,
+o_proj 1 GEMM, norm 1, gate_up 1 GEMM, SiLU-and-mul 1, down 1 GEMM.
 
 Which kernel runs each op is decided once, when the model is built, from the backend, the device and the
-dtype: the model's ops table (pagedattn/layers/ops.py), handed to every layer at construction, and
-`model.skinny` (a SkinnyDecode, or None) for the few-row path. With the torch backend, on CPU or in float32
-the same layers run as torch ops with the same math.
+dtype: the model's ops table (pagedattn/layers/ops.py), handed to every layer at construction. With the
+torch backend, on CPU or in float32 the same layers run as torch ops with the same math.
 Tensor parallelism: built for rank tp_rank of tp_size (pagedattn/layers/linear.py); the checkpoint stays
 Hugging Face's (q_proj / k_proj / v_proj and gate_proj / up_proj are merged at load time:
 `packed_modules_mapping`, pagedattn/models/loader.py). Steps of many rows may fuse the all-reduces after
@@ -44,7 +45,6 @@ from torch import nn
 from pagedattn.distributed.allreduce_norm import fused_allreduce_for, shard_rows
 from pagedattn.errors import ModelLoadError
 from pagedattn.layers.activation import SiluAndMul
-from pagedattn.layers.cpu_layer import cpu_layers_for
 from pagedattn.layers.linear import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -55,7 +55,6 @@ from pagedattn.layers.linear import (
 from pagedattn.layers.norm import RMSNorm
 from pagedattn.layers.ops import make_ops
 from pagedattn.layers.rotary import RotaryEmbedding
-from pagedattn.layers.skinny_decode import skinny_decode_for
 
 
 @dataclass
@@ -137,7 +136,7 @@ def checkpoint_shapes(config):
 
 
 class Qwen2Attention(nn.Module):
-    def __init__(self, config, rotary_emb, ops, tp_rank=0, tp_size=1, skinny=None, fused=None):
+    def __init__(self, config, rotary_emb, ops, tp_rank=0, tp_size=1, fused=None):
         super().__init__()
         D = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, D, config.num_attention_heads,
@@ -146,90 +145,73 @@ class Qwen2Attention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * D, config.hidden_size, False, tp_rank, tp_size,
                                         ops, fused)
         self.rotary_emb = rotary_emb                     # shared by every layer (one cos/sin cache)
-        self.ops, self.skinny = ops, skinny
+        self.ops = ops
 
-    def forward(self, positions, x, k_cache, v_cache, attn_metadata, prologue=None):
-        """x (T, hidden) -> o_proj's output (T, hidden) (this rank's partial sum in a step whose all-reduce
-        is fused with the norm after it). prologue: None, or (the few-row path) the input norm that the
-        q/k/v GEMM applies to x first (a skinny_decode.Prologue); o_proj then runs as a skinny GEMM."""
-        q = self.project_q(positions, x, k_cache, v_cache, attn_metadata.slot_mapping, prologue)
+    def forward(self, positions, x, k_cache, v_cache, attn_metadata):
+        """x (T, hidden) -> o_proj's output (T, hidden): project_q, the attention over the pool, project_out."""
+        q = self.project_q(positions, x, k_cache, v_cache, attn_metadata.slot_mapping)
         o = self.ops.attention(q, k_cache, v_cache, attn_metadata)          # (T, H, D)
-        return self.project_out(o, skinny=prologue is not None)
+        return self.project_out(o)
 
-    def project_q(self, positions, x, k_cache, v_cache, slot_mapping, prologue=None):
-        """x (T, hidden) -> q (T, H, D) rotated; k rotated and v written into this layer's pool at slot_mapping.
-        prologue: see forward."""
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        if prologue is None:
-            qkv = self.qkv_proj(x)                                          # (T, (H + 2 Hkv) D)
-        else:
-            qkv = self.skinny.linear(x, self.qkv_proj, prologue)            # norm, GEMM, bias: one launch
-        return self.ops.rotary_and_cache_write(positions, qkv, H, Hkv, D, self.rotary_emb.cos_sin_cache,
-                                               k_cache, v_cache, slot_mapping)
+    def project_q(self, positions, x, k_cache, v_cache, slot_mapping):
+        """x (T, hidden) -> q (T, H, D) rotated; k rotated and v written into this layer's pool at slot_mapping."""
+        qkv = self.qkv_proj(x)                                              # (T, (H + 2 Hkv) D)
+        return self.ops.rotary_and_cache_write(positions, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                               self.rotary_emb.cos_sin_cache, k_cache, v_cache, slot_mapping)
 
-    def project_out(self, o, skinny=False):
-        """The attention's output o (T, H, D) -> (T, hidden) (skinny: through the skinny GEMM)."""
-        o = o.view(o.shape[0], self.num_heads * self.head_dim)              # (T, H D)
-        return self.skinny.linear(o, self.o_proj) if skinny else self.o_proj(o)
+    def project_out(self, o):
+        """The attention's output o (T, H, D) -> (T, hidden) (this rank's partial sum in a step whose
+        all-reduce is fused with the norm after it)."""
+        return self.o_proj(o.view(o.shape[0], self.num_heads * self.head_dim))       # (T, H D) -> (T, hidden)
 
 
 class Qwen2MLP(nn.Module):
-    def __init__(self, config, ops, tp_rank=0, tp_size=1, skinny=None, fused=None):
+    def __init__(self, config, ops, tp_rank=0, tp_size=1, fused=None):
         super().__init__()
         I = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [I, I], False, tp_rank, tp_size, ops)
         self.act_fn = SiluAndMul(ops)
         self.down_proj = RowParallelLinear(I, config.hidden_size, False, tp_rank, tp_size, ops, fused)
-        self.skinny = skinny
 
-    def forward(self, x, prologue=None):                                    # SwiGLU: (T, hidden) -> (T, hidden)
-        """prologue: None, or (the few-row path) the post-attention norm that the gate_up GEMM applies to x
-        first (a skinny_decode.Prologue): then two launches, gate_up with SiLU-and-mul, and down."""
-        if prologue is None:
-            return self.down_proj(self.act_fn(self.gate_up_proj(x)))       # via (T, 2 I/P) and (T, I/P)
-        a = self.skinny.linear(x, self.gate_up_proj, prologue, silu=True)  # (T, I)
-        return self.skinny.linear(a, self.down_proj)
+    def forward(self, x):                                                   # SwiGLU: (T, hidden) -> (T, hidden)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))           # via (T, 2 I/P) and (T, I/P)
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, config, rotary_emb, ops, tp_rank=0, tp_size=1, skinny=None, fused=None):
+    """A decoder layer as its two stages around attention. x: the previous layer's output (the embedding in
+    the first layer); residual: the residual stream before it (None in the first layer). A step whose
+    all-reduces are fused with the norms after them (self.fused.takes(T), several ranks) carries the residual
+    stream as this rank's rows [token_rows(T, P), hidden], and x is this rank's partial sum
+    (pagedattn/distributed/allreduce_norm.py)."""
+
+    def __init__(self, config, rotary_emb, ops, tp_rank=0, tp_size=1, fused=None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, fused)
-        self.self_attn = Qwen2Attention(config, rotary_emb, ops, tp_rank, tp_size, skinny, fused)
+        self.self_attn = Qwen2Attention(config, rotary_emb, ops, tp_rank, tp_size, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, fused)
-        self.mlp = Qwen2MLP(config, ops, tp_rank, tp_size, skinny, fused)
-        self.skinny, self.fused, self.tp_rank, self.tp_size = skinny, fused, tp_rank, tp_size
+        self.mlp = Qwen2MLP(config, ops, tp_rank, tp_size, fused)
+        self.fused, self.tp_rank, self.tp_size = fused, tp_rank, tp_size
 
     def forward(self, positions, x, residual, k_cache, v_cache, attn_metadata):
-        """x: (T, hidden), the previous layer's output; residual: the residual stream before it (None in
-        the first layer, whose input x is the embedding). Returns this layer's (output, residual stream).
-        A step of few rows (self.skinny.takes(T), one rank) runs the norms inside the GEMMs after them
-        (pagedattn/layers/skinny_decode.py); self_attn and mlp return the same quantities either way.
-        A step whose all-reduces are fused with the norms after them (self.fused.takes(T), several ranks)
-        carries the residual stream as this rank's rows [token_rows(T, P), hidden], and x, the output of
-        self_attn and of mlp are this rank's partial sums (pagedattn/distributed/allreduce_norm.py)."""
-        if self.skinny is not None and self.skinny.takes(x.shape[0]):
-            prologue, residual = self.skinny.prologue(self.input_layernorm, x, residual)
-            x = self.self_attn(positions, x, k_cache, v_cache, attn_metadata, prologue)
-            prologue, residual = self.skinny.prologue(self.post_attention_layernorm, x, residual)
-            return self.mlp(x, prologue), residual
-        x, residual = self._input_norm(x, residual)
+        """The layer: (x, residual) -> (this layer's output, residual)."""
+        x, residual = self.input_norm(x, residual)
         x = self.self_attn(positions, x, k_cache, v_cache, attn_metadata)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
-    def _input_norm(self, x, residual):
-        if residual is None:                              # the first layer: x is the (all-reduced) embedding
-            if self.fused is not None and self.fused.takes(x.shape[0]):
-                return self.input_layernorm(x), shard_rows(x, self.tp_rank, self.tp_size)
-            return self.input_layernorm(x), x
-        return self.input_layernorm(x, residual)
+    def input_norm(self, x, residual):
+        """(x, residual) -> (the normed x, the residual stream): the first layer's input is the embedding."""
+        if residual is not None:
+            return self.input_layernorm(x, residual)
+        residual = x                                      # the first layer: x is the (all-reduced) embedding
+        if self.fused is not None and self.fused.takes(x.shape[0]):
+            residual = shard_rows(x, self.tp_rank, self.tp_size)
+        return self.input_layernorm(x), residual
 
-    # The layer in two halves around its attention (pagedattn.engine.piecewise_graph captures the halves)
+    # The layer in two halves around its attention: the same stages, for the forward's pieces
     def before_attention(self, positions, x, residual, k_cache, v_cache, slot_mapping):
-        """-> (q (T, H, D), residual): the input norm, the q/k/v projection, rotary, the K/V write (x and
-        residual as forward's)."""
-        x, residual = self._input_norm(x, residual)
+        """-> (q (T, H, D), residual): the input norm, the q/k/v projection, rotary, the K/V write."""
+        x, residual = self.input_norm(x, residual)
         return self.self_attn.project_q(positions, x, k_cache, v_cache, slot_mapping), residual
 
     def after_attention(self, o, residual):
@@ -239,12 +221,13 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, config, ops, tp_rank=0, tp_size=1, skinny=None, fused=None):
+    """The modules, named as Hugging Face's checkpoint names them (model.embed_tokens, model.layers.N, ...)."""
+
+    def __init__(self, config, ops, tp_rank=0, tp_size=1, fused=None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size, ops)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
-        self.layers = nn.ModuleList([Qwen2DecoderLayer(config, self.rotary_emb, ops, tp_rank, tp_size, skinny,
-                                                       fused)
+        self.layers = nn.ModuleList([Qwen2DecoderLayer(config, self.rotary_emb, ops, tp_rank, tp_size, fused)
                                      for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, fused)    # gathers the rows when fused
 
@@ -256,13 +239,12 @@ class Qwen2ForCausalLM(nn.Module):
     pagedattn.layers.attention.get_backend). The model is built for the current default device and dtype
     (pagedattn.models.loader.build_model sets both): with them the backend's choices are made once, into the
     ops table `model.ops` (pagedattn.layers.ops) that every layer gets at construction; `model.attn_backend`
-    is the resolved backend. `model.skinny`: the few-row layer path (pagedattn.layers.skinny_decode), or None
-    where it does not apply; skinny_rows: its row threshold (None: the module's default or
-    PAGEDATTN_SKINNY_ROWS; 0: off). `model.fused_allreduce`: at tp_size > 1, which steps run the
-    all-reduces after o_proj and down_proj fused with the add + RMSNorm after them (a FusedAllReduceNorm,
-    pagedattn/distributed/allreduce_norm.py), or None; fused_allreduce_min_tokens: steps of at least this
-    many rows (None: PAGEDATTN_FUSED_ALLREDUCE, else the module's default; 0: off). Parameters are created
-    uninitialised: load them (pagedattn.models.loader.load_model).
+    is the resolved backend. weights: "float32" or "quantized" (the layers will hold GGUF blocks).
+    fused_allreduce: at tp_size > 1, which steps run the all-reduces after o_proj and down_proj fused with
+    the add + RMSNorm after them: "auto" (a cost model's threshold), "on" (every step), "off", or a row
+    count (steps of at least that many rows); `model.fused_allreduce` is the resulting FusedAllReduceNorm
+    (pagedattn/distributed/allreduce_norm.py) or None. Parameters are created uninitialised: load them
+    (pagedattn.models.loader.load_model).
     """
 
     # checkpoint name -> (parameter name, shard id) for the weights merged at load time
@@ -271,19 +253,15 @@ class Qwen2ForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, attn_backend="auto", tp_rank=0, tp_size=1, weights="float32", skinny_rows=None,
-                 fused_allreduce_min_tokens=None):
+    def __init__(self, config, attn_backend="auto", tp_rank=0, tp_size=1, weights="float32", fused_allreduce="auto"):
         super().__init__()
         self.config, self.tp_rank, self.tp_size = config, tp_rank, tp_size
         device, dtype = torch.empty(0).device, torch.get_default_dtype()
         self.ops = make_ops(attn_backend, device, dtype, config.hidden_size, config.intermediate_size // tp_size,
-                            config.head_dim, weights=weights)
+                            config.head_dim, weights=weights, tp_size=tp_size)
         self.attn_backend = self.ops.backend
-        self.skinny = skinny_decode_for(self.ops, config, tp_size, device, dtype, skinny_rows)
-        self.fused_allreduce = fused_allreduce_for(tp_size, device, dtype, config.hidden_size,
-                                                   fused_allreduce_min_tokens)
-        self.cpu_layers = cpu_layers_for(self.ops, weights, tp_size, device, dtype)
-        self.model = Qwen2Model(config, self.ops, tp_rank, tp_size, self.skinny, self.fused_allreduce)
+        self.fused_allreduce = fused_allreduce_for(tp_size, device, dtype, config.hidden_size, fused_allreduce)
+        self.model = Qwen2Model(config, self.ops, tp_rank, tp_size, self.fused_allreduce)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size, self.ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -296,20 +274,39 @@ class Qwen2ForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata of the step. Returns the final-normed hidden states [T, hidden]
         (whole on every rank; with the fused all-reduce, the final norm all-gathers its rows).
         """
-        with self.ops.step_scope(input_ids.shape[0]):
-            x, residual = self.model.embed_tokens(input_ids), None              # (T, hidden)
-            if self.cpu_layers is not None and self.cpu_layers.takes(self, input_ids.shape[0], kv_cache):
-                x, residual = self.cpu_layers(self, positions, x, kv_cache, attn_metadata)   # one call a layer
-            else:
-                for i, layer in enumerate(self.model.layers):
-                    x, residual = layer(positions, x, residual, kv_cache.k_caches[i], kv_cache.v_caches[i],
-                                        attn_metadata)
-            return self.model.norm(x, residual)[0]
+        x, residual = self.model.embed_tokens(input_ids), None                  # (T, hidden)
+        for i, layer in enumerate(self.model.layers):
+            x, residual = self.ops.decoder_layer(layer, positions, x, residual, kv_cache.k_caches[i],
+                                                 kv_cache.v_caches[i], attn_metadata)
+        return self.model.norm(x, residual)[0]
+
+    @property
+    def num_pieces(self):
+        """Pieces of the forward cut at its attentions: one per layer and the last (see piece)."""
+        return len(self.model.layers) + 1
+
+    def piece(self, i, positions, x, residual, kv_cache, slot_mapping):
+        """Piece i of the forward cut at its attentions: the same stages as forward, the attention of layer i
+        left to the caller between piece i and piece i + 1.
+
+            piece 0      x = ids [T] -> embedding -> layer 0 before attention            -> (q_0, residual)
+            piece i      x = o_{i-1} [T, H, D] -> layer i-1 after attention -> layer i before attention
+                                                                                        -> (q_i, residual)
+            piece L      x = o_{L-1} -> layer L-1 after attention -> the final norm    -> (hidden, residual)
+        """
+        layers = self.model.layers
+        if i == 0:
+            x, residual = self.model.embed_tokens(x), None
+        else:
+            x, residual = layers[i - 1].after_attention(x, residual)
+        if i == len(layers):
+            return self.model.norm(x, residual)
+        return layers[i].before_attention(positions, x, residual, kv_cache.k_caches[i], kv_cache.v_caches[i],
+                                          slot_mapping)
 
     def compute_logits(self, hidden, float32=True):
         """hidden: [N, hidden] (usually the last token of each sequence) -> [N, vocab], float32 or (float32=False)
         the model's dtype as the LM head wrote it: the sampler reads fp16/bf16 rows itself, so the engine
         skips the copy (at batch 256 and a 152k vocabulary, 230 MB of traffic per step)."""
-        with self.ops.step_scope(hidden.shape[0]):
-            logits = self.lm_head(hidden)
-            return logits.float() if float32 else logits
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits

@@ -64,9 +64,6 @@ def parse_args(argv=None):
                     help="engine core: while sequences decode, hold new requests until this many times the last "
                          "prefill step's duration has passed since it ended, so arrivals share prefill steps "
                          f"(0: admit at once; default {PREFILL_DELAY_FACTOR}; docs/engine_core.md)")
-    ap.add_argument("--admission-interval", type=int, default=None,
-                    help="scheduler: while sequences decode, waiting requests join at most every this many steps "
-                         "unless they fill half the token budget (default 1: every step; docs/engine_core.md)")
     ap.add_argument("--log-level", default="info", help="uvicorn's: critical | error | warning | info | debug")
     proc = ap.add_argument_group("processes", "how the server is spread over processes (docs/engine_core.md)")
     proc.add_argument("--data-parallel-size", type=int, default=1,
@@ -152,11 +149,10 @@ def main(argv=None):
               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=not a.no_prefix_caching,
               enforce_eager=a.enforce_eager, piecewise_graphs=False if a.no_piecewise_graphs else None,
-              admission_interval=a.admission_interval or 1,
               tensor_parallel_size=a.tensor_parallel_size)
     if a.fake_step_ms:
-        from pagedattn.serving.fake_engine import install_fake_executor
-        install_fake_executor(llm, a.fake_step_ms, prefill_ms=a.fake_prefill_ms or 0.0)
+        from pagedattn.serving.fake_engine import install_fake_runner
+        install_fake_runner(llm, a.fake_step_ms, prefill_ms=a.fake_prefill_ms or 0.0)
     engine = llm.engine
     name = a.served_model_name or os.path.basename(os.path.normpath(engine.model_path))
     async_llm = AsyncLLM(llm, stream_interval=a.stream_interval)

@@ -509,8 +509,8 @@ def run_engine_core(address, engine_kwargs, rank=0, visible_devices=None):
     delay = engine_kwargs.pop("prefill_delay_factor", None)
     llm = LLM(**engine_kwargs)
     if fake_step_ms:
-        from pagedattn.serving.fake_engine import install_fake_executor
-        install_fake_executor(llm, fake_step_ms, seed=rank, prefill_ms=fake_prefill_ms)
+        from pagedattn.serving.fake_engine import install_fake_runner
+        install_fake_runner(llm, fake_step_ms, seed=rank, prefill_ms=fake_prefill_ms)
     core = EngineCore(llm, address, rank, PREFILL_DELAY_FACTOR if delay is None else delay)
     signal.signal(signal.SIGTERM, lambda *_: core.stop())
     run_profiled(f"core{rank}", core.run)

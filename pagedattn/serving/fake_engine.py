@@ -1,9 +1,9 @@
 """A synthetic device for measuring the serving stack: the real engine (scheduler, block manager, output
-processing) with its executor replaced by one that takes a fixed time per step and samples random tokens.
+processing) with its model runner replaced by one that takes a fixed time per step and samples random tokens.
 
     llm = LLM(tiny_checkpoint, device="cpu", ...)
-    install_fake_executor(llm, step_ms=2.0)        # every step now "runs" 2 ms, whatever its size
-    install_fake_executor(llm, 2.0, prefill_ms=40)  # ... and a step with a prompt chunk 40 ms more
+    install_fake_runner(llm, step_ms=2.0)          # every step now "runs" 2 ms, whatever its size
+    install_fake_runner(llm, 2.0, prefill_ms=40)   # ... and a step with a prompt chunk 40 ms more
 
 What it stands for: a GPU that runs each launched step in `step_ms` (one step after another, like a
 stream) while the host is free, and hands back one token per sampling row. The host's own work (building
@@ -36,9 +36,9 @@ class _FakeResult:
         return self.tokens, self.logprobs, None
 
 
-class FakeExecutor:
-    """Stands in for UniprocExecutor. inner: the real executor (its model config and pool size are kept).
-    step_ms: device time per step. vocab_size: sampled ids are in [0, vocab_size) minus `exclude`."""
+class FakeRunner:
+    """Stands in for the engine's ModelRunner. inner: the real runner (its model config and pool size are
+    kept). step_ms: device time per step. vocab_size: sampled ids are in [0, vocab_size) minus `exclude`."""
 
     world_size = 1
 
@@ -55,8 +55,12 @@ class FakeExecutor:
         self.device_free_at = 0.0       # the previous launched step's end (steps run one after another)
 
     @property
-    def runner(self):
-        return self.inner.runner
+    def model(self):
+        return self.inner.model
+
+    @property
+    def kv_cache(self):
+        return self.inner.kv_cache
 
     def execute(self, step):
         if step.num_beams:
@@ -67,16 +71,13 @@ class FakeExecutor:
         tokens = self.allowed[self.rng.integers(0, len(self.allowed), n)]
         return _FakeResult(tokens, np.full(n, -1.0, np.float32), ready)
 
-    def check_alive(self):
-        pass
-
-    def shutdown(self):
-        self.inner.shutdown()
+    def close(self):
+        self.inner.close()
 
 
-def install_fake_executor(llm, step_ms, seed=0, prefill_ms=0.0):
-    """Replace `llm`'s executor (an LLM built on the CPU, normally a tiny checkpoint) by a FakeExecutor."""
+def install_fake_runner(llm, step_ms, seed=0, prefill_ms=0.0):
+    """Replace `llm`'s model runner (an LLM built on the CPU, normally a tiny checkpoint) by a FakeRunner."""
     engine = llm.engine
-    engine.executor = FakeExecutor(engine.executor, step_ms, engine.vocab_size, engine.eos_token_ids, seed,
-                                   prefill_ms=prefill_ms or 0.0)
+    engine.runner = FakeRunner(engine.runner, step_ms, engine.vocab_size, engine.eos_token_ids, seed,
+                               prefill_ms=prefill_ms or 0.0)
     return llm

@@ -82,8 +82,7 @@ class ServeConfig:
                       max_model_len=a.get("max_model_len"), max_num_seqs=a.get("max_num_seqs"),
                       max_num_batched_tokens=a.get("max_num_batched_tokens"),
                       tensor_parallel_size=a.get("tensor_parallel_size"), fake_step_ms=a.get("fake_step_ms"),
-                      fake_prefill_ms=a.get("fake_prefill_ms"), prefill_delay_factor=a.get("prefill_delay_factor"),
-                      admission_interval=a.get("admission_interval"))
+                      fake_prefill_ms=a.get("fake_prefill_ms"), prefill_delay_factor=a.get("prefill_delay_factor"))
         if a.get("no_prefix_caching"):
             engine["enable_prefix_caching"] = False
         if a.get("enforce_eager"):
