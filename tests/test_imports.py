@@ -84,20 +84,21 @@ def test_imports_point_down():
     assert wrong == {}
 
 
-# Prints, after each import, whether numba.cuda is loaded: the CPU sampler and the engine's sampler layer
-# must not load it; the CUDA sampler does.
+# Prints, after each import, whether numba.cuda is loaded: the CPU sampler, the engine's sampler layer and
+# bridge (which a CPU engine imports for its caches' owner) must not load it; the CUDA sampler does.
 CPU_PATH = """
 import sys
-import kernels_numba.sampling_cpu, pagedattn.layers.sampler
+import kernels_numba.sampling_cpu, pagedattn.layers.sampler, kernels_numba.bridge
 print("numba.cuda" in sys.modules)
 import kernels_numba.sampling
 print("numba.cuda" in sys.modules)
 """
 
 
-def test_the_cpu_sampler_does_not_import_numba_cuda():
+def test_the_cpu_path_does_not_import_numba_cuda():
     """numba.cuda takes ~0.4 s to import: the CPU path leaves it out (pagedattn.layers.sampler imports the
-    CUDA sampler on the first call with CUDA logits). Run without the simulator, as a CPU engine runs."""
+    CUDA sampler on the first call with CUDA logits, bridge imports numba.cuda in its GPU helpers). Run
+    without the simulator, as a CPU engine runs."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["PYTHONPATH"] = str(ROOT)
     out = subprocess.run([sys.executable, "-c", CPU_PATH], cwd=ROOT, env=env, capture_output=True, text=True)
