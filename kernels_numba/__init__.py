@@ -17,9 +17,16 @@
     prefill_journey.py             the prefill journey's VERSIONS (v1-v8) and paged_prefill(..., version=N)
     paged_prefill.py               the prefill journey's first era (v1-v3)
     prefill_parts.py               the host checks both prefill files share (neither imports the other)
-    sampling.py                    sampling the engine runs (v2: rows split over CTAs), sample_cuda(...),
-                                   and its CPU twin sample_cpu(...)
-    sampling_journey.py            the sampling journey's VERSIONS (v1 one CTA per row, v2) and sample(...)
+    sampling.py                    sampling the engine runs on the GPU (v2: rows split over CTAs),
+                                   sample_cuda(...); imports no journey file
+    sampling_parts.py              the sampling kernels' device pieces, written once (v1 uses them too):
+                                   the rule's device functions, loads, CTA reductions, merges of partials
+    sampling_rule.py               what the CPU and GPU samplers share: the rule's constants, its scalar
+                                   functions written once for @njit and for device code, the checks
+                                   (imports no numba.cuda)
+    sampling_cpu.py                the CPU sampler, sample_cpu(...) (numba @njit; no numba.cuda)
+    sampling_journey.py            the sampling journey: v1 (one CTA per row: the hot kernel), VERSIONS
+                                   (v1, v2) and sample(...)
     rmsnorm.py, rotary.py,         the glue: RMSNorm (+ residual add), rotary + cache write, SiLU-and-mul
       activation.py
     skinny_gemm.py                 the decode GEMM for 1-16 rows (split-K v1, whole-K v2; fused norm and
@@ -29,7 +36,7 @@
     cache_ops.py                   reshape_and_cache (write K/V at their slots), copy_blocks
     common.py                      device intrinsics: packed fp16/bf16 math, 128-bit loads and stores,
                                    cp.async, ldmatrix, mma.sync, ex2, warp reductions (each with a
-                                   simulator fallback), the CPU target's bit casts
+                                   simulator fallback)
     bridge.py                      torch <-> numba: cached array views, torch's stream, scratch
                                    buffers, SM count, tensor checks, dynamic shared memory opt-in
     sources.py                     the digest of these sources, which stamps every disk-cached kernel

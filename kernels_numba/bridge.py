@@ -49,7 +49,9 @@ Every torch entry point of kernels_numba launches through these helpers:
 Kernels are launched by kernels_numba.launcher.launch(kernel, grid, block, args, stream, smem): numba's
 launch for a signature's first call, a per-signature plan (the argument marshalling done once) after it.
 
-Tensors stay torch's: nothing here copies data or synchronises the device.
+Tensors stay torch's: nothing here copies data or synchronises the device. numba.cuda is imported by the
+helpers that touch a GPU, when first called: a CPU engine, which imports this module for owner/release,
+does not pay for it.
 """
 import contextlib
 import contextvars
@@ -57,7 +59,6 @@ import functools
 import os
 
 import numpy as np
-from numba import cuda
 
 from kernels_numba.sources import source_digest
 
@@ -90,6 +91,8 @@ def torch_stream(device=None):
     handle = torch.cuda.current_stream(device).cuda_stream
     stream = _STREAMS.get(handle)
     if stream is None:
+        from numba import cuda
+
         stream = _STREAMS[handle] = cuda.external_stream(handle)
     return stream
 
@@ -153,6 +156,8 @@ def as_array(t, dtype=None, flat=False):
     if SIMULATOR:  # unsigned: numpy refuses a uint32 above 2**31 into int32 (the GPU stores the bits)
         arr = x.numpy()
         return arr.view({"int16": np.uint16, "int32": np.uint32, "uint32": np.uint32}[dtype]) if dtype else arr
+    from numba import cuda
+
     arr = cuda.as_cuda_array(x, sync=False)
     return arr.view(np.uint32) if dtype == "uint32" else arr
 
@@ -178,6 +183,8 @@ def _address_view(t, n, typestr):
     key = (t.device.index, t.data_ptr(), n, typestr)
     arr = _ADDRESS_VIEWS.get(key)
     if arr is None:
+        from numba import cuda
+
         desc = {"shape": (n,), "strides": None, "typestr": typestr, "data": (t.data_ptr(), False), "version": 3}
         arr = cuda.from_cuda_array_interface(desc, owner=None, sync=False)
         if len(_ADDRESS_VIEWS) >= _MAX_ADDRESS_VIEWS:
@@ -277,6 +284,8 @@ def allow_dynamic_smem(kernel, args, nbytes):
     is a set lookup on what decides the specialisation (dtype and rank of each array)."""
     if SIMULATOR or nbytes <= 48 * 1024 or RECORDING:
         return
+    from numba import cuda
+
     kinds = tuple((getattr(x, "dtype", None), getattr(x, "ndim", type(x))) for x in args)
     key = (id(kernel), cuda.get_current_device().id, kinds)
     if key in _DYNAMIC_SMEM:

@@ -35,7 +35,6 @@ Stable API (other kernels import these):
                                       16-byte row at word i of matrix lane // 8
     unpack2(u32, bf16) -> (lo, hi)    a pair of fp16/bf16 as float32 (bf16 a compile-time constant)
     pack2(lo, hi, bf16) -> u32        two float32 rounded to fp16/bf16 (nearest even), packed
-    cpu_f32_bits(x), cpu_f32_from_bits(u)   the 32-bit reinterpretations for numba's CPU target
     warp_sum(x), warp_max(x)          butterfly over 32 lanes with shfl_xor_sync, every lane gets it
     mma_m16n8k16_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)
     mma_m16n8k16_bf16(...)            warp-wide D = A B + C on tensor cores (PTX mma.sync, SASS HMMA):
@@ -47,9 +46,7 @@ Stable API (other kernels import these):
                                       c0, c1 = C[group, 2t], C[group, 2t+1]; c2, c3 = row group+8
 """
 import numpy as np
-from llvmlite import ir as llvm_ir
 from numba import cuda, types
-from numba.extending import intrinsic as cpu_intrinsic
 
 # SIMULATOR and the host helpers live in bridge.py; importing them from here keeps working
 from kernels_numba.bridge import SIMULATOR, check_tensor, torch_stream  # noqa: F401
@@ -528,31 +525,6 @@ def pack2(lo, hi, bf16):
     if bf16:
         return f32x2_to_bf16x2(lo, hi)
     return f32x2_to_f16x2(lo, hi)
-
-
-# numba's CPU target: plain bit reinterpretations (the sampling kernels' CPU build)
-@cpu_intrinsic
-def cpu_f32_bits(typingctx, x):
-    if not isinstance(x, types.Float):
-        return None
-    sig = types.uint32(x)
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.float32), llvm_ir.IntType(32))
-
-    return sig, codegen
-
-
-@cpu_intrinsic
-def cpu_f32_from_bits(typingctx, u):
-    if not isinstance(u, types.Integer):
-        return None
-    sig = types.float32(u)
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.uint32), llvm_ir.FloatType())
-
-    return sig, codegen
 
 
 @cuda.jit(device=True)

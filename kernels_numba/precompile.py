@@ -51,7 +51,6 @@ COMPILE_SECONDS = {
     "kernels_numba.paged_attention.make_decode_kernel.<locals>.paged_attention_decode": 24.8,
     "kernels_numba.sampling.make_fallback_kernel.<locals>.split_fallback": 11.9,
     "kernels_numba.paged_prefill_fa2._build.<locals>.kernel": 11.2,
-    "kernels_numba.sampling.make_hot_kernel.<locals>.hot": 4.8,
     "kernels_numba.sampling._make_split_kernels.<locals>.pass2": 4.0,
     "kernels_numba.sampling._make_split_kernels.<locals>.pass3": 3.8,
     "kernels_numba.paged_attention.make_merge_kernel.<locals>.merge_decode_splits": 3.4,

@@ -2,7 +2,8 @@
 
 Everything the token depends on is computed with IEEE float32 operations that round the same way on
 every machine (add, multiply, divide; no library exp/log, no fused multiply-add), or with integers,
-so kernels_numba/sampling.py (CPU and CUDA) must return exactly the tokens this module returns.
+so kernels_numba's samplers (sampling_cpu.py on the CPU, sampling.py on CUDA) must return exactly the tokens
+this module returns.
 
 Per row (logits l [V] float32; NaN counts as -inf):
     temperature T <= 0 (or a row of -inf): token = argmax l, ties -> lowest index.

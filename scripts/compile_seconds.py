@@ -59,7 +59,6 @@ def kernels():
         "paged_prefill_fa2.kernel": (fa2.get_kernel(fa2.VERSION, 64, "f16", 16), prefill),
         "paged_prefill_fa2.merge": (fa2.get_merge("f16"), (types.float32[::1], types.float32[::1], u32, i64, i64)),
         "paged_prefill_fa2.plan": (fa2.get_plan(), (i32, i64, i32)),
-        "sampling.hot": (sampling.make_hot_kernel("f32", True), rows),
         "sampling.pass1": (sampling.make_split_kernels("f32", True)[0], split),
         "sampling.pass2": (sampling.make_split_kernels("f32", True)[1], split),
         "sampling.pass3": (sampling.make_split_kernels("f32", True)[2], split),

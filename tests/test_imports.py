@@ -2,6 +2,7 @@
 nothing of the layers above them. Each check imports modules in a fresh interpreter (one for all of a
 kind) and lists the modules that came along."""
 import json
+import os
 import pkgutil
 import subprocess
 import sys
@@ -60,7 +61,8 @@ def loaded_by(modules):
 
 
 def test_every_kernel_module_is_found():
-    assert {"kernels_numba.paged_attention", "kernels_numba.sampling", "kernels_numba.cpu_attention",
+    assert {"kernels_numba.paged_attention", "kernels_numba.sampling", "kernels_numba.sampling_cpu",
+            "kernels_numba.sampling_rule", "kernels_numba.sampling_parts", "kernels_numba.cpu_attention",
             "kernels_numba.errors"} <= set(KERNEL_MODULES)
     assert {"kernels_numba.decode_journey", "kernels_numba.decode_journey_cuda_core", "kernels_numba.prefill_journey",
             "kernels_numba.paged_prefill", "kernels_numba.sampling_journey"} <= set(JOURNEY_MODULES) & set(KERNEL_MODULES)
@@ -80,6 +82,28 @@ def test_imports_point_down():
         if bad:
             wrong[module] = bad
     assert wrong == {}
+
+
+# Prints, after each import, whether numba.cuda is loaded: the CPU sampler, the engine's sampler layer and
+# bridge (which a CPU engine imports for its caches' owner) must not load it; the CUDA sampler does.
+CPU_PATH = """
+import sys
+import kernels_numba.sampling_cpu, pagedattn.layers.sampler, kernels_numba.bridge
+print("numba.cuda" in sys.modules)
+import kernels_numba.sampling
+print("numba.cuda" in sys.modules)
+"""
+
+
+def test_the_cpu_path_does_not_import_numba_cuda():
+    """numba.cuda takes ~0.4 s to import: the CPU path leaves it out (pagedattn.layers.sampler imports the
+    CUDA sampler on the first call with CUDA logits, bridge imports numba.cuda in its GPU helpers). Run
+    without the simulator, as a CPU engine runs."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-c", CPU_PATH], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
 
 
 def test_kernel_error_is_the_runtime_one():

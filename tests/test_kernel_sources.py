@@ -1,6 +1,6 @@
 """numba's disk cache stamps the package's compiled CPU functions with a digest of all kernels_numba sources
 (kernels_numba/sources.py): a callee edited in another file must recompile its callers, never load them
-stale. sampling._exp_total (sampling.py) calls cpu_attention._exp_inplace (cpu_attention.py): the case."""
+stale. sampling_cpu._exp_total (sampling_cpu.py) calls cpu_attention._exp_inplace (cpu_attention.py): the case."""
 import importlib.util
 import os
 import subprocess
@@ -16,7 +16,7 @@ import numpy as np
 import kernels_numba.sources as sources
 if sys.argv[1] == "edited":                 # another checkout: any kernels_numba file differs
     sources.source_digest = lambda: "another checkout"
-from kernels_numba.sampling import _exp_total
+from kernels_numba.sampling_cpu import _exp_total
 assert abs(_exp_total(np.zeros(8, np.float32), np.float32(0)) - 8.0) < 1e-6
 print(sum(_exp_total.stats.cache_hits.values()), sum(_exp_total.stats.cache_misses.values()))
 """
@@ -39,11 +39,11 @@ def test_an_edit_anywhere_in_the_package_recompiles_its_cached_functions(tmp_pat
 
 
 def test_other_packages_keep_numbas_stamps(tmp_path):
-    import kernels_numba.sampling as sampling
+    import kernels_numba.sampling_cpu as sampling_cpu
 
-    mine = type(sampling._exp_total._cache._impl.locator)
+    mine = type(sampling_cpu._exp_total._cache._impl.locator)
     assert mine.pagedattn_sources and mine.__name__.startswith("Sources")
-    assert sampling._exp_total._cache._impl.locator.get_source_stamp().startswith("kernels_numba ")
+    assert sampling_cpu._exp_total._cache._impl.locator.get_source_stamp().startswith("kernels_numba ")
     module = tmp_path / "elsewhere.py"
     module.write_text("def f(x):\n    return x + 1\n")
     spec = importlib.util.spec_from_file_location("elsewhere", module)

@@ -1,4 +1,5 @@
-"""Device sampling (pagedattn/layers/sampler.py, kernels_numba/sampling.py) against reference/sampling.py.
+"""Sampling (pagedattn/layers/sampler.py; kernels_numba/sampling*.py: the rule's shared pieces, the CPU
+sampler, the CUDA kernels and the journey's v1) against reference/sampling.py.
 
 Layers: the Philox words (Random123's known answers; numpy == numba CPU == the kernels' device function),
 the written-out exp/log (bit for bit across the three, and close to float64), the rule on whole rows
@@ -19,7 +20,8 @@ import torch
 
 import reference.sampling as ref
 from helpers import capture_after_warmup
-from kernels_numba import sampling as ks, sampling_journey as journey
+from kernels_numba import sampling as ks, sampling_journey as journey, sampling_parts as parts
+from kernels_numba import sampling_rule as rule
 from pagedattn.layers.sampler import SamplingTensors, sample
 from pagedattn.sampling_params import SamplingParams
 
@@ -112,16 +114,17 @@ def test_constants_match_the_reference():
     for name in ("PHILOX_M0", "PHILOX_M1", "PHILOX_W0", "PHILOX_W1", "FLT_MAX", "INV_T_MIN", "TWO_M23",
                  "WEIGHT_ONE", "WEIGHT_CUT", "MAX_VOCAB", "SQRT2", "LN2_HI", "LN2_LO", "LOG2E", "G_MAX",
                  "G_MIN", "G_TOP"):
-        assert getattr(ks, name) == getattr(ref, name), name
-    assert (ks.LOG_C11, ks.LOG_C9, ks.LOG_C7, ks.LOG_C5, ks.LOG_C3) == ref.LOG_C
-    assert (ks.EXP_C7, ks.EXP_C6, ks.EXP_C5, ks.EXP_C4, ks.EXP_C3, ks.EXP_C2, ks.ONE, ks.ONE) == ref.EXP_C
+        assert getattr(rule, name) == getattr(ref, name), name
+    assert (rule.LOG_C11, rule.LOG_C9, rule.LOG_C7, rule.LOG_C5, rule.LOG_C3) == ref.LOG_C
+    assert (rule.EXP_C7, rule.EXP_C6, rule.EXP_C5, rule.EXP_C4, rule.EXP_C3, rule.EXP_C2, rule.ONE,
+            rule.ONE) == ref.EXP_C
 
 
 @pytest.mark.parametrize("counter,key,want", KAT)
 def test_philox_known_answers(counter, key, want):
     assert tuple(int(w) for w in ref.philox4x32_10(*counter, *key)) == want
-    assert tuple(int(w) for w in ks.philox(*_u32(counter), *_u32(key))) == want        # numba CPU
-    assert tuple(int(w) for w in ks.GPU.philox(*_u32(counter), *_u32(key))) == want    # device function
+    assert tuple(int(w) for w in rule.philox(*_u32(counter), *_u32(key))) == want        # numba CPU
+    assert tuple(int(w) for w in parts.GPU.philox(*_u32(counter), *_u32(key))) == want    # device function
 
 
 def test_philox_numpy_cpu_and_device_agree():
@@ -129,8 +132,8 @@ def test_philox_numpy_cpu_and_device_agree():
     c = g.integers(0, 2**32, (4, 200), dtype=np.uint64).astype(np.uint32)
     k = g.integers(0, 2**32, (2, 200), dtype=np.uint64).astype(np.uint32)
     words = np.stack(ref.philox4x32_10(*c, *k))                                      # (4, 200)
-    cpu = np.array([ks.philox(*c[:, i], *k[:, i]) for i in range(200)]).T
-    dev = np.array([ks.GPU.philox(*c[:, i], *k[:, i]) for i in range(0, 200, 10)]).T
+    cpu = np.array([rule.philox(*c[:, i], *k[:, i]) for i in range(200)]).T
+    dev = np.array([parts.GPU.philox(*c[:, i], *k[:, i]) for i in range(0, 200, 10)]).T
     assert np.array_equal(cpu, words)
     assert np.array_equal(dev, words[:, ::10])
 
@@ -150,12 +153,12 @@ def test_gumbel_bitwise_equal_and_accurate(uniforms_words):
     def gumbel_all(r):
         out = np.empty(r.shape[0], dtype=np.float32)
         for i in range(r.shape[0]):
-            out[i] = ks.gumbel(r[i])
+            out[i] = rule.gumbel(r[i])
         return out
 
     want = ref.gumbel(uniforms_words)
     cpu = gumbel_all(uniforms_words)
-    dev = np.array([ks.GPU.gumbel(r) for r in uniforms_words[::2049]], dtype=np.float32)
+    dev = np.array([parts.GPU.gumbel(r) for r in uniforms_words[::2049]], dtype=np.float32)
     assert np.array_equal(cpu.view(np.uint32), want.view(np.uint32))
     assert np.array_equal(dev.view(np.uint32), want[::2049].view(np.uint32))
     u = ref.uniform(uniforms_words).astype(np.float64)
@@ -177,27 +180,27 @@ def test_det_exp_bitwise_equal_and_accurate():
     def exp_all(d):
         out = np.empty(d.shape[0], dtype=np.float32)
         for i in range(d.shape[0]):
-            out[i] = ks.det_exp(d[i])
+            out[i] = rule.det_exp(d[i])
         return out
 
     d = -np.linspace(0, 28, 500_001).astype(np.float32)
     want = ref.det_exp(d)
     assert np.array_equal(exp_all(d).view(np.uint32), want.view(np.uint32))
-    dev = np.array([ks.GPU.det_exp(v) for v in d[::997]], dtype=np.float32)
+    dev = np.array([parts.GPU.det_exp(v) for v in d[::997]], dtype=np.float32)
     assert np.array_equal(dev.view(np.uint32), want[::997].view(np.uint32))
     assert want[0] == 1.0                                 # the top token's weight is exactly 2**40
     assert np.abs(want / np.exp(d.astype(np.float64)) - 1).max() < 3e-7
 
 
 def fast_gumbel_numpy(r):
-    """ks.fast_gumbel with an exact log2 in place of the hardware's, in float32 numpy."""
+    """parts.fast_gumbel with an exact log2 in place of the hardware's, in float32 numpy."""
     u = ref.uniform(r)
     v = np.float32(1) - u
-    p = ks.LOG1M_C8
-    for c in (ks.LOG1M_C7, ks.LOG1M_C6, ks.LOG1M_C5, ks.LOG1M_C4, ks.LOG1M_C3, ks.LOG1M_C2, ks.ONE):
+    p = parts.LOG1M_C8
+    for c in (parts.LOG1M_C7, parts.LOG1M_C6, parts.LOG1M_C5, parts.LOG1M_C4, parts.LOG1M_C3, parts.LOG1M_C2, rule.ONE):
         p = p * v + c
-    e = np.where(u <= 0.75, -ks.LN2 * np.log2(u), v * p).astype(np.float32)
-    return -ks.LN2 * np.log2(e)
+    e = np.where(u <= 0.75, -parts.LN2 * np.log2(u), v * p).astype(np.float32)
+    return -parts.LN2 * np.log2(e)
 
 
 def test_fast_noise_is_within_the_margin(uniforms_words):
@@ -205,9 +208,9 @@ def test_fast_noise_is_within_the_margin(uniforms_words):
     # the best so far: the fast noise must stay far inside it (the GPU test checks the hardware log2)
     want = ref.gumbel(uniforms_words)
     err = np.abs(fast_gumbel_numpy(uniforms_words) - want).max()
-    assert err < ks.FAST_MARGIN / 100, err
-    dev = np.array([ks.fast_gumbel(r) for r in uniforms_words[::4099]], dtype=np.float32)
-    assert np.abs(dev - want[::4099]).max() < ks.FAST_MARGIN / 100
+    assert err < parts.FAST_MARGIN / 100, err
+    dev = np.array([parts.fast_gumbel(r) for r in uniforms_words[::4099]], dtype=np.float32)
+    assert np.abs(dev - want[::4099]).max() < parts.FAST_MARGIN / 100
 
 
 # ----------------------------------------------------------------------------------------
@@ -590,7 +593,7 @@ def test_gpu_noise_and_weights_bitwise_on_every_uniform():
     noise within FAST_MARGIN / 100 of it, det_exp == numpy bit for bit."""
     from numba import cuda
 
-    gumbel, fast, det_exp = ks.GPU.gumbel, ks.fast_gumbel, ks.GPU.det_exp
+    gumbel, fast, det_exp = parts.GPU.gumbel, parts.fast_gumbel, parts.GPU.det_exp
 
     @cuda.jit
     def noise(words, exact, approx, d, e):
@@ -609,7 +612,7 @@ def test_gpu_noise_and_weights_bitwise_on_every_uniform():
     exact, approx, e = exact.copy_to_host(), approx.copy_to_host(), e.copy_to_host()
     want = ref.gumbel(words)
     assert np.array_equal(exact.view(np.uint32), want.view(np.uint32))
-    assert np.abs(approx - exact).max() < ks.FAST_MARGIN / 100
+    assert np.abs(approx - exact).max() < parts.FAST_MARGIN / 100
     assert np.array_equal(e.view(np.uint32), ref.det_exp(d).view(np.uint32))
 
 

@@ -2,7 +2,7 @@
 
 Each kernel is compiled with numba.cuda.compile_ptx in a subprocess without NUMBA_ENABLE_CUDASIM (the
 pattern of tests/test_kernel_codegen.py), with the argument types sample_cuda passes, and checked for
-what kernels_numba/sampling.py promises:
+what kernels_numba/sampling.py (v2's kernels) and sampling_journey.py (v1's hot kernel) promise:
 
 * no local memory in the PTX, and ptxas reports 0 bytes of spills and of stack;
 * the hot kernel and the split path's pass kernels on aligned rows fit 72 registers (their launch
@@ -34,7 +34,7 @@ import json, re, sys, types as _pytypes
 import numba.cuda.dispatcher as _dispatcher
 _dispatcher.get_current_device = lambda: _pytypes.SimpleNamespace(compute_capability=(9, 0))
 from numba import cuda, types
-from kernels_numba import sampling as s
+from kernels_numba import sampling as s, sampling_journey as journey
 
 out = {}
 for name, kind, vec in json.loads(sys.argv[1]):
@@ -45,7 +45,7 @@ for name, kind, vec in json.loads(sys.argv[1]):
     if name.startswith("split"):            # + chunks after vocab, + the partials
         sig = sig[:2] + (types.int64,) + sig[2:] + (types.int64[:, ::1], types.float32[:, ::1])
     if name == "hot":
-        kernel, bounds = s.make_hot_kernel(kind, vec), (s.THREADS, 2 if vec else 1)
+        kernel, bounds = journey.make_hot_kernel(kind, vec), (s.THREADS, 2 if vec else 1)
     elif name == "fallback":
         kernel, bounds = s.make_fallback_kernel(kind, vec), (s.FALLBACK_THREADS, 1)
     elif name == "splitfb":

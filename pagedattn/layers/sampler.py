@@ -25,13 +25,15 @@ top_k/top_p end here); pass 3 the mass ranked before j: if j is inside S it is S
 pass takes the argmax over S with the same noise. Each pass is one kernel whose rows are split over
 several CTAs at small batches (64 per row at N = 1; a fixed function of N and V), the next kernel
 merging the partials. Nothing is sorted, nothing vocab-sized touches the host, nothing synchronises:
-sample() can be captured in a CUDA graph.
+sample() can be captured in a CUDA graph. On the CPU the same passes run one row after the other in
+numba @njit code (kernels_numba/sampling_cpu.py); the CUDA sampler, and numba.cuda with it, is imported
+on the first call with CUDA logits only.
 """
 from dataclasses import dataclass
 
 import torch
 
-from kernels_numba.sampling import sample_cpu, sample_cuda
+from kernels_numba.sampling_cpu import sample_cpu
 
 _FIELDS = ("temperature", "top_k", "top_p", "seed", "index", "position")
 
@@ -92,6 +94,10 @@ def sample(logits, st, out_tokens=None, out_logprobs=None):
         out_tokens = torch.empty(n, dtype=torch.int32, device=logits.device)
     if out_logprobs is None:
         out_logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)
-    fn = sample_cuda if logits.is_cuda else sample_cpu
+    if logits.is_cuda:
+        # imported on the first CUDA call: numba.cuda takes ~0.4 s to import, which a CPU engine never needs
+        from kernels_numba.sampling import sample_cuda as fn
+    else:
+        fn = sample_cpu
     return fn(logits, st.temperature, st.top_k, st.top_p, st.seed, st.index, st.position, out_tokens,
               out_logprobs)
