@@ -29,6 +29,7 @@ class FakeEngine:
         self.tokenizer = None
         self.model_path = "fake"
         self.max_model_len = 64
+        self.vocab_size = 512
         self.num_blocks = 16
         self.requests = {}              # id -> [params, generated count, stream]
         self.aborted = []

@@ -5,7 +5,8 @@ lives in, so every comparison is exact: text, token ids, logprobs, finish reason
 deltas, usage counts. Checked: the core client equals AsyncLLM (concurrent requests, n=2, stop strings
 that end a completion mid-way, logprobs, token-id prompts); a stream closed early aborts its request in
 the core and frees its blocks; the core killed mid-load ends every open stream with EngineDeadError and
-turns is_alive False in bounded time; two data-parallel cores give the same results as one, both get
+turns is_alive False in bounded time; a prompt at the default character limit tokenizes on the API side
+while /health answers within 100 ms; two data-parallel cores give the same results as one, both get
 work, their per-rank metrics add up to the totals and neither leaks a block; build_app on the client
 through uvicorn and the openai client (streamed == unstreamed); a request failing alone (its row in the
 core, its text in the API process) ends with RequestFailedError while the others complete; `python -m
@@ -25,11 +26,11 @@ import httpx
 import openai
 import pytest
 from helpers import ROOT, is_gone
-from serving_helpers import ServerThread, scrape, write_tiny_chat_checkpoint
+from serving_helpers import ServerThread, assert_loop_free_while_tokenizing, scrape, write_tiny_chat_checkpoint
 
 from pagedattn import LLM, SamplingParams
 from pagedattn.distributed.parallel import free_port
-from pagedattn.serving.api_server import build_app
+from pagedattn.serving.api_server import ServerLimits, build_app
 from pagedattn.serving.async_llm import AsyncLLM, EngineDeadError
 from pagedattn.serving.core_client import CoreClient, aggregate_metrics
 from pagedattn.serving.engine_core import core_endpoints, decode_step, encode_step
@@ -426,6 +427,14 @@ def test_http_server_on_the_core_client(core, ref):
         assert samples[("pagedattn_kv_cache_blocks", label)] == NUM_BLOCKS
         assert samples[("pagedattn_kv_cache_free_blocks", label)] == NUM_BLOCKS
         assert samples[("pagedattn_num_requests_in_flight", label)] == 0
+
+
+def test_a_prompt_at_the_character_limit_leaves_the_event_loop_free(core):
+    """The engine core's client tokenizes on the server's worker thread too: a 1,000,000-character prompt
+    (the default limit) takes seconds there while /health answers all along (serving_helpers.HEALTH_BOUND_S)."""
+    limits = ServerLimits()
+    with ServerThread(build_app(core, MODEL, limits=limits)) as srv:
+        assert_loop_free_while_tokenizing(srv.url, limits, MODEL)
 
 
 def _gather_outcomes(llm, cases):

@@ -218,7 +218,7 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
                     P.unsupported("prompt", f"{where} has {len(p)} characters: at most {limits.max_prompt_chars} "
                                   "are allowed")
             if any(isinstance(p, str) for p in prompts):
-                prompts = await off_loop(lambda: [llm.tokenize(p) for p in prompts])
+                prompts = await off_loop(tokenize_all, prompts)
             streams = start(prompts, params, rid)
         except InvalidRequestError as e:
             raise bad_request(e) from e
@@ -262,23 +262,40 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
         except Exception as e:          # noqa: BLE001 (the template's own complaint, e.g. a role it refuses)
             raise InvalidRequestError(f"messages: the chat template failed: {e}") from e
 
+    def tokenize_all(prompts):
+        """(on the worker thread) Each prompt's token ids; an error names the prompt when there are several."""
+        ids = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids.append(llm.tokenize(prompt))
+            except InvalidRequestError as e:
+                if len(prompts) == 1:
+                    raise
+                raise _of_prompt(e, i) from e
+        return ids
+
     def start(prompts, params, rid):
         """One AsyncLLM request per prompt; if one is refused, those already queued are aborted."""
         streams = []
-        try:
-            for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(prompts):
+            try:
                 streams.append(llm.add_request(prompt, params, f"{rid}-{i}"))
-        except InvalidRequestError as e:
-            for s in streams:
-                s.abort()
-            if len(prompts) > 1:
-                e2 = InvalidRequestError(f"prompt {i}: {e}")
-                e2.param = P.error_param(e)
-                raise e2 from e
-            raise
+            except InvalidRequestError as e:
+                for s in streams:
+                    s.abort()
+                if len(prompts) == 1:
+                    raise
+                raise _of_prompt(e, i) from e
         return streams
 
     return app
+
+
+def _of_prompt(exc, i):
+    """exc, an InvalidRequestError about prompt i of a request with several, saying which prompt."""
+    e = InvalidRequestError(f"prompt {i}: {exc}")
+    e.param = P.error_param(exc)
+    return e
 
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\]|function-.*)$")

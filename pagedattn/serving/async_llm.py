@@ -35,6 +35,7 @@ import queue
 import threading
 import time
 
+from pagedattn.engine.requests import InputProcessor
 from pagedattn.errors import InvalidRequestError, PagedAttnError
 from pagedattn.sampling_params import SamplingParams
 
@@ -223,6 +224,9 @@ class AsyncLLM(StreamingFront):
         self.metrics = metrics
         self.stream_interval = stream_interval
         self.tokenizer = self._own_tokenizer(self.engine)
+        e = self.engine                 # the engine's request checks, with the request threads' tokenizer
+        self._inputs = InputProcessor(self.tokenizer, e.vocab_size, e.max_model_len, e.config.max_num_seqs,
+                                      e.config.block_size, e.num_blocks, e.model_path)
         self.error = None               # set when the engine thread died
         self._inbox = queue.SimpleQueue()
         self._streams = {}              # request_id -> RequestStream, accepted and not yet forgotten
@@ -236,11 +240,13 @@ class AsyncLLM(StreamingFront):
     @staticmethod
     def _own_tokenizer(engine):
         """A second copy of the checkpoint's tokenizer for the request threads: the engine thread's one is
-        busy detokenizing, and a HF fast tokenizer must not be used by two threads at once."""
+        busy detokenizing, and a HF fast tokenizer must not be used by two threads at once. The engine's
+        kind (pagedattn.engine.tokenizer), as the engine core's client uses: its encode releases the GIL, so
+        a long prompt tokenizing on the server's worker thread leaves the event loop free."""
         if engine.tokenizer is None:
             return None
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(engine.model_path)
+        from pagedattn.engine.tokenizer import load_tokenizer
+        return load_tokenizer(engine.model_path)
 
     # ---- the front (any asyncio loop) --------------------------------------------------------------
     @property
@@ -256,13 +262,11 @@ class AsyncLLM(StreamingFront):
 
     def tokenize(self, prompt):
         """prompt: str -> list[int], encoded without special tokens as LLM.generate does (token ids pass
-        through unchanged: validate_request checks them)."""
+        through unchanged: validate_request checks them). A prompt over max_model_len tokens raises
+        InvalidRequestError here (InputProcessor.tokenize)."""
         if not isinstance(prompt, str):
             return prompt
-        if self.tokenizer is None:
-            raise InvalidRequestError(f"prompt is a string but {self.engine.model_path!r} has no tokenizer: "
-                                      "pass token ids")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self._inputs.tokenize(prompt)
 
     def add_request(self, prompt, params=None, request_id=None):
         """Validate and queue one request; returns its RequestStream. Call from a coroutine.

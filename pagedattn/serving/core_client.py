@@ -240,7 +240,7 @@ class CoreClient(StreamingFront):
         self.tokenizer = load_tokenizer(self.model_path)            # the request threads' copy
         self._detok_tokenizer = load_tokenizer(self.model_path)     # the receiver thread's own copy
         small = min(info, key=lambda i: i["num_blocks"] * i["block_size"])
-        self._inputs = InputProcessor(None, min(i["vocab_size"] for i in info),
+        self._inputs = InputProcessor(self.tokenizer, min(i["vocab_size"] for i in info),
                                       min(i["max_model_len"] for i in info), min(i["max_num_seqs"] for i in info),
                                       small["block_size"], small["num_blocks"], self.model_path)
         self._thread = threading.Thread(target=self._run, name="pagedattn-core-client", daemon=True)
@@ -304,12 +304,11 @@ class CoreClient(StreamingFront):
         return len(self._cores)
 
     def tokenize(self, prompt):
-        """prompt: str -> list[int] without special tokens (token ids pass through: validation checks them)."""
+        """prompt: str -> list[int] without special tokens (token ids pass through: validation checks them).
+        A prompt over max_model_len tokens raises InvalidRequestError here (InputProcessor.tokenize)."""
         if not isinstance(prompt, str):
             return prompt
-        if self.tokenizer is None:
-            raise InvalidRequestError(f"prompt is a string but {self.model_path!r} has no tokenizer: pass token ids")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self._inputs.tokenize(prompt)
 
     def add_request(self, prompt, params=None, request_id=None):
         """Validate and send one request to the least-loaded core; returns its RequestStream. Call from a
