@@ -14,9 +14,11 @@ vocabulary resized to the tokenizer's.
 import gc
 import json
 import os
+import signal
 import threading
 import time
 
+import pytest
 from helpers import write_tiny_checkpoint
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -182,3 +184,19 @@ def assert_loop_free_while_tokenizing(url, limits, model, headers=None):
         assert polls and max(polls) <= HEALTH_BOUND_S, (f"{path}: /health took up to {max(polls) * 1000:.0f} ms "
                                                         f"while the prompt tokenized ({len(polls)} polls)")
         assert len(polls) >= 5, f"{path}: only {len(polls)} polls: the window was too short to tell"
+
+
+# ---- the test process's signal handling ---------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def signal_handlers_kept():
+    """Autouse in every module that imports it: the test leaves this process's SIGTERM and SIGINT handlers as
+    it found them. (A handler left behind by code that ran an engine core or a profile in the calling process
+    turned a later SIGTERM into a SystemExit inside an unrelated test.)"""
+    watched = (signal.SIGTERM, signal.SIGINT)
+    before = {s: signal.getsignal(s) for s in watched}
+    yield
+    after = {s: signal.getsignal(s) for s in watched}
+    changed = {signal.Signals(s).name: (before[s], after[s]) for s in watched if after[s] is not before[s]}
+    for s in watched:                   # put them back, so that one failure does not spread to the next tests
+        signal.signal(s, before[s])
+    assert not changed, f"the test changed this process's signal handlers (before, after): {changed}"

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from serving_helpers import signal_handlers_kept  # noqa: F401 (autouse: SIGTERM/SIGINT handlers kept)
 
 from pagedattn.engine.outputs import CompletionOutput, RequestOutput
 from pagedattn.errors import InvalidRequestError

@@ -27,6 +27,7 @@ import openai
 import pytest
 from helpers import ROOT, is_gone
 from serving_helpers import ServerThread, assert_loop_free_while_tokenizing, scrape, write_tiny_chat_checkpoint
+from serving_helpers import signal_handlers_kept  # noqa: F401 (autouse: SIGTERM/SIGINT handlers kept)
 
 from pagedattn import LLM, SamplingParams
 from pagedattn.distributed.parallel import free_port

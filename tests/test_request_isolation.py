@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving_helpers import (ServerThread, assert_loop_free_while_tokenizing, scrape, train_tokenizer,
                              write_tiny_chat_checkpoint)
+from serving_helpers import signal_handlers_kept  # noqa: F401 (autouse: SIGTERM/SIGINT handlers kept)
 
 from pagedattn import LLM, SamplingParams
 from pagedattn.errors import InvalidRequestError

@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 from serving_helpers import ServerThread, scrape, write_tiny_chat_checkpoint
+from serving_helpers import signal_handlers_kept  # noqa: F401 (autouse: SIGTERM/SIGINT handlers kept)
 
 from pagedattn import LLM, SamplingParams
 from pagedattn.serving.api_server import build_app
