@@ -15,7 +15,8 @@ from serving_helpers import signal_handlers_kept  # noqa: F401 (autouse: SIGTERM
 from pagedattn.engine.outputs import CompletionOutput, RequestOutput
 from pagedattn.errors import InvalidRequestError
 from pagedattn.sampling_params import SamplingParams
-from pagedattn.serving.async_llm import AsyncLLM, EngineDeadError, EngineStepError, RequestFailedError, merge_outputs
+from pagedattn.serving.async_llm import (AsyncLLM, EngineDeadError, EngineStepError, RequestFailedError, engine_dead,
+                                         merge_outputs)
 from pagedattn.serving.metrics import ServingMetrics
 
 
@@ -282,6 +283,32 @@ def test_shutdown_fails_streams_and_refuses_new_requests(make_llm):
     # the outputs it has not handed out yet, so a slow reader may see [0, 1])
     assert run(main()).outputs[0].delta_token_ids[:1] == [0]
     assert not llm.is_alive and not llm.engine.has_unfinished_requests()
+
+
+def test_a_dead_engine_says_so_once_with_the_cause(make_llm):
+    """The engine thread dies (a step raises, then aborting its requests raises too): the open stream's
+    error, a later add_request's and the one /health answers with (engine_dead) each say that the engine
+    has stopped once, and why."""
+    llm = make_llm(fail_steps={2})
+
+    def broken_abort(request_id):
+        raise RuntimeError("abort failed")
+
+    llm.engine.abort_request = broken_abort
+
+    async def main():
+        stream = llm.add_request([1], params(30), "r")
+        with pytest.raises(EngineDeadError) as in_stream:
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError) as late:
+            llm.add_request([1], params(3), "late")
+        return [str(in_stream.value), str(late.value)]
+
+    messages = run(main()) + [str(engine_dead(llm.error))]
+    assert not llm.is_alive
+    for m in messages:
+        assert m == "the engine has stopped: RuntimeError('abort failed')", m
 
 
 def test_merge_outputs_joins_deltas_into_the_newer_output():

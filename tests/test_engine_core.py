@@ -5,7 +5,8 @@ lives in, so every comparison is exact: text, token ids, logprobs, finish reason
 deltas, usage counts. Checked: the core client equals AsyncLLM (concurrent requests, n=2, stop strings
 that end a completion mid-way, logprobs, token-id prompts); a stream closed early aborts its request in
 the core and frees its blocks; the core killed mid-load ends every open stream with EngineDeadError and
-turns is_alive False in bounded time; a prompt at the default character limit tokenizes on the API side
+turns is_alive False in bounded time (behind an HTTP server: /health and new requests answer 503 saying so
+once, /metrics shows pagedattn_engine_alive 0 and no stale engine series); a prompt at the default character limit tokenizes on the API side
 while /health answers within 100 ms; two data-parallel cores give the same results as one, both get
 work, their per-rank metrics add up to the totals and neither leaks a block; build_app on the client
 through uvicorn and the openai client (streamed == unstreamed); a request failing alone (its row in the
@@ -403,6 +404,36 @@ def test_killed_core_ends_every_stream_with_an_error(checkpoint):
     finally:
         client.shutdown()
     assert not client.processes[0].is_alive()
+
+
+def test_a_dead_core_shows_in_health_metrics_and_errors(checkpoint):
+    """The core killed behind a running HTTP server: /health answers 503 and a new request 503, each saying
+    once that the engine has stopped and why; /metrics answers with pagedattn_engine_alive 0 and without the
+    dead core's last (stale) engine series."""
+    client = CoreClient.start(dict(model=checkpoint, **ENGINE))
+    label = frozenset({"model_name": MODEL}.items())
+    try:
+        with ServerThread(build_app(client, MODEL)) as srv:
+            live = scrape(srv.url)
+            assert live[("pagedattn_engine_alive", label)] == 1 and live[("pagedattn_kv_cache_blocks", label)] == NUM_BLOCKS
+            os.kill(client.processes[0].pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30            # (noticed within ~100 ms: the client's socket monitor)
+            while client.is_alive:
+                assert time.monotonic() < deadline, "the client did not notice the core's death"
+                time.sleep(0.05)
+            health = httpx.get(srv.url + "/health", timeout=30)
+            late = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=30)
+            for r in (health, late):
+                assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
+                message = r.json()["error"]["message"]
+                assert message.count("the engine has stopped") == 1 and "lost the connection" in message, message
+            dead = scrape(srv.url)
+            assert dead[("pagedattn_engine_alive", label)] == 0
+            assert not any(name.startswith(("pagedattn_kv_cache", "pagedattn_num_requests_running",
+                                            "pagedattn_num_requests_waiting", "pagedattn_engine_step"))
+                           for name, _ in dead), sorted({name for name, _ in dead})
+    finally:
+        client.shutdown()
 
 
 def test_http_server_on_the_core_client(core, ref):

@@ -247,6 +247,33 @@ def test_models_health_and_metrics_counters(server):
     assert 0 <= metric(after, "pagedattn_prefix_cache_hit_rate") <= 1
 
 
+def test_metrics_say_when_the_engine_has_stopped(checkpoint):
+    """/metrics after the engine stopped: still 200 (the server's own series stay readable), with
+    pagedattn_engine_alive 0 and none of the dead engine's stale series; /health answers 503 saying why."""
+    srv, llm = serve(checkpoint, api_key=None)
+    label = frozenset({"model_name": MODEL}.items())
+    with srv:
+        r = post(srv.url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3, "ignore_eos": True},
+                 key=None)
+        assert r.status_code == 200, r.text
+        llm.wait_until_idle()
+        live = scrape(srv.url)
+        assert live[("pagedattn_engine_alive", label)] == 1
+        assert live[("pagedattn_kv_cache_blocks", label)] == ENGINE["num_blocks"]
+        llm.shutdown()
+        assert httpx.get(srv.url + "/metrics", timeout=30).status_code == 200
+        dead = scrape(srv.url)
+        assert dead[("pagedattn_engine_alive", label)] == 0
+        engine_series = {name for name, _ in live} - {name for name, _ in dead}
+        assert {"pagedattn_kv_cache_blocks", "pagedattn_kv_cache_usage", "pagedattn_num_requests_running",
+                "pagedattn_engine_steps_total"} <= engine_series
+        assert dead[("pagedattn_num_requests_in_flight", label)] == 0              # the server's own count
+        assert dead[("pagedattn_request_finished_total", label | {("finished_reason", "length")})] == 1
+        health = httpx.get(srv.url + "/health", timeout=30)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        assert health.json()["error"]["message"] == str(llm.error) == "the engine thread has been shut down"
+
+
 # ---------------------------------------------------------------- bad input
 def post(url, path, body, key=API_KEY, raw=None):
     headers = {"Authorization": f"Bearer {key}"} if key else {}

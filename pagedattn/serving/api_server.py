@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedattn.errors import InvalidRequestError
 from pagedattn.serving import protocol as P
-from pagedattn.serving.async_llm import EngineDeadError, EngineStepError, RequestFailedError
+from pagedattn.serving.async_llm import EngineDeadError, EngineStepError, RequestFailedError, engine_dead
 from pagedattn.serving.metrics import CONTENT_TYPE, ServingMetrics
 
 logger = logging.getLogger("pagedattn.serving")
@@ -131,7 +131,8 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
     if llm.metrics is None:
         llm.metrics = ServingMetrics(model_name)
     metrics = llm.metrics
-    metrics.attach(lambda: {**llm.engine_metrics(), "num_requests_in_flight": llm.num_requests_in_flight})
+    metrics.attach(lambda: {**llm.engine_metrics(), "num_requests_in_flight": llm.num_requests_in_flight},
+                   alive=lambda: llm.is_alive)
     tokenizer = llm.tokenizer
     control_tokens = _control_tokens(tokenizer)
     docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json") if enable_docs else dict(
@@ -183,7 +184,7 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
     @app.get("/health")
     async def health():
         if not llm.is_alive:
-            return _engine_error(EngineDeadError(f"the engine has stopped: {llm.error}")).response()
+            return _engine_error(engine_dead(llm.error)).response()
         return {"status": "ok"}
 
     @app.get("/metrics")

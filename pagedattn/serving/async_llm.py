@@ -60,6 +60,15 @@ class EngineDeadError(PagedAttnError, RuntimeError):
     """The engine thread has stopped (shut down, or the engine could not recover from an error)."""
 
 
+def engine_dead(error):
+    """The EngineDeadError a front raises once its engine stopped with `error` (its `error` attribute): an
+    EngineDeadError's message as it is (it already says the engine stopped, and why), anything else as the
+    cause after "the engine has stopped: ". A fresh exception each time: it is raised in many requests."""
+    if isinstance(error, EngineDeadError):
+        return EngineDeadError(str(error))
+    return EngineDeadError("the engine has stopped" + ("" if error is None else f": {error!r}"))
+
+
 def merge_outputs(old, new):
     """`new` updated in place to stand for `old` followed by `new` (same request): `new`'s cumulative
     fields, deltas joined per completion index; returns it. (The engine builds fresh output objects every
@@ -275,7 +284,7 @@ class AsyncLLM(StreamingFront):
         hashable, unique among running requests (default: "req-<counter>"). Raises InvalidRequestError
         naming the field (nothing is queued then), EngineDeadError when the engine thread has stopped."""
         if self.error is not None:
-            raise EngineDeadError(f"the engine has stopped: {self.error}") from self.error
+            raise engine_dead(self.error) from self.error
         params = SamplingParams() if params is None else params
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         ids = self.engine.validate_request(self.tokenize(prompt), params)
@@ -369,8 +378,7 @@ class AsyncLLM(StreamingFront):
         finally:
             if self.error is None:
                 self.error = EngineDeadError("the engine thread has been shut down")
-            dead = (self.error if isinstance(self.error, EngineDeadError)
-                    else EngineDeadError(f"the engine has stopped: {self.error!r}"))
+            dead = engine_dead(self.error)
             for rid, stream in list(live.items()):
                 with contextlib.suppress(Exception):   # leave the engine clean for whoever uses it next
                     engine.abort_request(rid)

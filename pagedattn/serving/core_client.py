@@ -54,7 +54,7 @@ from pagedattn.errors import InvalidRequestError
 from pagedattn.sampling_params import SamplingParams
 from pagedattn.serving import engine_core as ec
 from pagedattn.serving.async_llm import (EngineDeadError, EngineStepError, RequestFailedError, RequestStream,
-                                         StreamingFront, _set_ready)
+                                         StreamingFront, _set_ready, engine_dead)
 
 logger = logging.getLogger("pagedattn.serving")
 now = time.perf_counter
@@ -314,7 +314,7 @@ class CoreClient(StreamingFront):
         """Validate and send one request to the least-loaded core; returns its RequestStream. Call from a
         coroutine. Raises InvalidRequestError naming the field, EngineDeadError once a core has died."""
         if self.error is not None:
-            raise EngineDeadError(f"the engine has stopped: {self.error}") from self.error
+            raise engine_dead(self.error) from self.error
         params = SamplingParams() if params is None else params
         request_id = f"req-{next(self._request_ids)}" if request_id is None else request_id
         ids = self._inputs.validate(self.tokenize(prompt), params)
