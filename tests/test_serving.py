@@ -7,10 +7,12 @@ depend on the batch a request runs in, so served text must equal it exactly.
 
 Checked: completions and chat, streamed and not, against each other and LLM.generate; n=2; stop strings;
 usage (also in the last stream chunk); logprobs; /v1/models, /health, /metrics (and that its counters
-move by exactly the usage of a request); bad input (malformed JSON, wrong types, unknown model, negative
-max_tokens, temperature -1, over-long prompts, a request the KV pool can never hold, missing or wrong
-API key) -> status, OpenAI-shaped body naming the field, and the server keeps serving; clients that
-disconnect (streaming or not) free their blocks; 64 concurrent streaming clients, some leaving early.
+move by exactly the usage of a request; after the engine stops, pagedattn_engine_alive 0 and no stale engine
+series); bad input (malformed JSON, no body, wrong types, unknown model, negative max_tokens, temperature -1,
+over-long prompts, a prompt that leaves no room to generate, a request the KV pool can never hold, missing
+or wrong API key) -> status, OpenAI-shaped body naming the field, and the server keeps serving; HEAD on the
+GET routes, 405 with Allow, no redirect built from the Host header; clients that disconnect (streaming or
+not) free their blocks; 64 concurrent streaming clients, some leaving early.
 """
 import asyncio
 import json
@@ -301,12 +303,21 @@ BAD_REQUESTS = [  # (path, body or raw bytes, status, param, words the message m
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty",
      ["not supported"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": TOO_LONG}]}, 400,
-     "messages", ["tokens"]),
+     "messages", ["tokens", "after the chat template", "no room to generate"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                               "max_completion_tokens": 0}, 400, "max_completion_tokens", [">= 1"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", ["empty"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages", ["list"]),
     ("/v1/nothing-here", {}, 404, None, ["Not Found"]),
+    ("/v1/completions", b"", 400, "prompt", ["request body is empty", "prompt is required"]),
+    ("/v1/chat/completions", b"", 400, "messages", ["request body is empty", "messages is required"]),
+    # a prompt of exactly max_model_len tokens: no room for one generated token (default max_tokens or not)
+    ("/v1/completions", {"model": MODEL, "prompt": [5] * 256}, 400, "prompt",
+     ["256 tokens", "no room to generate", "< max_model_len=256"]),
+    ("/v1/completions", {"model": MODEL, "prompt": [5] * 256, "max_tokens": 4}, 400, "prompt",
+     ["256 tokens", "no room to generate"]),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": TOO_LONG}], "max_tokens": 4},
+     400, "messages", ["after the chat template", "no room to generate", "< max_model_len=256"]),
 ]
 
 
@@ -337,6 +348,34 @@ def test_api_key(server):
     assert httpx.get(server.url + "/metrics").status_code == 200
 
 
+def test_get_routes_answer_head(server):
+    """HEAD on every GET route: 200 with GET's headers and no body (the API key still needed on /v1/*); another
+    method: 405 whose Allow header names GET and HEAD."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for path in ["/health", "/metrics", "/v1/models", f"/v1/models/{MODEL}"]:
+        got = httpx.get(server.url + path, headers=auth, timeout=30)
+        head = httpx.head(server.url + path, headers=auth, timeout=30)
+        assert got.status_code == head.status_code == 200, (path, head.status_code)
+        assert head.content == b"" and head.headers["content-type"] == got.headers["content-type"], path
+        post = httpx.post(server.url + path, headers=auth, timeout=30)
+        assert post.status_code == 405, (path, post.text)
+        assert set(post.headers["allow"].replace(" ", "").split(",")) == {"GET", "HEAD"}, post.headers
+        assert set(post.json()["error"]) == {"message", "type", "param", "code"} and "GET" in post.json()["error"]["message"]
+    assert httpx.head(server.url + "/v1/models", timeout=30).status_code == 401
+    assert httpx.get(server.url + "/v1/completions", headers=auth, timeout=30).headers["allow"] == "POST"
+
+
+def test_no_redirect_is_built_from_the_host_header(server):
+    """A trailing slash is an unknown path (404 in OpenAI's shape), never a redirect: Starlette's would send the
+    client to whatever host its Host header named."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for method, path in [("GET", "/health/"), ("GET", "/metrics/"), ("POST", "/v1/completions/")]:
+        r = httpx.request(method, server.url + path, headers={**auth, "Host": "evil.example.com"}, timeout=30,
+                          follow_redirects=False)
+        assert r.status_code == 404 and "location" not in r.headers, (path, r.status_code, r.headers)
+        assert r.json()["error"]["code"] == "not_found"
+
+
 def test_openai_client_raises_the_right_errors(server):
     with pytest.raises(openai.NotFoundError):
         server.client.completions.create(model="gpt-9", prompt="hi")
@@ -357,6 +396,14 @@ def test_a_request_the_pool_can_never_hold_is_refused(checkpoint):
             assert r.status_code == 200, r.text        # the default max_tokens is what the pool can hold
             usage = r.json()["usage"]
             assert usage["total_tokens"] == 8 * 16
+            # a prompt that fills the pool by itself: no max_tokens could help, and the message says so
+            for path, body, param in [("/v1/completions", {"prompt": [5] * 128, "max_tokens": 1}, "prompt"),
+                                      ("/v1/chat/completions", {"messages": [{"role": "user", "content": TOO_LONG[:900]}]},
+                                       "messages")]:
+                r = post(srv.url, path, body, key=None)
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+                assert "no room to generate in the KV pool" in r.json()["error"]["message"], r.text
+                assert "must be < 128" in r.json()["error"]["message"], r.text
     finally:
         llm.shutdown()
 

@@ -44,12 +44,13 @@ class InputProcessor:
         raise InvalidRequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
 
     def check_prompt_length(self, n_prompt):
-        """The checks a prompt's length alone decides (InvalidRequestError)."""
+        """The checks a prompt's length alone decides (InvalidRequestError): at least one token, and room
+        within max_model_len for at least one generated token."""
         if n_prompt == 0:
             raise InvalidRequestError("prompt is empty: it must have at least 1 token")
-        if n_prompt > self.max_model_len:
-            raise InvalidRequestError(f"prompt has {n_prompt} tokens: the prompt length must be <= "
-                                      f"max_model_len={self.max_model_len}")
+        if n_prompt >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {n_prompt} tokens, which leaves no room to generate: the "
+                                      f"prompt length must be < max_model_len={self.max_model_len}")
 
     def validate(self, prompt, params):
         """Token ids of `prompt` after checking it and `params` (SamplingParams or BeamSearchParams)."""
@@ -69,11 +70,17 @@ class InputProcessor:
         if bad is not None:
             raise InvalidRequestError(f"prompt token id {ids[bad]} at position {bad} is outside the vocabulary: "
                                       f"token ids must be in [0, {self.vocab_size})")
+        if width > self.max_num_seqs:
+            raise InvalidRequestError(f"beam_width={width} must be in [1, max_num_seqs={self.max_num_seqs}]")
+        room = self.num_blocks // width * self.block_size       # tokens each of the request's sequences can hold
+        if 1 < room <= n_prompt:        # (the prompt alone fills the pool: no max_tokens can help)
+            beams = f" shared by {width} beams" if width > 1 else ""
+            raise InvalidRequestError(
+                f"prompt has {n_prompt} tokens, which leaves no room to generate in the KV pool (num_blocks="
+                f"{self.num_blocks} x block_size={self.block_size}{beams}): the prompt length must be < {room}")
         if n_prompt + max_tokens > max_len:
             raise InvalidRequestError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
                                       f"max_model_len={max_len}: max_tokens must be in [1, {max_len - n_prompt}]")
-        if width > self.max_num_seqs:
-            raise InvalidRequestError(f"beam_width={width} must be in [1, max_num_seqs={self.max_num_seqs}]")
         blocks = -(-(n_prompt + max_tokens) // self.block_size) * width
         if blocks > self.num_blocks:
             what = f"{width} beams x " if width > 1 else ""

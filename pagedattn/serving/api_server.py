@@ -8,7 +8,8 @@ Nothing here knows about blocks or steps.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id} (these need
 the API key when one is set: `Authorization: Bearer KEY`), GET /health, GET /metrics (Prometheus text);
-/docs, /redoc and /openapi.json only with enable_docs.
+/docs, /redoc and /openapi.json only with enable_docs. Every GET route answers HEAD too. No redirects: a
+path with a trailing slash is a 404 (Starlette's redirect would name the host the client's Host header gave).
 
 What a client can make the server do is bounded (ServerLimits; docs/serving.md lists the defaults and
 their flags): RequestGuard, in front of every route, checks the API key from the headers before a byte of
@@ -18,12 +19,12 @@ templates and tokenization run on one worker thread, never on the event loop; an
 (`uvicorn_config`) closes a connection whose request headers are not complete within head_timeout_s.
 
 Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}:
-  400 invalid_request_error: malformed JSON, a field of the wrong type (strict: "5" is not an int), a
-      string that is not valid Unicode, a value out of range (the
-      engine's own message, `param` = the field), a prompt too long, a request the KV pool can never
-      hold, an unsupported option;
-  401 invalid_api_key; 404 model_not_found (param "model") or an unknown route; 408 the body came too
-  slowly; 413 the body is over max_body_bytes;
+  400 invalid_request_error: malformed JSON, no body, a field of the wrong type (strict: "5" is not an
+      int), a string that is not valid Unicode, a value out of range (the engine's own message, `param` =
+      the field), a prompt that leaves no room to generate, a request the KV pool can never hold, an
+      unsupported option;
+  401 invalid_api_key; 404 model_not_found (param "model") or an unknown route; 405 a method the route does
+  not take (with Allow); 408 the body came too slowly; 413 the body is over max_body_bytes;
   500 server_error (an engine step failed; code request_failed: this request alone failed in the engine),
   503 the engine has stopped.
 A stream that fails after it started sends one `data: {"error": ...}` event, then `data: [DONE]`.
@@ -63,10 +64,11 @@ class APIError(Exception):
         return P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.type, param=self.param,
                                                  code=self.code)).model_dump()
 
-    def response(self, close=False):
-        """The JSON response; close: end the connection after it (the request body was left unread)."""
-        headers = {"Connection": "close"} if close else None
-        return ErrorJSONResponse(self.body(), status_code=self.status, headers=headers)
+    def response(self, close=False, headers=None):
+        """The JSON response; close: end the connection after it (the request body was left unread).
+        headers: more response headers (a 405's Allow)."""
+        headers = {**(headers or {}), **({"Connection": "close"} if close else {})}
+        return ErrorJSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 class ErrorJSONResponse(JSONResponse):
@@ -137,7 +139,11 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
     control_tokens = _control_tokens(tokenizer)
     docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json") if enable_docs else dict(
         docs_url=None, redoc_url=None, openapi_url=None)
-    app = FastAPI(title="pagedattn", description="OpenAI-compatible server on the pagedattn engine", **docs)
+    # redirect_slashes off: Starlette's redirect from "/health/" to "/health" builds its Location from the
+    # client's Host header, so any client could make the server send a redirect to a host of its choosing; an
+    # unknown path is a 404 like any other.
+    app = FastAPI(title="pagedattn", description="OpenAI-compatible server on the pagedattn engine",
+                  redirect_slashes=False, **docs)
     app.add_middleware(RequestGuard, api_key=api_key, limits=limits)
     # Chat templates and tokenization: one worker thread (the front's tokenizer is used by one thread at a
     # time), so a long prompt costs its own request time, never the event loop's.
@@ -164,15 +170,24 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", err.get("msg"))
             return APIError(400, f"malformed JSON body: {detail}").response()
+        if err.get("type") == "missing" and not loc:       # no body at all
+            required = _REQUIRED.get(request.url.path, ())
+            return APIError(400, "the request body is empty: " + (f"a JSON object with {' and '.join(required)} is required"
+                                                                  if required else "a JSON object is required"),
+                            param=required[0] if required else None).response()
         if err.get("type") == "missing":
-            return APIError(400, f"{'.'.join(loc)} is required", param=loc[0] if loc else None).response()
+            return APIError(400, f"{'.'.join(loc)} is required", param=loc[0]).response()
         where = ".".join(loc) if loc else "request body"
         return APIError(400, f"{where}: {err.get('msg')}", param=loc[0] if loc else None).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc):
         code = "not_found" if exc.status_code == 404 else None
-        return APIError(exc.status_code, str(exc.detail), code=code).response()
+        message = str(exc.detail)
+        allow = (exc.headers or {}).get("Allow")
+        if exc.status_code == 405 and allow:   # (its headers go out too: Allow, the methods the route takes)
+            message += f": {request.url.path} takes {allow}"
+        return APIError(exc.status_code, message, code=code).response(headers=exc.headers)
 
     # ---- model -------------------------------------------------------------------------------------
     def check_model(name):
@@ -181,21 +196,25 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
                            param="model", code="model_not_found")
 
     # ---- routes ------------------------------------------------------------------------------------
-    @app.get("/health")
+    # Every GET route answers HEAD too (the headers of its GET, no body: uvicorn drops the body of a response
+    # to HEAD), as HTTP servers do; monitors and load balancers probe with it.
+    GET_HEAD = ["GET", "HEAD"]
+
+    @app.api_route("/health", methods=GET_HEAD)
     async def health():
         if not llm.is_alive:
             return _engine_error(engine_dead(llm.error)).response()
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=GET_HEAD)
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=GET_HEAD)
     async def models():
         return P.ModelList(data=[P.ModelCard(id=model_name, max_model_len=llm.max_model_len)])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=GET_HEAD)
     async def model(model_id: str):
         check_model(model_id)
         return P.ModelCard(id=model_name, max_model_len=llm.max_model_len)
@@ -239,15 +258,15 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
             req.check_limits(limits.max_stop_strings, limits.max_stop_chars)
             ids = await off_loop(lambda: llm.tokenize(render_chat(req)))
             max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
-            if max_tokens is None:      # OpenAI's default: whatever room the context leaves
-                max_tokens = llm.max_request_tokens - len(ids)
-                if max_tokens < 1:
-                    raise InvalidRequestError(
-                        f"prompt has {len(ids)} tokens after the chat template, which leaves no room to generate: "
-                        f"the prompt length must be < {llm.max_request_tokens}")
+            if max_tokens is None:      # OpenAI's default: whatever room the context leaves (none: the
+                max_tokens = max(1, llm.max_request_tokens - len(ids))     # validation says so, naming the prompt)
             params = req.sampling_params(max_tokens, logprobs=bool(req.logprobs))
             streams = start([ids], params, rid)
         except InvalidRequestError as e:
+            if P.error_param(e) == "prompt":    # the prompt a chat user never wrote: say where it came from
+                e2 = InvalidRequestError(f"messages after the chat template: {e}")
+                e2.param = "messages"
+                raise bad_request(e2, renames) from e
             raise bad_request(e, renames) from e
         job = ChatJob(rid, model_name, req, streams, tokenizer)
         if req.stream:
@@ -299,6 +318,10 @@ def _of_prompt(exc, i):
     return e
 
 
+# The fields a route's body must have, named when the body is missing altogether.
+_REQUIRED = {path: tuple(name for name, f in model.model_fields.items() if f.is_required())
+             for path, model in [("/v1/completions", P.CompletionRequest),
+                                 ("/v1/chat/completions", P.ChatCompletionRequest)]}
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\]|function-.*)$")
 
 
