@@ -285,6 +285,26 @@ def test_shutdown_fails_streams_and_refuses_new_requests(make_llm):
     assert not llm.is_alive and not llm.engine.has_unfinished_requests()
 
 
+def test_failing_a_stream_raises_in_its_reader_and_aborts_the_request(make_llm):
+    """RequestStream.fail (a stopping server's way to end a request): the reader's next read raises the
+    error, even when it was not waiting at that moment, and the engine aborts the request."""
+    llm = make_llm(step_delay=0.005)
+
+    async def main():
+        stream = llm.add_request([1], params(30), "r")
+        await stream.__anext__()
+        stream.fail(EngineDeadError("the server is shutting down"))
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            async for _ in stream:
+                pass
+        stream.fail(EngineDeadError("again"))           # once it ended: nothing
+        assert stream.finished
+
+    run(main())
+    llm.wait_until_idle()
+    assert llm.engine.aborted == ["r"] and not llm.engine.requests
+
+
 def test_a_dead_engine_says_so_once_with_the_cause(make_llm):
     """The engine thread dies (a step raises, then aborting its requests raises too): the open stream's
     error, a later add_request's and the one /health answers with (engine_dead) each say that the engine

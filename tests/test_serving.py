@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import socket
+import threading
 import time
 from types import SimpleNamespace
 
@@ -404,6 +405,49 @@ def test_a_request_the_pool_can_never_hold_is_refused(checkpoint):
                 assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
                 assert "no room to generate in the KV pool" in r.json()["error"]["message"], r.text
                 assert "must be < 128" in r.json()["error"]["message"], r.text
+    finally:
+        llm.shutdown()
+
+
+def test_a_stopping_server_ends_its_open_requests_with_an_error(checkpoint):
+    """The server told to stop (what SIGTERM and Ctrl-C do) while a stream and a non-streamed request run:
+    after the shutdown grace period (0.5 s here) the stream ends with an OpenAI-shaped error event and
+    `data: [DONE]`, the other request answers 503, both are aborted in the engine (every block free), and the
+    engine itself keeps running. Steps take 20 ms (the fake executor: the tiny model's are too quick to keep a
+    request open), so 200 tokens take 4 s, well past the grace period."""
+    from pagedattn.serving.fake_engine import install_fake_executor
+
+    llm = AsyncLLM(install_fake_executor(LLM(checkpoint, **ENGINE), 20.0))
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True}
+    events, plain, opened = [], [], threading.Event()
+
+    def stream(url):
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    opened.set()
+
+    try:
+        with ServerThread(build_app(llm, MODEL), shutdown_timeout_s=0.5) as srv:
+            threads = [threading.Thread(target=stream, args=(srv.url,), daemon=True),
+                       threading.Thread(target=lambda: plain.append(httpx.post(srv.url + "/v1/completions", json=body,
+                                                                               timeout=60)), daemon=True)]
+            for t in threads:
+                t.start()
+            assert opened.wait(60), "the stream did not start"
+            while llm.num_requests_in_flight < 2:
+                time.sleep(0.01)
+        for t in threads:               # (leaving the block stopped the server)
+            t.join(30)
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "server_shutting_down"
+        assert "grace period (0.5 s)" in error["message"], error
+        assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "server_shutting_down"
+        m = llm.wait_until_idle()
+        assert llm.is_alive and m["num_free_blocks"] == ENGINE["num_blocks"]
+        assert llm.metrics.finished_requests == {"abort": 2}
     finally:
         llm.shutdown()
 

@@ -31,6 +31,7 @@ A stream that fails after it started sends one `data: {"error": ...}` event, the
 A client that disconnects, streaming or not, has its requests aborted (their KV blocks freed).
 """
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -40,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
 import msgspec
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -112,7 +114,13 @@ def bad_request(exc, renames=None):
     return APIError(400, str(exc), param=P.error_param(exc, renames))
 
 
+class ServerStoppingError(EngineDeadError):
+    """The server is stopping, and this request was still open when its grace period ended (Server)."""
+
+
 def _engine_error(exc):
+    if isinstance(exc, ServerStoppingError):
+        return APIError(503, str(exc), type="server_error", code="server_shutting_down")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type="server_error", code="engine_dead")
     if isinstance(exc, RequestFailedError):
@@ -149,6 +157,7 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
     # time), so a long prompt costs its own request time, never the event loop's.
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedattn-tokenize")
     app.state.llm, app.state.metrics, app.state.model_name, app.state.limits = llm, metrics, model_name, limits
+    open_jobs = app.state.open_jobs = OpenJobs()       # what a stopping Server ends with an error
 
     async def off_loop(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -244,8 +253,8 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
             raise bad_request(e) from e
         job = CompletionJob(rid, model_name, req, streams, tokenizer)
         if req.stream:
-            return sse_response(job)
-        return await until_disconnected(raw, job)
+            return SSEResponse(job, open_jobs)
+        return await until_disconnected(raw, job, open_jobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: P.ChatCompletionRequest, raw: Request):
@@ -270,8 +279,8 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
             raise bad_request(e, renames) from e
         job = ChatJob(rid, model_name, req, streams, tokenizer)
         if req.stream:
-            return sse_response(job)
-        return await until_disconnected(raw, job)
+            return SSEResponse(job, open_jobs)
+        return await until_disconnected(raw, job, open_jobs)
 
     def render_chat(req):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -465,6 +474,10 @@ def _head_timeout_protocol(base, timeout_s):
     return HeadTimeoutProtocol
 
 
+# Once told to stop, a server gives its open requests this long to finish (then they end with an error).
+SHUTDOWN_TIMEOUT_S = 5.0
+
+
 def http_protocol(impl="auto"):
     """uvicorn's HTTP/1.1 protocol class: "httptools" (the C parser; "auto" picks it when it is installed: it
     is most of the API process's CPU per streamed chunk) or "h11" (pure Python)."""
@@ -481,17 +494,57 @@ def http_protocol(impl="auto"):
     return H11Protocol
 
 
-def uvicorn_config(app, host="127.0.0.1", port=8000, log_level="info", limits=None, http_impl="auto", **kwargs):
-    """The uvicorn.Config `python -m pagedattn serve` runs `app` with: the HTTP protocol of http_impl (see
-    http_protocol) with the head timeout above, uvloop's event loop where it is installed (uvicorn's "auto"),
-    limits.timeout_keep_alive_s for idle keep-alive connections (limits: the ServerLimits given to
-    build_app, default ServerLimits())."""
-    import uvicorn
-
+def uvicorn_config(app, host="127.0.0.1", port=8000, log_level="info", limits=None, http_impl="auto",
+                   shutdown_timeout_s=SHUTDOWN_TIMEOUT_S, **kwargs):
+    """The uvicorn.Config `python -m pagedattn serve` runs `app` with (run it with Server): the HTTP protocol of
+    http_impl (see http_protocol) with the head timeout above, uvloop's event loop where it is installed
+    (uvicorn's "auto"), limits.timeout_keep_alive_s for idle keep-alive connections (limits: the ServerLimits
+    given to build_app, default ServerLimits()), and shutdown_timeout_s: how long open requests may take to
+    finish once the server is told to stop (uvicorn's timeout_graceful_shutdown; Server)."""
     limits = ServerLimits() if limits is None else limits
     return uvicorn.Config(app, host=host, port=port, log_level=log_level,
                           http=_head_timeout_protocol(http_protocol(http_impl), limits.head_timeout_s),
-                          timeout_keep_alive=limits.timeout_keep_alive_s, **kwargs)
+                          timeout_keep_alive=limits.timeout_keep_alive_s, timeout_graceful_shutdown=shutdown_timeout_s,
+                          **kwargs)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's Server, whose stop ends the requests still open with an error rather than cutting them.
+
+    On a stop (SIGTERM, Ctrl-C, should_exit): no new connection is accepted and idle keep-alive connections
+    close; the open requests get config.timeout_graceful_shutdown seconds (uvicorn_config's shutdown_timeout_s)
+    to finish; then every request of the app (build_app's) still open ends with ServerStoppingError, aborted in
+    the engine: a stream sends `data: {"error": ...}` and `data: [DONE]`, a non-streamed request answers 503
+    (code server_shutting_down). uvicorn's own shutdown follows, and its connections close as those last
+    responses complete. (uvicorn alone waits out the same period and then cuts the streams still open: no
+    error event, no [DONE].)"""
+
+    async def startup(self, sockets=None):
+        jobs = self._open_jobs()
+        if jobs is not None:
+            jobs.reopen()
+        await super().startup(sockets=sockets)
+
+    async def shutdown(self, sockets=None):
+        for server in self.servers:     # (uvicorn's own first steps; it repeats them, harmlessly)
+            server.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()       # idle: closed now; busy: closed once its response is complete
+        grace = self.config.timeout_graceful_shutdown
+        loop = asyncio.get_running_loop()
+        deadline = None if grace is None else loop.time() + grace
+        while (self.server_state.connections and not self.force_exit
+               and (deadline is None or loop.time() < deadline)):
+            await asyncio.sleep(0.05)
+        jobs = self._open_jobs()
+        if jobs is not None:
+            jobs.fail_all(ServerStoppingError(
+                "the server is shutting down: this request was still running when the shutdown grace period "
+                f"({grace:g} s) ended" if grace is not None else "the server is shutting down"))
+        await super().shutdown(sockets=sockets)
+
+    def _open_jobs(self):
+        return getattr(getattr(self.config.app, "state", None), "open_jobs", None)
 
 
 # ---- running the requests ------------------------------------------------------------------------------
@@ -546,6 +599,12 @@ class _Job:
     def abort(self):
         for s in self.streams:
             s.abort()
+
+    def fail(self, error):
+        """End the job's requests with `error` (RequestStream.fail): a stream sends its error event and
+        [DONE], a non-streamed request answers with the error."""
+        for s in self.streams:
+            s.fail(error)
 
     def usage(self):
         return P.UsageInfo.of(self.prompt_tokens, self.completion_tokens)
@@ -767,25 +826,51 @@ def token_bytes(tokenizer, token_id, text):
 class SSEResponse(Response):
     """A streamed response (text/event-stream) written by the job itself (_Job.write). While it writes, a task
     waits for the client's disconnect; if that comes first, the writer is cancelled and the job's requests are
-    aborted (their blocks freed before the engine's next step)."""
+    aborted (their blocks freed before the engine's next step). open_jobs: the app's OpenJobs, which hold the
+    job while it writes."""
     media_type = "text/event-stream"
 
-    def __init__(self, job):
-        self.job, self.status_code, self.background = job, 200, None
+    def __init__(self, job, open_jobs):
+        self.job, self.open_jobs, self.status_code, self.background = job, open_jobs, 200, None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope, receive, send):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        writer = await _unless_gone(self.job.write(send), receive, self.job)
+        with self.open_jobs.holding(self.job):
+            writer = await _unless_gone(self.job.write(send), receive, self.job)
         if writer.done() and not writer.cancelled() and writer.exception() is not None:
             raise writer.exception()
         if self.background is not None:
             await self.background()
 
 
-def sse_response(job):
-    """A streamed response; if the client disconnects, its requests are aborted (SSEResponse)."""
-    return SSEResponse(job)
+class OpenJobs:
+    """The app's requests being answered (their jobs), so that a stopping server can end them with an error
+    (Server.shutdown) instead of cutting their connections. Event-loop code only."""
+
+    def __init__(self):
+        self.jobs = set()
+        self.error = None               # set by fail_all: a job that starts after it fails at once
+
+    @contextlib.contextmanager
+    def holding(self, job):
+        if self.error is not None:
+            job.fail(self.error)
+        self.jobs.add(job)
+        try:
+            yield
+        finally:
+            self.jobs.discard(job)
+
+    def fail_all(self, error):
+        """End every job held, and every job that starts from now on, with `error` (_Job.fail)."""
+        self.error = error
+        for job in list(self.jobs):
+            job.fail(error)
+
+    def reopen(self):
+        """Take jobs normally again (a server starting on this app anew)."""
+        self.error = None
 
 
 async def _unless_gone(coro, receive, job):
@@ -803,9 +888,11 @@ async def _unless_gone(coro, receive, job):
     return work
 
 
-async def until_disconnected(raw, job):
-    """Run a non-streamed job; if the client disconnects first, abort it (nobody is left to answer)."""
-    work = await _unless_gone(job.run(), raw.receive, job)
+async def until_disconnected(raw, job, open_jobs):
+    """Run a non-streamed job (held in open_jobs meanwhile); if the client disconnects first, abort it (nobody is
+    left to answer)."""
+    with open_jobs.holding(job):
+        work = await _unless_gone(job.run(), raw.receive, job)
     if not work.done() or work.cancelled():
         return Response(status_code=499)   # the client is gone; this is never read
     try:

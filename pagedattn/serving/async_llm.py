@@ -190,6 +190,17 @@ class RequestStream:
     async def aclose(self):
         self.abort()
 
+    def fail(self, error):
+        """End the request on the front's side: its consumer's next read raises `error`, and the request is
+        aborted in the engine as abort() does (a no-op once it finished). Call on the stream's loop. (A
+        stopping server ends the requests still open this way: pagedattn.serving.api_server.Server.)"""
+        if self.finished:
+            return
+        with self._lock:
+            self._error = error
+        self.owner._abort(self)         # (finished stays False until the consumer has read the error)
+        self._ready.set()
+
 
 class StreamingFront:
     """What every asyncio face of the engine shares (AsyncLLM here, the engine core's CoreClient): a

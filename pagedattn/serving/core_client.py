@@ -222,6 +222,7 @@ class CoreClient(StreamingFront):
         self._request_ids = itertools.count()
         self._snapshot_tokens = itertools.count(1)
         self._stopping = False
+        self._socket_addresses = None   # local core addresses whose directory shutdown() removes (start())
         # Step messages on their way from the receiver thread to the loop that processes them.
         self._loop = None               # the event loop of the latest request (processes step messages)
         self._inbox = collections.deque()
@@ -250,12 +251,17 @@ class CoreClient(StreamingFront):
     def start(cls, engine_kwargs, data_parallel_size=1, addresses=None, **kwargs):
         """Start `data_parallel_size` local core processes on LLM(**engine_kwargs) and a client owning them.
         addresses: where the cores listen (default: private ipc:// paths)."""
+        own_addresses = addresses is None
         procs, addresses = ec.start_engine_cores(engine_kwargs, data_parallel_size, addresses)
         try:
-            return cls(addresses, processes=procs, **kwargs)
+            client = cls(addresses, processes=procs, **kwargs)
         except BaseException:
             ec.stop_processes(procs)
+            if own_addresses:
+                ec.remove_socket_dir(addresses)
             raise
+        client._socket_addresses = addresses if own_addresses else None    # removed by shutdown()
+        return client
 
     def _handshake(self, timeout):
         """Say Hello to every core and wait for each one's Ready and first metrics snapshot (the core sends
@@ -390,6 +396,8 @@ class CoreClient(StreamingFront):
                 p.join(max(0.0, deadline - now()))
             ec.stop_processes(self.processes, timeout=5.0)
         self._close_sockets()
+        if self._socket_addresses:      # (start() made them)
+            ec.remove_socket_dir(self._socket_addresses)
 
     def _close_sockets(self):
         for core in self._cores:

@@ -42,6 +42,7 @@ from array import array
 import itertools
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -535,13 +536,23 @@ def _run_engine_core(address, engine_kwargs, rank, visible_devices):
 
 
 def local_addresses(count, directory=None):
-    """`count` fresh ipc:// core addresses in a private directory (one machine)."""
+    """`count` fresh ipc:// core addresses in a private directory (one machine); whoever stops the cores
+    removes it (remove_socket_dir)."""
     directory = directory or tempfile.mkdtemp(prefix="pagedattn-core-")
     return [f"ipc://{os.path.join(directory, f'core{r}')}" for r in range(count)]
 
 
+def remove_socket_dir(addresses):
+    """Remove the private directory local_addresses made for these ipc:// addresses, with whatever sockets the
+    cores left in it (a killed core leaves its own). Only for addresses local_addresses made: it removes the
+    directory whole."""
+    for directory in {os.path.dirname(a[len("ipc://"):]) for a in addresses if a.startswith("ipc://")}:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def start_engine_cores(engine_kwargs, data_parallel_size=1, addresses=None):
-    """Start `data_parallel_size` core processes (spawn). Returns (processes, addresses).
+    """Start `data_parallel_size` core processes (spawn). Returns (processes, addresses). Without addresses, the
+    cores listen on local_addresses (the caller removes their directory when it stops them: remove_socket_dir).
 
     On CUDA each rank gets its own GPUs: rank r sees devices r*P .. r*P + P - 1 (P = tensor_parallel_size)."""
     import multiprocessing as mp
