@@ -192,11 +192,15 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc):
         code = "not_found" if exc.status_code == 404 else None
-        message = str(exc.detail)
-        allow = (exc.headers or {}).get("Allow")
-        if exc.status_code == 405 and allow:   # (its headers go out too: Allow, the methods the route takes)
-            message += f": {request.url.path} takes {allow}"
-        return APIError(exc.status_code, message, code=code).response(headers=exc.headers)
+        message, headers = str(exc.detail), dict(exc.headers or {})
+        allow = headers.get("Allow")
+        if exc.status_code == 405 and allow:   # (the headers go out too: Allow, the methods the route takes)
+            methods = [m.strip() for m in allow.split(",")]
+            if "GET" in methods and "HEAD" not in methods:
+                methods.append("HEAD")      # (RequestGuard answers it)
+            headers["Allow"] = ", ".join(methods)
+            message += f": {request.url.path} takes {headers['Allow']}"
+        return APIError(exc.status_code, message, code=code).response(headers=headers)
 
     # ---- model -------------------------------------------------------------------------------------
     def check_model(name):
@@ -204,26 +208,22 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
             raise APIError(404, f"The model `{name}` does not exist (this server serves `{model_name}`).",
                            param="model", code="model_not_found")
 
-    # ---- routes ------------------------------------------------------------------------------------
-    # Every GET route answers HEAD too (the headers of its GET, no body: uvicorn drops the body of a response
-    # to HEAD), as HTTP servers do; monitors and load balancers probe with it.
-    GET_HEAD = ["GET", "HEAD"]
-
-    @app.api_route("/health", methods=GET_HEAD)
+    # ---- routes (every GET route answers HEAD too: RequestGuard) ---------------------------------------
+    @app.get("/health")
     async def health():
         if not llm.is_alive:
             return _engine_error(engine_dead(llm.error)).response()
         return {"status": "ok"}
 
-    @app.api_route("/metrics", methods=GET_HEAD)
+    @app.get("/metrics")
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.api_route("/v1/models", methods=GET_HEAD)
+    @app.get("/v1/models")
     async def models():
         return P.ModelList(data=[P.ModelCard(id=model_name, max_model_len=llm.max_model_len)])
 
-    @app.api_route("/v1/models/{model_id:path}", methods=GET_HEAD)
+    @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         check_model(model_id)
         return P.ModelCard(id=model_name, max_model_len=llm.max_model_len)
@@ -351,7 +351,11 @@ class RequestGuard:
     For /v1/* with an API key set: the Authorization header is checked first (401 without reading the
     body). Then a body (POST) is read here, up to limits.max_body_bytes (413 beyond, from Content-Length
     at once or while reading a chunked body) and within limits.body_timeout_s (408), and handed to the app
-    from memory; after it, `receive` passes the client's disconnect through as before."""
+    from memory; after it, `receive` passes the client's disconnect through as before.
+
+    HEAD is GET without the body, as HTTP servers answer it (monitors and load balancers probe with it):
+    the app sees a GET and its response goes out with GET's headers and no body. (FastAPI's routes take only
+    the methods they name, and naming HEAD on every GET route makes two OpenAPI operations of one.)"""
 
     def __init__(self, app, api_key, limits):
         self.app, self.api_key, self.limits = app, api_key, limits
@@ -365,6 +369,8 @@ class RequestGuard:
             error = self.check_key(headers.get(b"authorization", b""))
             if error is not None:
                 return await error.response(close=True)(scope, receive, send)
+        if scope.get("method") == "HEAD":
+            return await self.app(dict(scope, method="GET"), receive, _without_body(send))
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         limit = self.limits.max_body_bytes
@@ -415,6 +421,16 @@ class RequestGuard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+def _without_body(send):
+    """`send` with every response body left out (the answer to a HEAD; the headers, Content-Length
+    included, stay GET's)."""
+    async def send_head(message):
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+    return send_head
 
 
 class _BodyTooLarge(Exception):
