@@ -113,11 +113,13 @@ def scrape(url):
 
 
 # ---- the event loop while a long prompt tokenizes ----------------------------------------------------------
-# The goal: /health answers within this while the largest prompt the server accepts tokenizes. The fixed
-# server's slowest poll was 6-12 ms out of ~150 per request on the 2-core test machine at load average 5-7
-# (another test run beside it), so the bound leaves ~8x for a busier machine; a loop stalled by the tokenizer
-# answered one poll after the whole tokenization (0.2-1.1 s there, 2.6-8 s on the machine where it was found).
-HEALTH_BOUND_S = 0.1
+# /health must answer within this while the largest prompt the server accepts tokenizes. The goal is 100 ms;
+# the bound is 5x that because the test machine is shared: with the fix, the slowest of ~150-250 polls per
+# request was 5-40 ms on its 2 cores at load average ~4, but 0.1-0.23 s (several polls in a row: the OS
+# sharing the cores among 3+ busy processes, not the server) at load average 5+ with another test suite
+# running beside it. The stall this guards against lasts the whole tokenization, 1-2.5 s for this prompt on
+# the same machine (2.6-8 s where it was found), and grows with the load.
+HEALTH_BOUND_S = 0.5
 
 
 def long_prompt(num_chars, seed=0):

@@ -7,7 +7,7 @@ that end a completion mid-way, logprobs, token-id prompts); a stream closed earl
 the core and frees its blocks; the core killed mid-load ends every open stream with EngineDeadError and
 turns is_alive False in bounded time (behind an HTTP server: /health and new requests answer 503 saying so
 once, /metrics shows pagedattn_engine_alive 0 and no stale engine series); a prompt at the default character limit tokenizes on the API side
-while /health answers within 100 ms; two data-parallel cores give the same results as one, both get
+while /health answers within 0.5 s; two data-parallel cores give the same results as one, both get
 work, their per-rank metrics add up to the totals and neither leaks a block; build_app on the client
 through uvicorn and the openai client (streamed == unstreamed); a request failing alone (its row in the
 core, its text in the API process) ends with RequestFailedError while the others complete; `python -m

@@ -9,7 +9,7 @@ serving_helpers.py) and, where it applies, at LLM.generate / the engine:
     processing raising) finishes alone with an error, the others finish with the right text;
   * the event loop never waits on a client's size: the API key before the body, body size, prompts per
     request, prompt characters and stop strings capped, tokenization on a worker thread (a prompt at the
-    default character limit tokenizes while /health answers within 100 ms), a connection that dribbles its
+    default character limit tokenizes while /health answers within 0.5 s), a connection that dribbles its
     headers closed;
   * strict types, known roles, valid Unicode, control tokens in chat content, /docs off, logprob offsets,
     GET /v1/models/{id}, every accepted request counted once in the metrics.
