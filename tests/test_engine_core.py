@@ -6,14 +6,16 @@ deltas, usage counts. Checked: the core client equals AsyncLLM (concurrent reque
 that end a completion mid-way, logprobs, token-id prompts); a stream closed early aborts its request in
 the core and frees its blocks; the core killed mid-load ends every open stream with EngineDeadError and
 turns is_alive False in bounded time (behind an HTTP server: /health and new requests answer 503 saying so
-once, /metrics shows pagedattn_engine_alive 0 and no stale engine series); a prompt at the default character limit tokenizes on the API side
-while /health answers within 0.5 s; two data-parallel cores give the same results as one, both get
-work, their per-rank metrics add up to the totals and neither leaks a block; build_app on the client
-through uvicorn and the openai client (streamed == unstreamed); a request failing alone (its row in the
-core, its text in the API process) ends with RequestFailedError while the others complete; `python -m
-pagedattn serve` runs the engine in its own process and stops every process on Ctrl-C; the launcher with
-two cores and two API processes on one port (slow: five processes), stopped by SIGTERM with no process
-left behind.
+once, /metrics shows pagedattn_engine_alive 0 and no stale engine series); a prompt at the default
+character limit tokenizes on the API side while /health answers within 0.5 s; two data-parallel cores
+give the same results as one, both get work, their per-rank metrics add up to the totals and neither
+leaks a block; build_app on the client through uvicorn and the openai client (streamed == unstreamed); a
+request failing alone (its row in the core, its text in the API process) ends with RequestFailedError
+while the others complete; `python -m pagedattn serve` runs the engine in its own process and stops every
+process on Ctrl-C, removing the cores' socket directory; SIGTERM while requests run ends each with an
+OpenAI-shaped error (a stream: its error event, then [DONE]) before the exit; its core killed, /health
+and /metrics say so and the stop still removes the socket directory; the launcher with two cores and two
+API processes on one port (slow: five processes), stopped by SIGTERM with no process left behind.
 """
 import asyncio
 import os
@@ -418,7 +420,8 @@ def test_a_dead_core_shows_in_health_metrics_and_errors(checkpoint):
     try:
         with ServerThread(build_app(client, MODEL)) as srv:
             live = scrape(srv.url)
-            assert live[("pagedattn_engine_alive", label)] == 1 and live[("pagedattn_kv_cache_blocks", label)] == NUM_BLOCKS
+            assert live[("pagedattn_engine_alive", label)] == 1
+            assert live[("pagedattn_kv_cache_blocks", label)] == NUM_BLOCKS
             os.kill(client.processes[0].pid, signal.SIGKILL)
             deadline = time.monotonic() + 30            # (noticed within ~100 ms: the client's socket monitor)
             while client.is_alive:

@@ -181,8 +181,8 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
             return APIError(400, f"malformed JSON body: {detail}").response()
         if err.get("type") == "missing" and not loc:       # no body at all
             required = _REQUIRED.get(request.url.path, ())
-            return APIError(400, "the request body is empty: " + (f"a JSON object with {' and '.join(required)} is required"
-                                                                  if required else "a JSON object is required"),
+            what = f"a JSON object with {' and '.join(required)}" if required else "a JSON object"
+            return APIError(400, f"the request body is empty: {what} is required",
                             param=required[0] if required else None).response()
         if err.get("type") == "missing":
             return APIError(400, f"{'.'.join(loc)} is required", param=loc[0]).response()

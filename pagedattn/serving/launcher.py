@@ -13,9 +13,9 @@ All children are started with "spawn" (torch and CUDA do not survive fork) and a
 SIGTERM them when the launcher dies, so none is left holding a GPU. Ctrl-C or SIGTERM on the launcher
 stops the API servers first (each gives its open requests shutdown_timeout_s, then ends the rest with an
 error: api_server.Server), then the cores; anything still alive after the grace period is killed, and the
-local cores' socket directory is removed. An API server that exits takes the whole server down with it; a core that dies
-does not: the API servers answer 503 on /health and fail its streams, and whoever supervises the
-server decides what to restart.
+local cores' socket directory is removed. An API server that exits takes the whole server down with it;
+a core that dies does not: the API servers answer 503 on /health and fail its streams, and whoever
+supervises the server decides what to restart.
 
 /metrics on any API server: the engine gauges and counters summed over the D cores (each core sends its
 snapshot to every API server); the request latency histograms and token counters are those of the API
