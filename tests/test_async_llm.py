@@ -10,11 +10,13 @@ import threading
 import time
 
 import pytest
+from serving_helpers import signal_handlers_kept  # noqa: F401 (autouse: SIGTERM/SIGINT handlers kept)
 
 from pagedattn.engine.outputs import CompletionOutput, RequestOutput
 from pagedattn.errors import InvalidRequestError
 from pagedattn.sampling_params import SamplingParams
-from pagedattn.serving.async_llm import AsyncLLM, EngineDeadError, EngineStepError, RequestFailedError, merge_outputs
+from pagedattn.serving.async_llm import (AsyncLLM, EngineDeadError, EngineStepError, RequestFailedError, engine_dead,
+                                         merge_outputs)
 from pagedattn.serving.metrics import ServingMetrics
 
 
@@ -29,6 +31,7 @@ class FakeEngine:
         self.tokenizer = None
         self.model_path = "fake"
         self.max_model_len = 64
+        self.vocab_size = 512
         self.num_blocks = 16
         self.requests = {}              # id -> [params, generated count, stream]
         self.aborted = []
@@ -280,6 +283,52 @@ def test_shutdown_fails_streams_and_refuses_new_requests(make_llm):
     # the outputs it has not handed out yet, so a slow reader may see [0, 1])
     assert run(main()).outputs[0].delta_token_ids[:1] == [0]
     assert not llm.is_alive and not llm.engine.has_unfinished_requests()
+
+
+def test_failing_a_stream_raises_in_its_reader_and_aborts_the_request(make_llm):
+    """RequestStream.fail (a stopping server's way to end a request): the reader's next read raises the
+    error, even when it was not waiting at that moment, and the engine aborts the request."""
+    llm = make_llm(step_delay=0.005)
+
+    async def main():
+        stream = llm.add_request([1], params(30), "r")
+        await stream.__anext__()
+        stream.fail(EngineDeadError("the server is shutting down"))
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            async for _ in stream:
+                pass
+        stream.fail(EngineDeadError("again"))           # once it ended: nothing
+        assert stream.finished
+
+    run(main())
+    llm.wait_until_idle()
+    assert llm.engine.aborted == ["r"] and not llm.engine.requests
+
+
+def test_a_dead_engine_says_so_once_with_the_cause(make_llm):
+    """The engine thread dies (a step raises, then aborting its requests raises too): the open stream's
+    error, a later add_request's and the one /health answers with (engine_dead) each say that the engine
+    has stopped once, and why."""
+    llm = make_llm(fail_steps={2})
+
+    def broken_abort(request_id):
+        raise RuntimeError("abort failed")
+
+    llm.engine.abort_request = broken_abort
+
+    async def main():
+        stream = llm.add_request([1], params(30), "r")
+        with pytest.raises(EngineDeadError) as in_stream:
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError) as late:
+            llm.add_request([1], params(3), "late")
+        return [str(in_stream.value), str(late.value)]
+
+    messages = run(main()) + [str(engine_dead(llm.error))]
+    assert not llm.is_alive
+    for m in messages:
+        assert m == "the engine has stopped: RuntimeError('abort failed')", m
 
 
 def test_merge_outputs_joins_deltas_into_the_newer_output():

@@ -5,13 +5,17 @@ lives in, so every comparison is exact: text, token ids, logprobs, finish reason
 deltas, usage counts. Checked: the core client equals AsyncLLM (concurrent requests, n=2, stop strings
 that end a completion mid-way, logprobs, token-id prompts); a stream closed early aborts its request in
 the core and frees its blocks; the core killed mid-load ends every open stream with EngineDeadError and
-turns is_alive False in bounded time; two data-parallel cores give the same results as one, both get
-work, their per-rank metrics add up to the totals and neither leaks a block; build_app on the client
-through uvicorn and the openai client (streamed == unstreamed); a request failing alone (its row in the
-core, its text in the API process) ends with RequestFailedError while the others complete; `python -m
-pagedattn serve` runs the engine in its own process and stops every process on Ctrl-C; the launcher with
-two cores and two API processes on one port (slow: five processes), stopped by SIGTERM with no process
-left behind.
+turns is_alive False in bounded time (behind an HTTP server: /health and new requests answer 503 saying so
+once, /metrics shows pagedattn_engine_alive 0 and no stale engine series); a prompt at the default
+character limit tokenizes on the API side while /health answers within 0.5 s; two data-parallel cores
+give the same results as one, both get work, their per-rank metrics add up to the totals and neither
+leaks a block; build_app on the client through uvicorn and the openai client (streamed == unstreamed); a
+request failing alone (its row in the core, its text in the API process) ends with RequestFailedError
+while the others complete; `python -m pagedattn serve` runs the engine in its own process and stops every
+process on Ctrl-C, removing the cores' socket directory; SIGTERM while requests run ends each with an
+OpenAI-shaped error (a stream: its error event, then [DONE]) before the exit; its core killed, /health
+and /metrics say so and the stop still removes the socket directory; the launcher with two cores and two
+API processes on one port (slow: five processes), stopped by SIGTERM with no process left behind.
 """
 import asyncio
 import os
@@ -25,11 +29,12 @@ import httpx
 import openai
 import pytest
 from helpers import ROOT, is_gone
-from serving_helpers import ServerThread, scrape, write_tiny_chat_checkpoint
+from serving_helpers import ServerThread, assert_loop_free_while_tokenizing, scrape, write_tiny_chat_checkpoint
+from serving_helpers import signal_handlers_kept  # noqa: F401 (autouse: SIGTERM/SIGINT handlers kept)
 
 from pagedattn import LLM, SamplingParams
 from pagedattn.distributed.parallel import free_port
-from pagedattn.serving.api_server import build_app
+from pagedattn.serving.api_server import ServerLimits, build_app
 from pagedattn.serving.async_llm import AsyncLLM, EngineDeadError
 from pagedattn.serving.core_client import CoreClient, aggregate_metrics
 from pagedattn.serving.engine_core import core_endpoints, decode_step, encode_step
@@ -380,6 +385,8 @@ def test_two_data_parallel_cores_equal_one_and_their_metrics_add_up(dp2, cases, 
 
 def test_killed_core_ends_every_stream_with_an_error(checkpoint):
     client = CoreClient.start(dict(model=checkpoint, **ENGINE))
+    socket_dir = os.path.dirname(client._cores[0].address.removeprefix("ipc://"))
+    assert os.path.basename(socket_dir).startswith("pagedattn-core-") and os.path.isdir(socket_dir)
     try:
         async def main():
             streams = [client.add_request(p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
@@ -401,6 +408,38 @@ def test_killed_core_ends_every_stream_with_an_error(checkpoint):
     finally:
         client.shutdown()
     assert not client.processes[0].is_alive()
+    assert not os.path.exists(socket_dir)                   # the directory start() made for the core's sockets
+
+
+def test_a_dead_core_shows_in_health_metrics_and_errors(checkpoint):
+    """The core killed behind a running HTTP server: /health answers 503 and a new request 503, each saying
+    once that the engine has stopped and why; /metrics answers with pagedattn_engine_alive 0 and without the
+    dead core's last (stale) engine series."""
+    client = CoreClient.start(dict(model=checkpoint, **ENGINE))
+    label = frozenset({"model_name": MODEL}.items())
+    try:
+        with ServerThread(build_app(client, MODEL)) as srv:
+            live = scrape(srv.url)
+            assert live[("pagedattn_engine_alive", label)] == 1
+            assert live[("pagedattn_kv_cache_blocks", label)] == NUM_BLOCKS
+            os.kill(client.processes[0].pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30            # (noticed within ~100 ms: the client's socket monitor)
+            while client.is_alive:
+                assert time.monotonic() < deadline, "the client did not notice the core's death"
+                time.sleep(0.05)
+            health = httpx.get(srv.url + "/health", timeout=30)
+            late = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=30)
+            for r in (health, late):
+                assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
+                message = r.json()["error"]["message"]
+                assert message.count("the engine has stopped") == 1 and "lost the connection" in message, message
+            dead = scrape(srv.url)
+            assert dead[("pagedattn_engine_alive", label)] == 0
+            assert not any(name.startswith(("pagedattn_kv_cache", "pagedattn_num_requests_running",
+                                            "pagedattn_num_requests_waiting", "pagedattn_engine_step"))
+                           for name, _ in dead), sorted({name for name, _ in dead})
+    finally:
+        client.shutdown()
 
 
 def test_http_server_on_the_core_client(core, ref):
@@ -428,6 +467,14 @@ def test_http_server_on_the_core_client(core, ref):
         assert samples[("pagedattn_num_requests_in_flight", label)] == 0
 
 
+def test_a_prompt_at_the_character_limit_leaves_the_event_loop_free(core):
+    """The engine core's client tokenizes on the server's worker thread too: a 1,000,000-character prompt
+    (the default limit) takes seconds there while /health answers all along (serving_helpers.HEALTH_BOUND_S)."""
+    limits = ServerLimits()
+    with ServerThread(build_app(core, MODEL, limits=limits)) as srv:
+        assert_loop_free_while_tokenizing(srv.url, limits, MODEL)
+
+
 def _gather_outcomes(llm, cases):
     """Per case: ("ok", text) or (exception type name, message)."""
     async def one(prompt, params):
@@ -445,14 +492,13 @@ def _gather_outcomes(llm, cases):
 
 
 @pytest.fixture
-def core_in_thread(checkpoint):
+def core_in_thread(checkpoint, tmp_path):
     """An EngineCore run on a thread of this process (so a test can reach into its engine) and a client."""
-    import tempfile
     import threading
 
     from pagedattn.serving.engine_core import EngineCore
 
-    address = f"ipc://{tempfile.mkdtemp(prefix='pagedattn-test-core-')}/core0"
+    address = f"ipc://{tmp_path}/core0"
     engine_core = EngineCore(LLM(checkpoint, **ENGINE), address)
     thread = threading.Thread(target=engine_core.run, daemon=True)
     thread.start()
@@ -523,6 +569,15 @@ def _children(pid):
     return [int(x) for x in out.split()]
 
 
+def _comm(pid):
+    """A process's name (/proc/PID/comm: what engine_core.name_process set), or "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 
 
 def serve_args(checkpoint, port):
@@ -580,17 +635,38 @@ def test_launcher_two_cores_two_api_servers_one_port(checkpoint, ref):
     assert all(is_gone(p) for p in children)
 
 
-def test_serve_command_runs_the_engine_in_its_own_process(checkpoint, ref):
+def start_serve(checkpoint, tmp_path, *flags):
+    """(process, url) of `python -m pagedattn serve` on the tiny model in its own session, with its temporary
+    directory (where the core's socket directory goes) in tmp_path."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedattn", "serve", *serve_args(checkpoint, port), *flags]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp_path)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def socket_dirs(tmp_path):
+    return sorted(p.name for p in tmp_path.glob("pagedattn-core-*"))
+
+
+def stop_serve(proc, sig, group=False):
+    """Send `sig` (to the process group: what a terminal's Ctrl-C does), wait for the exit; kill what is left."""
+    (os.killpg if group else os.kill)(proc.pid, sig)
+    try:
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_serve_command_runs_the_engine_in_its_own_process(checkpoint, ref, tmp_path):
     """`python -m pagedattn serve` (no process flags): one engine-core process and one API process; a
     request is answered with the in-process engine's text; Ctrl-C (SIGINT to the group) stops every
-    process and the command exits 0."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "pagedattn", "serve", *serve_args(checkpoint, port)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    process, the command exits 0 and the core's socket directory is gone."""
+    proc, url = start_serve(checkpoint, tmp_path)
     try:
         wait_for_health(proc, url)
+        assert len(socket_dirs(tmp_path)) == 1
         children = _children(proc.pid)
         assert len(children) >= 2                           # the engine core and the API server
         (_, comps), = run_all(ref, [(PROMPTS[0], SamplingParams(temperature=0, max_tokens=16))])
@@ -598,17 +674,91 @@ def test_serve_command_runs_the_engine_in_its_own_process(checkpoint, ref):
                        json=dict(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0))
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == comps[0][1], r.text
     finally:
-        os.killpg(proc.pid, signal.SIGINT)                  # what Ctrl-C in a terminal sends
-        try:
-            proc.wait(60)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_serve(proc, signal.SIGINT, group=True)         # what Ctrl-C in a terminal sends
     assert proc.returncode == 0, proc.stderr.read()[-4000:]
     deadline = time.monotonic() + 30
     while not all(is_gone(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(is_gone(p) for p in children)
+    assert socket_dirs(tmp_path) == []
+
+
+def _read_events(url, body, opened, out):
+    """(a thread) POST a streamed completion; append each SSE `data:` payload to out; set `opened` at the first."""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append(line[len("data: "):])
+                opened.set()
+
+
+def test_sigterm_ends_open_streams_with_an_error_then_done(checkpoint, tmp_path):
+    """SIGTERM to `python -m pagedattn serve` while requests run: the open requests get --shutdown-timeout (1 s)
+    to finish; the ones still running then end with an OpenAI-shaped error (a stream: `data: {"error": ...}`
+    then `data: [DONE]`; a non-streamed request: 503) before the process exits 0, and the core's socket
+    directory is gone. The engine's steps take 20 ms (--fake-step-ms: the tiny model's own are too quick to
+    keep a request open), so 200 tokens take 4 s, well past the grace period."""
+    import json
+    import threading
+
+    proc, url = start_serve(checkpoint, tmp_path, "--fake-step-ms", "20", "--shutdown-timeout", "1")
+    try:
+        wait_for_health(proc, url)
+        assert len(socket_dirs(tmp_path)) == 1
+        body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=200, ignore_eos=True)
+        streams = [([], threading.Event()) for _ in range(3)]
+        threads = [threading.Thread(target=_read_events, args=(url, {**body, "stream": True}, opened, events),
+                                    daemon=True) for events, opened in streams]
+        plain = []
+        threads.append(threading.Thread(target=lambda: plain.append(httpx.post(url + "/v1/completions", json=body,
+                                                                                timeout=60)), daemon=True))
+        for t in threads:
+            t.start()
+        for _, opened in streams:
+            assert opened.wait(60), "a stream did not start"
+        os.kill(proc.pid, signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+            assert not t.is_alive(), "a request did not end"
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, proc.stderr.read()[-4000:]
+    for events, _ in streams:
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "server_shutting_down", error
+        assert "shutting down" in error["message"]
+        assert len(events) >= 3         # (at least one chunk of tokens came before the error)
+    (r,) = plain
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
+    assert socket_dirs(tmp_path) == []
+
+
+def test_a_dead_core_behind_serve_and_its_socket_dir(checkpoint, tmp_path):
+    """The engine core of `python -m pagedattn serve` killed: /health answers 503, /metrics says
+    pagedattn_engine_alive 0; SIGTERM then stops the server (exit 0) and removes the socket directory."""
+    proc, url = start_serve(checkpoint, tmp_path)
+    try:
+        wait_for_health(proc, url)
+        assert len(socket_dirs(tmp_path)) == 1
+        cores = [pid for pid in _children(proc.pid) if _comm(pid) == "pagedattn-core0"]
+        assert len(cores) == 1, [(pid, _comm(pid)) for pid in _children(proc.pid)]
+        os.kill(cores[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "/health did not fail"
+            time.sleep(0.1)
+        text = httpx.get(url + "/metrics", timeout=10).text
+        assert f'pagedattn_engine_alive{{model_name="{MODEL}"}} 0.0' in text and "pagedattn_kv_cache_blocks" not in text
+        stop_serve(proc, signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, proc.stderr.read()[-4000:]
+    assert socket_dirs(tmp_path) == []
 
 
 def test_serve_in_process_refuses_process_flags():

@@ -28,7 +28,11 @@ def greedy(max_tokens=4, **kw):
 BAD_REQUESTS = [
     ([], greedy(), ["prompt", "at least 1 token"]),
     ([5] * (MAX_MODEL_LEN + 1), greedy(), ["prompt", f"max_model_len={MAX_MODEL_LEN}"]),
-    ([5] * 60, greedy(8), ["max_tokens", f"max_model_len={MAX_MODEL_LEN}", "[1, 4]"]),
+    ([5] * MAX_MODEL_LEN, greedy(1), ["prompt has 64 tokens", "no room to generate",
+                                      f"< max_model_len={MAX_MODEL_LEN}"]),
+    ([5] * (NUM_BLOCKS * BLOCK_SIZE), greedy(1), ["prompt has 48 tokens", "no room to generate in the KV pool",
+                                                 "must be < 48"]),
+    ([5] * 40, greedy(30), ["max_tokens", f"max_model_len={MAX_MODEL_LEN}", "[1, 24]"]),   # (40 < the pool's 48)
     ([5, -1, 6], greedy(), ["token id -1", "[0, 128)"]),
     ([5, 128], greedy(), ["token id 128", "[0, 128)"]),
     ([5, 2.5], greedy(), ["token ids must be ints"]),

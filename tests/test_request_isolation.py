@@ -8,8 +8,9 @@ serving_helpers.py) and, where it applies, at LLM.generate / the engine:
   * a request whose row fails inside the engine (the sampler's token outside the vocabulary, its output
     processing raising) finishes alone with an error, the others finish with the right text;
   * the event loop never waits on a client's size: the API key before the body, body size, prompts per
-    request, prompt characters and stop strings capped, tokenization on a worker thread, a connection
-    that dribbles its headers closed;
+    request, prompt characters and stop strings capped, tokenization on a worker thread (a prompt at the
+    default character limit tokenizes while /health answers within 0.5 s), a connection that dribbles its
+    headers closed;
   * strict types, known roles, valid Unicode, control tokens in chat content, /docs off, logprob offsets,
     GET /v1/models/{id}, every accepted request counted once in the metrics.
 Throughout, /health answers (each poll has HEALTH_TIMEOUT_S) and no KV block leaks.
@@ -28,7 +29,9 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving_helpers import ServerThread, scrape, train_tokenizer, write_tiny_chat_checkpoint
+from serving_helpers import (ServerThread, assert_loop_free_while_tokenizing, scrape, train_tokenizer,
+                             write_tiny_chat_checkpoint)
+from serving_helpers import signal_handlers_kept  # noqa: F401 (autouse: SIGTERM/SIGINT handlers kept)
 
 from pagedattn import LLM, SamplingParams
 from pagedattn.errors import InvalidRequestError
@@ -322,6 +325,15 @@ def test_tokenization_runs_off_the_event_loop(server):
     finally:
         del server.llm.tokenize
     assert len(threads) == 2 and all(t.startswith("pagedattn-tokenize") for t in threads), threads
+
+
+def test_a_prompt_at_the_character_limit_leaves_the_event_loop_free(server):
+    """The default limits (1,000,000 characters): tokenizing such a prompt takes seconds, on the worker
+    thread; the event loop answers /health all along (serving_helpers.HEALTH_BOUND_S: the bound and why)."""
+    limits = ServerLimits()
+    with ServerThread(build_app(server.llm, MODEL, limits=limits)) as srv:
+        assert_loop_free_while_tokenizing(srv.url, limits, MODEL)
+    assert_no_leak(server)
 
 
 def raw_http(url, data, read_timeout=30):

@@ -7,15 +7,19 @@ depend on the batch a request runs in, so served text must equal it exactly.
 
 Checked: completions and chat, streamed and not, against each other and LLM.generate; n=2; stop strings;
 usage (also in the last stream chunk); logprobs; /v1/models, /health, /metrics (and that its counters
-move by exactly the usage of a request); bad input (malformed JSON, wrong types, unknown model, negative
-max_tokens, temperature -1, over-long prompts, a request the KV pool can never hold, missing or wrong
-API key) -> status, OpenAI-shaped body naming the field, and the server keeps serving; clients that
-disconnect (streaming or not) free their blocks; 64 concurrent streaming clients, some leaving early.
+move by exactly the usage of a request; after the engine stops, pagedattn_engine_alive 0 and no stale engine
+series); bad input (malformed JSON, no body, wrong types, unknown model, negative max_tokens, temperature -1,
+over-long prompts, a prompt that leaves no room to generate, a request the KV pool can never hold, missing
+or wrong API key) -> status, OpenAI-shaped body naming the field, and the server keeps serving; HEAD on the
+GET routes, 405 with Allow, no redirect built from the Host header; clients that disconnect (streaming or
+not) free their blocks; a server told to stop ends its open stream with an error event and [DONE] and its
+open plain request with a 503 after the grace period; 64 concurrent streaming clients, some leaving early.
 """
 import asyncio
 import json
 import logging
 import socket
+import threading
 import time
 from types import SimpleNamespace
 
@@ -23,6 +27,7 @@ import httpx
 import openai
 import pytest
 from serving_helpers import ServerThread, scrape, write_tiny_chat_checkpoint
+from serving_helpers import signal_handlers_kept  # noqa: F401 (autouse: SIGTERM/SIGINT handlers kept)
 
 from pagedattn import LLM, SamplingParams
 from pagedattn.serving.api_server import build_app
@@ -246,6 +251,33 @@ def test_models_health_and_metrics_counters(server):
     assert 0 <= metric(after, "pagedattn_prefix_cache_hit_rate") <= 1
 
 
+def test_metrics_say_when_the_engine_has_stopped(checkpoint):
+    """/metrics after the engine stopped: still 200 (the server's own series stay readable), with
+    pagedattn_engine_alive 0 and none of the dead engine's stale series; /health answers 503 saying why."""
+    srv, llm = serve(checkpoint, api_key=None)
+    label = frozenset({"model_name": MODEL}.items())
+    with srv:
+        r = post(srv.url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3, "ignore_eos": True},
+                 key=None)
+        assert r.status_code == 200, r.text
+        llm.wait_until_idle()
+        live = scrape(srv.url)
+        assert live[("pagedattn_engine_alive", label)] == 1
+        assert live[("pagedattn_kv_cache_blocks", label)] == ENGINE["num_blocks"]
+        llm.shutdown()
+        assert httpx.get(srv.url + "/metrics", timeout=30).status_code == 200
+        dead = scrape(srv.url)
+        assert dead[("pagedattn_engine_alive", label)] == 0
+        engine_series = {name for name, _ in live} - {name for name, _ in dead}
+        assert {"pagedattn_kv_cache_blocks", "pagedattn_kv_cache_usage", "pagedattn_num_requests_running",
+                "pagedattn_engine_steps_total"} <= engine_series
+        assert dead[("pagedattn_num_requests_in_flight", label)] == 0              # the server's own count
+        assert dead[("pagedattn_request_finished_total", label | {("finished_reason", "length")})] == 1
+        health = httpx.get(srv.url + "/health", timeout=30)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        assert health.json()["error"]["message"] == str(llm.error) == "the engine thread has been shut down"
+
+
 # ---------------------------------------------------------------- bad input
 def post(url, path, body, key=API_KEY, raw=None):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -273,12 +305,21 @@ BAD_REQUESTS = [  # (path, body or raw bytes, status, param, words the message m
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty",
      ["not supported"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": TOO_LONG}]}, 400,
-     "messages", ["tokens"]),
+     "messages", ["tokens", "after the chat template", "no room to generate"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                               "max_completion_tokens": 0}, 400, "max_completion_tokens", [">= 1"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", ["empty"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages", ["list"]),
     ("/v1/nothing-here", {}, 404, None, ["Not Found"]),
+    ("/v1/completions", b"", 400, "prompt", ["request body is empty", "prompt is required"]),
+    ("/v1/chat/completions", b"", 400, "messages", ["request body is empty", "messages is required"]),
+    # a prompt of exactly max_model_len tokens: no room for one generated token (default max_tokens or not)
+    ("/v1/completions", {"model": MODEL, "prompt": [5] * 256}, 400, "prompt",
+     ["256 tokens", "no room to generate", "< max_model_len=256"]),
+    ("/v1/completions", {"model": MODEL, "prompt": [5] * 256, "max_tokens": 4}, 400, "prompt",
+     ["256 tokens", "no room to generate"]),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": TOO_LONG}], "max_tokens": 4},
+     400, "messages", ["after the chat template", "no room to generate", "< max_model_len=256"]),
 ]
 
 
@@ -309,6 +350,35 @@ def test_api_key(server):
     assert httpx.get(server.url + "/metrics").status_code == 200
 
 
+def test_get_routes_answer_head(server):
+    """HEAD on every GET route: 200 with GET's headers and no body (the API key still needed on /v1/*); another
+    method: 405 whose Allow header names GET and HEAD."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for path in ["/health", "/metrics", "/v1/models", f"/v1/models/{MODEL}"]:
+        got = httpx.get(server.url + path, headers=auth, timeout=30)
+        head = httpx.head(server.url + path, headers=auth, timeout=30)
+        assert got.status_code == head.status_code == 200, (path, head.status_code)
+        assert head.content == b"" and head.headers["content-type"] == got.headers["content-type"], path
+        post = httpx.post(server.url + path, headers=auth, timeout=30)
+        assert post.status_code == 405, (path, post.text)
+        assert set(post.headers["allow"].replace(" ", "").split(",")) == {"GET", "HEAD"}, post.headers
+        error = post.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and "GET, HEAD" in error["message"], error
+    assert httpx.head(server.url + "/v1/models", timeout=30).status_code == 401
+    assert httpx.get(server.url + "/v1/completions", headers=auth, timeout=30).headers["allow"] == "POST"
+
+
+def test_no_redirect_is_built_from_the_host_header(server):
+    """A trailing slash is an unknown path (404 in OpenAI's shape), never a redirect: Starlette's would send the
+    client to whatever host its Host header named."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for method, path in [("GET", "/health/"), ("GET", "/metrics/"), ("POST", "/v1/completions/")]:
+        r = httpx.request(method, server.url + path, headers={**auth, "Host": "evil.example.com"}, timeout=30,
+                          follow_redirects=False)
+        assert r.status_code == 404 and "location" not in r.headers, (path, r.status_code, r.headers)
+        assert r.json()["error"]["code"] == "not_found"
+
+
 def test_openai_client_raises_the_right_errors(server):
     with pytest.raises(openai.NotFoundError):
         server.client.completions.create(model="gpt-9", prompt="hi")
@@ -329,6 +399,57 @@ def test_a_request_the_pool_can_never_hold_is_refused(checkpoint):
             assert r.status_code == 200, r.text        # the default max_tokens is what the pool can hold
             usage = r.json()["usage"]
             assert usage["total_tokens"] == 8 * 16
+            # a prompt that fills the pool by itself: no max_tokens could help, and the message says so
+            chat = {"messages": [{"role": "user", "content": TOO_LONG[:900]}]}       # ~160 tokens
+            for path, body, param in [("/v1/completions", {"prompt": [5] * 128, "max_tokens": 1}, "prompt"),
+                                      ("/v1/chat/completions", chat, "messages")]:
+                r = post(srv.url, path, body, key=None)
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+                assert "no room to generate in the KV pool" in r.json()["error"]["message"], r.text
+                assert "must be < 128" in r.json()["error"]["message"], r.text
+    finally:
+        llm.shutdown()
+
+
+def test_a_stopping_server_ends_its_open_requests_with_an_error(checkpoint):
+    """The server told to stop (what SIGTERM and Ctrl-C do) while a stream and a non-streamed request run:
+    after the shutdown grace period (0.5 s here) the stream ends with an OpenAI-shaped error event and
+    `data: [DONE]`, the other request answers 503, both are aborted in the engine (every block free), and the
+    engine itself keeps running. Steps take 20 ms (the fake executor: the tiny model's are too quick to keep a
+    request open), so 200 tokens take 4 s, well past the grace period."""
+    from pagedattn.serving.fake_engine import install_fake_executor
+
+    llm = AsyncLLM(install_fake_executor(LLM(checkpoint, **ENGINE), 20.0))
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True}
+    events, plain, opened = [], [], threading.Event()
+
+    def stream(url):
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    opened.set()
+
+    try:
+        with ServerThread(build_app(llm, MODEL), shutdown_timeout_s=0.5) as srv:
+            threads = [threading.Thread(target=stream, args=(srv.url,), daemon=True),
+                       threading.Thread(target=lambda: plain.append(httpx.post(srv.url + "/v1/completions", json=body,
+                                                                               timeout=60)), daemon=True)]
+            for t in threads:
+                t.start()
+            assert opened.wait(60), "the stream did not start"
+            while llm.num_requests_in_flight < 2:
+                time.sleep(0.01)
+        for t in threads:               # (leaving the block stopped the server)
+            t.join(30)
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "server_shutting_down"
+        assert "grace period (0.5 s)" in error["message"], error
+        assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "server_shutting_down"
+        m = llm.wait_until_idle()
+        assert llm.is_alive and m["num_free_blocks"] == ENGINE["num_blocks"]
+        assert llm.metrics.finished_requests == {"abort": 2}
     finally:
         llm.shutdown()
 

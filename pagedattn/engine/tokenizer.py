@@ -34,7 +34,22 @@ class Tokenizer:
         return cls(path, hf.backend_tokenizer, hf.eos_token_id, getattr(hf, "clean_up_tokenization_spaces", False), hf)
 
     def encode(self, text, add_special_tokens=True):
-        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        """text -> list[int]."""
+        return self._encoding(text, add_special_tokens).ids
+
+    def encode_bounded(self, text, max_length, add_special_tokens=True):
+        """(number of tokens, their ids as a list[int], or None when there are more than max_length). A
+        prompt too long to run is refused from its count alone: the list of a million-character prompt's
+        ids (millions of ints, ~100 MB) is never built, which would cost tens of ms under the GIL."""
+        enc = self._encoding(text, add_special_tokens)
+        n = len(enc)
+        return n, (enc.ids if n <= max_length else None)
+
+    def _encoding(self, text, add_special_tokens):
+        # `encode_batch_fast` (a batch of one, no character offsets) releases the GIL while the Rust code
+        # works, where `encode` holds it throughout: a server tokenizes on a worker thread, and the seconds a
+        # 1,000,000-character prompt takes must not stall its event loop.
+        return self._tk.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
 
     def decode(self, token_ids, skip_special_tokens=False):
         text = self._tk.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

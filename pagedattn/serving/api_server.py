@@ -8,7 +8,8 @@ Nothing here knows about blocks or steps.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id} (these need
 the API key when one is set: `Authorization: Bearer KEY`), GET /health, GET /metrics (Prometheus text);
-/docs, /redoc and /openapi.json only with enable_docs.
+/docs, /redoc and /openapi.json only with enable_docs. Every GET route answers HEAD too. No redirects: a
+path with a trailing slash is a 404 (Starlette's redirect would name the host the client's Host header gave).
 
 What a client can make the server do is bounded (ServerLimits; docs/serving.md lists the defaults and
 their flags): RequestGuard, in front of every route, checks the API key from the headers before a byte of
@@ -18,18 +19,19 @@ templates and tokenization run on one worker thread, never on the event loop; an
 (`uvicorn_config`) closes a connection whose request headers are not complete within head_timeout_s.
 
 Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}:
-  400 invalid_request_error: malformed JSON, a field of the wrong type (strict: "5" is not an int), a
-      string that is not valid Unicode, a value out of range (the
-      engine's own message, `param` = the field), a prompt too long, a request the KV pool can never
-      hold, an unsupported option;
-  401 invalid_api_key; 404 model_not_found (param "model") or an unknown route; 408 the body came too
-  slowly; 413 the body is over max_body_bytes;
+  400 invalid_request_error: malformed JSON, no body, a field of the wrong type (strict: "5" is not an
+      int), a string that is not valid Unicode, a value out of range (the engine's own message, `param` =
+      the field), a prompt that leaves no room to generate, a request the KV pool can never hold, an
+      unsupported option;
+  401 invalid_api_key; 404 model_not_found (param "model") or an unknown route; 405 a method the route does
+  not take (with Allow); 408 the body came too slowly; 413 the body is over max_body_bytes;
   500 server_error (an engine step failed; code request_failed: this request alone failed in the engine),
   503 the engine has stopped.
 A stream that fails after it started sends one `data: {"error": ...}` event, then `data: [DONE]`.
 A client that disconnects, streaming or not, has its requests aborted (their KV blocks freed).
 """
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -39,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
 import msgspec
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -46,7 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedattn.errors import InvalidRequestError
 from pagedattn.serving import protocol as P
-from pagedattn.serving.async_llm import EngineDeadError, EngineStepError, RequestFailedError
+from pagedattn.serving.async_llm import EngineDeadError, EngineStepError, RequestFailedError, engine_dead
 from pagedattn.serving.metrics import CONTENT_TYPE, ServingMetrics
 
 logger = logging.getLogger("pagedattn.serving")
@@ -63,10 +66,11 @@ class APIError(Exception):
         return P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.type, param=self.param,
                                                  code=self.code)).model_dump()
 
-    def response(self, close=False):
-        """The JSON response; close: end the connection after it (the request body was left unread)."""
-        headers = {"Connection": "close"} if close else None
-        return ErrorJSONResponse(self.body(), status_code=self.status, headers=headers)
+    def response(self, close=False, headers=None):
+        """The JSON response; close: end the connection after it (the request body was left unread).
+        headers: more response headers (a 405's Allow)."""
+        headers = {**(headers or {}), **({"Connection": "close"} if close else {})}
+        return ErrorJSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 class ErrorJSONResponse(JSONResponse):
@@ -110,7 +114,13 @@ def bad_request(exc, renames=None):
     return APIError(400, str(exc), param=P.error_param(exc, renames))
 
 
+class ServerStoppingError(EngineDeadError):
+    """The server is stopping, and this request was still open when its grace period ended (Server)."""
+
+
 def _engine_error(exc):
+    if isinstance(exc, ServerStoppingError):
+        return APIError(503, str(exc), type="server_error", code="server_shutting_down")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type="server_error", code="engine_dead")
     if isinstance(exc, RequestFailedError):
@@ -131,17 +141,23 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
     if llm.metrics is None:
         llm.metrics = ServingMetrics(model_name)
     metrics = llm.metrics
-    metrics.attach(lambda: {**llm.engine_metrics(), "num_requests_in_flight": llm.num_requests_in_flight})
+    metrics.attach(lambda: {**llm.engine_metrics(), "num_requests_in_flight": llm.num_requests_in_flight},
+                   alive=lambda: llm.is_alive)
     tokenizer = llm.tokenizer
     control_tokens = _control_tokens(tokenizer)
     docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json") if enable_docs else dict(
         docs_url=None, redoc_url=None, openapi_url=None)
-    app = FastAPI(title="pagedattn", description="OpenAI-compatible server on the pagedattn engine", **docs)
+    # redirect_slashes off: Starlette's redirect from "/health/" to "/health" builds its Location from the
+    # client's Host header, so any client could make the server send a redirect to a host of its choosing; an
+    # unknown path is a 404 like any other.
+    app = FastAPI(title="pagedattn", description="OpenAI-compatible server on the pagedattn engine",
+                  redirect_slashes=False, **docs)
     app.add_middleware(RequestGuard, api_key=api_key, limits=limits)
     # Chat templates and tokenization: one worker thread (the front's tokenizer is used by one thread at a
     # time), so a long prompt costs its own request time, never the event loop's.
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedattn-tokenize")
     app.state.llm, app.state.metrics, app.state.model_name, app.state.limits = llm, metrics, model_name, limits
+    open_jobs = app.state.open_jobs = OpenJobs()       # what a stopping Server ends with an error
 
     async def off_loop(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -163,15 +179,28 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", err.get("msg"))
             return APIError(400, f"malformed JSON body: {detail}").response()
+        if err.get("type") == "missing" and not loc:       # no body at all
+            required = _REQUIRED.get(request.url.path, ())
+            what = f"a JSON object with {' and '.join(required)}" if required else "a JSON object"
+            return APIError(400, f"the request body is empty: {what} is required",
+                            param=required[0] if required else None).response()
         if err.get("type") == "missing":
-            return APIError(400, f"{'.'.join(loc)} is required", param=loc[0] if loc else None).response()
+            return APIError(400, f"{'.'.join(loc)} is required", param=loc[0]).response()
         where = ".".join(loc) if loc else "request body"
         return APIError(400, f"{where}: {err.get('msg')}", param=loc[0] if loc else None).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc):
         code = "not_found" if exc.status_code == 404 else None
-        return APIError(exc.status_code, str(exc.detail), code=code).response()
+        message, headers = str(exc.detail), dict(exc.headers or {})
+        allow = headers.get("Allow")
+        if exc.status_code == 405 and allow:   # (the headers go out too: Allow, the methods the route takes)
+            methods = [m.strip() for m in allow.split(",")]
+            if "GET" in methods and "HEAD" not in methods:
+                methods.append("HEAD")      # (RequestGuard answers it)
+            headers["Allow"] = ", ".join(methods)
+            message += f": {request.url.path} takes {headers['Allow']}"
+        return APIError(exc.status_code, message, code=code).response(headers=headers)
 
     # ---- model -------------------------------------------------------------------------------------
     def check_model(name):
@@ -179,11 +208,11 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
             raise APIError(404, f"The model `{name}` does not exist (this server serves `{model_name}`).",
                            param="model", code="model_not_found")
 
-    # ---- routes ------------------------------------------------------------------------------------
+    # ---- routes (every GET route answers HEAD too: RequestGuard) ---------------------------------------
     @app.get("/health")
     async def health():
         if not llm.is_alive:
-            return _engine_error(EngineDeadError(f"the engine has stopped: {llm.error}")).response()
+            return _engine_error(engine_dead(llm.error)).response()
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -218,14 +247,14 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
                     P.unsupported("prompt", f"{where} has {len(p)} characters: at most {limits.max_prompt_chars} "
                                   "are allowed")
             if any(isinstance(p, str) for p in prompts):
-                prompts = await off_loop(lambda: [llm.tokenize(p) for p in prompts])
+                prompts = await off_loop(tokenize_all, prompts)
             streams = start(prompts, params, rid)
         except InvalidRequestError as e:
             raise bad_request(e) from e
         job = CompletionJob(rid, model_name, req, streams, tokenizer)
         if req.stream:
-            return sse_response(job)
-        return await until_disconnected(raw, job)
+            return SSEResponse(job, open_jobs)
+        return await until_disconnected(raw, job, open_jobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: P.ChatCompletionRequest, raw: Request):
@@ -238,20 +267,20 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
             req.check_limits(limits.max_stop_strings, limits.max_stop_chars)
             ids = await off_loop(lambda: llm.tokenize(render_chat(req)))
             max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
-            if max_tokens is None:      # OpenAI's default: whatever room the context leaves
-                max_tokens = llm.max_request_tokens - len(ids)
-                if max_tokens < 1:
-                    raise InvalidRequestError(
-                        f"prompt has {len(ids)} tokens after the chat template, which leaves no room to generate: "
-                        f"the prompt length must be < {llm.max_request_tokens}")
+            if max_tokens is None:      # OpenAI's default: whatever room the context leaves (none: the
+                max_tokens = max(1, llm.max_request_tokens - len(ids))     # validation says so, naming the prompt)
             params = req.sampling_params(max_tokens, logprobs=bool(req.logprobs))
             streams = start([ids], params, rid)
         except InvalidRequestError as e:
+            if P.error_param(e) == "prompt":    # the prompt a chat user never wrote: say where it came from
+                e2 = InvalidRequestError(f"messages after the chat template: {e}")
+                e2.param = "messages"
+                raise bad_request(e2, renames) from e
             raise bad_request(e, renames) from e
         job = ChatJob(rid, model_name, req, streams, tokenizer)
         if req.stream:
-            return sse_response(job)
-        return await until_disconnected(raw, job)
+            return SSEResponse(job, open_jobs)
+        return await until_disconnected(raw, job, open_jobs)
 
     def render_chat(req):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -262,25 +291,46 @@ def build_app(llm, model_name, api_key=None, limits=None, enable_docs=False):
         except Exception as e:          # noqa: BLE001 (the template's own complaint, e.g. a role it refuses)
             raise InvalidRequestError(f"messages: the chat template failed: {e}") from e
 
+    def tokenize_all(prompts):
+        """(on the worker thread) Each prompt's token ids; an error names the prompt when there are several."""
+        ids = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids.append(llm.tokenize(prompt))
+            except InvalidRequestError as e:
+                if len(prompts) == 1:
+                    raise
+                raise _of_prompt(e, i) from e
+        return ids
+
     def start(prompts, params, rid):
         """One AsyncLLM request per prompt; if one is refused, those already queued are aborted."""
         streams = []
-        try:
-            for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(prompts):
+            try:
                 streams.append(llm.add_request(prompt, params, f"{rid}-{i}"))
-        except InvalidRequestError as e:
-            for s in streams:
-                s.abort()
-            if len(prompts) > 1:
-                e2 = InvalidRequestError(f"prompt {i}: {e}")
-                e2.param = P.error_param(e)
-                raise e2 from e
-            raise
+            except InvalidRequestError as e:
+                for s in streams:
+                    s.abort()
+                if len(prompts) == 1:
+                    raise
+                raise _of_prompt(e, i) from e
         return streams
 
     return app
 
 
+def _of_prompt(exc, i):
+    """exc, an InvalidRequestError about prompt i of a request with several, saying which prompt."""
+    e = InvalidRequestError(f"prompt {i}: {exc}")
+    e.param = P.error_param(exc)
+    return e
+
+
+# The fields a route's body must have, named when the body is missing altogether.
+_REQUIRED = {path: tuple(name for name, f in model.model_fields.items() if f.is_required())
+             for path, model in [("/v1/completions", P.CompletionRequest),
+                                 ("/v1/chat/completions", P.ChatCompletionRequest)]}
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\]|function-.*)$")
 
 
@@ -301,7 +351,11 @@ class RequestGuard:
     For /v1/* with an API key set: the Authorization header is checked first (401 without reading the
     body). Then a body (POST) is read here, up to limits.max_body_bytes (413 beyond, from Content-Length
     at once or while reading a chunked body) and within limits.body_timeout_s (408), and handed to the app
-    from memory; after it, `receive` passes the client's disconnect through as before."""
+    from memory; after it, `receive` passes the client's disconnect through as before.
+
+    HEAD is GET without the body, as HTTP servers answer it (monitors and load balancers probe with it):
+    the app sees a GET and its response goes out with GET's headers and no body. (FastAPI's routes take only
+    the methods they name, and naming HEAD on every GET route makes two OpenAPI operations of one.)"""
 
     def __init__(self, app, api_key, limits):
         self.app, self.api_key, self.limits = app, api_key, limits
@@ -315,6 +369,8 @@ class RequestGuard:
             error = self.check_key(headers.get(b"authorization", b""))
             if error is not None:
                 return await error.response(close=True)(scope, receive, send)
+        if scope.get("method") == "HEAD":
+            return await self.app(dict(scope, method="GET"), receive, _without_body(send))
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         limit = self.limits.max_body_bytes
@@ -365,6 +421,16 @@ class RequestGuard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+def _without_body(send):
+    """`send` with every response body left out (the answer to a HEAD; the headers, Content-Length
+    included, stay GET's)."""
+    async def send_head(message):
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+    return send_head
 
 
 class _BodyTooLarge(Exception):
@@ -424,6 +490,10 @@ def _head_timeout_protocol(base, timeout_s):
     return HeadTimeoutProtocol
 
 
+# Once told to stop, a server gives its open requests this long to finish (then they end with an error).
+SHUTDOWN_TIMEOUT_S = 5.0
+
+
 def http_protocol(impl="auto"):
     """uvicorn's HTTP/1.1 protocol class: "httptools" (the C parser; "auto" picks it when it is installed: it
     is most of the API process's CPU per streamed chunk) or "h11" (pure Python)."""
@@ -440,17 +510,57 @@ def http_protocol(impl="auto"):
     return H11Protocol
 
 
-def uvicorn_config(app, host="127.0.0.1", port=8000, log_level="info", limits=None, http_impl="auto", **kwargs):
-    """The uvicorn.Config `python -m pagedattn serve` runs `app` with: the HTTP protocol of http_impl (see
-    http_protocol) with the head timeout above, uvloop's event loop where it is installed (uvicorn's "auto"),
-    limits.timeout_keep_alive_s for idle keep-alive connections (limits: the ServerLimits given to
-    build_app, default ServerLimits())."""
-    import uvicorn
-
+def uvicorn_config(app, host="127.0.0.1", port=8000, log_level="info", limits=None, http_impl="auto",
+                   shutdown_timeout_s=SHUTDOWN_TIMEOUT_S, **kwargs):
+    """The uvicorn.Config `python -m pagedattn serve` runs `app` with (run it with Server): the HTTP protocol of
+    http_impl (see http_protocol) with the head timeout above, uvloop's event loop where it is installed
+    (uvicorn's "auto"), limits.timeout_keep_alive_s for idle keep-alive connections (limits: the ServerLimits
+    given to build_app, default ServerLimits()), and shutdown_timeout_s: how long open requests may take to
+    finish once the server is told to stop (uvicorn's timeout_graceful_shutdown; Server)."""
     limits = ServerLimits() if limits is None else limits
     return uvicorn.Config(app, host=host, port=port, log_level=log_level,
                           http=_head_timeout_protocol(http_protocol(http_impl), limits.head_timeout_s),
-                          timeout_keep_alive=limits.timeout_keep_alive_s, **kwargs)
+                          timeout_keep_alive=limits.timeout_keep_alive_s, timeout_graceful_shutdown=shutdown_timeout_s,
+                          **kwargs)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's Server, whose stop ends the requests still open with an error rather than cutting them.
+
+    On a stop (SIGTERM, Ctrl-C, should_exit): no new connection is accepted and idle keep-alive connections
+    close; the open requests get config.timeout_graceful_shutdown seconds (uvicorn_config's shutdown_timeout_s)
+    to finish; then every request of the app (build_app's) still open ends with ServerStoppingError, aborted in
+    the engine: a stream sends `data: {"error": ...}` and `data: [DONE]`, a non-streamed request answers 503
+    (code server_shutting_down). uvicorn's own shutdown follows, and its connections close as those last
+    responses complete. (uvicorn alone waits out the same period and then cuts the streams still open: no
+    error event, no [DONE].)"""
+
+    async def startup(self, sockets=None):
+        jobs = self._open_jobs()
+        if jobs is not None:
+            jobs.reopen()
+        await super().startup(sockets=sockets)
+
+    async def shutdown(self, sockets=None):
+        for server in self.servers:     # (uvicorn's own first steps; it repeats them, harmlessly)
+            server.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()       # idle: closed now; busy: closed once its response is complete
+        grace = self.config.timeout_graceful_shutdown
+        loop = asyncio.get_running_loop()
+        deadline = None if grace is None else loop.time() + grace
+        while (self.server_state.connections and not self.force_exit
+               and (deadline is None or loop.time() < deadline)):
+            await asyncio.sleep(0.05)
+        jobs = self._open_jobs()
+        if jobs is not None:
+            jobs.fail_all(ServerStoppingError(
+                "the server is shutting down: this request was still running when the shutdown grace period "
+                f"({grace:g} s) ended" if grace is not None else "the server is shutting down"))
+        await super().shutdown(sockets=sockets)
+
+    def _open_jobs(self):
+        return getattr(getattr(self.config.app, "state", None), "open_jobs", None)
 
 
 # ---- running the requests ------------------------------------------------------------------------------
@@ -505,6 +615,12 @@ class _Job:
     def abort(self):
         for s in self.streams:
             s.abort()
+
+    def fail(self, error):
+        """End the job's requests with `error` (RequestStream.fail): a stream sends its error event and
+        [DONE], a non-streamed request answers with the error."""
+        for s in self.streams:
+            s.fail(error)
 
     def usage(self):
         return P.UsageInfo.of(self.prompt_tokens, self.completion_tokens)
@@ -726,25 +842,51 @@ def token_bytes(tokenizer, token_id, text):
 class SSEResponse(Response):
     """A streamed response (text/event-stream) written by the job itself (_Job.write). While it writes, a task
     waits for the client's disconnect; if that comes first, the writer is cancelled and the job's requests are
-    aborted (their blocks freed before the engine's next step)."""
+    aborted (their blocks freed before the engine's next step). open_jobs: the app's OpenJobs, which hold the
+    job while it writes."""
     media_type = "text/event-stream"
 
-    def __init__(self, job):
-        self.job, self.status_code, self.background = job, 200, None
+    def __init__(self, job, open_jobs):
+        self.job, self.open_jobs, self.status_code, self.background = job, open_jobs, 200, None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope, receive, send):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        writer = await _unless_gone(self.job.write(send), receive, self.job)
+        with self.open_jobs.holding(self.job):
+            writer = await _unless_gone(self.job.write(send), receive, self.job)
         if writer.done() and not writer.cancelled() and writer.exception() is not None:
             raise writer.exception()
         if self.background is not None:
             await self.background()
 
 
-def sse_response(job):
-    """A streamed response; if the client disconnects, its requests are aborted (SSEResponse)."""
-    return SSEResponse(job)
+class OpenJobs:
+    """The app's requests being answered (their jobs), so that a stopping server can end them with an error
+    (Server.shutdown) instead of cutting their connections. Event-loop code only."""
+
+    def __init__(self):
+        self.jobs = set()
+        self.error = None               # set by fail_all: a job that starts after it fails at once
+
+    @contextlib.contextmanager
+    def holding(self, job):
+        if self.error is not None:
+            job.fail(self.error)
+        self.jobs.add(job)
+        try:
+            yield
+        finally:
+            self.jobs.discard(job)
+
+    def fail_all(self, error):
+        """End every job held, and every job that starts from now on, with `error` (_Job.fail)."""
+        self.error = error
+        for job in list(self.jobs):
+            job.fail(error)
+
+    def reopen(self):
+        """Take jobs normally again (a server starting on this app anew)."""
+        self.error = None
 
 
 async def _unless_gone(coro, receive, job):
@@ -762,9 +904,11 @@ async def _unless_gone(coro, receive, job):
     return work
 
 
-async def until_disconnected(raw, job):
-    """Run a non-streamed job; if the client disconnects first, abort it (nobody is left to answer)."""
-    work = await _unless_gone(job.run(), raw.receive, job)
+async def until_disconnected(raw, job, open_jobs):
+    """Run a non-streamed job (held in open_jobs meanwhile); if the client disconnects first, abort it (nobody is
+    left to answer)."""
+    with open_jobs.holding(job):
+        work = await _unless_gone(job.run(), raw.receive, job)
     if not work.done() or work.cancelled():
         return Response(status_code=499)   # the client is gone; this is never read
     try:

@@ -35,6 +35,7 @@ import queue
 import threading
 import time
 
+from pagedattn.engine.requests import InputProcessor
 from pagedattn.errors import InvalidRequestError, PagedAttnError
 from pagedattn.sampling_params import SamplingParams
 
@@ -57,6 +58,15 @@ class RequestFailedError(EngineStepError):
 
 class EngineDeadError(PagedAttnError, RuntimeError):
     """The engine thread has stopped (shut down, or the engine could not recover from an error)."""
+
+
+def engine_dead(error):
+    """The EngineDeadError a front raises once its engine stopped with `error` (its `error` attribute): an
+    EngineDeadError's message as it is (it already says the engine stopped, and why), anything else as the
+    cause after "the engine has stopped: ". A fresh exception each time: it is raised in many requests."""
+    if isinstance(error, EngineDeadError):
+        return EngineDeadError(str(error))
+    return EngineDeadError("the engine has stopped" + ("" if error is None else f": {error!r}"))
 
 
 def merge_outputs(old, new):
@@ -180,6 +190,17 @@ class RequestStream:
     async def aclose(self):
         self.abort()
 
+    def fail(self, error):
+        """End the request on the front's side: its consumer's next read raises `error`, and the request is
+        aborted in the engine as abort() does (a no-op once it finished). Call on the stream's loop. (A
+        stopping server ends the requests still open this way: pagedattn.serving.api_server.Server.)"""
+        if self.finished:
+            return
+        with self._lock:
+            self._error = error
+        self.owner._abort(self)         # (finished stays False until the consumer has read the error)
+        self._ready.set()
+
 
 class StreamingFront:
     """What every asyncio face of the engine shares (AsyncLLM here, the engine core's CoreClient): a
@@ -223,6 +244,9 @@ class AsyncLLM(StreamingFront):
         self.metrics = metrics
         self.stream_interval = stream_interval
         self.tokenizer = self._own_tokenizer(self.engine)
+        e = self.engine                 # the engine's request checks, with the request threads' tokenizer
+        self._inputs = InputProcessor(self.tokenizer, e.vocab_size, e.max_model_len, e.config.max_num_seqs,
+                                      e.config.block_size, e.num_blocks, e.model_path)
         self.error = None               # set when the engine thread died
         self._inbox = queue.SimpleQueue()
         self._streams = {}              # request_id -> RequestStream, accepted and not yet forgotten
@@ -236,11 +260,13 @@ class AsyncLLM(StreamingFront):
     @staticmethod
     def _own_tokenizer(engine):
         """A second copy of the checkpoint's tokenizer for the request threads: the engine thread's one is
-        busy detokenizing, and a HF fast tokenizer must not be used by two threads at once."""
+        busy detokenizing, and a HF fast tokenizer must not be used by two threads at once. The engine's
+        kind (pagedattn.engine.tokenizer), as the engine core's client uses: its encode releases the GIL, so
+        a long prompt tokenizing on the server's worker thread leaves the event loop free."""
         if engine.tokenizer is None:
             return None
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(engine.model_path)
+        from pagedattn.engine.tokenizer import load_tokenizer
+        return load_tokenizer(engine.model_path)
 
     # ---- the front (any asyncio loop) --------------------------------------------------------------
     @property
@@ -256,13 +282,11 @@ class AsyncLLM(StreamingFront):
 
     def tokenize(self, prompt):
         """prompt: str -> list[int], encoded without special tokens as LLM.generate does (token ids pass
-        through unchanged: validate_request checks them)."""
+        through unchanged: validate_request checks them). A prompt over max_model_len tokens raises
+        InvalidRequestError here (InputProcessor.tokenize)."""
         if not isinstance(prompt, str):
             return prompt
-        if self.tokenizer is None:
-            raise InvalidRequestError(f"prompt is a string but {self.engine.model_path!r} has no tokenizer: "
-                                      "pass token ids")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self._inputs.tokenize(prompt)
 
     def add_request(self, prompt, params=None, request_id=None):
         """Validate and queue one request; returns its RequestStream. Call from a coroutine.
@@ -271,7 +295,7 @@ class AsyncLLM(StreamingFront):
         hashable, unique among running requests (default: "req-<counter>"). Raises InvalidRequestError
         naming the field (nothing is queued then), EngineDeadError when the engine thread has stopped."""
         if self.error is not None:
-            raise EngineDeadError(f"the engine has stopped: {self.error}") from self.error
+            raise engine_dead(self.error) from self.error
         params = SamplingParams() if params is None else params
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         ids = self.engine.validate_request(self.tokenize(prompt), params)
@@ -365,8 +389,7 @@ class AsyncLLM(StreamingFront):
         finally:
             if self.error is None:
                 self.error = EngineDeadError("the engine thread has been shut down")
-            dead = (self.error if isinstance(self.error, EngineDeadError)
-                    else EngineDeadError(f"the engine has stopped: {self.error!r}"))
+            dead = engine_dead(self.error)
             for rid, stream in list(live.items()):
                 with contextlib.suppress(Exception):   # leave the engine clean for whoever uses it next
                     engine.abort_request(rid)

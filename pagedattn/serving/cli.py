@@ -22,7 +22,7 @@ import argparse
 import os
 import sys
 
-from pagedattn.serving.api_server import ServerLimits
+from pagedattn.serving.api_server import SHUTDOWN_TIMEOUT_S, ServerLimits
 
 
 def parse_args(argv=None):
@@ -65,6 +65,9 @@ def parse_args(argv=None):
                          "prefill step's duration has passed since it ended, so arrivals share prefill steps "
                          f"(0: admit at once; default {PREFILL_DELAY_FACTOR}; docs/engine_core.md)")
     ap.add_argument("--log-level", default="info", help="uvicorn's: critical | error | warning | info | debug")
+    ap.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=SHUTDOWN_TIMEOUT_S,
+                    help="seconds the open requests get to finish once the server is told to stop (SIGTERM, Ctrl-C); "
+                         "then each ends with an error (a stream: an error event and [DONE])")
     proc = ap.add_argument_group("processes", "how the server is spread over processes (docs/engine_core.md)")
     proc.add_argument("--data-parallel-size", type=int, default=1,
                       help="engine cores, each a process with its own GPUs; requests go to the least loaded")
@@ -104,12 +107,10 @@ def limits_from_args(a):
 
 
 def main(argv=None):
-    import uvicorn
-
     from pagedattn import LLM
     from pagedattn.distributed.worker import torchrun_launch
     from pagedattn.errors import InvalidRequestError
-    from pagedattn.serving.api_server import build_app, uvicorn_config
+    from pagedattn.serving.api_server import Server, build_app, uvicorn_config
     from pagedattn.serving.async_llm import AsyncLLM
 
     a = parse_args(argv)
@@ -121,6 +122,8 @@ def main(argv=None):
         raise SystemExit(f"--switch-interval-ms must be > 0, got {a.switch_interval_ms}")
     if a.stream_interval < 1:
         raise SystemExit(f"--stream-interval must be >= 1, got {a.stream_interval}")
+    if not a.shutdown_timeout_s >= 0:
+        raise SystemExit(f"--shutdown-timeout must be >= 0, got {a.shutdown_timeout_s}")
     launch = torchrun_launch()
     if launch is not None:          # launched by torchrun: rank 0 serves, every other rank is a TP worker
         if a.data_parallel_size != 1 or a.engine_core_addresses or a.tensor_parallel_size != launch.world_size:
@@ -162,7 +165,8 @@ def main(argv=None):
           f"{engine.config.block_size} tokens, max_model_len {engine.max_model_len}) at "
           f"http://{a.host}:{a.port}/v1{' (API key required)' if a.api_key else ''}", file=sys.stderr, flush=True)
     try:
-        uvicorn.Server(uvicorn_config(app, a.host, a.port, a.log_level, limits, http_impl=a.http_impl)).run()
+        Server(uvicorn_config(app, a.host, a.port, a.log_level, limits, http_impl=a.http_impl,
+                              shutdown_timeout_s=a.shutdown_timeout_s)).run()
     finally:
         async_llm.shutdown()
         llm.close()

@@ -54,7 +54,7 @@ from pagedattn.errors import InvalidRequestError
 from pagedattn.sampling_params import SamplingParams
 from pagedattn.serving import engine_core as ec
 from pagedattn.serving.async_llm import (EngineDeadError, EngineStepError, RequestFailedError, RequestStream,
-                                         StreamingFront, _set_ready)
+                                         StreamingFront, _set_ready, engine_dead)
 
 logger = logging.getLogger("pagedattn.serving")
 now = time.perf_counter
@@ -222,6 +222,7 @@ class CoreClient(StreamingFront):
         self._request_ids = itertools.count()
         self._snapshot_tokens = itertools.count(1)
         self._stopping = False
+        self._socket_addresses = None   # local core addresses whose directory shutdown() removes (start())
         # Step messages on their way from the receiver thread to the loop that processes them.
         self._loop = None               # the event loop of the latest request (processes step messages)
         self._inbox = collections.deque()
@@ -240,7 +241,7 @@ class CoreClient(StreamingFront):
         self.tokenizer = load_tokenizer(self.model_path)            # the request threads' copy
         self._detok_tokenizer = load_tokenizer(self.model_path)     # the receiver thread's own copy
         small = min(info, key=lambda i: i["num_blocks"] * i["block_size"])
-        self._inputs = InputProcessor(None, min(i["vocab_size"] for i in info),
+        self._inputs = InputProcessor(self.tokenizer, min(i["vocab_size"] for i in info),
                                       min(i["max_model_len"] for i in info), min(i["max_num_seqs"] for i in info),
                                       small["block_size"], small["num_blocks"], self.model_path)
         self._thread = threading.Thread(target=self._run, name="pagedattn-core-client", daemon=True)
@@ -250,12 +251,17 @@ class CoreClient(StreamingFront):
     def start(cls, engine_kwargs, data_parallel_size=1, addresses=None, **kwargs):
         """Start `data_parallel_size` local core processes on LLM(**engine_kwargs) and a client owning them.
         addresses: where the cores listen (default: private ipc:// paths)."""
+        own_addresses = addresses is None
         procs, addresses = ec.start_engine_cores(engine_kwargs, data_parallel_size, addresses)
         try:
-            return cls(addresses, processes=procs, **kwargs)
+            client = cls(addresses, processes=procs, **kwargs)
         except BaseException:
             ec.stop_processes(procs)
+            if own_addresses:
+                ec.remove_socket_dir(addresses)
             raise
+        client._socket_addresses = addresses if own_addresses else None    # removed by shutdown()
+        return client
 
     def _handshake(self, timeout):
         """Say Hello to every core and wait for each one's Ready and first metrics snapshot (the core sends
@@ -304,18 +310,17 @@ class CoreClient(StreamingFront):
         return len(self._cores)
 
     def tokenize(self, prompt):
-        """prompt: str -> list[int] without special tokens (token ids pass through: validation checks them)."""
+        """prompt: str -> list[int] without special tokens (token ids pass through: validation checks them).
+        A prompt over max_model_len tokens raises InvalidRequestError here (InputProcessor.tokenize)."""
         if not isinstance(prompt, str):
             return prompt
-        if self.tokenizer is None:
-            raise InvalidRequestError(f"prompt is a string but {self.model_path!r} has no tokenizer: pass token ids")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self._inputs.tokenize(prompt)
 
     def add_request(self, prompt, params=None, request_id=None):
         """Validate and send one request to the least-loaded core; returns its RequestStream. Call from a
         coroutine. Raises InvalidRequestError naming the field, EngineDeadError once a core has died."""
         if self.error is not None:
-            raise EngineDeadError(f"the engine has stopped: {self.error}") from self.error
+            raise engine_dead(self.error) from self.error
         params = SamplingParams() if params is None else params
         request_id = f"req-{next(self._request_ids)}" if request_id is None else request_id
         ids = self._inputs.validate(self.tokenize(prompt), params)
@@ -391,6 +396,8 @@ class CoreClient(StreamingFront):
                 p.join(max(0.0, deadline - now()))
             ec.stop_processes(self.processes, timeout=5.0)
         self._close_sockets()
+        if self._socket_addresses:      # (start() made them)
+            ec.remove_socket_dir(self._socket_addresses)
 
     def _close_sockets(self):
         for core in self._cores:

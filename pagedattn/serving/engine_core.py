@@ -42,6 +42,7 @@ from array import array
 import itertools
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -479,14 +480,28 @@ def run_profiled(name, fn):
         return fn()
     import cProfile
 
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:      # a SIGTERM ends fn with SystemExit: the
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # profile is still written (uvicorn re-raises it)
-    profile = cProfile.Profile()
+    # A SIGTERM ends fn with SystemExit, so the profile is still written (uvicorn re-raises it); the handler
+    # is this call's alone: whatever was there before is back when it returns.
+    with _signal_handlers({signal.SIGTERM: lambda *_: sys.exit(0)}
+                          if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL else {}):
+        profile = cProfile.Profile()
+        try:
+            return profile.runcall(fn)
+        finally:
+            os.makedirs(directory, exist_ok=True)
+            profile.dump_stats(os.path.join(directory, f"{name}.prof"))
+
+
+@contextlib.contextmanager
+def _signal_handlers(handlers):
+    """Install {signal: handler} for the block and put the previous handlers back after it: a core or a
+    profile run in the calling process (a test, a script) leaves that process's signal handling as it was."""
+    old = {s: signal.signal(s, h) for s, h in handlers.items()}
     try:
-        return profile.runcall(fn)
+        yield
     finally:
-        os.makedirs(directory, exist_ok=True)
-        profile.dump_stats(os.path.join(directory, f"{name}.prof"))
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def run_engine_core(address, engine_kwargs, rank=0, visible_devices=None):
@@ -497,7 +512,11 @@ def run_engine_core(address, engine_kwargs, rank=0, visible_devices=None):
     die_with_parent()
     name_process(f"pagedattn-core{rank}")
     # Ctrl-C reaches every process of the terminal's group; the launcher decides when a core stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with _signal_handlers({signal.SIGINT: signal.SIG_IGN}):
+        _run_engine_core(address, engine_kwargs, rank, visible_devices)
+
+
+def _run_engine_core(address, engine_kwargs, rank, visible_devices):
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine-core-{rank} %(levelname)s %(message)s")
@@ -512,18 +531,28 @@ def run_engine_core(address, engine_kwargs, rank=0, visible_devices=None):
         from pagedattn.serving.fake_engine import install_fake_runner
         install_fake_runner(llm, fake_step_ms, seed=rank, prefill_ms=fake_prefill_ms)
     core = EngineCore(llm, address, rank, PREFILL_DELAY_FACTOR if delay is None else delay)
-    signal.signal(signal.SIGTERM, lambda *_: core.stop())
-    run_profiled(f"core{rank}", core.run)
+    with _signal_handlers({signal.SIGTERM: lambda *_: core.stop()}):     # stop between two steps
+        run_profiled(f"core{rank}", core.run)
 
 
 def local_addresses(count, directory=None):
-    """`count` fresh ipc:// core addresses in a private directory (one machine)."""
+    """`count` fresh ipc:// core addresses in a private directory (one machine); whoever stops the cores
+    removes it (remove_socket_dir)."""
     directory = directory or tempfile.mkdtemp(prefix="pagedattn-core-")
     return [f"ipc://{os.path.join(directory, f'core{r}')}" for r in range(count)]
 
 
+def remove_socket_dir(addresses):
+    """Remove the private directory local_addresses made for these ipc:// addresses, with whatever sockets the
+    cores left in it (a killed core leaves its own). Only for addresses local_addresses made: it removes the
+    directory whole."""
+    for directory in {os.path.dirname(a[len("ipc://"):]) for a in addresses if a.startswith("ipc://")}:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def start_engine_cores(engine_kwargs, data_parallel_size=1, addresses=None):
-    """Start `data_parallel_size` core processes (spawn). Returns (processes, addresses).
+    """Start `data_parallel_size` core processes (spawn). Returns (processes, addresses). Without addresses, the
+    cores listen on local_addresses (the caller removes their directory when it stops them: remove_socket_dir).
 
     On CUDA each rank gets its own GPUs: rank r sees devices r*P .. r*P + P - 1 (P = tensor_parallel_size)."""
     import multiprocessing as mp

@@ -11,10 +11,11 @@
 
 All children are started with "spawn" (torch and CUDA do not survive fork) and ask the kernel to
 SIGTERM them when the launcher dies, so none is left holding a GPU. Ctrl-C or SIGTERM on the launcher
-stops the API servers first (uvicorn's graceful exit), then the cores; anything still alive after the
-grace period is killed. An API server that exits takes the whole server down with it; a core that dies
-does not: the API servers answer 503 on /health and fail its streams, and whoever supervises the
-server decides what to restart.
+stops the API servers first (each gives its open requests shutdown_timeout_s, then ends the rest with an
+error: api_server.Server), then the cores; anything still alive after the grace period is killed, and the
+local cores' socket directory is removed. An API server that exits takes the whole server down with it;
+a core that dies does not: the API servers answer 503 on /health and fail its streams, and whoever
+supervises the server decides what to restart.
 
 /metrics on any API server: the engine gauges and counters summed over the D cores (each core sends its
 snapshot to every API server); the request latency histograms and token counters are those of the API
@@ -36,7 +37,7 @@ import time
 from dataclasses import dataclass, field, fields
 
 from pagedattn.serving import engine_core as ec
-from pagedattn.serving.api_server import ServerLimits
+from pagedattn.serving.api_server import SHUTDOWN_TIMEOUT_S, ServerLimits
 
 logger = logging.getLogger("pagedattn.serving")
 
@@ -63,12 +64,16 @@ class ServeConfig:
     limits: ServerLimits = field(default_factory=ServerLimits)
     enable_docs: bool = False
     http_impl: str = "auto"
+    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S
 
     def __post_init__(self):
         for name in ("data_parallel_size", "api_server_count", "stream_interval"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        v = self.shutdown_timeout_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise ValueError(f"shutdown_timeout_s must be a number >= 0, got {v!r}")
 
     @classmethod
     def from_args(cls, args):
@@ -112,9 +117,7 @@ def run_api_server(config, addresses, index, port, events):
     ec.die_with_parent()
     ec.name_process(f"pagedattn-api{index}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # the launcher decides; uvicorn's own handlers follow
-    import uvicorn
-
-    from pagedattn.serving.api_server import build_app, uvicorn_config
+    from pagedattn.serving.api_server import Server, build_app, uvicorn_config
     from pagedattn.serving.core_client import CoreClient
 
     client = CoreClient(addresses, stream_interval=config.stream_interval, ready_timeout_s=config.startup_timeout_s)
@@ -127,9 +130,9 @@ def run_api_server(config, addresses, index, port, events):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((config.host, port))
         sock.listen(2048)                 # connections queue from now on, before uvicorn accepts them
-        server = uvicorn.Server(uvicorn_config(app, config.host, port, config.log_level, config.limits,
-                                               http_impl=config.http_impl,
-                                               lifespan="off", timeout_graceful_shutdown=5))
+        server = Server(uvicorn_config(app, config.host, port, config.log_level, config.limits,
+                                       http_impl=config.http_impl, shutdown_timeout_s=config.shutdown_timeout_s,
+                                       lifespan="off"))
         events.put(("ready", index, {"name": name, "cores": client.info}))
         ec.run_profiled(f"api{index}", lambda: server.run(sockets=[sock]))
     finally:
@@ -149,7 +152,7 @@ def serve(config):
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     ctx = mp.get_context("spawn")
-    cores, api = [], []
+    cores, api, addresses = [], [], []
     reserved = None
     status = 0
     try:
@@ -194,8 +197,11 @@ def serve(config):
                     reported.add(p.name)
                     logger.error("%s exited (exit code %s): /health now fails", p.name, p.exitcode)
     finally:
-        ec.stop_processes(api, timeout=10.0)
+        # an API server gives its open requests shutdown_timeout_s, then ends the rest with an error (Server)
+        ec.stop_processes(api, timeout=config.shutdown_timeout_s + 10.0)
         ec.stop_processes(cores, timeout=20.0)     # a core stops on SIGTERM between two steps
+        if cores:                                   # the local cores' private socket directory
+            ec.remove_socket_dir(addresses)
         if reserved is not None:
             reserved.close()
         for s, h in old.items():

@@ -12,6 +12,12 @@ Two kinds, both exposed at scrape time by one custom collector:
 
 Every name starts with `pagedattn_`; latencies are seconds (measured from the moment AsyncLLM accepted
 the request, so they include queueing), KV usage is a fraction in [0, 1].
+
+Once the engine has stopped (the engine thread died or was shut down, an engine core died: what makes
+/health answer 503), `pagedattn_engine_alive` is 0 and the series read from the engine are left out:
+their last values would be a dead engine's, stale for good. The scrape itself still succeeds (200), so
+the server's own series (latencies, finished requests by reason, errors included) stay visible; alert on
+`pagedattn_engine_alive == 0`.
 """
 import bisect
 import itertools
@@ -50,7 +56,9 @@ class Histogram:
 
 class ServingMetrics:
     """model_name: the `model_name` label on every series. snapshot: a callable returning the engine's
-    metrics() dict (AsyncLLM.engine_metrics) plus "num_requests_in_flight", or None until `attach`."""
+    metrics() dict (AsyncLLM.engine_metrics) plus "num_requests_in_flight", or None until `attach`.
+    alive: a callable returning whether the engine still serves (AsyncLLM.is_alive), or None: then no
+    pagedattn_engine_alive series and the engine's series are always shown."""
 
     HISTOGRAMS = [  # (metric, attribute, help)
         ("pagedattn_time_to_first_token_seconds", "ttft", "Time to first token (from acceptance)."),
@@ -58,9 +66,10 @@ class ServingMetrics:
         ("pagedattn_e2e_request_latency_seconds", "e2e", "Request latency, acceptance to finish."),
     ]
 
-    def __init__(self, model_name, snapshot=None):
+    def __init__(self, model_name, snapshot=None, alive=None):
         self.model_name = model_name
         self.snapshot = snapshot
+        self.alive = alive
         self.ttft, self.itl, self.e2e = Histogram(), Histogram(), Histogram()
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -68,8 +77,8 @@ class ServingMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(self))
 
-    def attach(self, snapshot):
-        self.snapshot = snapshot
+    def attach(self, snapshot, alive=None):
+        self.snapshot, self.alive = snapshot, alive
 
     # ---- recording (AsyncLLM's engine thread only) ----------------------------------------------------
     def first_token(self, ttft, num_prompt_tokens):
@@ -106,6 +115,7 @@ class _Collector:
         ("pagedattn_prefix_cache_hit_rate", "prefix_cache_hit_rate",
          "Prompt tokens served by the prefix cache / prompt tokens looked up, since start."),
     ]
+    FRONT_KEYS = ("num_requests_in_flight",)   # snapshot keys the front itself counts, not the engine
     ENGINE_COUNTERS = [
         ("pagedattn_prefix_cache_queries", "prefix_cache_queried_tokens",
          "Prompt tokens looked up in the prefix cache."),
@@ -142,6 +152,14 @@ class _Collector:
             c.add_metric(label + [reason], value)
         yield c
         snap = m.snapshot() if m.snapshot is not None else {}
+        if m.alive is not None:
+            alive = bool(m.alive())
+            g = GaugeMetricFamily("pagedattn_engine_alive", "1 while the engine serves; 0 once it has stopped "
+                                  "(/health answers 503, the engine's own series are left out).", labels=["model_name"])
+            g.add_metric(label, float(alive))
+            yield g
+            if not alive:               # a dead engine's last snapshot: stale for good; the front's count stays
+                snap = {k: v for k, v in snap.items() if k in self.FRONT_KEYS}
         for metric, key, doc in self.ENGINE_GAUGES:
             if snap.get(key) is not None:
                 g = GaugeMetricFamily(metric, doc, labels=["model_name"])
