@@ -134,19 +134,23 @@ def use_kernel(x, weight):
             and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS)
 
 
-def linear(x, weight, bias=None, num_threads=None):
+def linear(x, weight, bias=None, num_threads=None, validate=True):
     """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N]: CPU float32 torch tensors (or numpy arrays).
 
-    num_threads: default torch.get_num_threads(). Raises KernelLaunchError naming the argument whose
-    device, dtype or shape does not fit.
+    num_threads: default torch.get_num_threads(). validate: raise KernelLaunchError naming the argument whose
+    device, dtype or shape does not fit; a caller whose tensors are known to fit (the engine's small step:
+    contiguous float32 CPU tensors) passes False.
     """
-    xa = _check(x, "x", 2)
-    wa = _check(weight, "weight", 2)
-    ba = _NO_BIAS if bias is None else _check(bias, "bias", 1)
-    if wa.shape[1] != xa.shape[1]:
-        raise KernelLaunchError(f"weight: shape {tuple(wa.shape)} does not take x's {xa.shape[1]} input features")
-    if bias is not None and ba.shape[0] != wa.shape[0]:
-        raise KernelLaunchError(f"bias: {ba.shape[0]} elements for {wa.shape[0]} output features")
+    if validate:
+        xa = _check(x, "x", 2)
+        wa = _check(weight, "weight", 2)
+        ba = _NO_BIAS if bias is None else _check(bias, "bias", 1)
+        if wa.shape[1] != xa.shape[1]:
+            raise KernelLaunchError(f"weight: shape {tuple(wa.shape)} does not take x's {xa.shape[1]} input features")
+        if bias is not None and ba.shape[0] != wa.shape[0]:
+            raise KernelLaunchError(f"bias: {ba.shape[0]} elements for {wa.shape[0]} output features")
+    else:
+        xa, wa, ba = x.numpy(), weight.detach().numpy(), _NO_BIAS if bias is None else bias.detach().numpy()
     out = torch.empty(xa.shape[0], wa.shape[0], dtype=torch.float32)
     threads = numba_threads(product_threads(num_threads or torch.get_num_threads(), wa.shape[0]))
     _run(threads, xa, wa, ba, out.numpy())

@@ -167,23 +167,29 @@ def check_cpu_tensor(name, t, dim, dtypes):
                                 f"{tuple(t.shape)} {t.dtype}")
 
 
-def sample_cpu(logits, temperature, top_k, top_p, seed, index, position, out_tokens, out_logprobs):
+def sample_cpu(logits, temperature, top_k, top_p, seed, index, position, out_tokens, out_logprobs, validate=True):
     """Sample one token per row on the CPU (compiled by numba @njit, cached on disk; one row at a time).
 
     logits [N, V] float32/float16/bfloat16; temperature [N] float32 (<= 0: greedy); top_k [N] int32
     (<= 0 or >= V: off); top_p [N] float32 (>= 1: off); seed [N] int64 (the 64-bit key); index [N]
     int32 (completion index); position [N] int32 (tokens this completion generated before);
     out_tokens [N] int32, out_logprobs [N] float32 (written). All CPU tensors (the outputs contiguous).
-    Returns (out_tokens, out_logprobs).
+    validate: check every argument first (KernelLaunchError naming it); the engine, whose step arrays are
+    checked once on the host (contiguous views of the right dtypes), passes False. Returns (out_tokens,
+    out_logprobs).
     """
-    params = tuple(t.contiguous() for t in (temperature, top_k, top_p, seed, index, position))
-    check_args(logits.contiguous(), params, out_tokens, out_logprobs, check_cpu_tensor)
+    if validate:
+        temperature, top_k, top_p, seed, index, position = (
+            t.contiguous() for t in (temperature, top_k, top_p, seed, index, position))
+        check_args(logits.contiguous(), (temperature, top_k, top_p, seed, index, position), out_tokens,
+                   out_logprobs, check_cpu_tensor)
     if logits.shape[0] == 0:
         return out_tokens, out_logprobs
     x = logits.detach().float().contiguous().numpy()     # fp16/bf16 widen exactly
     tokens = np.empty(logits.shape[0], dtype=np.int64)
     logprobs = np.empty(logits.shape[0], dtype=np.float64)
-    _rows_cpu(x, *(t.numpy() for t in params), tokens, logprobs)
+    _rows_cpu(x, temperature.numpy(), top_k.numpy(), top_p.numpy(), seed.numpy(), index.numpy(), position.numpy(),
+              tokens, logprobs)
     out_tokens.numpy()[:] = tokens
     out_logprobs.numpy()[:] = logprobs
     return out_tokens, out_logprobs

@@ -417,9 +417,9 @@ def test_a_stopping_server_ends_its_open_requests_with_an_error(checkpoint):
     `data: [DONE]`, the other request answers 503, both are aborted in the engine (every block free), and the
     engine itself keeps running. Steps take 20 ms (the fake executor: the tiny model's are too quick to keep a
     request open), so 200 tokens take 4 s, well past the grace period."""
-    from pagedattn.serving.fake_engine import install_fake_executor
+    from pagedattn.serving.fake_engine import install_fake_runner
 
-    llm = AsyncLLM(install_fake_executor(LLM(checkpoint, **ENGINE), 20.0))
+    llm = AsyncLLM(install_fake_runner(LLM(checkpoint, **ENGINE), 20.0))
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True}
     events, plain, opened = [], [], threading.Event()
 

@@ -290,7 +290,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows], float32=False)[:N]   # (N, V), the model's dtype
             st = sampler.SamplingTensors(temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"],
                                          seed=f["seed"], index=f["comp_index"], position=f["position"])
-            sampler.sample(logits, st, out_tokens=self.sampled_tokens[:N], out_logprobs=self.sampled_logprobs[:N])
+            sampler.sample(logits, st, out_tokens=self.sampled_tokens[:N], out_logprobs=self.sampled_logprobs[:N],
+                           validate=False)                  # the step's arrays were checked when packed
         return hidden, logits
 
     @torch.inference_mode()

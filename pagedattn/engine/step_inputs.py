@@ -165,16 +165,21 @@ def build_step_inputs(sched_out, block_manager, sample_rows, beam_rows, beam_k):
     f["context_lens"][:] = ctx
     f["block_tables"][:] = table_np
     f["cu_seqlens_q"][:] = cu[:P + 1]
-    if sample_rows:                                  # one list per field, then one assignment each
-        params = [r.seq.params for r in sample_rows]
-        f["sample_rows"][:] = [last_row[r.seq.seq_id] for r in sample_rows]
-        f["temperature"][:] = [p.temperature for p in params]
-        f["top_k"][:] = [p.top_k if p.top_k > 0 else 0 for p in params]
-        f["top_p"][:] = [p.top_p for p in params]
-        f["comp_index"][:] = [r.index for r in sample_rows]
-        f["position"][:] = [0 if r.fork else r.seq.num_output_tokens for r in sample_rows]
-        f["seed"].view(np.uint64)[:] = [r.seq.key & 0xFFFFFFFFFFFFFFFF for r in sample_rows]
-    f["beam_rows"][:] = [last_row[s.seq_id] for s in beam_rows]
+    if sample_rows:                                  # one list per field, filled in one pass, one assignment each
+        rows, temperature, top_k, top_p, index, position, seed = [], [], [], [], [], [], []
+        for r in sample_rows:
+            seq, p = r.seq, r.seq.params
+            rows.append(last_row[seq.seq_id])
+            temperature.append(p.temperature)
+            top_k.append(p.top_k if p.top_k > 0 else 0)
+            top_p.append(p.top_p)
+            index.append(r.index)
+            position.append(0 if r.fork else seq.num_output_tokens)
+            seed.append(seq.key & 0xFFFFFFFFFFFFFFFF)
+        f["sample_rows"][:], f["temperature"][:], f["top_k"][:], f["top_p"][:] = rows, temperature, top_k, top_p
+        f["comp_index"][:], f["position"][:], f["seed"].view(np.uint64)[:] = index, position, seed
+    if beam_rows:
+        f["beam_rows"][:] = [last_row[s.seq_id] for s in beam_rows]
     if sched_out.block_copies:
         f["block_copies"][:] = np.asarray(sched_out.block_copies, dtype=np.int32)
     return step

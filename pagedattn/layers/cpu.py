@@ -54,11 +54,15 @@ class CpuStep:
             step.small                   # True inside a small step's scope
             step.threads()               # the kernels' thread count
             step.linear(x, weight, bias) # x weight^T + bias: cpu_linear in a small step, else torch
+
+    validate: the small step's kernels check their arguments (the engine, whose tensors fit by construction,
+    turns it off through its backend's `validate`).
     """
 
     def __init__(self):
         self.small = False           # inside a small step's scope
         self._threads = None         # then: the kernels' thread count (torch runs on one)
+        self.validate = True
 
     @contextmanager
     def scope(self, num_rows):
@@ -84,7 +88,7 @@ class CpuStep:
 
     def linear(self, x, weight, bias=None):
         if self.small and cpu_linear.use_kernel(x, weight):
-            return cpu_linear.linear(x, weight, bias, num_threads=self._threads)
+            return cpu_linear.linear(x, weight, bias, num_threads=self._threads, validate=self.validate)
         return F.linear(x, weight, bias)
 
 
@@ -102,6 +106,15 @@ class CpuNumbaBackend(TorchPagedBackend):
     def __init__(self, step=None):
         self.step = CpuStep() if step is None else step
         self._layers = {}            # decoder layer -> its weights as the fused kernel reads them, or None
+
+    @property
+    def validate(self):
+        """The small step's kernels check their arguments (off in the engine: ModelRunner checks each step)."""
+        return self.step.validate
+
+    @validate.setter
+    def validate(self, on):
+        self.step.validate = on
 
     @staticmethod
     def _runs_here(q, k_cache):
@@ -207,12 +220,14 @@ def _fused_weights(layer):
 
 # ---- the ops of a float32 CPU model: numba calls in a small step, torch ops in a large one -------
 def rms_norm(step, x, weight, eps):
-    return cpu_layer.add_rms_norm(x, None, weight, eps) if step.small else torch_ops.rms_norm(x, weight, eps)
+    if step.small:
+        return cpu_layer.add_rms_norm(x, None, weight, eps, validate=step.validate)
+    return torch_ops.rms_norm(x, weight, eps)
 
 
 def add_rms_norm(step, x, residual, weight, eps):
     if step.small:
-        return cpu_layer.add_rms_norm(x, residual, weight, eps)
+        return cpu_layer.add_rms_norm(x, residual, weight, eps, validate=step.validate)
     return torch_ops.add_rms_norm(x, residual, weight, eps)
 
 

@@ -81,13 +81,14 @@ class SamplingTensors:
         return self.temperature.shape[0]
 
 
-def sample(logits, st, out_tokens=None, out_logprobs=None):
+def sample(logits, st, out_tokens=None, out_logprobs=None, validate=True):
     """Next token and its raw log-probability for each row.
 
     logits: [N, V] float32/float16/bfloat16, contiguous; st: SamplingTensors of N rows on the same
     device. out_tokens: optional [N] int32, out_logprobs: optional [N] float32, written in place
-    (pass them when capturing a CUDA graph). Returns (tokens [N] int32, logprobs [N] float32) on
-    logits.device: CUDA runs the kernels on torch's current stream, CPU the numba CPU version.
+    (pass them when capturing a CUDA graph). validate: the samplers' argument checks (the engine, which
+    checks its step's arrays once on the host, passes False). Returns (tokens [N] int32, logprobs [N]
+    float32) on logits.device: CUDA runs the kernels on torch's current stream, CPU the numba CPU version.
     """
     n = logits.shape[0]
     if out_tokens is None:
@@ -100,4 +101,4 @@ def sample(logits, st, out_tokens=None, out_logprobs=None):
     else:
         fn = sample_cpu
     return fn(logits, st.temperature, st.top_k, st.top_p, st.seed, st.index, st.position, out_tokens,
-              out_logprobs)
+              out_logprobs, validate=validate)
