@@ -43,15 +43,13 @@ two cache lines a half (from memory, the whole row's lines asked for at its star
 products at ~0.6x their speed in cache).
 
 The integer sums are written twice (kernels_numba/cpu_simd.py): with x86 AVX2's vpmaddubsw + vpmaddwd
-where the CPU numba compiles for has AVX2 (`AVX2`), in target-independent LLVM IR otherwise (or with
-PAGEDATTN_INT8_DOT=generic in the environment); both give the same integers, so the same float32 results
+where the CPU numba compiles for has AVX2 (`AVX2`), in target-independent LLVM IR otherwise (`linear`'s
+avx2=False takes it anywhere); both give the same integers, so the same float32 results
 (tests/test_cpu_quant_int8.py). reference/quant.py: quantize_rows_int8 / linear_int8 do the same in numpy.
 
 At most cpu_quant.MAX_ROWS input rows; `linear_parts` hands larger calls (a prefill) to cpu_quant's
 float32 tiles. Threads: the output features cut into one contiguous range per thread, as cpu_quant.
 """
-import os
-
 import numpy as np
 import torch
 from numba import njit, prange
@@ -67,7 +65,7 @@ from kernels_numba.cpu_linear import numba_threads, product_threads
 from kernels_numba.errors import KernelLaunchError
 
 # the integer products' spelling: AVX2's byte multiply-adds where the compile target has them
-AVX2 = target_has_avx2() and os.environ.get("PAGEDATTN_INT8_DOT", "") != "generic"
+AVX2 = target_has_avx2()
 
 
 @njit(inline="always")

@@ -29,10 +29,10 @@ its own size, a boolean one byte, a tuple its items in order. Each value gets an
     smem     dynamic shared memory bytes (above 48 KiB: bridge.allow_dynamic_smem first)
 
 numba launches as usual under the CUDA simulator, while kernels_numba.precompile records, for a
-non-contiguous tensor argument, and everywhere with PAGEDATTN_FAST_LAUNCH=0.
+non-contiguous tensor argument, and everywhere when ENABLED is set to False (tests and profiles compare
+both ways).
 """
 import ctypes
-import os
 import struct
 import threading
 
@@ -42,7 +42,7 @@ from numba import types
 from kernels_numba import bridge
 from kernels_numba.errors import KernelLaunchError
 
-ENABLED = os.environ.get("PAGEDATTN_FAST_LAUNCH", "1") != "0"
+ENABLED = True                      # False: every launch through numba's own (tests, scripts/profile_startup.py)
 
 _PLANS = {}  # (kernel, device, argument kinds) -> _Plan, or None: launch through numba
 _LIB = []  # [libcuda] once loaded, [None] when it cannot be

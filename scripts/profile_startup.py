@@ -238,6 +238,8 @@ def child_prefill(args):
 
     from kernels_numba import launcher
     from pagedattn import LLM, SamplingParams
+
+    launcher.ENABLED = args.tag != "numba"                 # the "numba" run: numba's own launches throughout
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_batched_tokens=8192, max_model_len=2048,
               piecewise_graphs=args.tag == "piecewise")
     engine, vocab = llm.engine, llm.engine.vocab_size
@@ -370,7 +372,7 @@ def main():
             results["kernel_cache_size"] = du[0] if du else None
         elif name == "prefill":                 # the kernels' launch plans, then numba's own launches
             results["prefill"] = run_child(name, args, "plans", env)
-            results["prefill_numba_launch"] = run_child(name, args, "numba", dict(env, PAGEDATTN_FAST_LAUNCH="0"))
+            results["prefill_numba_launch"] = run_child(name, args, "numba", env)
             if args.piecewise:                  # steps with prompt tokens through the piecewise graphs
                 results["prefill_piecewise"] = run_child(name, args, "piecewise", env)
         else:

@@ -9,11 +9,6 @@ differ only in how the per-run terms are summed (float32 in the kernel, float64 
 of the dequantized matrix the difference is x's rounding: |y - W x| <= |W| |x_hat - x| (x_hat = dx * xq,
 the reference's), plus the float32 summation bound of tests/test_cpu_quant.py.
 """
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -231,39 +226,6 @@ def test_avx2_and_generic_sums_give_identical_bits(fmt):
     a = cpu_quant_int8.linear(x, raw, fmt, num_threads=2, avx2=True)
     g = cpu_quant_int8.linear(x, raw, fmt, num_threads=2, avx2=False)
     assert np.array_equal(a.numpy().view(np.uint32), g.numpy().view(np.uint32))
-
-
-_CHILD = """
-import json, sys
-import numpy as np
-from kernels_numba import cpu_quant_int8
-from test_cpu_quant import synthetic_blocks
-from test_cpu_quant_int8 import awkward_x
-out = {"AVX2": cpu_quant_int8.AVX2}
-for fmt in ("Q8_0", "Q5_0", "Q6_K", "Q4_K"):
-    raw = synthetic_blocks(fmt, 21, 1, seed=50)
-    x = awkward_x(5, raw.shape[1] // {"Q8_0": 34, "Q5_0": 22, "Q6_K": 210, "Q4_K": 144}[fmt] * 32
-                  * (8 if fmt[-1] == "K" else 1), seed=51)
-    out[fmt] = cpu_quant_int8.linear(x, raw, fmt, num_threads=1).numpy().view(np.uint32).tolist()
-json.dump(out, sys.stdout)
-"""
-
-
-def test_generic_path_forced_off_in_a_subprocess():
-    """PAGEDATTN_INT8_DOT=generic: a process that never selects the AVX2 products gives this process's
-    bits (both compiled for the same target: numba's, as NUMBA_CPU_NAME says)."""
-    env = dict(os.environ, PAGEDATTN_INT8_DOT="generic")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), env.get("PYTHONPATH", "")])
-    child = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stderr[-3000:]
-    theirs = json.loads(child.stdout)
-    assert theirs["AVX2"] is False
-    for fmt in FORMATS:
-        raw = synthetic_blocks(fmt, 21, 1, seed=50)
-        x = awkward_x(5, quant.BLOCK[fmt][0], seed=51)
-        ours = cpu_quant_int8.linear(x, raw, fmt, num_threads=1).numpy().view(np.uint32).tolist()
-        assert ours == theirs[fmt], fmt
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
