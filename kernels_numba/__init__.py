@@ -12,11 +12,14 @@
                                    too): the entry points' checks and LaunchArgs, q fragments, the mma
                                    step, the warps' merge, the cp.async ring, v10's split-KV merge
     paged_prefill_fa2.py           prefill attention the engine runs (v7: a work list over all sequences'
-                                   tiles, FlashAttention-2 structure; v4-v6 and v8 beside it), one entry
-                                   point paged_prefill(...)
-    prefill_journey.py             the prefill journey's VERSIONS (v1-v8) and paged_prefill(..., version=N)
+                                   tiles, FlashAttention-2 structure), its plan and merge kernels, one
+                                   entry point paged_prefill(...); imports no journey file
+    prefill_journey.py             the prefill journey's VERSIONS (v1-v9) and paged_prefill(..., version=N)
     paged_prefill.py               the prefill journey's first era (v1-v3)
-    prefill_parts.py               the host checks both prefill files share (neither imports the other)
+    prefill_journey_fa2.py         the prefill journey's FlashAttention-2 era but v7: v4 cp.async ring and
+                                   ldmatrix -> v6 split-KV, v8 block ids ahead, v9 persistent CTAs
+    prefill_parts.py               the prefill pieces, written once: the host checks every version runs,
+                                   and the copies, mma step, softmax and epilogue v7 and v4-v9 are built from
     sampling.py                    sampling the engine runs on the GPU (v2: rows split over CTAs),
                                    sample_cuda(...); imports no journey file
     sampling_parts.py              the sampling kernels' device pieces, written once (v1 uses them too):

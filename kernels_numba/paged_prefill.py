@@ -39,8 +39,9 @@ v3 = v2 with the block size compiled in (the per-tile block-table lookups' 64-bi
     runtime value are long division sequences; a power-of-two constant is a shift and a mask)
     and exponentials as ex2.approx with log2(e) folded into the scale.
 
-This file is the journey's first era: prefill_journey.py numbers these with v4-v6 (the engine's
-kernel, paged_prefill_fa2.py, which imports nothing of this file) and runs any of them:
+This file is the journey's first era: prefill_journey.py numbers these with v4-v9 (the engine's
+kernel v7, paged_prefill_fa2.py, which imports nothing of this file, and the others,
+prefill_journey_fa2.py) and runs any of them:
     paged_prefill(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None,
                   out=None, validate=False)          version 1-3 on torch tensors
     launch_paged_prefill(version, q, ...)            raw-bit numba device arrays

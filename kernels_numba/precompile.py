@@ -50,18 +50,18 @@ from kernels_numba import bridge
 COMPILE_SECONDS = {
     "kernels_numba.paged_attention.make_decode_kernel.<locals>.paged_attention_decode": 24.8,
     "kernels_numba.sampling.make_fallback_kernel.<locals>.split_fallback": 11.9,
-    "kernels_numba.paged_prefill_fa2._build.<locals>.kernel": 11.2,
+    "kernels_numba.paged_prefill_fa2.make_prefill_kernel.<locals>.paged_prefill_attention": 11.2,
     "kernels_numba.sampling._make_split_kernels.<locals>.pass2": 4.0,
     "kernels_numba.sampling._make_split_kernels.<locals>.pass3": 3.8,
     "kernels_numba.paged_attention.make_merge_kernel.<locals>.merge_decode_splits": 3.4,
-    "kernels_numba.paged_prefill_fa2._build_plan.<locals>.plan": 2.1,
+    "kernels_numba.paged_prefill_fa2.make_plan_kernel.<locals>.plan_work_list": 2.1,
     "kernels_numba.sampling._make_split_kernels.<locals>.pass1": 2.0,
     "kernels_numba.rmsnorm._make_kernel.<locals>.rms_norm_kernel": 1.7,
     "kernels_numba.rotary._make_kernel.<locals>.rotary_cache_kernel": 1.7,
     "kernels_numba.cache_ops._copy_blocks_kernel": 1.2,
     "kernels_numba.activation._make_kernel.<locals>.silu_and_mul_kernel": 1.2,
     "kernels_numba.cache_ops._reshape_and_cache_kernel": 1.1,
-    "kernels_numba.paged_prefill_fa2._build_merge.<locals>.merge": 1.1,
+    "kernels_numba.paged_prefill_fa2.make_merge_kernel.<locals>.merge_prefill_splits": 1.1,
 }
 DEFAULT_SECONDS = 2.0
 

@@ -3,10 +3,10 @@
 v1-v3: the first era (paged_prefill.py): v1 fp32 FMA on CUDA cores from shared-memory tiles;
     v2 adds tensor cores (mma.sync m16n8k16, Q and P in registers); v3 adds the block size as a
     compile-time constant and the softmax on ex2.approx.
-v4-v9: the FlashAttention-2 structure (paged_prefill_fa2.py, which stands alone): v4 adds the
-    cp.async ring of swizzled K/V tiles, ldmatrix fragments and heaviest-tile-first scheduling;
-    v5 adds 128 rows per CTA at d=64; v6 adds split-KV when the grid is short; v7, the kernel the
-    engine runs (paged_prefill_fa2.VERSION), adds a work list written by a one-CTA plan kernel
+v4-v9: the FlashAttention-2 structure (prefill_journey_fa2.py): v4 adds the cp.async ring of
+    swizzled K/V tiles, ldmatrix fragments and heaviest-tile-first scheduling; v5 adds 128 rows
+    per CTA at d=64; v6 adds split-KV when the grid is short; v7, the kernel the engine runs
+    (paged_prefill_fa2.py, which stands alone), adds a work list written by a one-CTA plan kernel
     (no CTA searches the sequences for its tile: that search grew with the number of sequences
     and dominated short prompts) and 128 rows per CTA at d=128 (tiles of 32 keys); v8 loads each
     tile's block ids one tile ahead (v7's copies waited on four dependent block-table loads a tile)
@@ -28,16 +28,18 @@ tests/test_prefill_fa2.py) and timed (scripts/bench_prefill.py).
 from functools import partial
 
 from kernels_numba import paged_prefill as first_era
-from kernels_numba import paged_prefill_fa2 as fa2
+from kernels_numba import paged_prefill_fa2 as shipped
+from kernels_numba import prefill_journey_fa2 as fa2
 from kernels_numba.errors import KernelLaunchError
 
-PRODUCTION_VERSION = fa2.VERSION
-VERSIONS = {
-    **{v: partial(first_era.paged_prefill, v) for v in sorted(first_era.BUILDERS)},
-    **{v: partial(fa2.launch_torch, v) for v in fa2.KERNEL_VERSIONS if v != PRODUCTION_VERSION},
-    PRODUCTION_VERSION: fa2.paged_prefill,
-}
-FA2_VERSIONS = fa2.KERNEL_VERSIONS  # the versions that take max_context_len=, stages= and plans=
+PRODUCTION_VERSION = fa2.PRODUCTION_VERSION
+VERSIONS = dict(sorted({
+    **{v: partial(first_era.paged_prefill, v) for v in first_era.BUILDERS},
+    **fa2.VERSIONS,
+    PRODUCTION_VERSION: shipped.paged_prefill,
+}.items()))
+# the versions that take max_context_len=, stages= and plans=
+FA2_VERSIONS = tuple(sorted({*fa2.VERSIONS, PRODUCTION_VERSION}))
 SPLITS_KV = fa2.SPLITS_KV  # the versions that split the KV range
 
 

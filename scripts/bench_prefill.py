@@ -29,7 +29,7 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 14, 2, 64, 16, torch.floa
 LARGE = (28, 4, 128)  # Qwen2-7B's layer: query heads, KV heads, head_dim
 # (label, num_seqs, cached tokens, new tokens[, (num_heads, num_kv_heads, head_dim)]): the first four are
 # this bench's own set, the next five the short prompts and head_dim 128 shapes v7 is for, the last two
-# where v9's advantage should end (fa2.SHORT_CONTEXT)
+# where v9's advantage should end (prefill_journey_fa2.SHORT_CONTEXT)
 SHAPES = [
     ("1x2048 new", 1, 0, 2048),
     ("8x512 new", 8, 0, 512),

@@ -143,7 +143,7 @@ if "copy_blocks" in names:
                               (types.UniTuple(types.int64[:, ::1], 4), types.int64[:, ::1]))
 if "prefill_plan" in names:
     from kernels_numba import paged_prefill_fa2
-    kernels["prefill_plan"] = (paged_prefill_fa2.get_plan(), (i32a, types.int64, i32a))
+    kernels["prefill_plan"] = (paged_prefill_fa2.make_plan_kernel(), (i32a, types.int64, i32a))
 out = {}
 for name in names:
     kernel, sig = kernels[name]

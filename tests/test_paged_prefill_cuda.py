@@ -85,7 +85,7 @@ def check_against_reference(out, ref, dtype, tol=None):
     return err
 
 
-# the first era, v1-v3 (paged_prefill.py); v4-v6 are tested in test_prefill_fa2.py
+# the first era, v1-v3 (paged_prefill.py); v4-v9 are tested in test_prefill_fa2.py
 VERSIONS = [v for v in sorted(journey.VERSIONS) if v not in journey.FA2_VERSIONS]
 LAST = VERSIONS[-1]
 

@@ -1,5 +1,5 @@
-"""Paged prefill v4-v8 (kernels_numba/paged_prefill_fa2.py, run through prefill_journey.py): layouts, simulator,
-codegen, GPU.
+"""Paged prefill v4-v9 (v7, the engine's, in kernels_numba/paged_prefill_fa2.py; the others in
+prefill_journey_fa2.py; all run through prefill_journey.py): layouts, simulator, codegen, GPU.
 
 * The simulator fallbacks of ldmatrix and mma.sync are checked against the PTX ISA's fragment
   layouts written out independently here, so a layout mistake in the kernel fails on the CPU.
@@ -26,7 +26,8 @@ import pytest
 import torch
 from numba import cuda
 
-from kernels_numba import paged_prefill_fa2 as fa, prefill_journey as journey
+from kernels_numba import paged_prefill_fa2 as fa, prefill_journey as journey, prefill_journey_fa2 as fj
+from kernels_numba import prefill_parts as parts
 from pagedattn.errors import KernelLaunchError
 from reference.attention import gather_paged_kv, paged_prefill_attention
 from helpers import compile_in_subprocesses, full_matrix_param
@@ -34,7 +35,7 @@ from helpers import compile_in_subprocesses, full_matrix_param
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
-VERSIONS = journey.FA2_VERSIONS  # v4-v8; v1-v3 are tested in test_paged_prefill_cuda.py
+VERSIONS = journey.FA2_VERSIONS  # v4-v9; v1-v3 are tested in test_paged_prefill_cuda.py
 
 
 def make_batch(num_heads, num_kv_heads, head_dim, block_size, dtype, q_lens, cached_lens, seed=0, device=DEVICE):
@@ -108,8 +109,8 @@ def test_ldmatrix_fallback_follows_the_ptx_layout():
         for i in range(4):
             sh[4 * lane + i] = mem[4 * lane + i]
         cuda.syncthreads()
-        w = fa.ldmatrix_x4(sh, addr[lane])
-        t = fa.ldmatrix_x4_trans(sh, addr[lane])
+        w = parts.ldmatrix_x4(sh, addr[lane])
+        t = parts.ldmatrix_x4_trans(sh, addr[lane])
         for i in range(4):
             got[0, lane, i] = w[i]
             got[1, lane, i] = t[i]
@@ -133,7 +134,7 @@ def test_mma_fallback_matches_a_matmul(dtype):
     a_w = words(a)  # (16, 8): a_w[r, j] = A[r, 2j:2j+2]
     bt_w = words(b.t())  # (8, 8): bt_w[n, j] = B[2j:2j+2, n]
     d = np.zeros((16, 8), dtype=np.float32)
-    mma = fa.mma_bf16 if dtype == torch.bfloat16 else fa.mma_f16
+    mma = parts.mma_bf16 if dtype == torch.bfloat16 else parts.mma_f16
 
     @cuda.jit
     def kernel(a_w, bt_w, c, d):
@@ -291,7 +292,7 @@ def test_v9_matches_reference(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", fa.PREFETCH)
+@pytest.mark.parametrize("prefetch", fj.PREFETCH)
 @pytest.mark.parametrize("ctas", [1, 3, 7, None])
 @pytest.mark.parametrize("shape", SLOW_SHAPES, ids=lambda s: case_id((9, None, s))[len("v9-sNone-"):])
 def test_gpu_v9_few_ctas(shape, ctas, prefetch):
@@ -300,28 +301,28 @@ def test_gpu_v9_few_ctas(shape, ctas, prefetch):
 
 def test_v9_grid_and_choice():
     # one wave of 2 CTAs per SM over the KV heads, never more CTAs than items; ctas overrides
-    assert fa.persistent_grid(1000, 2, 132) == 264 and fa.persistent_grid(100, 2, 132) == 200
-    assert fa.persistent_grid(1000, 2, 132, ctas=3) == 6
+    assert fj.persistent_grid(1000, 2, 132) == 264 and fj.persistent_grid(100, 2, 132) == 200
+    assert fj.persistent_grid(1000, 2, 132, ctas=3) == 6
     # short prompts (64 x 128 at 14/2: 1040 CTAs, contexts of 128) run v9; long contexts, grids of one wave
     # or less (1 x 2048: 230 CTAs, a CTA an item either way) and d=128 the engine's version
-    assert fa.short_plan(1040, 128, 132) and not fa.short_plan(1040, fa.SHORT_CONTEXT + 1, 132)
-    assert not fa.short_plan(230, 2048, 132) and not fa.short_plan(1040, 128, 132, head_dim=128)
+    assert fj.short_plan(1040, 128, 132) and not fj.short_plan(1040, fj.SHORT_CONTEXT + 1, 132)
+    assert not fj.short_plan(230, 2048, 132) and not fj.short_plan(1040, 128, 132, head_dim=128)
     q = torch.zeros(64 * 128, 14, 64, dtype=torch.float16)
     k = torch.zeros(1, 2, 16, 64, dtype=torch.float16)
-    assert fa.choose_version(q, k, torch.zeros(64, 8, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)) == 9
-    assert fa.choose_version(q[:256], k, torch.zeros(1, 272, dtype=torch.int32),
-                             torch.zeros(1, dtype=torch.int32)) == fa.VERSION
-    assert fa.choose_version(q, k, torch.zeros(64, 8, dtype=torch.int32), torch.zeros(64, dtype=torch.int32),
-                             splits=2) == fa.VERSION
+    assert fj.choose_version(q, k, torch.zeros(64, 8, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)) == 9
+    assert fj.choose_version(q[:256], k, torch.zeros(1, 272, dtype=torch.int32),
+                             torch.zeros(1, dtype=torch.int32)) == fj.PRODUCTION_VERSION
+    assert fj.choose_version(q, k, torch.zeros(64, 8, dtype=torch.int32), torch.zeros(64, dtype=torch.int32),
+                             splits=2) == fj.PRODUCTION_VERSION
     with pytest.raises(KernelLaunchError, match="stages"):
-        fa.version_config(9, 64, stages=3)
+        fj.version_config(9, 64, stages=3)
     with pytest.raises(KernelLaunchError, match="prefetch"):
-        fa.version_config(9, 64, prefetch="never")
+        fj.version_config(9, 64, prefetch="never")
     with pytest.raises(KernelLaunchError, match="prefetch"):
-        fa.version_config(7, 64, prefetch="tile")
+        fj.version_config(7, 64, prefetch="tile")
     with pytest.raises(KernelLaunchError, match="splits"):
         q, k, v, bt, cu, ctx = make_batch(7, 1, 64, 16, torch.float16, [3], [2], seed=3)
-        fa.launch_torch(9, q, k, v, bt, cu, ctx, splits=2)
+        fj.launch_torch(9, q, k, v, bt, cu, ctx, splits=2)
 
 
 @pytest.mark.slow
@@ -382,7 +383,7 @@ def test_rejects_bad_arguments():
     with pytest.raises(KernelLaunchError, match="block_tables"):
         fa.paged_prefill(q, k, v, bt.long(), cu, ctx)
     with pytest.raises(KernelLaunchError, match="version"):
-        fa.launch_torch(3, q, k, v, bt, cu, ctx)  # the first era's kernels are not built here
+        fj.launch_torch(3, q, k, v, bt, cu, ctx)  # the first era's kernels are not built here
     with pytest.raises(KernelLaunchError, match="version"):
         journey.paged_prefill(q, k, v, bt, cu, ctx, version=max(journey.VERSIONS) + 1)
     with pytest.raises(KernelLaunchError, match="splits"):
@@ -396,7 +397,7 @@ def test_find_tile_starts_the_heaviest_tiles_first():
     @cuda.jit
     def kernel(cu, got):
         for t in range(got.shape[0]):
-            s, tile = fa.find_tile(t, cu, cu.shape[0] - 1, 9)
+            s, tile = fj.find_tile(t, cu, cu.shape[0] - 1, 9)
             got[t, 0] = s
             got[t, 1] = tile
 
@@ -410,7 +411,7 @@ def run_plan(q_lens, bq, bound):
     """The plan kernel's work list for chunks of q_lens: [(sequence, q tile)] per item, (-1, 0) past the last."""
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     work = np.full(3 * bound, 12345, dtype=np.int32)
-    fa.get_plan()[1, fa.PLAN_THREADS](cu, bq, work)
+    fa.make_plan_kernel()[1, fa.PLAN_THREADS](cu, bq, work)
     return [(int(work[i]), int(work[bound + i])) for i in range(bound)]
 
 
@@ -429,7 +430,7 @@ def test_plan_covers_every_tile_once(seed, monkeypatch):
     # bound's tail empty. In the simulator (which reads the module's constant at run time) seed 1
     # keeps 16 of its 40 sequences' tile counts in shared memory and recomputes the rest, as the
     # plan does past PLAN_SEQS sequences
-    if seed == 1 and fa.SIMULATOR:
+    if seed == 1 and parts.SIMULATOR:
         monkeypatch.setattr(fa, "PLAN_SEQS", 16)
     rng = np.random.default_rng(seed)
     num_seqs = [7, 40, fa.PLAN_THREADS + 13][seed]
@@ -447,10 +448,10 @@ def test_plan_covers_every_tile_once(seed, monkeypatch):
 
 def test_split_plan():
     # a grid that covers the SMs is never split (Qwen2-0.5B, 1 x 2048 new tokens: 230 CTAs)
-    ctas = fa.num_tiles_bound(2048, 1, 7, 6, 64) * 2
+    ctas = fa.num_tiles_bound(2048, 1, fa.BM // 7) * 2
     assert ctas >= 132 and fa.split_plan(ctas, 2048, 132) == 1
     # 1 x (4096 cached + 256 new): 16 q tiles x 2 KV heads; 8 parts fill one wave of 2 x 132
-    ctas = fa.num_tiles_bound(256, 1, 7, 6, 64) * 2
+    ctas = fa.num_tiles_bound(256, 1, fa.BM // 7) * 2
     assert ctas == 32 and fa.split_plan(ctas, 4352, 132) == 8
     # bounded by MAX_SPLITS and by parts of >= MIN_TILES_PER_SPLIT KV tiles
     assert fa.split_plan(1, 10**6, 132) == fa.MAX_SPLITS
@@ -467,7 +468,7 @@ import json, re, sys, types as _pytypes
 import numba.cuda.dispatcher as _dispatcher
 _dispatcher.get_current_device = lambda: _pytypes.SimpleNamespace(compute_capability=(9, 0))
 from numba import cuda, types
-from kernels_numba import paged_prefill_fa2 as fa
+from kernels_numba import paged_prefill_fa2 as fa, prefill_journey_fa2 as fj
 
 u32, f32, bt, i32 = types.uint32[::1], types.float32[::1], types.int32[:, ::1], types.int32[::1]
 SIG = (u32, u32, u32, bt, i32, i32, u32, f32, f32, i32, types.int64, types.int64, types.float32)
@@ -476,12 +477,12 @@ out = {}
 for version, head_dim, kind, block_size in json.loads(sys.argv[1]):
     name = f"v{version}_d{head_dim}_{kind}_bs{block_size}"
     if version == "merge":
-        ptx, _ = cuda.compile_ptx(fa.get_merge(kind).py_func, MERGE_SIG, cc=(9, 0))
+        ptx, _ = cuda.compile_ptx(fa.make_merge_kernel(kind).py_func, MERGE_SIG, cc=(9, 0))
     elif version == "plan":
-        ptx, _ = cuda.compile_ptx(fa.get_plan().py_func, (i32, types.int64, i32), cc=(9, 0))
+        ptx, _ = cuda.compile_ptx(fa.make_plan_kernel().py_func, (i32, types.int64, i32), cc=(9, 0))
     else:  # "9e": v9 with its next item's copies after the last tile's math (prefetch="epilogue")
         version, prefetch = (9, "epilogue") if version == "9e" else (version, None)
-        kernel = fa.get_kernel(version, head_dim, kind, block_size, prefetch=prefetch)
+        kernel = fj.get_kernel(version, head_dim, kind, block_size, prefetch=prefetch)
         ptx, _ = cuda.compile_ptx(kernel.py_func, SIG, cc=(9, 0), launch_bounds=fa.LAUNCH_BOUNDS)
     open(f"{sys.argv[2]}/{name}.ptx", "w").write(ptx)
     ops = re.findall(r"^\s*(?:@!?%p\d+\s+)?([a-z][a-z0-9_.]*)", ptx, re.M)
@@ -566,7 +567,7 @@ def check_codegen(stats, tmp, cfg):
         return
     version, head_dim = cfg[0], cfg[1]
     assert regs <= REGISTER_BOUND.get((version, head_dim), 255), f"{_name(cfg)}: {regs} registers"
-    cfg_v = fa.version_config(9 if version == "9e" else version, head_dim)
+    cfg_v = fj.version_config(9 if version == "9e" else version, head_dim)
     mt, q_in_smem, bn = cfg_v.m_tiles, cfg_v.q_in_smem, cfg_v.bn
     # per KV tile of bn keys and warp: S = Q K^T and O += P V are (bn / 8)(D / 16) MT mma each
     assert s["mma"] == 2 * (bn // 8) * (head_dim // 16) * mt, s

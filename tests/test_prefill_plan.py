@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels_numba import paged_prefill_fa2 as fa
+from kernels_numba import paged_prefill_fa2 as fa, prefill_journey_fa2 as fj
 from pagedattn.layers.attention import AttentionMetadata, NumbaBackend
 from reference.attention import paged_decode_attention, paged_prefill_attention
 
@@ -60,7 +60,7 @@ def plan_launches(monkeypatch):
     launch = fa.launch_kernel
 
     def counting(kernel, *args, **kwargs):
-        count[0] += kernel is fa.get_plan()
+        count[0] += kernel is fa.make_plan_kernel()
         return launch(kernel, *args, **kwargs)
 
     monkeypatch.setattr(fa, "launch_kernel", counting)
@@ -129,18 +129,22 @@ def test_decode_only_steps_plan_nothing(plan_launches):
 def test_plans_are_keyed_on_what_the_plan_depends_on():
     cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
     plans = {}
-    work, planned = fa.work_list(plans, 7, cu, 8, 2, 7, 64, cu.device)
+    bq = fa.BM // 7  # GQA 7: 18 queries a tile
+    work, planned = fa.work_list(plans, cu, 8, 2, bq, cu.device)
     assert not planned and len(plans) == 1
-    again, planned = fa.work_list(plans, 7, cu, 8, 2, 7, 64, cu.device)
+    again, planned = fa.work_list(plans, cu, 8, 2, bq, cu.device)
     assert planned and again is work
-    assert fa.work_list(plans, 9, cu, 8, 2, 7, 64, cu.device)[0] is work  # v9 reads v7's work list
     # other sizes, another tile shape (GQA 4: 32 queries a tile), another cu_seqlens_q: a plan of their own
-    assert not fa.work_list(plans, 7, cu, 9, 2, 7, 64, cu.device)[1]
-    assert not fa.work_list(plans, 7, cu, 8, 2, 4, 64, cu.device)[1]
-    assert not fa.work_list(plans, 7, cu.clone(), 8, 2, 7, 64, cu.device)[1]
+    assert not fa.work_list(plans, cu, 9, 2, bq, cu.device)[1]
+    assert not fa.work_list(plans, cu, 8, 2, fa.BM // 4, cu.device)[1]
+    assert not fa.work_list(plans, cu.clone(), 8, 2, bq, cu.device)[1]
     assert len(plans) == 4
-    # versions that search (v4-v6) have no work list to share
-    assert not fa.work_list(plans, 6, cu, 8, 2, 7, 64, cu.device)[1] and len(plans) == 4
+    # v9 has v7's tiles, so it reads v7's work list (the same key); the versions that search (v4-v6) have no
+    # work list to share: a launch of v6 leaves the step's plans as they were
+    assert fj.tile_rows(9, 64) == fj.tile_rows(9, 128) == fa.BM
+    meta, ((q, k, v),) = make_layers([2], [17], 1, num_layers=1, seed=5)
+    fj.launch_torch(6, q, k, v, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, plans=plans)
+    assert len(plans) == 4
 
 
 @pytest.mark.gpu
