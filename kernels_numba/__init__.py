@@ -32,10 +32,9 @@
                                    (v1, v2) and sample(...)
     rmsnorm.py, rotary.py,         the glue: RMSNorm (+ residual add), rotary + cache write, SiLU-and-mul
       activation.py
-    skinny_gemm.py                 the decode GEMM for 1-16 rows (split-K v1, whole-K v2; fused norm and
-                                   epilogues), measured beside cuBLAS, not yet used by the engine
     cpu_*.py                       the CPU kernels (numba @njit): attention, GEMMs, quantized blocks
-                                   (cpu_quant.py on cpu_simd.py's vector intrinsics), glue
+                                   (cpu_quant.py on cpu_simd.py's vector intrinsics), a small step's glue
+                                   and whole layer (cpu_layer.py)
     cache_ops.py                   reshape_and_cache (write K/V at their slots), copy_blocks
     common.py                      device intrinsics: packed fp16/bf16 math, 128-bit loads and stores,
                                    cp.async, ldmatrix, mma.sync, ex2, warp reductions (each with a

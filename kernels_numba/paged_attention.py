@@ -18,7 +18,7 @@ supported shape, with a split-KV merge that stays cheap however many partitions 
     (one or two sequences) or 8-warp CTAs, up to MAX_SPLITS, so that one wave of resident CTAs
     covers the batch (1-8 sequences fill the 132 SMs).
   * the merge of a split context: each partition writes a record (accumulators, max, sum) and
-    the partitions are merged with every load in flight at once (attention_parts.make_split_merge):
+    the partitions are merged with every load in flight at once (make_split_merge below):
     v4-v9's merge kernel looped over the partitions one dependent L2 round trip after another
     (64 partitions: ~2 x 64 round trips, most of B=1 x 8192's 20 us). Two ways, per plan:
       merge="fused": the last CTA of a (sequence, head group) to finish merges, elected by an
@@ -37,25 +37,25 @@ Entry points (this file stands alone: the journey's versions are in decode_journ
     launch_v10(args, stream, plan=None)   v10 on attention_parts.LaunchArgs (the journey's entry 10)
 """
 from dataclasses import dataclass, replace
+import math
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, uint32
+from numba import cuda, float32, uint32
 
 from kernels_numba import bridge
 from kernels_numba.attention_parts import (
     CHUNK,
     MAX_SPLITS,
+    NEG_INF,
     launch_args,
     make_ring,
-    make_split_merge,
     make_warp_merge,
-    merge_smem_words,
-    record_words,
     ring_bytes,
     torch_launch_args,
 )
-from kernels_numba.common import f32_bits, f32x2_to_bf16x2, f32x2_to_f16x2
+from kernels_numba.common import (f32_bits, f32_from_bits, f32x2_to_bf16x2, f32x2_to_f16x2, inline_device,
+                                  load_u32x4, warp_max, warp_sum)
 from kernels_numba.errors import KernelLaunchError
 from kernels_numba.launcher import launch as launch_kernel
 
@@ -74,6 +74,118 @@ def head_blocks(group):
     """(blocks, heads per block) of a KV head's `group` query heads: blocks of <= 16 heads."""
     blocks = -(-group // MAX_HEADS_PER_CTA)
     return blocks, -(-group // blocks)
+
+
+# ----------------------------------------------------------------------------------------------
+# the split-KV records and their merge
+
+
+def record_words(head_dim, heads):
+    """Words of one partition's record: accumulators [heads * D], then max [heads] and sum [heads]
+    (f32 bits), padded to whole 16-byte units."""
+    return heads * head_dim + -(-2 * heads // 4) * 4
+
+
+@lru_cache(maxsize=None)
+def make_split_merge(head_dim, heads, per_call, threads, is_bf16):
+    """merge_splits(part, base, n, h_first, h_count, smem, out, s, h_out, tid): the output of heads
+    h_first .. h_first + h_count - 1 (h_count <= per_call) of a head group from its n partitions'
+    records (record i at part[base + i * record_words(head_dim, heads)], flat uint32 f32 bits), into
+    out [S, H, D/2] pairs at heads h_out ... Called by every thread of a CTA of `threads` threads;
+    smem: uint32 shared memory of merge_smem_words(...) words (synchronised inside).
+
+    Every load is issued before its value is needed, so a merge costs a couple of L2 round trips
+    whatever n is: (1) per head, a warp loads all n maxima and sums at once (lane i + 32 k), reduces
+    them with shuffles and writes the weights 2^(m_i - M) / L to shared memory; (2) the threads split
+    into J groups of splits x (h_count * D/4) quads, each loads 8 records' 16-byte quads before
+    adding them, and the groups' sums meet in shared memory."""
+    D, GB, HC, NT = head_dim, heads, per_call, threads
+    NWM = NT // 32
+    REC = record_words(D, GB)
+    MK = MAX_SPLITS // 32
+    Q4 = D // 4  # 16-byte quads of one head's accumulators
+    QT = min(NT, HC * Q4)  # threads across quads
+    J = NT // QT  # split groups
+    UN = 8  # records loaded together
+    R_OFF = MAX_SPLITS * HC  # the split groups' sums follow the weights
+    pack = f32x2_to_bf16x2 if is_bf16 else f32x2_to_f16x2
+
+    @inline_device
+    def merge_splits(part, base, n, h_first, h_count, smem, out, s, h_out, tid):
+        warp = tid >> 5
+        lane = tid & 31
+        for hh in range(warp, h_count, NWM):
+            h = h_first + hh
+            mw = cuda.local.array(MK, float32)
+            for k in range(MK):
+                i = lane + 32 * k
+                mw[k] = f32_from_bits(part[base + i * REC + GB * D + h]) if i < n else NEG_INF
+            mx = mw[0]
+            for k in range(1, MK):
+                mx = max(mx, mw[k])
+            mx = warp_max(mx)
+            den = float32(0.0)
+            for k in range(MK):
+                i = lane + 32 * k
+                if i < n:
+                    mw[k] = math.exp2(mw[k] - mx)
+                    den += mw[k] * f32_from_bits(part[base + i * REC + GB * D + GB + h])
+            inv = float32(1.0) / warp_sum(den)
+            for k in range(MK):
+                i = lane + 32 * k
+                if i < n:
+                    smem[i * HC + hh] = f32_bits(mw[k] * inv)
+        cuda.syncthreads()
+        jj = tid // QT
+        q0 = tid - jj * QT
+        for q in range(q0, h_count * Q4, QT):
+            if jj < J:
+                hh = q // Q4
+                off = (h_first + hh) * D + 4 * (q - hh * Q4)
+                a0 = float32(0.0)
+                a1 = float32(0.0)
+                a2 = float32(0.0)
+                a3 = float32(0.0)
+                for i0 in range(jj * UN, n, J * UN):
+                    for u in range(UN):
+                        i = i0 + u
+                        if i < n:
+                            w = f32_from_bits(smem[i * HC + hh])
+                            x = load_u32x4(part, base + i * REC + off)
+                            a0 += w * f32_from_bits(x[0])
+                            a1 += w * f32_from_bits(x[1])
+                            a2 += w * f32_from_bits(x[2])
+                            a3 += w * f32_from_bits(x[3])
+                if J == 1:
+                    out[s, h_out + hh, 2 * (q - hh * Q4)] = pack(a0, a1)
+                    out[s, h_out + hh, 2 * (q - hh * Q4) + 1] = pack(a2, a3)
+                else:
+                    smem[R_OFF + 4 * tid] = f32_bits(a0)
+                    smem[R_OFF + 4 * tid + 1] = f32_bits(a1)
+                    smem[R_OFF + 4 * tid + 2] = f32_bits(a2)
+                    smem[R_OFF + 4 * tid + 3] = f32_bits(a3)
+        if J > 1:
+            cuda.syncthreads()
+            if tid < h_count * Q4:  # J > 1: one quad per thread, tid = q of group 0
+                hh = tid // Q4
+                a0 = float32(0.0)
+                a1 = float32(0.0)
+                a2 = float32(0.0)
+                a3 = float32(0.0)
+                for j in range(J):
+                    a0 += f32_from_bits(smem[R_OFF + 4 * (j * QT + tid)])
+                    a1 += f32_from_bits(smem[R_OFF + 4 * (j * QT + tid) + 1])
+                    a2 += f32_from_bits(smem[R_OFF + 4 * (j * QT + tid) + 2])
+                    a3 += f32_from_bits(smem[R_OFF + 4 * (j * QT + tid) + 3])
+                out[s, h_out + hh, 2 * (tid - hh * Q4)] = pack(a0, a1)
+                out[s, h_out + hh, 2 * (tid - hh * Q4) + 1] = pack(a2, a3)
+
+    return merge_splits
+
+
+def merge_smem_words(per_call, threads):
+    """Shared memory (uint32 words) make_split_merge's function needs."""
+    return MAX_SPLITS * per_call + 4 * threads
 
 
 # ----------------------------------------------------------------------------------------------

@@ -187,12 +187,17 @@ def test_a_bad_position_is_named(bundled_model_dir, bundled_gguf):  # noqa: F811
 
 
 _FIRST_LOOP = """
-import numpy as np, sys
+import math, sys
+import numpy as np
 from pagedattn import LLM
+from pagedattn.layers.cpu import _fused_weights
 from kernels_numba import cpu_layer
-from tests.test_cpu_layer import _layer_args
 llm = LLM(sys.argv[1], device="cpu", weights="quantized", num_blocks=8, max_model_len=64)
-kind, w, pool = _layer_args(llm)
+kv, layer = llm.engine.runner.kv_cache, llm.engine.model.model.layers[0]
+kind, w = _fused_weights(layer)
+attn = layer.self_attn
+pool = (kv.k_caches[0].numpy(), kv.v_caches[0].numpy(), attn.rotary_emb.cos_sin_cache.numpy(), attn.num_heads,
+        attn.num_kv_heads, attn.head_dim, np.float32(1.0 / math.sqrt(attn.head_dim)))
 x = np.ones((1, w[0].shape[0]), np.float32)
 step = (np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros((1, 1), np.int32), np.array([0, 1], np.int32),
         np.ones(1, np.int32), np.zeros(1, np.int64), np.zeros(1, np.int64), np.arange(pool[4], dtype=np.int64), 2)
