@@ -14,10 +14,14 @@
 #   bash scripts/gpu_suite.sh both                       two GPUs, two queues at once: the runtime tests then the
 #                                                        engine benches on one, the kernel benches and layer tests
 #                                                        on the other
+#   MODEL=DIR bash scripts/gpu_suite.sh startup          LLM() and the first token in fresh processes: 5 cold starts
+#                                                        (each on new cache directories) and 3 warm ones
+#   OLD=DIR bash scripts/gpu_suite.sh ab                 this tree against the tree in DIR, alternating, 3 rounds:
+#                                                        the nano-vllm workload and batch 1 (scripts/ab_trees.py)
 #
 # Logs and results go to $OUT (default ./gpu_out) and are packed into $OUT/<phase>.tar.gz.
 set -uo pipefail
-phase=${1:?phase: tests | bench | tp | tp7b | runtime | serve | final | both}
+phase=${1:?phase: tests | bench | tp | tp7b | runtime | serve | final | both | startup | ab}
 shift
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT/$phase"
@@ -60,10 +64,10 @@ tests)
     for i in 1 2; do group prefill$i $i 540 $i/2 $prefill & done
     for i in 1 2; do group layers$i $i 540 $i/2 $layers & done
     group engine 1 540 - tests/test_cuda_graph.py tests/test_engine.py tests/test_async_engine.py tests/test_serving_gpu.py &
-    # the step-level paths (work lists per step, piecewise graphs, the skinny decode path) and the start-up /
+    # the step-level paths (work lists per step, piecewise graphs, launch plans) and the start-up /
     # lifecycle tests, which start processes of their own
-    steps="tests/test_prefill_plan.py tests/test_piecewise_graph.py tests/test_skinny_decode.py
-        tests/test_skinny_gemm.py tests/test_launcher.py tests/test_kernel_codegen.py"
+    steps="tests/test_prefill_plan.py tests/test_piecewise_graph.py tests/test_launcher.py
+        tests/test_kernel_codegen.py"
     for i in 1 2; do group steps$i $i 540 $i/2 $steps & done
     group life 0 540 - tests/test_startup.py tests/test_lifecycle.py &
     wait
@@ -133,6 +137,13 @@ serve_mp)
     # the server through the launcher (engine core in its own process; 1, 2, 4 API servers) and the in-process
     # one beside LLM.generate: 256 streams at once from 8 client processes, and one request at a time
     run serve_mp 570 python3 scripts/bench_serving.py --model "${MODEL:-random}" --out "$dir" --time-budget 480
+    ;;
+startup)
+    run startup 580 python3 scripts/startup_times.py --model "${MODEL:?MODEL=checkpoint dir}" --device cuda \
+        --dtype float16 --fresh 5 --warm 3 --out "$dir"
+    ;;
+ab)
+    run ab 580 python3 scripts/ab_trees.py --trees "${OLD:?OLD=the other tree},." --rounds 3 --out "$dir"
     ;;
 *)
     echo "unknown phase $phase"; exit 2 ;;

@@ -339,3 +339,19 @@ def test_profile_core_ways_generate_the_same_tokens(tiny_random):
         assert tokens == sum(out_lens) and wall > 0 and cpu > 0, way
         assert llm.engine.outputs is own and not llm.engine.has_unfinished_requests()
     llm.close()
+
+
+# ---- scripts/startup_times.py ---------------------------------------------------------------------
+def test_startup_times_measure_a_fresh_process(tmp_path):
+    """One warm start of a tiny checkpoint on the CPU in a fresh process: the import, LLM() and the first
+    token in that order, from the interpreter's start, no error line, the table and the JSON written."""
+    from helpers import write_tiny_checkpoint
+    from scripts import startup_times
+
+    ckpt = write_tiny_checkpoint(tmp_path / "tiny")
+    (row,) = startup_times.main(model=ckpt, device="cpu", dtype="float32", fresh=0, warm=1, out=str(tmp_path / "o"))
+    assert "failed" not in row, row
+    assert 0 < row["import_s"] < row["llm_s"] < row["first_s"], row
+    assert row["error_lines"] == 0 and row["phases"]["load_model"] > 0, row
+    assert "| warm | 0 |" in (tmp_path / "o" / "startup_times.md").read_text()
+    assert json.loads((tmp_path / "o" / "startup_times.json").read_text())[0]["kind"] == "warm"
