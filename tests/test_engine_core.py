@@ -709,19 +709,22 @@ def _read_events(url, body, opened, out):
                 opened.set()
 
 
-def test_sigterm_ends_open_streams_with_an_error_then_done(checkpoint, tmp_path):
-    """SIGTERM to `python -m pagedattn serve` while requests run: the open requests get --shutdown-timeout (1 s)
-    to finish; the ones still running then end with an OpenAI-shaped error (a stream: `data: {"error": ...}`
-    then `data: [DONE]`; a non-streamed request: 503) before the process exits 0, and the core's socket
-    directory is gone. The engine's steps take 20 ms (the synthetic device, through --engine-hook: the tiny
-    model's own are too quick to keep a request open), so 200 tokens take 4 s, well past the grace period."""
+@pytest.mark.parametrize("in_process", [False, True], ids=["core-process", "in-process"])
+def test_sigterm_ends_open_streams_with_an_error_then_done(checkpoint, tmp_path, in_process):
+    """SIGTERM to `python -m pagedattn serve` (and to `serve --in-process`) while requests run: the open
+    requests get --shutdown-timeout (1 s) to finish; the ones still running then end with an OpenAI-shaped
+    error (a stream: `data: {"error": ...}` then `data: [DONE]`; a non-streamed request: 503) before the
+    process exits 0, and the core's socket directory is gone (in-process: there is none). The engine's steps
+    take 20 ms (the synthetic device, through --engine-hook: the tiny model's own are too quick to keep a
+    request open), so 200 tokens take 4 s, well past the grace period."""
     import json
     import threading
 
-    proc, url = start_serve(checkpoint, tmp_path, *fake_engine.serve_flags(20), "--shutdown-timeout", "1")
+    proc, url = start_serve(checkpoint, tmp_path, *fake_engine.serve_flags(20), "--shutdown-timeout", "1",
+                            *(["--in-process"] if in_process else []))
     try:
         wait_for_health(proc, url)
-        assert len(socket_dirs(tmp_path)) == 1
+        assert len(socket_dirs(tmp_path)) == (0 if in_process else 1)
         body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=200, ignore_eos=True)
         streams = [([], threading.Event()) for _ in range(3)]
         threads = [threading.Thread(target=_read_events, args=(url, {**body, "stream": True}, opened, events),

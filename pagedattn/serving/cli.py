@@ -27,10 +27,9 @@ from dataclasses import fields
 from pagedattn.serving.config import HTTP_IMPLS, ServeConfig, ServerLimits
 
 _DEFAULTS = {f.name: f.default for f in fields(ServeConfig)}
-# --flag -> the LLM keyword argument it sets (left out: EngineConfig's default)
-_ENGINE = {"model": "model", "device": "device", "dtype": "dtype", "max_model_len": "max_model_len",
-           "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
-           "num_blocks": "num_blocks", "block_size": "block_size", "tensor_parallel_size": "tensor_parallel_size"}
+# the engine flags that are LLM keyword arguments of the same name (left out: EngineConfig's default)
+_ENGINE = ("model", "device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_blocks",
+           "block_size", "tensor_parallel_size")
 # (ServerLimits field, --flag)
 _LIMITS = [("max_body_bytes", "--max-body-bytes"), ("body_timeout_s", "--body-timeout"),
            ("head_timeout_s", "--head-timeout"), ("timeout_keep_alive_s", "--timeout-keep-alive"),
@@ -109,11 +108,11 @@ def build_parser():
     return ap
 
 
-def parse_config(argv=None, parser=None):
+def parse_config(argv=None):
     """`serve`'s arguments -> a ServeConfig (argparse's usage error, naming the field, when one is bad)."""
-    ap = parser or build_parser()
+    ap = build_parser()
     a = ap.parse_args(argv)
-    engine = {key: getattr(a, flag) for flag, key in _ENGINE.items() if getattr(a, flag) is not None}
+    engine = {name: getattr(a, name) for name in _ENGINE if getattr(a, name) is not None}
     if a.no_prefix_caching:
         engine["enable_prefix_caching"] = False
     if a.enforce_eager:

@@ -37,10 +37,11 @@ import queue
 import signal
 import socket
 import sys
+import threading
 import time
 
 from pagedattn.serving import engine_core as ec
-from pagedattn.serving.processes import die_with_parent, name_process, run_profiled, stop_processes
+from pagedattn.serving.processes import die_with_parent, name_process, run_profiled, signal_handlers, stop_processes
 
 logger = logging.getLogger("pagedattn.serving")
 
@@ -66,16 +67,30 @@ def serve_in_process(config):
     switch = sys.getswitchinterval()
     sys.setswitchinterval(config.switch_interval_ms / 1000)
     client = CoreClient.start(config)
+    # uvicorn stops on SIGINT / SIGTERM and, once it has shut down, raises that signal again with the handler
+    # it found: this one ends the run here, so that the core is shut down and the exit status is 0.
+    stops = {signal.SIGINT: _requested_stop, signal.SIGTERM: _requested_stop}
     try:
         name = config.model_name(client.model_path)
         app = build_app(client, name, api_key=config.api_key, limits=config.limits, enable_docs=config.enable_docs)
         announce(config, name, client.info, 1, config.port, "on a thread of this process")
-        Server(uvicorn_config(app, config.host, config.port, config.log_level, config.limits,
-                              http_impl=config.http_impl, shutdown_timeout_s=config.shutdown_timeout_s)).run()
+        with signal_handlers(stops if threading.current_thread() is threading.main_thread() else {}):
+            Server(uvicorn_config(app, config.host, config.port, config.log_level, config.limits,
+                                  http_impl=config.http_impl, shutdown_timeout_s=config.shutdown_timeout_s)).run()
+    except _Stopped:
+        pass
     finally:
         client.shutdown()
         sys.setswitchinterval(switch)
     return 0
+
+
+class _Stopped(Exception):
+    """A requested stop (SIGINT / SIGTERM), raised by the signal's handler once uvicorn has shut down."""
+
+
+def _requested_stop(signum, frame):
+    raise _Stopped
 
 
 def announce(config, name, cores, api_servers, port, where):
