@@ -3,8 +3,8 @@ in-process one, at saturation and at light load, beside offline LLM.generate on 
 
 Servers (--servers, in this order; one row per server and load):
   mp<N>    `python -m pagedattn serve ... --api-server-count N`: one engine core process and N API
-           processes on one port (docs/engine_core.md)
-  inproc   `python -m pagedattn serve --in-process`: AsyncLLM's engine thread inside the HTTP process
+           processes on one port (docs/serving.md)
+  inproc   `python -m pagedattn serve --in-process`: the engine core on a thread of the HTTP process
 Every server runs with the offline run's engine settings (prefix caching off in both: the loads replay
 prompts), --stream-interval 1 by default; its log goes to <out>/server_<name>.log.
 
@@ -51,7 +51,7 @@ at light load <= 25 ms) are checked per row in the `goals` list of the JSON and 
     python scripts/bench_serving.py --smoke --out OUT                  # CPU, tiny random model, small loads
     python scripts/bench_serving.py --smoke --model DIR --out OUT      # CPU, a tiny checkpoint with a tokenizer
     python scripts/bench_serving.py --model DIR --device cpu --fake-step-ms 2 --out OUT   # the serving stack's
-                                           # own cost on a CPU: 2 ms steps of random tokens (fake_engine.py)
+                                           # own cost on a CPU: 2 ms steps of random tokens (scripts/fake_engine.py)
 """
 import argparse
 import asyncio
@@ -582,7 +582,7 @@ def light_ttft_ms(llm, prompts):
 def offline_runs(model_dir, llm_kwargs, loads, vocab_size, batch, fake_step_ms=None, light=None, fake_prefill_ms=None):
     """{load: offline row} for every load with an `offline` entry, plus the decode step (ms); light: the
     light load's prompts (then a "light" row with the engine's own TTFT p50).
-    fake_step_ms: the synthetic device (pagedattn.serving.fake_engine) instead of the model."""
+    fake_step_ms: the synthetic device (scripts/fake_engine.py) instead of the model."""
     import gc
 
     import torch
@@ -591,7 +591,7 @@ def offline_runs(model_dir, llm_kwargs, loads, vocab_size, batch, fake_step_ms=N
 
     llm = LLM(model_dir, **llm_kwargs)
     if fake_step_ms:
-        from pagedattn.serving.fake_engine import install_fake_runner
+        from scripts.fake_engine import install_fake_runner
         install_fake_runner(llm, fake_step_ms, prefill_ms=fake_prefill_ms or 0.0)
     rows = {}
     for name, load in loads.items():
@@ -643,7 +643,7 @@ def replay_offline(model_dir, llm_kwargs, load, offline_of, arrivals, fake_step_
 
     llm = LLM(model_dir, **llm_kwargs)
     if fake_step_ms:
-        from pagedattn.serving.fake_engine import install_fake_runner
+        from scripts.fake_engine import install_fake_runner
         install_fake_runner(llm, fake_step_ms, prefill_ms=fake_prefill_ms or 0.0)
     prompts, params = offline_of(llm, SamplingParams)
     llm.generate(prompts, [dataclasses.replace(p, max_tokens=min(p.max_tokens, 8)) for p in params],
@@ -755,9 +755,10 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
     """Run the benchmark; returns the table rows (also written under `out`). time_budget_s: a server row is
     skipped (and marked so) when the time spent so far plus the longest server row so far would pass it.
     servers: default mp1, mp2, mp4, inproc (smoke: mp2, inproc). fake_step_ms: every engine (offline and
-    served) on the synthetic device of pagedattn.serving.fake_engine: steps of that many ms, random tokens
-    (the serving stack's own overhead, measurable on a CPU); fake_prefill_ms: what a step with a prompt chunk
-    costs on top there (a GPU's eager mixed step). A server mp<N>@<F> is mp<N> with --prefill-delay-factor F;
+    served, the servers through their engine hook) on the synthetic device of scripts/fake_engine.py: steps
+    of that many ms, random tokens (the serving stack's own overhead, measurable on a CPU); fake_prefill_ms:
+    what a step with a prompt chunk costs on top there (a GPU's eager mixed step). A server mp<N>@<F> is mp<N>
+    with --prefill-delay-factor F;
     mp<N>-eager: with --no-piecewise-graphs; mp<N>-h11: with --http-impl h11 (combinable). replay_arrivals: after the servers, the offline
     engine is fed the chat and nano requests at the times the first server's clients sent them (a row
     "offline@<server>": the engine alone under the served arrival shape). cpus: cpu_split's mode (the load
@@ -838,9 +839,8 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
                        "--max-num-seqs", str(max_num_seqs), "--num-blocks", str(num_blocks), "--no-prefix-caching",
                        "--stream-interval", str(stream_interval)]
         if fake_step_ms:
-            engine_args += ["--fake-step-ms", str(fake_step_ms)]
-            if fake_prefill_ms:
-                engine_args += ["--fake-prefill-ms", str(fake_prefill_ms)]
+            from scripts import fake_engine
+            engine_args += fake_engine.serve_flags(fake_step_ms, fake_prefill_ms)
         rows, failures, longest, arrivals = [], {}, 0.0, {}
         for name in servers:
             elapsed = time.monotonic() - t_start

@@ -74,11 +74,11 @@ def write_tiny_chat_checkpoint(path, seed=0, **overrides):
 
 class ServerThread:
     """uvicorn serving `app` on 127.0.0.1:<a free port the OS picks> in a daemon thread; `url` once entered.
-    The server and its settings are `python -m pagedattn serve`'s (api_server.Server, uvicorn_config with the
+    The server and its settings are `python -m pagedattn serve`'s (http_server.Server, uvicorn_config with the
     app's limits)."""
 
     def __init__(self, app, limits=None, **config_kwargs):
-        from pagedattn.serving.api_server import Server, uvicorn_config
+        from pagedattn.serving.http_server import Server, uvicorn_config
 
         limits = getattr(app.state, "limits", None) if limits is None else limits
         config = uvicorn_config(app, host="127.0.0.1", port=0, log_level="warning", limits=limits, lifespan="off",

@@ -1,21 +1,24 @@
-"""The engine core in its own process, against the in-process AsyncLLM (the tiny chat model, CPU, float32).
+"""The engine core in its own process (and on a thread), against LLM.generate (the tiny chat model, CPU, float32).
 
 Greedy and seeded tokens do not depend on the batch a request runs in, nor on the process the engine
 lives in, so every comparison is exact: text, token ids, logprobs, finish reasons, the concatenated
-deltas, usage counts. Checked: the core client equals AsyncLLM (concurrent requests, n=2, stop strings
-that end a completion mid-way, logprobs, token-id prompts); a stream closed early aborts its request in
-the core and frees its blocks; the core killed mid-load ends every open stream with EngineDeadError and
-turns is_alive False in bounded time (behind an HTTP server: /health and new requests answer 503 saying so
-once, /metrics shows pagedattn_engine_alive 0 and no stale engine series); a prompt at the default
-character limit tokenizes on the API side while /health answers within 0.5 s; two data-parallel cores
-give the same results as one, both get work, their per-rank metrics add up to the totals and neither
-leaks a block; build_app on the client through uvicorn and the openai client (streamed == unstreamed); a
-request failing alone (its row in the core, its text in the API process) ends with RequestFailedError
-while the others complete; `python -m pagedattn serve` runs the engine in its own process and stops every
-process on Ctrl-C, removing the cores' socket directory; SIGTERM while requests run ends each with an
-OpenAI-shaped error (a stream: its error event, then [DONE]) before the exit; its core killed, /health
-and /metrics say so and the stop still removes the socket directory; the launcher with two cores and two
-API processes on one port (slow: five processes), stopped by SIGTERM with no process left behind.
+deltas, usage counts. Checked: the core client equals LLM.generate, with its core in a process of its own
+and on a thread (concurrent requests, n=2, stop strings that end a completion mid-way, logprobs, token-id
+prompts); the step message's arrays; the synthetic device (scripts/fake_engine.py) and the core's
+admission rule on it; a stream closed early aborts its request in the core and frees its blocks; the core
+killed mid-load ends every open stream with EngineDeadError and turns is_alive False in bounded time
+(behind an HTTP server: /health and new requests answer 503 saying so once, /metrics shows
+pagedattn_engine_alive 0 and no stale engine series); a prompt at the default character limit tokenizes
+on the API side while /health answers within 0.5 s; two data-parallel cores give the same results as one,
+both get work, their per-rank metrics add up to the totals and neither leaks a block; build_app on the
+client through uvicorn and the openai client (streamed == unstreamed); a request failing alone (its row in
+the core, its text in the API process) ends with RequestFailedError while the others complete;
+`python -m pagedattn serve` runs the engine in its own process and stops every process on Ctrl-C, removing
+the cores' socket directory; SIGTERM while requests run ends each with an OpenAI-shaped error (a stream:
+its error event, then [DONE]) before the exit, the steps slowed by the engine hook in the core process;
+its core killed, /health and /metrics say so and the stop still removes the socket directory; the
+launcher with two cores and two API processes on one port (slow: five processes), stopped by SIGTERM
+with no process left behind.
 """
 import asyncio
 import os
@@ -34,10 +37,13 @@ from serving_helpers import signal_handlers_kept  # noqa: F401 (autouse: SIGTERM
 
 from pagedattn import LLM, SamplingParams
 from pagedattn.distributed.parallel import free_port
-from pagedattn.serving.api_server import ServerLimits, build_app
-from pagedattn.serving.async_llm import AsyncLLM, EngineDeadError
-from pagedattn.serving.core_client import CoreClient, aggregate_metrics
-from pagedattn.serving.engine_core import core_endpoints, decode_step, encode_step
+from pagedattn.serving.app import build_app
+from pagedattn.serving.config import ServeConfig, ServerLimits
+from pagedattn.serving.core_client import CoreClient
+from pagedattn.serving.messages import core_endpoints, decode_step, encode_step
+from pagedattn.serving.metrics import aggregate_metrics
+from pagedattn.serving.stream import EngineDeadError
+from scripts import fake_engine
 
 MODEL = "tiny-chat"
 NUM_BLOCKS = 48
@@ -50,16 +56,19 @@ def checkpoint(tmp_path_factory):
     return write_tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat"))
 
 
+def config(checkpoint, **kwargs):
+    return ServeConfig(engine=dict(model=checkpoint, **ENGINE), **kwargs)
+
+
 @pytest.fixture(scope="module")
 def ref(checkpoint):
-    llm = AsyncLLM(LLM(checkpoint, **ENGINE))
-    yield llm
-    llm.shutdown()
+    """LLM.generate on an engine of its own."""
+    return LLM(checkpoint, **ENGINE)
 
 
 @pytest.fixture(scope="module")
 def core(checkpoint):
-    client = CoreClient.start(dict(model=checkpoint, **ENGINE))
+    client = CoreClient.start(config(checkpoint))
     yield client
     client.shutdown()
 
@@ -82,7 +91,7 @@ def _free_port_pair():
 def dp2(checkpoint):
     """Two cores on TCP, as two nodes would be addressed (here both on 127.0.0.1)."""
     addresses = [f"tcp://127.0.0.1:{_free_port_pair()}", f"tcp://127.0.0.1:{_free_port_pair()}"]
-    client = CoreClient.start(dict(model=checkpoint, **ENGINE), data_parallel_size=2, addresses=addresses)
+    client = CoreClient.start(config(checkpoint, data_parallel_size=2), addresses=addresses)
     yield client
     client.shutdown()
 
@@ -116,6 +125,13 @@ def assert_same(got, expected):
 
 
 def run_all(llm, cases):
+    """What collect() observes of each (prompt, params), the requests sent at once: through a client, or
+    from LLM.generate (an LLM: its outputs, whose deltas are the whole completion)."""
+    if isinstance(llm, LLM):
+        outs = llm.generate([p for p, _ in cases], [params for _, params in cases], use_tqdm=False)
+        return [(len(o.prompt_token_ids), [(c.index, c.text, list(c.token_ids), c.finish_reason, c.logprobs,
+                                            (c.text, list(c.token_ids))) for c in o.outputs]) for o in outs]
+
     async def main():
         return await asyncio.gather(*[collect(llm, p, params) for p, params in cases])
     return asyncio.run(main())
@@ -158,7 +174,7 @@ def test_step_message_round_trips_as_arrays():
 def test_run_profiled_writes_the_process_profile_only_when_asked(tmp_path, monkeypatch):
     import pstats
 
-    from pagedattn.serving.engine_core import run_profiled
+    from pagedattn.serving.processes import run_profiled
 
     def body():
         return sum(i * i for i in range(1000))
@@ -211,9 +227,7 @@ def test_core_steps_carry_only_each_steps_new_tokens(checkpoint):
 def test_fake_runner_runs_steps_of_the_given_time_to_max_tokens(checkpoint):
     """The synthetic device (benchmarks): requests run to max_tokens (no end-of-sequence id is drawn), and
     a step takes at least step_ms."""
-    from pagedattn.serving.fake_engine import install_fake_runner
-
-    llm = install_fake_runner(LLM(checkpoint, **ENGINE), step_ms=5.0)
+    llm = fake_engine.install_fake_runner(LLM(checkpoint, **ENGINE), step_ms=5.0)
     try:
         t0 = time.perf_counter()
         outs = llm.generate([[5, 17, 301], [9, 9]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
@@ -232,10 +246,10 @@ def test_core_holds_arrivals_while_decoding_so_they_share_a_prefill_step(checkpo
     counted as waiting) until prefill_delay_factor x the last prefill's time has passed since it ended,
     then they all join one prefill step. Factor 0 admits every arrival at once (each makes a prefill step
     of its own). An AbortRequests, or its client going away, removes a held request (that client's only)."""
-    from pagedattn.serving.engine_core import AbortRequests, AddRequest, EngineCore
-    from pagedattn.serving.fake_engine import install_fake_runner
+    from pagedattn.serving.engine_core import EngineCore
+    from pagedattn.serving.messages import AbortRequests, AddRequest
 
-    llm = install_fake_runner(LLM(checkpoint, **ENGINE), step_ms=1.0, prefill_ms=50.0)
+    llm = fake_engine.install_fake_runner(LLM(checkpoint, **ENGINE), step_ms=1.0, prefill_ms=50.0)
     execute, prefill_steps = llm.engine.runner.execute, []
 
     def counting(step):
@@ -320,7 +334,19 @@ class _OneMessage:
         pass
 
 
-def test_core_client_equals_async_llm(core, cases, expected):
+@pytest.fixture(scope="module", params=["process", "thread"])
+def either_core(request, core, checkpoint):
+    """The core client with its core in a process of its own, then on a thread of this process."""
+    if request.param == "process":
+        yield core
+        return
+    client = CoreClient.start(config(checkpoint, in_process=True))
+    yield client
+    client.shutdown()
+
+
+def test_core_client_equals_generate(either_core, cases, expected):
+    core = either_core
     got = run_all(core, cases)
     assert_same(got, expected)
     for (_, params), (_, comps) in zip(cases, got):
@@ -384,7 +410,7 @@ def test_two_data_parallel_cores_equal_one_and_their_metrics_add_up(dp2, cases, 
 
 
 def test_killed_core_ends_every_stream_with_an_error(checkpoint):
-    client = CoreClient.start(dict(model=checkpoint, **ENGINE))
+    client = CoreClient.start(config(checkpoint))
     socket_dir = os.path.dirname(client._cores[0].address.removeprefix("ipc://"))
     assert os.path.basename(socket_dir).startswith("pagedattn-core-") and os.path.isdir(socket_dir)
     try:
@@ -415,7 +441,7 @@ def test_a_dead_core_shows_in_health_metrics_and_errors(checkpoint):
     """The core killed behind a running HTTP server: /health answers 503 and a new request 503, each saying
     once that the engine has stopped and why; /metrics answers with pagedattn_engine_alive 0 and without the
     dead core's last (stale) engine series."""
-    client = CoreClient.start(dict(model=checkpoint, **ENGINE))
+    client = CoreClient.start(config(checkpoint))
     label = frozenset({"model_name": MODEL}.items())
     try:
         with ServerThread(build_app(client, MODEL)) as srv:
@@ -492,29 +518,19 @@ def _gather_outcomes(llm, cases):
 
 
 @pytest.fixture
-def core_in_thread(checkpoint, tmp_path):
-    """An EngineCore run on a thread of this process (so a test can reach into its engine) and a client."""
-    import threading
-
-    from pagedattn.serving.engine_core import EngineCore
-
-    address = f"ipc://{tmp_path}/core0"
-    engine_core = EngineCore(LLM(checkpoint, **ENGINE), address)
-    thread = threading.Thread(target=engine_core.run, daemon=True)
-    thread.start()
-    client = CoreClient([address])
-    yield engine_core, client
+def core_in_thread(checkpoint):
+    """A client whose core runs on a thread of this process (so a test can reach into its engine)."""
+    client = CoreClient.in_thread(LLM(checkpoint, **ENGINE))
+    yield client
     client.shutdown()
-    engine_core.stop()
-    thread.join(30)
 
 
 def test_a_request_failing_in_the_core_fails_alone(core_in_thread, ref):
     """A request whose row fails inside the engine (its output processing raises, as a kernel's bad
     token or a failing stop check would) ends with RequestFailedError; the batch around it completes with
     the right text and no block leaks."""
-    engine_core, client = core_in_thread
-    engine = engine_core.engine
+    client = core_in_thread
+    engine = client.engine_core.engine
     bad_prompt = "Prefix caching shares"
     bad_ids = client.tokenize(bad_prompt)
     append = engine.outputs.append
@@ -604,7 +620,7 @@ def wait_for_health(proc, url, timeout=240):
 @pytest.mark.slow
 def test_launcher_two_cores_two_api_servers_one_port(checkpoint, ref):
     port = free_port()
-    cmd = [sys.executable, "-m", "pagedattn.serving.launcher", *serve_args(checkpoint, port),
+    cmd = [sys.executable, "-m", "pagedattn", "serve", *serve_args(checkpoint, port),
            "--data-parallel-size", "2", "--api-server-count", "2"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -693,19 +709,22 @@ def _read_events(url, body, opened, out):
                 opened.set()
 
 
-def test_sigterm_ends_open_streams_with_an_error_then_done(checkpoint, tmp_path):
-    """SIGTERM to `python -m pagedattn serve` while requests run: the open requests get --shutdown-timeout (1 s)
-    to finish; the ones still running then end with an OpenAI-shaped error (a stream: `data: {"error": ...}`
-    then `data: [DONE]`; a non-streamed request: 503) before the process exits 0, and the core's socket
-    directory is gone. The engine's steps take 20 ms (--fake-step-ms: the tiny model's own are too quick to
-    keep a request open), so 200 tokens take 4 s, well past the grace period."""
+@pytest.mark.parametrize("in_process", [False, True], ids=["core-process", "in-process"])
+def test_sigterm_ends_open_streams_with_an_error_then_done(checkpoint, tmp_path, in_process):
+    """SIGTERM to `python -m pagedattn serve` (and to `serve --in-process`) while requests run: the open
+    requests get --shutdown-timeout (1 s) to finish; the ones still running then end with an OpenAI-shaped
+    error (a stream: `data: {"error": ...}` then `data: [DONE]`; a non-streamed request: 503) before the
+    process exits 0, and the core's socket directory is gone (in-process: there is none). The engine's steps
+    take 20 ms (the synthetic device, through --engine-hook: the tiny model's own are too quick to keep a
+    request open), so 200 tokens take 4 s, well past the grace period."""
     import json
     import threading
 
-    proc, url = start_serve(checkpoint, tmp_path, "--fake-step-ms", "20", "--shutdown-timeout", "1")
+    proc, url = start_serve(checkpoint, tmp_path, *fake_engine.serve_flags(20), "--shutdown-timeout", "1",
+                            *(["--in-process"] if in_process else []))
     try:
         wait_for_health(proc, url)
-        assert len(socket_dirs(tmp_path)) == 1
+        assert len(socket_dirs(tmp_path)) == (0 if in_process else 1)
         body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=200, ignore_eos=True)
         streams = [([], threading.Event()) for _ in range(3)]
         threads = [threading.Thread(target=_read_events, args=(url, {**body, "stream": True}, opened, events),
@@ -764,4 +783,4 @@ def test_a_dead_core_behind_serve_and_its_socket_dir(checkpoint, tmp_path):
 def test_serve_in_process_refuses_process_flags():
     proc = subprocess.run([sys.executable, "-m", "pagedattn", "serve", "--in-process", "--data-parallel-size", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "--in-process runs one engine" in proc.stderr
+    assert proc.returncode != 0 and "in_process runs one engine" in proc.stderr

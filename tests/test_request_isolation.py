@@ -35,8 +35,10 @@ from serving_helpers import signal_handlers_kept  # noqa: F401 (autouse: SIGTERM
 
 from pagedattn import LLM, SamplingParams
 from pagedattn.errors import InvalidRequestError
-from pagedattn.serving.api_server import ServerLimits, TokenPieces, build_app
-from pagedattn.serving.async_llm import AsyncLLM
+from pagedattn.serving.app import build_app
+from pagedattn.serving.config import ServerLimits
+from pagedattn.serving.core_client import CoreClient
+from pagedattn.serving.token_text import TokenPieces
 
 MODEL = "tiny-chat"
 API_KEY = "test-key"
@@ -57,11 +59,11 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    llm = AsyncLLM(LLM(checkpoint, **ENGINE))
-    with ServerThread(build_app(llm, MODEL, api_key=API_KEY, limits=LIMITS)) as srv:
-        srv.llm = llm
+    front = CoreClient.in_thread(LLM(checkpoint, **ENGINE))
+    with ServerThread(build_app(front, MODEL, api_key=API_KEY, limits=LIMITS)) as srv:
+        srv.front = front
         yield srv
-    llm.shutdown()
+    front.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +84,8 @@ def headers(key=API_KEY):
 
 
 def assert_no_leak(server):
-    server.llm.wait_until_idle()
-    bm = server.llm.engine.block_manager
+    server.front.wait_until_idle()
+    bm = server.front.engine_core.engine.block_manager
     assert bm.num_free_blocks == bm.total_blocks == ENGINE["num_blocks"]
 
 
@@ -247,7 +249,7 @@ def test_output_processing_failure_fails_only_its_request_in_generate(ref, want)
 @pytest.mark.parametrize("stream", [False, True])
 def test_output_processing_failure_fails_only_its_request_at_the_server(server, want, stream):
     bad_prompt = "Prefix caching shares"
-    ids = server.llm.tokenizer.encode(bad_prompt, add_special_tokens=False)
+    ids = server.front.tokenizer.encode(bad_prompt, add_special_tokens=False)
     before = scrape(server.url)
 
     def coros(client):
@@ -255,7 +257,7 @@ def test_output_processing_failure_fails_only_its_request_at_the_server(server, 
                                                                 "max_tokens": 6, "stream": stream})
         return good_requests(client, server.url) + [bad]
 
-    with FailFor(server.llm.engine, ids):
+    with FailFor(server.front.engine_core.engine, ids):
         *good, bad = run_with_health(server.url, coros)
     assert_good(good, want)
     if stream:
@@ -308,14 +310,14 @@ def test_a_huge_prompt_is_refused_before_tokenizing(server, want):
 
 def test_tokenization_runs_off_the_event_loop(server):
     threads = []
-    orig = server.llm.tokenize
+    orig = server.front.tokenize
 
     def spy(prompt):
-        if isinstance(prompt, str):     # (token ids pass through AsyncLLM.tokenize unchanged)
+        if isinstance(prompt, str):     # (token ids pass through CoreClient.tokenize unchanged)
             threads.append(threading.current_thread().name)
         return orig(prompt)
 
-    server.llm.tokenize = spy
+    server.front.tokenize = spy
     try:
         for path, body in [("/v1/completions", {"prompt": "hi"}),
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
@@ -323,7 +325,7 @@ def test_tokenization_runs_off_the_event_loop(server):
                            timeout=60)
             assert r.status_code == 200, r.text
     finally:
-        del server.llm.tokenize
+        del server.front.tokenize
     assert len(threads) == 2 and all(t.startswith("pagedattn-tokenize") for t in threads), threads
 
 
@@ -331,7 +333,7 @@ def test_a_prompt_at_the_character_limit_leaves_the_event_loop_free(server):
     """The default limits (1,000,000 characters): tokenizing such a prompt takes seconds, on the worker
     thread; the event loop answers /health all along (serving_helpers.HEALTH_BOUND_S: the bound and why)."""
     limits = ServerLimits()
-    with ServerThread(build_app(server.llm, MODEL, limits=limits)) as srv:
+    with ServerThread(build_app(server.front, MODEL, limits=limits)) as srv:
         assert_loop_free_while_tokenizing(srv.url, limits, MODEL)
     assert_no_leak(server)
 
@@ -403,7 +405,7 @@ def test_either_http_parser_cuts_off_headers_that_never_end(impl):
     from starlette.routing import Route
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    from pagedattn.serving.api_server import http_protocol
+    from pagedattn.serving.http_server import http_protocol
 
     app = Starlette(routes=[Route("/health", lambda request: PlainTextResponse("ok"))])
     with ServerThread(app, ServerLimits(head_timeout_s=0.5), http_impl=impl) as srv:
@@ -459,7 +461,7 @@ def test_docs_are_off_unless_asked_for(server):
 
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert httpx.get(server.url + path, timeout=30).status_code == 404
-    with TestClient(build_app(server.llm, MODEL, api_key=API_KEY, enable_docs=True)) as c:
+    with TestClient(build_app(server.front, MODEL, api_key=API_KEY, enable_docs=True)) as c:
         assert c.get("/openapi.json").status_code == 200 and c.get("/docs").status_code == 200
 
 

@@ -30,9 +30,10 @@ from serving_helpers import ServerThread, scrape, write_tiny_chat_checkpoint
 from serving_helpers import signal_handlers_kept  # noqa: F401 (autouse: SIGTERM/SIGINT handlers kept)
 
 from pagedattn import LLM, SamplingParams
-from pagedattn.serving.api_server import build_app
-from pagedattn.serving.async_llm import AsyncLLM
+from pagedattn.serving.app import build_app
+from pagedattn.serving.core_client import CoreClient
 from pagedattn.serving.metrics import Histogram
+from scripts.fake_engine import install_fake_runner
 
 MODEL = "tiny-chat"
 API_KEY = "test-key"
@@ -45,9 +46,10 @@ CHATS = [[{"role": "user", "content": "Write a haiku about caches."}],
 
 
 def serve(checkpoint, api_key=API_KEY, **engine):
-    """(ServerThread context, AsyncLLM) for an engine on `checkpoint`."""
-    llm = AsyncLLM(LLM(checkpoint, **{**ENGINE, **engine}))
-    return ServerThread(build_app(llm, MODEL, api_key=api_key)), llm
+    """(ServerThread context, CoreClient) for an engine core on `checkpoint`, on a thread of this process
+    (what `serve --in-process` runs)."""
+    client = CoreClient.in_thread(LLM(checkpoint, **{**ENGINE, **engine}))
+    return ServerThread(build_app(client, MODEL, api_key=api_key)), client
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +59,11 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    srv, llm = serve(checkpoint)
+    srv, front = serve(checkpoint)
     with srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-        yield SimpleNamespace(url=srv.url, llm=llm, client=client)
-    llm.shutdown()
+        yield SimpleNamespace(url=srv.url, front=front, client=client)
+    front.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +86,8 @@ def metric(samples, name, **labels):
 
 
 def assert_no_leak(server):
-    server.llm.wait_until_idle()
-    bm = server.llm.engine.block_manager
+    server.front.wait_until_idle()
+    bm = server.front.engine_core.engine.block_manager
     samples = scrape(server.url)
     assert bm.num_free_blocks == bm.total_blocks == ENGINE["num_blocks"]
     assert metric(samples, "pagedattn_kv_cache_free_blocks") == ENGINE["num_blocks"]
@@ -228,10 +230,11 @@ def test_chat_logprobs(server, ref):
 def test_models_health_and_metrics_counters(server):
     assert [m.id for m in server.client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    server.front.wait_until_idle()      # (the engine's figures in /metrics are a snapshot: this one exact)
     before = scrape(server.url)
     got = server.client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=10, temperature=0,
                                            extra_body={"ignore_eos": True})
-    server.llm.wait_until_idle()
+    server.front.wait_until_idle()
     after = scrape(server.url)
     delta = lambda name, **kw: metric(after, name, **kw) - metric(before, name, **kw)  # noqa: E731
     assert delta("pagedattn_prompt_tokens_total") == got.usage.prompt_tokens
@@ -254,17 +257,17 @@ def test_models_health_and_metrics_counters(server):
 def test_metrics_say_when_the_engine_has_stopped(checkpoint):
     """/metrics after the engine stopped: still 200 (the server's own series stay readable), with
     pagedattn_engine_alive 0 and none of the dead engine's stale series; /health answers 503 saying why."""
-    srv, llm = serve(checkpoint, api_key=None)
+    srv, front = serve(checkpoint, api_key=None)
     label = frozenset({"model_name": MODEL}.items())
     with srv:
         r = post(srv.url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3, "ignore_eos": True},
                  key=None)
         assert r.status_code == 200, r.text
-        llm.wait_until_idle()
+        front.wait_until_idle()
         live = scrape(srv.url)
         assert live[("pagedattn_engine_alive", label)] == 1
         assert live[("pagedattn_kv_cache_blocks", label)] == ENGINE["num_blocks"]
-        llm.shutdown()
+        front.shutdown()
         assert httpx.get(srv.url + "/metrics", timeout=30).status_code == 200
         dead = scrape(srv.url)
         assert dead[("pagedattn_engine_alive", label)] == 0
@@ -275,7 +278,7 @@ def test_metrics_say_when_the_engine_has_stopped(checkpoint):
         assert dead[("pagedattn_request_finished_total", label | {("finished_reason", "length")})] == 1
         health = httpx.get(srv.url + "/health", timeout=30)
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
-        assert health.json()["error"]["message"] == str(llm.error) == "the engine thread has been shut down"
+        assert health.json()["error"]["message"] == str(front.error) == "the engine has been shut down"
 
 
 # ---------------------------------------------------------------- bad input
@@ -388,7 +391,7 @@ def test_openai_client_raises_the_right_errors(server):
 
 
 def test_a_request_the_pool_can_never_hold_is_refused(checkpoint):
-    srv, llm = serve(checkpoint, api_key=None, num_blocks=8)      # 8 x 16 = 128 tokens < max_model_len 256
+    srv, front = serve(checkpoint, api_key=None, num_blocks=8)      # 8 x 16 = 128 tokens < max_model_len 256
     try:
         with srv:
             r = post(srv.url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 200}, key=None)
@@ -408,18 +411,16 @@ def test_a_request_the_pool_can_never_hold_is_refused(checkpoint):
                 assert "no room to generate in the KV pool" in r.json()["error"]["message"], r.text
                 assert "must be < 128" in r.json()["error"]["message"], r.text
     finally:
-        llm.shutdown()
+        front.shutdown()
 
 
 def test_a_stopping_server_ends_its_open_requests_with_an_error(checkpoint):
     """The server told to stop (what SIGTERM and Ctrl-C do) while a stream and a non-streamed request run:
     after the shutdown grace period (0.5 s here) the stream ends with an OpenAI-shaped error event and
     `data: [DONE]`, the other request answers 503, both are aborted in the engine (every block free), and the
-    engine itself keeps running. Steps take 20 ms (the fake executor: the tiny model's are too quick to keep a
-    request open), so 200 tokens take 4 s, well past the grace period."""
-    from pagedattn.serving.fake_engine import install_fake_runner
-
-    llm = AsyncLLM(install_fake_runner(LLM(checkpoint, **ENGINE), 20.0))
+    engine itself keeps running. Steps take 20 ms (the synthetic device, scripts/fake_engine.py: the tiny model's
+    are too quick to keep a request open), so 200 tokens take 4 s, well past the grace period."""
+    front = CoreClient.in_thread(install_fake_runner(LLM(checkpoint, **ENGINE), 20.0))
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True}
     events, plain, opened = [], [], threading.Event()
 
@@ -431,14 +432,14 @@ def test_a_stopping_server_ends_its_open_requests_with_an_error(checkpoint):
                     opened.set()
 
     try:
-        with ServerThread(build_app(llm, MODEL), shutdown_timeout_s=0.5) as srv:
+        with ServerThread(build_app(front, MODEL), shutdown_timeout_s=0.5) as srv:
             threads = [threading.Thread(target=stream, args=(srv.url,), daemon=True),
                        threading.Thread(target=lambda: plain.append(httpx.post(srv.url + "/v1/completions", json=body,
                                                                                timeout=60)), daemon=True)]
             for t in threads:
                 t.start()
             assert opened.wait(60), "the stream did not start"
-            while llm.num_requests_in_flight < 2:
+            while front.num_requests_in_flight < 2:
                 time.sleep(0.01)
         for t in threads:               # (leaving the block stopped the server)
             t.join(30)
@@ -447,11 +448,11 @@ def test_a_stopping_server_ends_its_open_requests_with_an_error(checkpoint):
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == "server_shutting_down"
         assert "grace period (0.5 s)" in error["message"], error
         assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "server_shutting_down"
-        m = llm.wait_until_idle()
-        assert llm.is_alive and m["num_free_blocks"] == ENGINE["num_blocks"]
-        assert llm.metrics.finished_requests == {"abort": 2}
+        m = front.wait_until_idle()
+        assert front.is_alive and m["num_free_blocks"] == ENGINE["num_blocks"]
+        assert front.metrics.finished_requests == {"abort": 2}
     finally:
-        llm.shutdown()
+        front.shutdown()
 
 
 # ---------------------------------------------------------------- clients that leave, and load
@@ -486,7 +487,7 @@ def test_non_streaming_client_that_disconnects_frees_its_blocks(server):
                   b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                   % (host.encode(), API_KEY.encode(), len(body), body))
         deadline = time.monotonic() + 30
-        while not server.llm.engine_metrics()["num_running"]:
+        while not server.front.engine_metrics()["num_running"]:
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.005)
     assert_no_leak(server)
@@ -563,7 +564,7 @@ def test_streamed_chunks_are_the_protocol_models_json():
 
     from pagedattn.engine.outputs import CompletionOutput
     from pagedattn.serving import protocol as P
-    from pagedattn.serving.api_server import ChatJob, CompletionJob, _sse
+    from pagedattn.serving.responses import ChatJob, CompletionJob, _sse
 
     c = CompletionOutput(0, "x", [65, 66], None, -1.5, [-0.5, -1.0])
     c.delta_text, c.delta_token_ids = 'h\u00e9 "\U0001f642"\n', [65, 66]

@@ -1,5 +1,5 @@
-"""The server on a GPU: the engine thread (not the thread that built the LLM) drives CUDA graphs and async
-scheduling, while uvicorn's event loop streams.
+"""The server on a GPU: the engine core's thread (not the thread that built the LLM) drives CUDA graphs and
+async scheduling, while uvicorn's event loop streams.
 
 * the tiny chat model (fp16, head_dim 64 as the GPU kernels want): each request alone, streamed == non-streamed == LLM.generate on a second
   engine (one request at a time on both sides, so the same kernels see the same shapes and greedy
@@ -22,8 +22,8 @@ from helpers import bundled_model_dir  # noqa: E402,F401  (session fixture)
 from serving_helpers import ServerThread, scrape, write_tiny_chat_checkpoint  # noqa: E402
 
 from pagedattn import LLM, SamplingParams  # noqa: E402
-from pagedattn.serving.api_server import build_app  # noqa: E402
-from pagedattn.serving.async_llm import AsyncLLM  # noqa: E402
+from pagedattn.serving.app import build_app  # noqa: E402
+from pagedattn.serving.core_client import CoreClient  # noqa: E402
 
 ENGINE = dict(device="cuda", max_model_len=256, num_blocks=512, max_num_seqs=64)
 GPU_SHAPES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)  # head_dim 64
@@ -33,10 +33,10 @@ PROMPTS = ["def fib(n):", "The paged KV cache", "Hello world! How are you", "SEL
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = write_tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat_gpu"), **GPU_SHAPES)
-    llm = AsyncLLM(LLM(path, **ENGINE))
-    with ServerThread(build_app(llm, "tiny")) as srv:
-        yield srv.url, llm, LLM(path, **ENGINE)
-    llm.shutdown()
+    front = CoreClient.in_thread(LLM(path, **ENGINE))
+    with ServerThread(build_app(front, "tiny")) as srv:
+        yield srv.url, front, LLM(path, **ENGINE)
+    front.shutdown()
 
 
 def test_tiny_streamed_equals_unstreamed_equals_generate(tiny):
@@ -52,7 +52,7 @@ def test_tiny_streamed_equals_unstreamed_equals_generate(tiny):
 
 
 def test_tiny_64_streaming_clients(tiny):
-    url, llm, _ = tiny
+    url, front, _ = tiny
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120,
                                 http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=128)))
 
@@ -86,8 +86,8 @@ def test_tiny_64_streaming_clients(tiny):
     results, codes = asyncio.run(asyncio.wait_for(main(), 300))
     assert codes and set(codes) == {200}
     assert sum(r is not None for r in results) >= 48
-    llm.wait_until_idle()
-    bm = llm.engine.block_manager
+    front.wait_until_idle()
+    bm = front.engine_core.engine.block_manager
     assert bm.num_free_blocks == bm.total_blocks
     free = scrape(url)[("pagedattn_kv_cache_free_blocks", frozenset({"model_name": "tiny"}.items()))]
     assert free == bm.total_blocks
@@ -95,18 +95,18 @@ def test_tiny_64_streaming_clients(tiny):
 
 def test_bundled_chat_streamed_equals_unstreamed_equals_generate(bundled_model_dir):  # noqa: F811
     kwargs = dict(device="cuda", max_model_len=1024, num_blocks=256, max_num_seqs=16)
-    llm = AsyncLLM(LLM(bundled_model_dir, **kwargs))
+    front = CoreClient.in_thread(LLM(bundled_model_dir, **kwargs))
     ref = LLM(bundled_model_dir, **kwargs)
     messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
     chat = ref.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     want = ref.generate([chat], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]
     try:
-        with ServerThread(build_app(llm, "qwen")) as srv:
+        with ServerThread(build_app(front, "qwen")) as srv:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
             got = client.chat.completions.create(model="qwen", messages=messages, max_tokens=64, temperature=0)
             streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
                 model="qwen", messages=messages, max_tokens=64, temperature=0, stream=True))
     finally:
-        llm.shutdown()
+        front.shutdown()
     assert got.choices[0].message.content == streamed == want.text
     assert "def" in want.text

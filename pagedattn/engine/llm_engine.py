@@ -15,7 +15,7 @@ One request, one fate: a request whose row goes wrong after the step (a sampled 
 vocabulary, its detokenizer or stop check raising, its beam search failing) finishes alone with an error
 (`fail_request`: finish_reason "error", RequestOutput.error), its blocks freed; the other requests of the
 batch carry on. A step that raises as a whole (the forward itself) cannot say whose row broke it: the
-caller decides (AsyncLLM fails the requests in flight and keeps serving).
+caller decides (the serving engine core fails the requests in flight and keeps serving).
 
 With async_scheduling (on CUDA by default), step() launches step N+1 before it processes step N's tokens, so the host's
 scheduling and packing overlap the GPU's work: a sequence's in-flight token is read on the device

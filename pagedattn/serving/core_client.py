@@ -1,38 +1,39 @@
-"""CoreClient: the API process's side of the engine cores, with the interface build_app expects of AsyncLLM.
+"""CoreClient: the one front of the engine, the API side of the engine cores, wherever they run.
 
-    client = CoreClient.start(dict(model=path, device="cuda"), data_parallel_size=2)   # owns 2 core processes
+    client = CoreClient.start(config)          # ServeConfig: a core thread (in_process) or core processes
+    client = CoreClient.in_thread(LLM(model_dir))                  # a core thread on an LLM built here
     async for out in client.generate("def fib(n):", SamplingParams(temperature=0, max_tokens=32)):
         print(out.outputs[0].delta_text, end="")
     client.shutdown()
 
 or, when the cores were started elsewhere (the launcher, another node): CoreClient(["ipc://...", ...]).
 
-Work split. The core (pagedattn.serving.engine_core) schedules, runs steps and sends token ids. Here,
-in the API process: tokenizing and validating a request (InvalidRequestError at once, before a byte of
-a response is sent), choosing a core for it, and turning each step's token ids into text: incremental
-detokenization (pagedattn.engine.detokenizer, the same code the in-process engine uses) and stop
-strings. A stop string ends its completion here; the token ids after it are dropped and the core is
-told to stop computing it. So the text, token ids, logprobs and finish reasons are exactly those of the
-in-process engine (AsyncLLM).
+Work split. The core (pagedattn.serving.engine_core) schedules, runs steps and sends token ids. Here, on
+the API side: tokenizing and validating a request (InvalidRequestError at once, before a byte of a
+response is sent), choosing a core for it, and turning each step's token ids into text: incremental
+detokenization (pagedattn.engine.detokenizer, the same code LLM.generate uses) and stop strings. A stop
+string ends its completion here; the token ids after it are dropped and the core is told to stop
+computing it. So the text, token ids, logprobs and finish reasons are exactly those of LLM.generate.
 
 Threads. One receiver thread waits on every core's socket (its Python runs only when a message came):
 metrics snapshots and deaths it applies itself; step messages it hands, raw, to the event loop that
 serves the requests (one wake-up for every message waiting), and that loop walks the entries (one per
 completion that advanced), detokenizes and marks each request's stream as having news. The
-RequestOutput (token ids, text, deltas since the consumer last took one) is built only when the
-consumer takes it, so a stream that lags costs nothing per step. All the Python of a step's outputs
-thus runs on the thread that writes the responses: no second thread competes with it for the GIL (a
-thread that has to win the GIL back after every socket write would wait up to the interpreter's switch
-interval each time). Without a running loop (the one that added the requests closed) the receiver thread
-does that work itself. Commands go out from the callers' threads on one PUSH socket per core (under a
-lock). Closing a stream early aborts its request in its core, which frees the blocks before the next step.
+RequestOutput (token ids, text, deltas since the reader last took one) is built only when the reader
+takes it (pagedattn.serving.stream), so a stream that lags costs nothing per step. All the Python of a
+step's outputs thus runs on the thread that writes the responses: no second thread competes with it for
+the GIL (a thread that has to win the GIL back after every socket write would wait up to the
+interpreter's switch interval each time). Without a running loop (the one that added the requests
+closed) the receiver thread does that work itself. Commands go out from the callers' threads on one PUSH
+socket per core (under a lock). Closing a stream early aborts its request in its core, which frees the
+blocks before the next step.
 
 Routing (data parallelism): a request goes to the live core with the least load, running + waiting
 sequences from that core's latest snapshot plus what this client sent it since, ties broken by KV usage.
 
 Faults. A core whose connection drops (the process died, or a peer silent past the ZMTP heartbeat
-timeout), a local core process that exited, or a core that says it is Dead: every stream it was
-serving ends with EngineDeadError, `is_alive` turns False (so /health fails) and new requests are
+timeout), a local core (process or thread) that ended, or a core that says it is Dead: every stream it
+was serving ends with EngineDeadError, `is_alive` turns False (so /health fails) and new requests are
 refused. Nothing is restarted behind the caller's back.
 """
 import asyncio
@@ -53,47 +54,19 @@ from pagedattn.engine.requests import InputProcessor
 from pagedattn.errors import InvalidRequestError
 from pagedattn.sampling_params import SamplingParams
 from pagedattn.serving import engine_core as ec
-from pagedattn.serving.async_llm import (EngineDeadError, EngineStepError, RequestFailedError, RequestStream,
-                                         StreamingFront, _set_ready, engine_dead)
+from pagedattn.serving import messages as m
+from pagedattn.serving.metrics import aggregate_metrics
+from pagedattn.serving.processes import stop_processes
+from pagedattn.serving.stream import (EngineDeadError, EngineStepError, RequestFailedError, RequestStream,
+                                      engine_dead, set_ready)
 
 logger = logging.getLogger("pagedattn.serving")
 now = time.perf_counter
 
-# Engine metrics that add up over data-parallel ranks; the ratios are recomputed from the sums.
-_SUMMED = ("num_blocks", "num_free_blocks", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
-           "num_preemptions", "num_running", "num_waiting", "num_steps", "num_computed_tokens",
-           "num_generated_tokens", "num_finished_requests", "step_time_s", "generation_throughput_tok_s",
-           "total_throughput_tok_s")
-
-
-def aggregate_metrics(snapshots):
-    """One engine-metrics dict for several ranks' engine.metrics() dicts: counts summed (throughputs too:
-    the ranks run side by side), KV usage and prefix-cache hit rate recomputed from the sums, the other
-    ratios the worst rank's (fragmentation, peak KV usage) or the mean over ranks (latencies)."""
-    snapshots = [s for s in snapshots if s]
-    if not snapshots:
-        return {}
-    out = {"data_parallel_size": len(snapshots), "block_size": snapshots[0].get("block_size")}
-    for key in _SUMMED:
-        values = [s[key] for s in snapshots if s.get(key) is not None]
-        if values:
-            out[key] = sum(values)
-    if out.get("num_blocks"):
-        out["kv_cache_usage"] = 1.0 - out["num_free_blocks"] / out["num_blocks"]
-    queried = out.get("prefix_cache_queried_tokens", 0)
-    out["prefix_cache_hit_rate"] = out.get("prefix_cache_hit_tokens", 0) / queried if queried else 0.0
-    for key in ("kv_fragmentation", "mean_kv_fragmentation", "peak_kv_usage", "step_time_s"):
-        values = [s[key] for s in snapshots if s.get(key) is not None]
-        if values:
-            out[key] = max(values)
-    for key in ("mean_ttft_s", "mean_itl_s"):
-        values = [s[key] for s in snapshots if s.get(key) is not None]
-        out[key] = sum(values) / len(values) if values else None
-    return out
-
 
 class _Completion:
-    """The API side's state of one completion: its token ids, logprobs, text (receiver thread only)."""
+    """The API side's state of one completion: its token ids, logprobs, text (changed only by the thread
+    that processes step messages, under the client's _proc_lock)."""
     __slots__ = ("index", "token_ids", "logprobs", "cumulative", "detok", "finish_reason", "text",
                  "num_sent_tokens", "num_sent_chars", "last_token_time")
 
@@ -126,23 +99,6 @@ class _Completion:
         return out
 
 
-class _CoreStream(RequestStream):
-    """A RequestStream whose RequestOutput is built when its consumer takes it, from the request's state
-    (`_pending` holds the _Request: everything processed so far, deltas since the last take)."""
-
-    def _put_progress(self, request, num_tokens, finished):
-        """News for the consumer (the receiving side): num_tokens new tokens, finished or not. Returns
-        True when the consumer must be woken (RequestStream._put's rule)."""
-        with self._lock:
-            self._pending = request
-            self._pending_tokens += num_tokens
-            due = finished or not self._sent_any or self._pending_tokens >= self.owner.stream_interval
-            return due and not self._ready.is_set()
-
-    def _take(self, request):
-        return self.owner._output_of(request)
-
-
 class _Request:
     """One request in flight: its stream, core, wire id and completions."""
     __slots__ = ("stream", "core", "wire_id", "completions", "n", "num_finished", "first_token_time")
@@ -156,20 +112,15 @@ class _Request:
 
 
 class _Core:
-    """The client's view of one engine core: its sockets, what it reported, its load."""
+    """The client's view of one engine core: its sockets, what it reported, its load. runner: the local
+    process or CoreThread that runs it, when this client owns it."""
 
-    def __init__(self, rank, address, ctx, identity, process=None):
-        self.rank, self.address, self.process = rank, address, process
-        in_ep, out_ep = ec.core_endpoints(address)
-        self.push = ctx.socket(zmq.PUSH)
-        self.dealer = ctx.socket(zmq.DEALER)
+    def __init__(self, rank, address, ctx, identity, runner=None):
+        self.rank, self.address, self.runner = rank, address, runner
+        in_ep, out_ep = m.core_endpoints(address)
+        self.push = m.configure(ctx.socket(zmq.PUSH))
+        self.dealer = m.configure(ctx.socket(zmq.DEALER))
         self.dealer.setsockopt(zmq.ROUTING_ID, identity)
-        for s in (self.push, self.dealer):
-            s.setsockopt(zmq.SNDHWM, 0)
-            s.setsockopt(zmq.RCVHWM, 0)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.HEARTBEAT_IVL, ec.HEARTBEAT_IVL_MS)
-            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, ec.HEARTBEAT_TIMEOUT_MS)
         self.monitor = self.dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.push.connect(in_ep)
         self.dealer.connect(out_ep)
@@ -179,6 +130,15 @@ class _Core:
         self.snapshot_token = 0
         self.sent_since_snapshot = 0
         self.error = None               # set when it died
+
+    def ended(self):
+        """Why the local core is gone ("" while it runs, or when this client does not own it)."""
+        r = self.runner
+        if r is None or r.is_alive():
+            return ""
+        if isinstance(r, ec.CoreThread):
+            return "the engine core thread ended"
+        return f"the engine core process exited (exit code {r.exitcode})"
 
     @property
     def load(self):
@@ -191,30 +151,31 @@ class _Core:
             s.close(0)
 
 
-class CoreClient(StreamingFront):
-    """A client of one or more engine cores (data-parallel ranks), with AsyncLLM's interface.
+class CoreClient:
+    """A client of one or more engine cores (data-parallel ranks): what build_app serves.
 
-    addresses: the cores' addresses (engine_core.core_endpoints). processes: the local core processes
-    this client owns (stopped by shutdown()), or None. metrics: ServingMetrics-like recorder or None (build_app
-    attaches one). stream_interval: wake a stream's reader once at least this many new tokens wait
-    (the first tokens and the final output at once). ready_timeout_s: how long to wait for every core
-    to answer (loading a model takes a while).
+    addresses: the cores' addresses (messages.core_endpoints). runners: the local cores this client owns,
+    stopped by shutdown() (core processes, or a CoreThread), in the order of `addresses`, or None.
+    metrics: ServingMetrics-like recorder or None (build_app attaches one). stream_interval: wake a
+    stream's reader once at least this many new tokens wait (the first tokens and the final output at
+    once). ready_timeout_s: how long to wait for every core to answer (loading a model takes a while).
+    ctx: the ZMQ context (an inproc:// core's: its sockets live in it), or None for a new one.
     """
 
-    def __init__(self, addresses, processes=None, metrics=None, stream_interval=1, ready_timeout_s=600.0):
+    def __init__(self, addresses, runners=None, metrics=None, stream_interval=1, ready_timeout_s=600.0, ctx=None):
         if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
             raise InvalidRequestError(f"stream_interval must be an int >= 1, got {stream_interval!r}")
         self.metrics = metrics
         self.stream_interval = stream_interval
-        self.processes = list(processes or [])
+        self.runners = list(runners or [])
         self.error = None
         self.num_step_errors = 0
         self._identity = uuid.uuid4().bytes
-        self._ctx = zmq.Context()
+        self._ctx = zmq.Context() if ctx is None else ctx
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(ec.CoreMessage)
-        procs = self.processes + [None] * (len(addresses) - len(self.processes))
-        self._cores = [_Core(r, a, self._ctx, self._identity, p) for r, (a, p) in enumerate(zip(addresses, procs))]
+        self._decoder = msgspec.msgpack.Decoder(m.CoreMessage)
+        runners = self.runners + [None] * (len(addresses) - len(self.runners))
+        self._cores = [_Core(r, a, self._ctx, self._identity, p) for r, (a, p) in enumerate(zip(addresses, runners))]
         self._streams = {}              # request_id -> RequestStream, accepted and not yet forgotten
         self._live = {}                 # wire id -> _Request, as the receiver thread serves them
         self._lock = threading.Lock()   # guards _streams / _live changes and the metrics recorder
@@ -233,6 +194,8 @@ class CoreClient(StreamingFront):
             self._handshake(ready_timeout_s)
         except BaseException:
             self._close_sockets()
+            if ctx is None:             # (a context given to it is its giver's to end)
+                self._ctx.term()
             raise
         info = [c.info for c in self._cores]
         self.model_path = info[0]["model_path"]
@@ -248,27 +211,77 @@ class CoreClient(StreamingFront):
         self._thread.start()
 
     @classmethod
-    def start(cls, engine_kwargs, data_parallel_size=1, addresses=None, **kwargs):
-        """Start `data_parallel_size` local core processes on LLM(**engine_kwargs) and a client owning them.
-        addresses: where the cores listen (default: private ipc:// paths)."""
+    def start(cls, config, addresses=None):
+        """A client owning the cores `config` (ServeConfig) asks for: with config.in_process, one core on a
+        thread of this process (its LLM built here, engine_hook applied); else config.data_parallel_size
+        core processes listening on `addresses` (default: private ipc:// paths, removed by shutdown())."""
+        if config.in_process:
+            return cls.in_thread(ec.build_llm(config), config.prefill_delay_factor,
+                                 stream_interval=config.stream_interval, ready_timeout_s=config.startup_timeout_s)
         own_addresses = addresses is None
-        procs, addresses = ec.start_engine_cores(engine_kwargs, data_parallel_size, addresses)
+        procs, addresses = ec.start_engine_cores(config, addresses)
         try:
-            client = cls(addresses, processes=procs, **kwargs)
+            client = cls(addresses, procs, stream_interval=config.stream_interval,
+                         ready_timeout_s=config.startup_timeout_s)
         except BaseException:
-            ec.stop_processes(procs)
+            stop_processes(procs)
             if own_addresses:
                 ec.remove_socket_dir(addresses)
             raise
         client._socket_addresses = addresses if own_addresses else None    # removed by shutdown()
         return client
 
+    @classmethod
+    def in_thread(cls, llm, prefill_delay_factor=ec.PREFILL_DELAY_FACTOR, **kwargs):
+        """A client owning one engine core on `llm` (a pagedattn.LLM, owned by the core from now on: closed
+        at shutdown()) that runs on a thread of this process, over inproc:// sockets. kwargs: __init__'s."""
+        ctx = zmq.Context()
+        thread, address = ec.start_core_thread(llm, ctx, prefill_delay_factor)
+        try:
+            return cls([address], [thread], ctx=ctx, **kwargs)
+        except BaseException:
+            thread.stop()
+            thread.join(30)
+            if not thread.is_alive():
+                ctx.term()
+            raise
+
+    @property
+    def engine_core(self):
+        """The EngineCore when this client's core runs on a thread of this process (None otherwise): its
+        `engine` may be read once wait_until_idle() returned (the tests check its blocks that way)."""
+        runner = self.runners[0] if len(self.runners) == 1 else None
+        return runner.core if isinstance(runner, ec.CoreThread) else None
+
+    @property
+    def processes(self):
+        """The local core processes this client owns."""
+        return [r for r in self.runners if not isinstance(r, ec.CoreThread)]
+
+    async def generate(self, prompt, params=None, request_id=None):
+        """Async iterator of the request's RequestOutputs (see add_request for the arguments); leaving
+        the loop early, or cancelling the task running it, aborts the request."""
+        stream = self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    async def abort(self, request_id):
+        """Abort a request by id (False if it is not running)."""
+        stream = self._streams.get(request_id)          # one dict read: no lock needed
+        if stream is None:
+            return False
+        stream.abort()
+        return True
+
     def _handshake(self, timeout):
         """Say Hello to every core and wait for each one's Ready and first metrics snapshot (the core sends
-        both at once), so engine_metrics() has every core's figures from the start (a local process that
+        both at once), so engine_metrics() has every core's figures from the start (a local core that
         exits first fails it)."""
         for core in self._cores:
-            core.dealer.send(self._encoder.encode(ec.Hello(self._identity)))
+            core.dealer.send(self._encoder.encode(m.Hello(self._identity)))
         deadline = now() + timeout
         by_socket = {id(c.dealer): c for c in self._cores}
         pending = dict(by_socket)
@@ -279,18 +292,17 @@ class CoreClient(StreamingFront):
             for sock, _ in poller.poll(100):
                 core = by_socket[id(sock)]
                 msg = self._decoder.decode(sock.recv())
-                if isinstance(msg, ec.Ready):
+                if isinstance(msg, m.Ready):
                     core.info = msg.info
-                elif isinstance(msg, ec.Stats):
+                elif isinstance(msg, m.Stats):
                     core.snapshot = msg.metrics
-                elif isinstance(msg, ec.Dead):
+                elif isinstance(msg, m.Dead):
                     raise EngineDeadError(f"engine core {msg.rank} failed to start: {msg.reason}")
                 if core.info is not None and core.snapshot:
                     pending.pop(id(sock), None)
             for core in pending.values():
-                if core.process is not None and not core.process.is_alive():
-                    raise EngineDeadError(f"engine core {core.rank} exited while starting "
-                                          f"(exit code {core.process.exitcode}); see its log above")
+                if core.ended():
+                    raise EngineDeadError(f"engine core {core.rank} did not start: {core.ended()}; see its log above")
             if pending and now() > deadline:
                 raise TimeoutError(f"engine core(s) {sorted(c.rank for c in pending.values())} did not answer "
                                    f"within {timeout} s")
@@ -324,7 +336,7 @@ class CoreClient(StreamingFront):
         params = SamplingParams() if params is None else params
         request_id = f"req-{next(self._request_ids)}" if request_id is None else request_id
         ids = self._inputs.validate(self.tokenize(prompt), params)
-        stream = _CoreStream(self, request_id, prompt, ids, params, asyncio.get_running_loop())
+        stream = RequestStream(self, request_id, prompt, ids, params, asyncio.get_running_loop())
         self._loop = stream.loop
         with self._lock:
             if request_id in self._streams:
@@ -335,7 +347,7 @@ class CoreClient(StreamingFront):
             stream._wire_id = wire_id
             self._streams[request_id] = stream
             self._live[wire_id] = _Request(stream, core, wire_id, self._detok_tokenizer)
-        self._send(core, ec.AddRequest(self._identity, wire_id, ids, params))
+        self._send(core, m.AddRequest(self._identity, wire_id, ids, params))
         return stream
 
     def engine_metrics(self):
@@ -359,7 +371,7 @@ class CoreClient(StreamingFront):
             token = next(self._snapshot_tokens)
             live = [c for c in self._cores if c.error is None]
             for core in live:
-                self._send(core, ec.TakeSnapshot(self._identity, token))
+                self._send(core, m.TakeSnapshot(self._identity, token))
             while any(c.snapshot_token < token for c in live if c.error is None):
                 if now() > deadline:
                     raise TimeoutError("an engine core did not answer a snapshot request")
@@ -380,40 +392,43 @@ class CoreClient(StreamingFront):
         return self.error is None and self._thread.is_alive()
 
     def shutdown(self, timeout=30.0):
-        """Stop the receiver thread and the core processes this client owns; open streams get
-        EngineDeadError. Idempotent."""
+        """Stop the receiver thread and the cores this client owns (a core thread closes its LLM); open
+        streams get EngineDeadError. Idempotent."""
         if self._stopping:
             return
         self._stopping = True
         for core in self._cores:
-            if core.process is not None and core.error is None:
+            if core.runner is not None and core.error is None:
                 with contextlib.suppress(Exception):
-                    self._send(core, ec.Shutdown())
+                    self._send(core, m.Shutdown())
         self._thread.join(timeout)
-        if self.processes:
-            deadline = now() + timeout
-            for p in self.processes:
-                p.join(max(0.0, deadline - now()))
-            ec.stop_processes(self.processes, timeout=5.0)
+        deadline = now() + timeout
+        for r in self.runners:
+            r.join(max(0.0, deadline - now()))
+        stop_processes(self.processes, timeout=5.0)
         self._close_sockets()
+        if any(r.is_alive() for r in self.runners):
+            # a core thread stuck in a step still has sockets in this context: term() would wait for it
+            logger.error("the engine core thread did not stop within %s s; leaving its ZMQ context open", timeout)
+        else:
+            self._ctx.term()
         if self._socket_addresses:      # (start() made them)
             ec.remove_socket_dir(self._socket_addresses)
 
     def _close_sockets(self):
         for core in self._cores:
             core.close()
-        self._ctx.term()
 
     # ---- stream callbacks (RequestStream calls these) -------------------------------------------------
     def _abort(self, stream):
         """The consumer closed the stream early: stop the request in its core."""
         with self._lock:
             self._forget(stream)
-            req = self._live.pop(getattr(stream, "_wire_id", None), None)
+            req = self._live.pop(stream._wire_id, None)
             if req is not None and self.metrics is not None:
                 self.metrics.finished("abort", now() - stream.arrival_time)
         if req is not None and req.core.error is None:
-            self._send(req.core, ec.AbortRequests(self._identity, [req.wire_id]))
+            self._send(req.core, m.AbortRequests(self._identity, [req.wire_id]))
 
     def _forget(self, stream):
         """Drop a request from the table of accepted ones (call with _lock held)."""
@@ -445,14 +460,16 @@ class CoreClient(StreamingFront):
                 if self._inbox and (self._loop is None or self._loop.is_closed()):
                     self._process_inbox()           # the loop that was to process them is gone
                 for core in self._cores:
-                    if core.error is None and core.process is not None and not core.process.is_alive():
-                        self._core_died(core, f"the engine core process exited (exit code {core.process.exitcode})")
+                    if core.error is None and core.ended():
+                        self._drain(core)           # (a core that failed said why before it ended)
+                        if core.error is None:
+                            self._core_died(core, core.ended())
         except BaseException as e:  # noqa: BLE001 (report, do not vanish)
             logger.exception("the core client's receiver thread died")
             self.error = self.error or e
         finally:
             if self.error is None:
-                self.error = EngineDeadError("the engine client has been shut down")
+                self.error = EngineDeadError("the engine has been shut down")
             with self._proc_lock:
                 self._inbox.clear()
             self._fail_streams(list(self._live.values()), self.error)
@@ -475,14 +492,14 @@ class CoreClient(StreamingFront):
             except zmq.Again:
                 return
             msg = self._decoder.decode(data)
-            if isinstance(msg, ec.StepOutputs):
+            if isinstance(msg, m.StepOutputs):
                 self._dispatch(core, msg)
-            elif isinstance(msg, ec.Stats):
+            elif isinstance(msg, m.Stats):
                 core.snapshot = msg.metrics
                 core.sent_since_snapshot = 0
                 if msg.token:
                     core.snapshot_token = max(core.snapshot_token, msg.token)
-            elif isinstance(msg, ec.Dead):
+            elif isinstance(msg, m.Dead):
                 self._core_died(core, f"engine core {core.rank} died: {msg.reason}")
 
     def _dispatch(self, core, msg):
@@ -546,7 +563,7 @@ class CoreClient(StreamingFront):
     def _on_step(self, core, msg):
         """One step's outputs from `core`: detokenize, stop strings, news for each request's stream."""
         t = now()
-        step = ec.decode_step(msg)
+        step = m.decode_step(msg)
         wire_ids, index, counts = step["wire_ids"].tolist(), step["index"].tolist(), step["num_tokens"].tolist()
         tokens, finish = step["token_ids"].tolist(), step["finish"].tolist()
         logprobs, cumulative = step["logprobs"], step["cumulative"].tolist()
@@ -587,9 +604,9 @@ class CoreClient(StreamingFront):
             if stopped_at is not None:
                 comp.finish_reason = "stop"
                 if finish[e] == 0:                  # the core still runs it
-                    self._send(core, ec.StopCompletion(self._identity, wid, comp.index))
+                    self._send(core, m.StopCompletion(self._identity, wid, comp.index))
             elif finish[e]:
-                comp.finish_reason = ec.FINISH_REASONS[finish[e]]
+                comp.finish_reason = m.FINISH_REASONS[finish[e]]
             if comp.finish_reason is not None:
                 req.num_finished += 1
         self._record_tokens(recorded, t)
@@ -598,13 +615,14 @@ class CoreClient(StreamingFront):
             self._deliver(req, n_new, t, woken)
         errors = [(req.wire_id, "failed", message) for req, message in failed]
         for req, _ in failed:
-            self._send(core, ec.AbortRequests(self._identity, [req.wire_id]))     # the core frees its blocks
+            self._send(core, m.AbortRequests(self._identity, [req.wire_id]))      # the core frees its blocks
+        if any(kind == "step" for _, kind, _ in step["errors"]):
+            self.num_step_errors += 1               # (one failed step: every request it was running)
         for wid, kind, message in errors + list(step["errors"]):
             req = self._live.get(wid)
             if req is None:
                 continue
             if kind == "step":
-                self.num_step_errors += 1
                 err = EngineStepError(f"the engine step failed while this request was running: {message}")
                 reason = "error"
             elif kind == "failed":
@@ -632,17 +650,17 @@ class CoreClient(StreamingFront):
                 if self.metrics is not None:
                     reasons = {c.finish_reason for c in req.completions}
                     self.metrics.finished(reasons.pop() if len(reasons) == 1 else "mixed", t - stream.arrival_time)
-        if stream._put_progress(req, num_tokens, finished):
+        if stream._put(req, num_tokens, finished):
             woken.setdefault(stream.loop, []).append(stream)
 
     def _wake(self, woken):
         here = asyncio._get_running_loop()
         for loop, streams in woken.items():
             if loop is here:                    # processing on the streams' own loop: wake them directly
-                _set_ready(streams)
+                set_ready(streams)
                 continue
             try:
-                loop.call_soon_threadsafe(_set_ready, streams)
+                loop.call_soon_threadsafe(set_ready, streams)
             except RuntimeError:                # that loop is closed: nobody reads these streams any more
                 for stream in streams:
                     stream.abort()

@@ -1,200 +1,74 @@
-"""The engine core: the scheduler and the model in a process of their own, driven over ZMQ.
+"""The engine core: the scheduler and the model behind the wire of pagedattn.serving.messages, on a thread
+of the API process or in a process of its own; CoreClient (pagedattn.serving.core_client) is its only front.
 
-    procs, addresses = start_engine_cores(dict(model=path, device="cuda"), data_parallel_size=2)
-    client = CoreClient(addresses, processes=procs)            # pagedattn.serving.core_client
+    client = CoreClient.start(config)          # config.in_process: a core thread; else core processes
+    client = CoreClient.in_thread(llm)         # a core thread on an LLM built here (the tests)
 
-Why a process. The HTTP server spends Python time on every token of every stream (JSON, SSE framing, a
-socket write); in the same interpreter as the engine it takes the GIL the engine needs between two GPU
-launches, and the GPU idles. Here the engine loop owns an interpreter: it only schedules, runs steps
-and ships the sampled token ids out. Text (incremental detokenization, stop strings) is made in the
-API process(es), which is also where the per-token cost now lives.
+The core only schedules, runs steps and ships the sampled token ids; text (incremental detokenization,
+stop strings) is made by the client, on the API side. Both places it runs speak the same messages over
+the same kind of socket, so the client cannot tell them apart:
 
-Sockets. A core binds two endpoints derived from one address (`core_endpoints`):
-  input   PULL  every API process PUSHes its commands here (add, abort, stop a completion, snapshot);
-  output  ROUTER every API process connects a DEALER with its own identity and says Hello; the core
-                 answers Ready, then sends that client its requests' outputs and the metrics snapshots.
-ZMQ queues commands while a step runs; the loop drains them between steps (requests join and leave
-between steps, which is what continuous batching wants). An API process that went away is noticed on
-the next send to it (ROUTER_MANDATORY: EHOSTUNREACH) and its requests are aborted, so their blocks free.
+  * its own process (`serve`'s default; start_engine_cores, run_engine_core): the HTTP side spends Python
+    time on every token of every stream (JSON, SSE framing, a socket write); in the engine's interpreter
+    it would take the GIL the engine needs between two GPU launches, and the GPU would idle. Here the
+    engine loop owns an interpreter. One process per data-parallel rank, each on its own GPUs.
+  * a thread of the API process (`serve --in-process`, the tests; start_core_thread): one process, the
+    sockets inproc:// in the client's ZMQ context. Simpler to run and to reach into (the tests read its
+    engine), slower under load: the HTTP side's Python shares the GIL with the engine's.
 
-Messages are msgspec structs (msgpack, tagged unions; `ClientMessage`, `CoreMessage`). Per step, each
-client with news gets ONE StepOutputs: one entry per completion that advanced, as flat arrays
-
-    wire_ids     int64  [E]   the client's number for the request
-    index        int32  [E]   which of its n completions
-    num_tokens   int32  [E]   how many new tokens the entry has (0 for a bare finish)
-    token_ids    int32  [T]   every entry's new tokens, back to back (T = sum of num_tokens)
-    logprobs     float64[T]   their log-probabilities (0 where the request did not ask)
-    cumulative   float64[E]   the completion's cumulative log-probability
-    finish       int8   [E]   0 running, else FINISH_REASONS[code]
-
-plus `finished` (requests with every completion done) and `errors` ((wire id, kind, message): a request
-refused when added, "invalid"; failed alone in the engine, its row's token outside the vocabulary say,
-"failed"; or failed by a raising step, "step"). Nothing is one object per token.
+The loop: take every command waiting (add, abort, stop a completion, snapshot, shutdown; ZMQ queues them
+while a step runs, so requests join and leave between steps, which is what continuous batching wants),
+admit held requests (the admission rule, EngineCore), run one engine.step(), send each client with news
+one StepOutputs, and a metrics snapshot every 50 ms while busy and once each time it goes idle. An API
+process that went away is noticed on the next send to it (ROUTER_MANDATORY: EHOSTUNREACH) and its
+requests are aborted, so their blocks free.
 
 Faults. A step that raises fails the requests in flight (each gets a "step" error) and the loop goes on.
-If even aborting them fails, the core tells every client it is Dead and exits; a core that is killed
-says nothing, and the clients see the connection drop (pagedattn.serving.core_client).
+If even aborting them fails, the core tells every client it is Dead and stops; a core process that is
+killed says nothing, and the clients see the connection drop (pagedattn.serving.core_client).
 """
 import contextlib
-import ctypes
-from array import array
-import itertools
 import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
+import threading
 import time
+import uuid
 
 import msgspec
-import numpy as np
 import zmq
 
 from pagedattn.engine.outputs import StepDeltas
-from pagedattn.sampling_params import SamplingParams
+from pagedattn.serving.config import PREFILL_DELAY_FACTOR
+from pagedattn.serving.messages import (AbortRequests, AddRequest, ClientMessage, Dead, Hello, Ready, Shutdown,
+                                        Stats, StopCompletion, TakeSnapshot, configure, core_endpoints, encode_step)
+from pagedattn.serving.processes import die_with_parent, name_process, run_profiled, signal_handlers
 
 logger = logging.getLogger("pagedattn.serving")
 now = time.perf_counter
-
-FINISH_REASONS = (None, "stop", "length", "abort")
-_FINISH_CODE = {r: i for i, r in enumerate(FINISH_REASONS)}
 
 # A metrics snapshot costs a pass over the running sequences: at most this often while busy, and once
 # each time the core goes idle (so an idle core's snapshot is exact).
 SNAPSHOT_INTERVAL_S = 0.05
 # While idle the loop wakes this often to check for a stop request or a parent that is gone.
 IDLE_POLL_MS = 100
-# Admission (see EngineCore): while sequences decode, new requests wait until this many times the last
-# prefill step's duration has passed since it ended. A step that holds a prompt chunk costs far more than
-# a decode step on a GPU (it runs eagerly, a decode step replays a CUDA graph) and every running stream
-# waits for it; requests arriving one by one would otherwise make nearly every step such a step. With
-# factor f, prefill steps take at most about 1 / (1 + f) of the time while streams decode.
-PREFILL_DELAY_FACTOR = 2.0
+# Admission (see EngineCore): while sequences decode, new requests wait until prefill_delay_factor times
+# the last prefill step's duration has passed since it ended. A step that holds a prompt chunk costs far
+# more than a decode step on a GPU (it runs eagerly, a decode step replays a CUDA graph) and every running
+# stream waits for it; requests arriving one by one would otherwise make nearly every step such a step.
+# With factor f, prefill steps take at most about 1 / (1 + f) of the time while streams decode.
 MAX_HOLD_S = 0.2            # never longer than this (a prefill timed during a host hiccup)
-# ZMTP heartbeats (the ZMQ I/O thread sends them, whatever Python is doing): a peer silent this long
-# (a dead host, a cut network) counts as disconnected.
-HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 1000, 10000
 
 
-# ---- messages -----------------------------------------------------------------------------------------
-class Hello(msgspec.Struct, tag=True, array_like=True):
-    """Client -> core, on the output socket: register `client` (its DEALER identity)."""
-    client: bytes
-
-
-class AddRequest(msgspec.Struct, tag=True, array_like=True):
-    client: bytes
-    wire_id: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-class AbortRequests(msgspec.Struct, tag=True, array_like=True):
-    client: bytes
-    wire_ids: list[int]
-
-
-class StopCompletion(msgspec.Struct, tag=True, array_like=True):
-    """Completion `index` of a request ended in the API process (a stop string): stop computing it."""
-    client: bytes
-    wire_id: int
-    index: int
-
-
-class TakeSnapshot(msgspec.Struct, tag=True, array_like=True):
-    """Answer with a Stats carrying `token`, taken after every command sent before this one."""
-    client: bytes
-    token: int
-
-
-class Shutdown(msgspec.Struct, tag=True, array_like=True):
-    pass
-
-
-class Ready(msgspec.Struct, tag=True, array_like=True):
-    """Core -> client, the answer to Hello: what the API side needs to validate requests."""
-    rank: int
-    info: dict
-
-
-class StepOutputs(msgspec.Struct, tag=True, array_like=True):
-    rank: int
-    wire_ids: bytes
-    index: bytes
-    num_tokens: bytes
-    token_ids: bytes
-    logprobs: bytes
-    cumulative: bytes
-    finish: bytes
-    finished: list[int]
-    errors: list[tuple[int, str, str]]
-
-
-class Stats(msgspec.Struct, tag=True, array_like=True):
-    rank: int
-    token: int              # the TakeSnapshot it answers, 0 when sent unasked
-    metrics: dict
-
-
-class Dead(msgspec.Struct, tag=True, array_like=True):
-    rank: int
-    reason: str
-
-
-ClientMessage = Hello | AddRequest | AbortRequests | StopCompletion | TakeSnapshot | Shutdown
-CoreMessage = Ready | StepOutputs | Stats | Dead
-
-
-def core_endpoints(address):
-    """The (input, output) ZMQ endpoints of a core address: "tcp://host:P" -> ports P and P + 1,
-    "ipc://path" -> "ipc://path-in" and "ipc://path-out"."""
-    if address.startswith("tcp://"):
-        head, _, port = address.rpartition(":")
-        return f"{head}:{int(port)}", f"{head}:{int(port) + 1}"
-    if address.startswith("ipc://"):
-        return address + "-in", address + "-out"
-    raise ValueError(f"engine core address must be tcp://HOST:PORT or ipc://PATH, got {address!r}")
-
-
-def encode_step(rank, entries, finished, errors):
-    """A StepOutputs from entries [(wire id, index, token ids, logprobs or None, cumulative, finish)]."""
-    if not entries:
-        empty = b""
-        return StepOutputs(rank, empty, empty, empty, empty, empty, empty, empty, finished, errors)
-    wire_ids, index, toks, lps, cumulative, reasons = zip(*entries)        # one pass per column, in C
-    # array.array packs a list of Python numbers in C, several times faster than np.array for a few
-    # hundred (native byte order and sizes: what decode_step's np.frombuffer reads on the same machine
-    # kind; 'q' int64, 'i' int32, 'd' float64)
-    num_tokens = array("i", map(len, toks))
-    tokens = array("i", itertools.chain.from_iterable(toks))
-    if lps.count(None) != len(lps):
-        logprobs = array("d", itertools.chain.from_iterable(
-            x if x is not None else [0.0] * n for x, n in zip(lps, num_tokens))).tobytes()
-    else:
-        logprobs = bytes(8 * len(tokens))           # float64 zeros
-    if None in cumulative:
-        cumulative = [c or 0.0 for c in cumulative]
-    return StepOutputs(rank, array("q", wire_ids).tobytes(), array("i", index).tobytes(), num_tokens.tobytes(),
-                       tokens.tobytes(), logprobs, array("d", cumulative).tobytes(),
-                       bytes(map(_FINISH_CODE.__getitem__, reasons)), finished, errors)
-
-
-def decode_step(msg):
-    """StepOutputs -> dict of numpy arrays (views of the message's buffers) and the two lists."""
-    return dict(wire_ids=np.frombuffer(msg.wire_ids, np.int64), index=np.frombuffer(msg.index, np.int32),
-                num_tokens=np.frombuffer(msg.num_tokens, np.int32), token_ids=np.frombuffer(msg.token_ids, np.int32),
-                logprobs=np.frombuffer(msg.logprobs, np.float64), cumulative=np.frombuffer(msg.cumulative, np.float64),
-                finish=np.frombuffer(msg.finish, np.int8), finished=msg.finished, errors=msg.errors)
-
-
-# ---- the core ---------------------------------------------------------------------------------------------
+# ---- the core ----------------------------------------------------------------------------------------------
 class EngineCore:
     """One engine (an LLM, which may itself be tensor-parallel) behind a core address.
 
     llm: pagedattn.LLM, owned from now on (closed when the loop ends). address: see core_endpoints;
-    the core binds it. rank: this core's data-parallel rank (reported in every message).
+    the core binds it. rank: this core's data-parallel rank (reported in every message). ctx: the ZMQ
+    context to bind in (an inproc:// address: the client's), or None for one of its own.
 
     Admission: a request that arrives while sequences decode (and none waits in the engine) is held
     here until prefill_delay_factor x the last prefill's duration has passed since that prefill ended,
@@ -204,7 +78,7 @@ class EngineCore:
     holding off. Held requests count as waiting in the metrics (routing, wait_until_idle).
     """
 
-    def __init__(self, llm, address, rank=0, prefill_delay_factor=PREFILL_DELAY_FACTOR):
+    def __init__(self, llm, address, rank=0, prefill_delay_factor=PREFILL_DELAY_FACTOR, ctx=None):
         from pagedattn.engine.output_processor import OutputProcessor
 
         self.llm, self.engine, self.rank = llm, llm.engine, rank
@@ -215,16 +89,11 @@ class EngineCore:
         engine.outputs = OutputProcessor(None, engine.eos_token_ids, engine.max_model_len, deltas_only=True)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(ClientMessage)
-        self.ctx = zmq.Context()
+        self.own_ctx = ctx is None      # (an inproc:// core shares its client's context)
+        self.ctx = zmq.Context() if ctx is None else ctx
         in_ep, out_ep = core_endpoints(address)
-        self.input = self.ctx.socket(zmq.PULL)
-        self.output = self.ctx.socket(zmq.ROUTER)
-        for s in (self.input, self.output):
-            s.setsockopt(zmq.RCVHWM, 0)
-            s.setsockopt(zmq.SNDHWM, 0)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self.input = configure(self.ctx.socket(zmq.PULL))
+        self.output = configure(self.ctx.socket(zmq.ROUTER))
         self.output.setsockopt(zmq.ROUTER_MANDATORY, 1)     # a send to a vanished client raises
         self.input.bind(in_ep)
         self.output.bind(out_ep)
@@ -249,14 +118,15 @@ class EngineCore:
                     tensor_parallel_size=cfg.tensor_parallel_size, pid=os.getpid())
 
     # ---- the loop -------------------------------------------------------------------------------
-    def run(self):
-        """Serve until Shutdown (or stop()); closes the engine on the way out."""
+    def run(self, parent_pid=None):
+        """Serve until Shutdown (or stop()); closes the engine on the way out. parent_pid: stop once this
+        process's parent is no longer that process (a core process whose launcher is gone)."""
         engine = self.engine
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
         poller.register(self.output, zmq.POLLIN)
-        parent = os.getppid()
         try:
+            _bind_device(engine)
             while not self.stopping:
                 busy = engine.has_unfinished_requests()
                 for sock, _ in poller.poll(0 if busy else IDLE_POLL_MS):
@@ -269,7 +139,7 @@ class EngineCore:
                     if not self.idle_snapshot_sent:
                         self._broadcast_stats()
                         self.idle_snapshot_sent = True
-                    if os.getppid() != parent:          # the process that started us is gone
+                    if parent_pid is not None and os.getppid() != parent_pid:     # our launcher is gone
                         logger.error("engine core %d: parent process exited; stopping", self.rank)
                         break
                     continue
@@ -294,7 +164,8 @@ class EngineCore:
             self.llm.close()
         self.input.close(0)
         self.output.close(0)
-        self.ctx.term()
+        if self.own_ctx:
+            self.ctx.term()
 
     def _receive(self, sock):
         """Apply every message waiting on `sock`."""
@@ -386,7 +257,7 @@ class EngineCore:
             errors = {}
             for rid in list(engine.groups):
                 engine.abort_request(rid)      # if this raises too, the core dies (see run)
-                errors.setdefault(rid[0], []).append((rid[1], "step", f"the engine step failed: {e!r}"))
+                errors.setdefault(rid[0], []).append((rid[1], "step", repr(e)))
             for client, errs in errors.items():
                 self._send(client, encode_step(self.rank, [], [], errs))
             return
@@ -454,85 +325,72 @@ class EngineCore:
             self._send(client, msg)
 
 
-# ---- processes --------------------------------------------------------------------------------------------
-def die_with_parent():
-    """Ask Linux to SIGTERM this process when its parent exits (no orphan keeps a GPU); elsewhere a no-op
-    (the core's idle loop also notices a new parent pid)."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)          # PR_SET_PDEATHSIG
+def _bind_device(engine):
+    """Make the engine's GPU the current device of the thread that runs the loop (torch keeps the current
+    device per thread, and a new thread starts on cuda:0)."""
+    device = str(getattr(getattr(engine, "config", None), "device", "cpu"))
+    if device.startswith("cuda"):
+        import torch
+        index = torch.device(device).index
+        if index is not None:
+            torch.cuda.set_device(index)
 
 
-def name_process(name):
-    """Set this process's name as `ps`, `top` and /proc/PID/comm show it (Linux, 15 bytes); elsewhere a no-op."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(15, ctypes.create_string_buffer(name.encode()[:15]), 0, 0, 0)      # PR_SET_NAME
+def build_llm(config, device=None):
+    """The LLM an engine core serves: LLM(**config.engine) (`device` in place of the engine's, when given),
+    then config's engine_hook called on it. config: ServeConfig."""
+    from pagedattn import LLM
+
+    hook = config.hook()                # (a hook that cannot be loaded fails before the model loads)
+    llm = LLM(**(config.engine if device is None else {**config.engine, "device": device}))
+    if hook is not None:
+        hook(llm, **config.engine_hook_args)
+    return llm
 
 
-def run_profiled(name, fn):
-    """fn(), under cProfile when $PAGEDATTN_PROFILE_DIR names a directory: the process's profile goes to
-    DIR/<name>.prof when fn returns (a clean stop: SIGTERM to a core, the launcher's shutdown of an API
-    server). For studying where a serving process's time goes:
-        PAGEDATTN_PROFILE_DIR=/tmp/prof python -m pagedattn serve ...;  python -m pstats /tmp/prof/core0.prof"""
-    directory = os.environ.get("PAGEDATTN_PROFILE_DIR")
-    if not directory:
-        return fn()
-    import cProfile
+# ---- a core on a thread of this process -------------------------------------------------------------------
+class CoreThread(threading.Thread):
+    """The loop of `core` on a thread of this process. A failure the core could not recover from has been
+    logged and sent to its clients (Dead) by EngineCore.run before the thread ends."""
 
-    # A SIGTERM ends fn with SystemExit, so the profile is still written (uvicorn re-raises it); the handler
-    # is this call's alone: whatever was there before is back when it returns.
-    with _signal_handlers({signal.SIGTERM: lambda *_: sys.exit(0)}
-                          if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL else {}):
-        profile = cProfile.Profile()
-        try:
-            return profile.runcall(fn)
-        finally:
-            os.makedirs(directory, exist_ok=True)
-            profile.dump_stats(os.path.join(directory, f"{name}.prof"))
+    def __init__(self, core):
+        super().__init__(name=f"pagedattn-core{core.rank}", daemon=True)
+        self.core = core
+
+    def run(self):
+        with contextlib.suppress(Exception):
+            self.core.run()
+
+    def stop(self):
+        self.core.stop()
 
 
-@contextlib.contextmanager
-def _signal_handlers(handlers):
-    """Install {signal: handler} for the block and put the previous handlers back after it: a core or a
-    profile run in the calling process (a test, a script) leaves that process's signal handling as it was."""
-    old = {s: signal.signal(s, h) for s, h in handlers.items()}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+def start_core_thread(llm, ctx, prefill_delay_factor=PREFILL_DELAY_FACTOR):
+    """An EngineCore on `llm` (owned from now on) at a fresh inproc:// address in `ctx` (the client's ZMQ
+    context: inproc sockets only meet within one), its loop on a new thread. Returns (CoreThread, address)."""
+    address = f"inproc://pagedattn-core-{uuid.uuid4().hex}"
+    thread = CoreThread(EngineCore(llm, address, 0, prefill_delay_factor, ctx=ctx))
+    thread.start()
+    return thread, address
 
 
-def run_engine_core(address, engine_kwargs, rank=0, visible_devices=None):
-    """A core process's body (a spawn target): build the LLM, serve `address` until stopped.
-
-    engine_kwargs: LLM(**engine_kwargs). visible_devices: "2,3" makes those GPUs this process's
-    cuda:0, cuda:1 (a data-parallel rank on its own GPUs; its tensor-parallel workers inherit it)."""
+# ---- cores in processes of their own ----------------------------------------------------------------------
+def run_engine_core(config, address, rank=0, visible_devices=None):
+    """A core process's body (a spawn target): build the LLM of `config` (ServeConfig), serve `address`
+    until stopped. visible_devices: "2,3" makes those GPUs this process's cuda:0, cuda:1 (a data-parallel
+    rank on its own GPUs; its tensor-parallel workers inherit it)."""
     die_with_parent()
     name_process(f"pagedattn-core{rank}")
     # Ctrl-C reaches every process of the terminal's group; the launcher decides when a core stops.
-    with _signal_handlers({signal.SIGINT: signal.SIG_IGN}):
-        _run_engine_core(address, engine_kwargs, rank, visible_devices)
-
-
-def _run_engine_core(address, engine_kwargs, rank, visible_devices):
-    if visible_devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine-core-{rank} %(levelname)s %(message)s")
-    from pagedattn import LLM
-
-    engine_kwargs = dict(engine_kwargs)
-    fake_step_ms = engine_kwargs.pop("fake_step_ms", None)     # a synthetic device (benchmarks; fake_engine.py)
-    fake_prefill_ms = engine_kwargs.pop("fake_prefill_ms", None) or 0.0
-    delay = engine_kwargs.pop("prefill_delay_factor", None)
-    llm = LLM(**engine_kwargs)
-    if fake_step_ms:
-        from pagedattn.serving.fake_engine import install_fake_runner
-        install_fake_runner(llm, fake_step_ms, seed=rank, prefill_ms=fake_prefill_ms)
-    core = EngineCore(llm, address, rank, PREFILL_DELAY_FACTOR if delay is None else delay)
-    with _signal_handlers({signal.SIGTERM: lambda *_: core.stop()}):     # stop between two steps
-        run_profiled(f"core{rank}", core.run)
+    with signal_handlers({signal.SIGINT: signal.SIG_IGN}):
+        if visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine-core-{rank} %(levelname)s %(message)s")
+        llm = build_llm(config, device=None if visible_devices is None else "cuda")
+        core = EngineCore(llm, address, rank, config.prefill_delay_factor)
+        parent = os.getppid()
+        with signal_handlers({signal.SIGTERM: lambda *_: core.stop()}):     # stop between two steps
+            run_profiled(f"core{rank}", lambda: core.run(parent_pid=parent))
 
 
 def local_addresses(count, directory=None):
@@ -550,66 +408,47 @@ def remove_socket_dir(addresses):
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def start_engine_cores(engine_kwargs, data_parallel_size=1, addresses=None):
-    """Start `data_parallel_size` core processes (spawn). Returns (processes, addresses). Without addresses, the
-    cores listen on local_addresses (the caller removes their directory when it stops them: remove_socket_dir).
+def start_engine_cores(config, addresses=None):
+    """Start config.data_parallel_size core processes (spawn) on `config` (ServeConfig). Returns (processes,
+    addresses). Without addresses, the cores listen on local_addresses (the caller removes their directory
+    when it stops them: remove_socket_dir).
 
-    On CUDA each rank gets its own GPUs: rank r sees devices r*P .. r*P + P - 1 (P = tensor_parallel_size)."""
+    On CUDA with several ranks each gets its own GPUs: rank r sees devices r*P .. r*P + P - 1
+    (P = tensor_parallel_size)."""
     import multiprocessing as mp
 
-    addresses = addresses or local_addresses(data_parallel_size)
-    tp = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
-    on_cuda = str(engine_kwargs.get("device", "auto")).startswith("cuda") and data_parallel_size > 1
+    from pagedattn.config import EngineConfig
+
+    count = config.data_parallel_size
+    addresses = addresses or local_addresses(count)
+    engine = EngineConfig(**config.engine)
+    split = engine.device_type == "cuda" and count > 1
     ctx = mp.get_context("spawn")
     procs = []
     for r, address in enumerate(addresses):
-        devices = ",".join(str(r * tp + i) for i in range(tp)) if on_cuda else None
-        kwargs = dict(engine_kwargs)
-        if on_cuda:
-            kwargs["device"] = "cuda"
-        p = ctx.Process(target=run_engine_core, args=(address, kwargs, r, devices), name=f"pagedattn-core-{r}",
+        tp = engine.tensor_parallel_size
+        devices = ",".join(str(r * tp + i) for i in range(tp)) if split else None
+        p = ctx.Process(target=run_engine_core, args=(config, address, r, devices), name=f"pagedattn-core-{r}",
                         daemon=False)
         p.start()
         procs.append(p)
     return procs, addresses
 
 
-def stop_processes(procs, timeout=10.0):
-    """SIGTERM each live process, wait up to `timeout` in all, SIGKILL what is left, reap everything."""
-    for p in procs:
-        if p.is_alive():
-            with contextlib.suppress(Exception):
-                p.terminate()
-    deadline = now() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - now()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-
-
 def main(argv=None):
-    """A headless core (another node's engine): python -m pagedattn.serving.engine_core --bind tcp://0.0.0.0:5550
-    --model DIR [--rank R] [LLM options as --key value]."""
+    """A headless engine core (another node's engine) on `python -m pagedattn serve`'s options:
+        python -m pagedattn.serving.engine_core --bind tcp://0.0.0.0:5550 [--rank R] --model DIR --device cuda"""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m pagedattn.serving.engine_core", description=main.__doc__)
+    from pagedattn.serving.cli import parse_config
+
+    ap = argparse.ArgumentParser(prog="python -m pagedattn.serving.engine_core", description=main.__doc__,
+                                 epilog="every other option is `python -m pagedattn serve`'s (its engine options "
+                                        "and --prefill-delay-factor, --engine-hook apply here)")
     ap.add_argument("--bind", required=True, help="tcp://IFACE:PORT (uses PORT and PORT + 1) or ipc://PATH")
-    ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--num-blocks", type=int, default=None)
-    ap.add_argument("--prefill-delay-factor", type=float, default=PREFILL_DELAY_FACTOR)
-    a = ap.parse_args(argv)
-    run_engine_core(a.bind, dict(model=a.model, device=a.device, dtype=a.dtype,
-                                 tensor_parallel_size=a.tensor_parallel_size, max_model_len=a.max_model_len,
-                                 max_num_seqs=a.max_num_seqs, num_blocks=a.num_blocks,
-                                 prefill_delay_factor=a.prefill_delay_factor), a.rank)
+    ap.add_argument("--rank", type=int, default=0, help="this core's data-parallel rank (in its messages)")
+    a, rest = ap.parse_known_args(argv)
+    run_engine_core(parse_config(rest), a.bind, a.rank)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,23 @@
 """The server's Prometheus metrics, in their own prometheus-client registry per server.
 
 Two kinds, both exposed at scrape time by one custom collector:
-  * recorded as requests run, by AsyncLLM's engine thread through the four methods below: TTFT,
-    inter-token latency and end-to-end latency histograms, prompt / generation token counters,
-    finished requests by reason. These are plain Python numbers with a single writer (the engine
-    thread), not prometheus-client's locked metric objects: an observation costs a bisect and an
+  * recorded as requests run, by the engine's front (CoreClient, as it processes each step's tokens) through
+    the four methods below: TTFT, inter-token latency and end-to-end latency histograms, prompt /
+    generation token counters, finished requests by reason. These are plain Python numbers written under
+    the front's lock, not prometheus-client's locked metric objects: an observation costs a bisect and an
     addition, which matters at one inter-token observation per token per stream;
   * read from the engine: running / waiting sequences, KV usage and free blocks, prefix-cache hit rate
-    and its token counters, preemptions, from AsyncLLM's latest snapshot of engine.metrics() (taken by
-    the engine thread, so a scrape never touches the engine itself).
+    and its token counters, preemptions, engine steps, from the latest snapshot each engine core sent of
+    its engine.metrics(), summed over the data-parallel ranks (aggregate_metrics), so a scrape never
+    touches an engine.
 
-Every name starts with `pagedattn_`; latencies are seconds (measured from the moment AsyncLLM accepted
+Every name starts with `pagedattn_`; latencies are seconds (measured from the moment the front accepted
 the request, so they include queueing), KV usage is a fraction in [0, 1].
 
-Once the engine has stopped (the engine thread died or was shut down, an engine core died: what makes
-/health answer 503), `pagedattn_engine_alive` is 0 and the series read from the engine are left out:
-their last values would be a dead engine's, stale for good. The scrape itself still succeeds (200), so
-the server's own series (latencies, finished requests by reason, errors included) stay visible; alert on
+Once the engine has stopped (a core died or the front was shut down: what makes /health answer 503),
+`pagedattn_engine_alive` is 0 and the series read from the engine are left out: their last values would
+be a dead engine's, stale for good. The scrape itself still succeeds (200), so the server's own series
+(latencies, finished requests by reason, errors included) stay visible; alert on
 `pagedattn_engine_alive == 0`.
 """
 import bisect
@@ -30,6 +31,39 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # From 1 ms (a decode step on the GPU) to minutes (a long request on CPU).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+# Engine metrics that add up over data-parallel ranks; the ratios are recomputed from the sums.
+_SUMMED = ("num_blocks", "num_free_blocks", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
+           "num_preemptions", "num_running", "num_waiting", "num_steps", "num_computed_tokens",
+           "num_generated_tokens", "num_finished_requests", "step_time_s", "generation_throughput_tok_s",
+           "total_throughput_tok_s")
+
+
+def aggregate_metrics(snapshots):
+    """One engine-metrics dict for several ranks' engine.metrics() dicts: counts summed (throughputs too:
+    the ranks run side by side), KV usage and prefix-cache hit rate recomputed from the sums, the other
+    ratios the worst rank's (fragmentation, peak KV usage) or the mean over ranks (latencies)."""
+    snapshots = [s for s in snapshots if s]
+    if not snapshots:
+        return {}
+    out = {"data_parallel_size": len(snapshots), "block_size": snapshots[0].get("block_size")}
+    for key in _SUMMED:
+        values = [s[key] for s in snapshots if s.get(key) is not None]
+        if values:
+            out[key] = sum(values)
+    if out.get("num_blocks"):
+        out["kv_cache_usage"] = 1.0 - out["num_free_blocks"] / out["num_blocks"]
+    queried = out.get("prefix_cache_queried_tokens", 0)
+    out["prefix_cache_hit_rate"] = out.get("prefix_cache_hit_tokens", 0) / queried if queried else 0.0
+    for key in ("kv_fragmentation", "mean_kv_fragmentation", "peak_kv_usage", "step_time_s"):
+        values = [s[key] for s in snapshots if s.get(key) is not None]
+        if values:
+            out[key] = max(values)
+    for key in ("mean_ttft_s", "mean_itl_s"):
+        values = [s[key] for s in snapshots if s.get(key) is not None]
+        out[key] = sum(values) / len(values) if values else None
+    return out
 
 
 class Histogram:
@@ -56,8 +90,8 @@ class Histogram:
 
 class ServingMetrics:
     """model_name: the `model_name` label on every series. snapshot: a callable returning the engine's
-    metrics() dict (AsyncLLM.engine_metrics) plus "num_requests_in_flight", or None until `attach`.
-    alive: a callable returning whether the engine still serves (AsyncLLM.is_alive), or None: then no
+    metrics() dict (CoreClient.engine_metrics) plus "num_requests_in_flight", or None until `attach`.
+    alive: a callable returning whether the engine still serves (CoreClient.is_alive), or None: then no
     pagedattn_engine_alive series and the engine's series are always shown."""
 
     HISTOGRAMS = [  # (metric, attribute, help)
@@ -80,7 +114,7 @@ class ServingMetrics:
     def attach(self, snapshot, alive=None):
         self.snapshot, self.alive = snapshot, alive
 
-    # ---- recording (AsyncLLM's engine thread only) ----------------------------------------------------
+    # ---- recording (the front, under its lock) -------------------------------------------------------
     def first_token(self, ttft, num_prompt_tokens):
         self.ttft.observe(ttft)
         self.prompt_tokens += num_prompt_tokens

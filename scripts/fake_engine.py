@@ -14,7 +14,13 @@ log-probability -1; beam search is not supported. prefill_ms stands for what a s
 chunk costs beyond a decode step on a GPU (there such a step runs eagerly, launch by launch, while a
 pure-decode step replays a CUDA graph): it makes the admission policy of the engine core measurable.
 
-`python -m pagedattn serve --fake-step-ms 2 ...` and `scripts/bench_serving.py --fake-step-ms 2` use it.
+A served engine core gets it through ServeConfig's engine hook, which calls install_fake_runner on the
+core's LLM before it serves (the core process imports this file as `scripts.fake_engine`: start the
+server from the repository's root, or with it on PYTHONPATH):
+
+    python -m pagedattn serve --model DIR --device cpu \
+        --engine-hook scripts.fake_engine:install_fake_runner --engine-hook-arg step_ms=2
+    python scripts/bench_serving.py --model DIR --device cpu --fake-step-ms 2 --out OUT    # (passes the hook)
 """
 import time
 
@@ -81,3 +87,12 @@ def install_fake_runner(llm, step_ms, seed=0, prefill_ms=0.0):
     engine.runner = FakeRunner(engine.runner, step_ms, engine.vocab_size, engine.eos_token_ids, seed,
                                prefill_ms=prefill_ms or 0.0)
     return llm
+
+
+HOOK = "scripts.fake_engine:install_fake_runner"
+
+
+def serve_flags(step_ms, prefill_ms=None):
+    """`python -m pagedattn serve`'s arguments that put every engine core on the synthetic device."""
+    flags = ["--engine-hook", HOOK, "--engine-hook-arg", f"step_ms={step_ms}"]
+    return flags + (["--engine-hook-arg", f"prefill_ms={prefill_ms}"] if prefill_ms else [])
