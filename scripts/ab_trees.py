@@ -2,8 +2,8 @@
 
     python scripts/ab_trees.py --trees OLD_DIR,. --rounds 3 --out OUT
 
-Each measurement runs in a fresh process whose PYTHONPATH is one tree (its pagedattn, kernels_numba and
-scripts), on random weights of the Qwen2.5-0.5B config in fp16 (scripts/benchlib.random_checkpoint), CUDA
+Each measurement runs in a fresh process whose PYTHONPATH starts with one tree (its pagedattn, kernels_numba
+and scripts), on random weights of the Qwen2.5-0.5B config in fp16 (scripts/benchlib.random_checkpoint), CUDA
 graphs on, prefix caching off:
 
     workload   the nano-vllm workload (256 requests, prompts of 100-1024 tokens, outputs of 100-1024,
@@ -49,7 +49,7 @@ print(json.dumps(dict(workload_tok_s=workload, batch1_tok_s=batch1)))
 
 
 def run(tree, timeout):
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, "-c", CHILD], cwd=os.path.abspath(tree), env=env, capture_output=True,
                        text=True, timeout=timeout)
     try:
