@@ -243,7 +243,7 @@ def _prefetch_in_step(ahead, hb):
     """Cache lines 2 hb and 2 hb + 1 of the row `ahead` (a half super-block is at most 128 bytes: Q6_K 105,
     Q4_K 72), so the row after next comes from memory in step with this row's halves. (Asking for a whole
     row's lines at its start, as _rows_of does, left the K-quant products from memory ~1.7x their time
-    from cache: measured in docs/cpu_quant.md.)"""
+    from cache: measured in docs/cpu.md.)"""
     p = 128 * hb
     if p < ahead.shape[0]:
         prefetch(ahead, p)

@@ -60,8 +60,8 @@ from kernels_numba.errors import KernelLaunchError
 from kernels_numba.launcher import launch as launch_kernel
 
 MAX_HEADS_PER_CTA = 16  # the mma's 16 rows; a larger group is cut into head blocks
-STAGES = 3  # ring stages per warp: 2 chunks in flight (deeper rings measured <= 5% better, docs/tune_splits.md)
-WARPS_PER_SM = 8  # about 8 warps per SM stream the pool as fast as 16 (docs/tune_splits.md)
+STAGES = 3  # ring stages per warp: 2 chunks in flight (deeper rings measured <= 5% better, docs/kernels.md, "v9")
+WARPS_PER_SM = 8  # about 8 warps per SM stream the pool as fast as 16 (docs/kernels.md, "v9's sweep")
 SPLIT_WARPS = 4  # warps per CTA once a context is split, for the fewest (sequence, head group) pairs ...
 SPLIT_WARPS_MANY = 8  # ... and once a pair's share is at most MANY_PAIRS_SHARE warps (3 or more sequences)
 MANY_PAIRS_SHARE = 128
@@ -324,7 +324,7 @@ def decode_plan(num_seqs, num_kv_heads, group, max_context_len, num_sms, splits=
                      wave; c = 4 for the fewest pairs (w > MANY_PAIRS_SHARE at 132 SMs: 1-4 pairs, e.g. one
                      or two sequences of 2 KV heads), 8 for more; merged "fused" up to FUSED_MERGE_MAX_SPLITS
                      partitions, by the merge "kernel" beyond
-    (the choices measured by scripts/tune_splits.py: docs/tune_splits.md, v10)
+    (the choices measured by scripts/tune_splits.py: docs/kernels.md, "v10's sweep")
     splits, warps, merge: override the plan's choice."""
     pairs = max(1, num_seqs * num_kv_heads * head_blocks(group)[0])
     share = max(2, 1 << max(0, (WARPS_PER_SM * num_sms // pairs).bit_length() - 1))

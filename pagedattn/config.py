@@ -64,7 +64,7 @@ class EngineConfig:
     seed: the engine-level seed unseeded requests take their random keys from.
     weights: "auto", "quantized" or "float32". "quantized": the model's matrices stay the GGUF file's
         blocks (CPU, float32, one rank; ~0.46 GB for the bundled model instead of 2.4 GB, and ~1.5x the
-        float32 path's decode speed, docs/cpu_quant.md): the bundled model's GGUF, or the one *.gguf
+        float32 path's decode speed, docs/cpu.md): the bundled model's GGUF, or the one *.gguf
         file in the model directory. "float32": the safetensors checkpoint (the bundled one
         dequantized). "auto": "quantized" where it can run (CPU, float32, one rank) and a GGUF file is
         there, "float32" otherwise. with_model_path resolves it and sets gguf_file.
@@ -73,7 +73,7 @@ class EngineConfig:
         block (kernels_numba/cpu_quant_int8.py), and a prompt's GEMM on bfloat16 tiles where the CPU multiplies
         bfloat16 natively (kernels_numba/cpu_quant.native_bf16): ~1.3x the decode speed of "float32", a slightly
         different function (outputs off by ~1e-2 of their scale; on the bundled model's test prompts HF's
-        greedy tokens up to near ties, docs/cpu_quant.md). "float32": every product is the
+        greedy tokens up to near ties, docs/cpu.md). "float32": every product is the
         dequantized float32 matrix's. "auto" (default): "int8" where the CPU numba compiles for has AVX2
         (its byte multiply-adds make it fast), "float32" elsewhere and on float32 weights;
         with_model_path resolves it. "int8" needs weights="quantized" (or "auto" resolving to it).

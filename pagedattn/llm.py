@@ -59,7 +59,7 @@ class LLM:
 
     weights: "auto" (default), "quantized" or "float32". "quantized" runs the bundled model's (or a
     directory's one .gguf file's) quantized blocks on the CPU: ~0.46 GB of weights instead of the
-    float32 copy's 2.4 GB, and faster decoding (docs/cpu_quant.md); "auto" takes it on the CPU (float32,
+    float32 copy's 2.4 GB, and faster decoding (docs/cpu.md); "auto" takes it on the CPU (float32,
     one rank) where there is a GGUF file, "float32" elsewhere. "quantized" on a GPU, in
     float16/bfloat16, with tensor parallelism or for a checkpoint without a GGUF file raises
     InvalidRequestError.

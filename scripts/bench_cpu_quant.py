@@ -7,7 +7,7 @@ whose total exceeds the last-level cache (>= 64 MB), so each call streams its we
 decode step does; the methods alternate within each round; the table gives the median over rounds.
 GB/s counts the weight bytes a call reads (the blocks, or 4 bytes a value in float32).
 
-    python scripts/bench_cpu_quant.py [--rounds 7] [--threads 2] [--out docs/cpu_quant.md]
+    python scripts/bench_cpu_quant.py [--rounds 7] [--threads 2] [--out OUT.md]
 """
 import argparse
 import datetime

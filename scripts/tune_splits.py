@@ -8,7 +8,7 @@ whose partitions hold at least one 16-token chunk per warp: merge "f" (fused int
 "k" (the merge kernel). Prints a table (the fastest forced configuration in bold) and writes
 tune_splits.json / tune_splits.md to --out.
 
-    python3 scripts/tune_splits.py --out docs/
+    python3 scripts/tune_splits.py --out OUT
     python3 scripts/tune_splits.py --points 1x8192 8x2048 --splits 16 32 64 --warps 4 8 --merge fused kernel
 """
 import argparse

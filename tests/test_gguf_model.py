@@ -252,7 +252,7 @@ def test_seeded_sampling_is_reproducible(bundled_model_dir, bundled_gguf):  # no
 def test_int8_activations_on_the_bundled_layers(quant_model):
     """Layer 3's matrices with activations="int8" (QuantWeight(parts, "int8")): off the float32 product by
     at most what rounding x costs, |W| |x_hat - x| (x_hat the reference's dx * xq), plus the float32
-    summation bound; the kernel's output over the largest error is printed (docs/cpu_quant.md's figure)."""
+    summation bound; the kernel's output over the largest error is printed (docs/cpu.md's figure)."""
     from pagedattn.models.gguf_weights import QuantWeight
     from reference import quant
 

@@ -198,7 +198,7 @@ def test_decode_plan_splits_small_batches_only():
     """Large batches keep v9's launch (one CTA over each whole context); 1-8 sequences are split so
     that about 8 warps per SM run, merged in the last CTA up to 16 partitions, by a kernel beyond;
     contexts of <= 512 tokens are not split; split CTAs have 4 warps for one sequence of 2 KV heads, 8 for 3 or
-    more (the fastest configurations of docs/tune_splits.md's v10 sweep)."""
+    more (the fastest configurations of v10's sweep in docs/kernels.md)."""
     for batch, ctx in [(256, 512), (512, 512), (128, 2048), (64, 2048), (64, 512)]:
         plan = pa.decode_plan(batch, 2, 7, ctx, 132)
         assert (plan.splits, plan.partition, plan.warps, plan.merge) == (*tensor_core.v9_plan(batch, 2, ctx, 132),

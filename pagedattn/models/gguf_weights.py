@@ -262,7 +262,7 @@ class QuantWeight:
         self.activations = activations
         # a prompt's rows (> cpu_quant.MAX_ROWS): the dequantized tiles' GEMM. With int8 activations (a rounded
         # x already) in bfloat16 where the CPU multiplies it natively: its error (~3e-3 of a product's scale)
-        # is below int8's (~5e-3), and the GEMM is the prompt's cost (docs/cpu_quant.md)
+        # is below int8's (~5e-3), and the GEMM is the prompt's cost (docs/cpu.md)
         low = activations == "int8" and cpu_quant.native_bf16()
         self.tile_dtype = torch.bfloat16 if low else torch.float32
         if not parts or any(p.fmt not in cpu_quant.FORMATS or len(p.shape) != 2 for p in parts):
