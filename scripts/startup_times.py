@@ -41,7 +41,7 @@ t_import = since_start()
 model, device, dtype = sys.argv[1] or None, sys.argv[2], sys.argv[3]
 llm = LLM(model, device=device, dtype=dtype)
 t_llm = since_start()
-prompt = "The capital of France is" if llm.get_tokenizer() is not None else [1, 2, 3]    # (a bare checkpoint)
+prompt = "The capital of France is" if llm.engine.tokenizer is not None else [1, 2, 3]    # (a bare checkpoint)
 out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
 t_first = since_start()
 print(json.dumps(dict(import_s=t_import, llm_s=t_llm, first_s=t_first, text=out[0].outputs[0].text,

@@ -598,20 +598,25 @@ def test_gpu_v10_plans_within_twice_sdpa_error(case):
 
 
 @pytest.mark.gpu
-def test_gpu_zero_scratch_first_made_inside_a_capture_is_refused():
-    """The fused merge's counters must start at zero: made inside a capture they would be zeroed only by
-    that graph's replays. A launch compiled on another stream only, then captured, is refused clearly
-    (7 sequences: a counters shape no other test makes)."""
+def test_gpu_zero_scratch_made_on_one_stream_serves_a_capture_on_another():
+    """The fused merge's counters must start at zero, so they are made (zeroed) outside any capture: a launch
+    on the default stream makes them, and a graph captured on another stream (7 sequences: a counters shape no
+    other test makes) finds them there and replays the launch's output, twice."""
     q, k, v, bt, lens = _gpu_problem(11, 7, 14, 2, 64, 16, torch.float16, [5000, 70, 2048, 3333, 900, 4100, 17])
     plan = pa.decode_plan(7, 2, 7, 5000, 132, merge="fused")
     assert plan.splits > 1
-    out = torch.empty_like(q)
-    pa.paged_attention(q, k, v, bt, lens, out=out, max_context_len=5000, plan=plan)   # the default stream only
+    eager = torch.empty_like(q)
+    pa.paged_attention(q, k, v, bt, lens, out=eager, max_context_len=5000, plan=plan)   # the default stream only
     torch.cuda.synchronize()
+    out = torch.zeros_like(q)
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
-        with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
-            pa.paged_attention(q, k, v, bt, lens, out=out, max_context_len=5000, plan=plan)
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
+        pa.paged_attention(q, k, v, bt, lens, out=out, max_context_len=5000, plan=plan)
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
 
 
 @pytest.mark.gpu

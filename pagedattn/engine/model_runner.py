@@ -254,6 +254,7 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.shutdown()
         self.graphs = self.piecewise = self.model = self.kv_cache = self.staging = None
+        self.sampled_tokens = self.sampled_logprobs = self._host_out = None
         self.release_caches()
         if self.cuda:
             ModelRunner._open_on_cuda -= 1
@@ -314,8 +315,11 @@ class ModelRunner:
                 if len(copies):                           # copy-on-write: (src, dst) in every layer, before the writes
                     self.model.attn_backend.copy_blocks(self.kv_cache.k_caches, self.kv_cache.v_caches,
                                                         np.asarray(copies, dtype=np.int64))
-                if self.use_graphs and step.pure_decode and self.capture_graphs().can_run(step):
-                    self.graphs.run(step)
+                # the decode graphs are captured at the runner's first step, before any sampled token is in flight:
+                # a capture's warm-up samples its padding rows into the buffer the next step reads ids from
+                graphs = self.capture_graphs() if self.use_graphs else None
+                if graphs is not None and graphs.can_run(step):
+                    graphs.run(step)
                 else:
                     dev = self.staging.upload(step.data) if self.cuda else torch.from_numpy(step.data)
                     piecewise = self.piecewise if self.piecewise is not None and self.piecewise.can_run(step) else None
