@@ -35,12 +35,42 @@ def pair(request, tmp_path_factory):
     path = request.getfixturevalue("bundled_model_dir" if request.param == "bundled" else "tiny_dir")
     mp = pytest.MonkeyPatch()
     mp.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    first = load_tokenizer(path)                        # through transformers, then saved
+    first = load_tokenizer(path, in_a_child=False)      # through transformers here, then saved
     second = load_tokenizer(path)                       # from the disk cache, transformers untouched
     mp.undo()
     assert isinstance(first, Tokenizer) and isinstance(second, Tokenizer)
     assert first._hf is not None and second._hf is None
     yield second, AutoTokenizer.from_pretrained(path)
+
+
+_FRESH_LOAD = """
+import json, sys
+from pagedattn.engine.tokenizer import Tokenizer, _cache_file, load_tokenizer
+tok = load_tokenizer(sys.argv[1])
+import os
+print(json.dumps(dict(ours=isinstance(tok, Tokenizer), hf_loaded=tok._hf is not None, cached=os.path.isfile(
+    _cache_file(sys.argv[1])), transformers="transformers" in sys.modules, ids=tok.encode("def fib(n):"))))
+"""
+
+
+def test_a_first_load_builds_in_a_child_process(tiny_dir, tmp_path):
+    """On an empty cache the tokenizer is built by a child process, which saves it; this process reads the
+    saved file and never imports transformers (whose import and build would hold its GIL), with the ids
+    transformers gives."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    env = dict(os.environ, PAGEDATTN_CACHE_DIR=str(tmp_path / "cache"))
+    p = subprocess.run([sys.executable, "-c", _FRESH_LOAD, tiny_dir], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["ours"] and out["cached"] and not out["hf_loaded"] and not out["transformers"], out
+    assert out["ids"] == AutoTokenizer.from_pretrained(tiny_dir).encode("def fib(n):", add_special_tokens=True)
 
 
 def test_encode_matches_transformers(pair):

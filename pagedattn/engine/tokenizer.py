@@ -6,10 +6,11 @@ fast tokenizer hands to its Rust tokenizer (`backend_tokenizer`). transformers b
 checkpoint's files and its own code (a model's tokenizer class may set its pre-tokenizer itself, so it is
 not always tokenizer.json as written); the first load on a machine therefore goes through transformers,
 and the object it built is saved (`backend_tokenizer.to_str()`) under ~/.cache/pagedattn/tokenizers/, keyed
-by the checkpoint's tokenizer files and the transformers and tokenizers versions. Every later load reads that file with
-the `tokenizers` library: ~0.4 s instead of the seconds transformers takes to import. Anything else
-(apply_chat_template, the special-token maps, ...) goes to transformers' tokenizer, loaded on first use, and
-`LLM.get_tokenizer()` returns that one. tests/test_tokenizer.py checks that both give the same ids and text.
+by the checkpoint's tokenizer files and the transformers and tokenizers versions; that first build runs in a
+process of its own (this module as a script), so the engine's process, loading the model meanwhile, never shares
+its GIL with transformers. Every load reads that file with the `tokenizers` library: ~0.4 s instead of the
+seconds transformers takes to import. Anything else (apply_chat_template, the special-token maps, ...) goes to
+transformers' tokenizer, loaded on first use, and `LLM.get_tokenizer()` returns that one. tests/test_tokenizer.py checks that both give the same ids and text.
 """
 import json
 import os
@@ -110,22 +111,52 @@ def _cache_file(path):
     return os.path.join(cache_root(), "tokenizers", h.hexdigest()[:32] + ".json")
 
 
-def load_tokenizer(path):
+def _load_cached(path, cached):
+    """The Tokenizer saved at `cached`, or None when there is none or it is damaged (then it is rebuilt)."""
+    if cached is None or not os.path.isfile(cached):
+        return None
+    try:
+        from tokenizers import Tokenizer as RustTokenizer
+        with open(cached) as f:
+            saved = json.load(f)
+        return Tokenizer(path, RustTokenizer.from_str(saved["tokenizer"]), saved["eos_token_id"],
+                         saved["clean_up_tokenization_spaces"])
+    except (OSError, ValueError, KeyError, Exception):  # noqa: BLE001 - a damaged entry: rebuild it
+        return None
+
+
+def _build_in_a_child(path):
+    """Build the cached tokenizer of `path` in a process of its own (this module run as a script): importing
+    transformers and building the tokenizer is seconds of Python (~17 s on a host without compiled bytecode),
+    which on a thread of the engine's process holds the GIL the model's load and the kernels' warm-up need."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        subprocess.run([sys.executable, "-m", "pagedattn.engine.tokenizer", path], env=env, timeout=900,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        pass                                 # built in this process instead
+
+
+def load_tokenizer(path, in_a_child=True):
     """The checkpoint's tokenizer (a Tokenizer; transformers' own when it is not a fast one), or None for a
-    checkpoint without one (token ids only)."""
+    checkpoint without one (token ids only). in_a_child: when the tokenizer is not cached yet, build it in a
+    process of its own and load what it saved (transformers stays out of this process), unless this process
+    imported transformers already; False: here."""
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
                                                                "vocab.json")):
         return None
+    import sys
+
     cached = _cache_file(path)
-    if cached is not None and os.path.isfile(cached):
-        try:
-            from tokenizers import Tokenizer as RustTokenizer
-            with open(cached) as f:
-                saved = json.load(f)
-            return Tokenizer(path, RustTokenizer.from_str(saved["tokenizer"]), saved["eos_token_id"],
-                             saved["clean_up_tokenization_spaces"])
-        except (OSError, ValueError, KeyError, Exception):  # noqa: BLE001 - a damaged entry: rebuild it
-            pass
+    tok = _load_cached(path, cached)
+    if tok is None and cached is not None and in_a_child and "transformers" not in sys.modules:
+        _build_in_a_child(path)         # (a process that imported transformers already builds it in a moment)
+        tok = _load_cached(path, cached)
+    if tok is not None:
+        return tok
     from transformers import AutoTokenizer
     hf = AutoTokenizer.from_pretrained(path)
     if getattr(hf, "backend_tokenizer", None) is None:
@@ -142,3 +173,9 @@ def load_tokenizer(path):
         except OSError:
             pass
     return tok
+
+
+if __name__ == "__main__":               # the child of _build_in_a_child: build and save the cached tokenizer
+    import sys
+
+    load_tokenizer(sys.argv[1], in_a_child=False)
