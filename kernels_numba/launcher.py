@@ -31,8 +31,12 @@ its own size, a boolean one byte, a tuple its items in order. Each value gets an
 numba launches as usual under the CUDA simulator, while kernels_numba.precompile records, for a
 non-contiguous tensor argument, and everywhere when ENABLED is set to False (tests and profiles compare
 both ways).
+
+numba warns at a launch of fewer than 128 blocks; a decode step of a few sequences launches such grids
+by design, so the first launch here turns that warning off unless NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS says.
 """
 import ctypes
+import os
 import struct
 import threading
 
@@ -44,6 +48,7 @@ from kernels_numba.errors import KernelLaunchError
 
 ENABLED = True                      # False: every launch through numba's own (tests, scripts/profile_startup.py)
 
+_QUIETED = False
 _PLANS = {}  # (kernel, device, argument kinds) -> _Plan, or None: launch through numba
 _LIB = []  # [libcuda] once loaded, [None] when it cannot be
 _FORMATS = {  # numba scalar type -> struct format of its 8-byte slot
@@ -242,9 +247,21 @@ def _stream_handle(stream):
     return int(getattr(handle, "value", handle) or 0)
 
 
+def _quiet_occupancy_warnings():
+    global _QUIETED
+    _QUIETED = True
+    if "NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS" not in os.environ:
+        from numba.cuda.core import config
+
+        config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
+
+
 def launch(kernel, grid, block, args, stream=None, smem=0):
     """kernel[grid, block, stream, smem](*args), through a plan after the signature's first launch."""
     import torch
+
+    if not _QUIETED:
+        _quiet_occupancy_warnings()
 
     if bridge.SIMULATOR or bridge.RECORDING or not ENABLED:
         kernel[grid, block, stream if stream is not None else bridge.torch_stream(), smem](*_as_numba(args))

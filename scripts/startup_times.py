@@ -48,7 +48,8 @@ print(json.dumps(dict(import_s=t_import, llm_s=t_llm, first_s=t_first, text=out[
                       phases={k: v for k, v in llm.engine.startup_times.items() if isinstance(v, float)})))
 """
 
-ERROR = re.compile(r"error|traceback|exception", re.IGNORECASE)
+# a traceback, an exception's last line, a log record at level ERROR (not a warning's class path)
+ERROR = re.compile(r"^Traceback|^[\w.]*(Error|Exception)\b|\bERROR\b")
 
 
 def start(model, device, dtype, env, timeout):

@@ -252,6 +252,29 @@ def test_simulator_launch_converts_tensors():
     assert torch.equal(out, a + 3)
 
 
+@pytest.mark.parametrize("asked", [None, "1"])
+def test_first_launch_turns_off_low_occupancy_warnings(monkeypatch, asked):
+    """A small grid is the decode step's normal case: the first launch turns numba's warning off, unless
+    NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS asks for it."""
+    from numba.cuda.core import config
+
+    monkeypatch.setattr(config, "CUDA_LOW_OCCUPANCY_WARNINGS", 1)
+    monkeypatch.setattr(launcher, "_QUIETED", False)
+    if asked is None:
+        monkeypatch.delenv("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", raising=False)
+    else:
+        monkeypatch.setenv("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", asked)
+
+    @cuda.jit
+    def fill(out):
+        out[cuda.threadIdx.x] = 1.0
+
+    out = cuda.to_device(np.zeros(32, np.float32))
+    launcher.launch(fill, 1, 32, (out,))
+    assert out.copy_to_host().sum() == 32
+    assert config.CUDA_LOW_OCCUPANCY_WARNINGS == (0 if asked is None else 1)
+
+
 def test_zero_scratch_is_never_first_made_inside_a_capture(monkeypatch):
     """A zero-filled scratch buffer made inside a graph capture would be zeroed only when that graph
     replays (and would live in its memory pool): refused with an error that says what to do. One made
