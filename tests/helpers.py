@@ -184,10 +184,11 @@ class PagedRunner:
             ctx_lens.append(end)
             tables.append(table)
         meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, num_prefills, self.device)
-        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                            self.kv_cache, meta)                               # (T, hidden)
-        last = torch.tensor(q_lens, device=self.device).cumsum(0) - 1
-        return self.model.compute_logits(hidden[last])
+        with self.model.ops.step_scope(len(ids)):             # as ModelRunner: a small CPU step's kernels
+            hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                                self.kv_cache, meta)                           # (T, hidden)
+            last = torch.tensor(q_lens, device=self.device).cumsum(0) - 1
+            return self.model.compute_logits(hidden[last])
 
     def greedy(self, prompts, max_new_tokens):
         """Greedy decoding of several prompts batched together: one step prefills them all, then every
