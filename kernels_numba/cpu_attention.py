@@ -508,7 +508,8 @@ class Plan:
     """The checked metadata of one attention call and its work list; every layer of a step reuses it.
 
     block_tables [S, max_blocks], cu_seqlens_q [S + 1], context_lens [S]: int32 C arrays. tile_seq,
-    tile_q0, order: the work items (see `_plan`); rows_x_keys: their total size; num_tokens: cu[-1].
+    tile_q0, order: the work items (see `_plan`); rows_x_keys: their total size; num_tokens: cu[-1];
+    query_tile: queries per work item.
     """
 
     block_tables: np.ndarray
@@ -522,6 +523,7 @@ class Plan:
     num_blocks: int
     num_kv_heads: int
     block_size: int
+    query_tile: int = QUERY_TILE
 
 
 _ERRORS = {
@@ -550,7 +552,12 @@ def as_numpy(x, name="tensor"):
 def make_plan(block_tables, cu_seqlens_q, context_lens, num_blocks, num_kv_heads, block_size, query_tile=QUERY_TILE):
     """Check the metadata (every block id a call reads is in the pool, 1 <= q_len <= context_len) and
     order the work. block_tables: [S, max_blocks] int; cu_seqlens_q: [S + 1] int (sequence s owns query
-    rows cu[s]:cu[s+1]; a decode owns one); context_lens: [S] int. Raises KernelLaunchError."""
+    rows cu[s]:cu[s+1]; a decode owns one); context_lens: [S] int. query_tile: queries per work item;
+    1 makes every query a tile of its own, so a prompt's query takes the arithmetic of a decode at its
+    position, step for step (the batch-invariant mode's plan: docs/batch_invariance.md). Raises
+    KernelLaunchError."""
+    if isinstance(query_tile, bool) or not isinstance(query_tile, int) or query_tile < 1:
+        raise KernelLaunchError(f"query_tile: {query_tile!r}, expected an int >= 1")
     tables = np.ascontiguousarray(as_numpy(block_tables, "block_tables"), dtype=np.int32)
     cu = np.ascontiguousarray(as_numpy(cu_seqlens_q, "cu_seqlens_q"), dtype=np.int32)
     ctx = np.ascontiguousarray(as_numpy(context_lens, "context_lens"), dtype=np.int32)
@@ -561,7 +568,7 @@ def make_plan(block_tables, cu_seqlens_q, context_lens, num_blocks, num_kv_heads
     if err:
         raise KernelLaunchError(_ERRORS[err])
     return Plan(tables, cu, ctx, tile_seq, tile_q0, order, int(work), int(cu[-1]), num_blocks, num_kv_heads,
-                block_size)
+                block_size, query_tile)
 
 
 def _pool(k_cache, v_cache):
@@ -607,7 +614,7 @@ def attention(q, k_cache, v_cache, plan, scale=None, out=None, num_threads=1, nu
     if not direct:
         work = np.empty_like(qa)
     scale = np.float32(1.0 / math.sqrt(kc.shape[3]) if scale is None else scale)
-    args = (qa, kc, vc, plan.block_tables, plan.cu_seqlens_q, plan.context_lens, scale, QUERY_TILE,
+    args = (qa, kc, vc, plan.block_tables, plan.cu_seqlens_q, plan.context_lens, scale, plan.query_tile,
             plan.tile_seq, plan.tile_q0, plan.order, work)
     threads = min(num_threads, len(plan.order))
     if threads > 1 and numba_threads:

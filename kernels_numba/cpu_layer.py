@@ -44,7 +44,7 @@ import torch
 from numba import njit
 
 from kernels_numba import cpu_linear, cpu_quant, cpu_quant_int8
-from kernels_numba.cpu_attention import FASTMATH, QUERY_TILE, _exp_inplace
+from kernels_numba.cpu_attention import FASTMATH, _exp_inplace
 from kernels_numba.cpu_attention import _run as _attend_serial
 from kernels_numba.cpu_attention import _run_parallel as _attend_parallel
 from kernels_numba.cpu_linear import product_threads
@@ -188,10 +188,10 @@ def _layer(linear, run, x, residual, has_residual, w, pool, step, threads, f16):
     as `linear` takes it: (codes, parts, offsets, bias) for the blocks, (weight, bias) for float32 weights;
     an empty bias for none); pool: (k_cache, v_cache, cos_sin, H, Hkv, D, scale); step: the step's
     (positions, slots, block_tables, cu_seqlens_q, context_lens, tile_seq, tile_q0, order, attention
-    threads). Returns (out, residual, error code)."""
+    threads, query tile: the plan's, cpu_attention.Plan). Returns (out, residual, error code)."""
     in_norm, post_norm, eps, qkv, o_w, gate_up, down = w
     k_cache, v_cache, cos_sin, H, Hkv, D, scale = pool
-    positions, slots, tables, cu, ctx, tile_seq, tile_q0, order, attn_threads = step
+    positions, slots, tables, cu, ctx, tile_seq, tile_q0, order, attn_threads, query_tile = step
     T, E = x.shape
     h = np.empty((T, E), np.float32)
     _add_rms_norm(x, residual, in_norm, eps, h, has_residual)      # has_residual False: residual is x
@@ -203,10 +203,10 @@ def _layer(linear, run, x, residual, has_residual, w, pool, step, threads, f16):
         return h, residual, err
     attn = np.empty((T, H, D), np.float32)
     if attn_threads > 1:
-        _attend_parallel(attn_threads, q, k_cache, v_cache, tables, cu, ctx, scale, QUERY_TILE, tile_seq,
+        _attend_parallel(attn_threads, q, k_cache, v_cache, tables, cu, ctx, scale, query_tile, tile_seq,
                          tile_q0, order, attn)
     else:
-        _attend_serial(0, 1, q, k_cache, v_cache, tables, cu, ctx, scale, QUERY_TILE, tile_seq, tile_q0, order,
+        _attend_serial(0, 1, q, k_cache, v_cache, tables, cu, ctx, scale, query_tile, tile_seq, tile_q0, order,
                        attn)
 
     a = linear(run, threads, o_w, attn.reshape(T, H * D), f16)

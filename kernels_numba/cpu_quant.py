@@ -35,6 +35,8 @@ parallel loop, as in cpu_linear.
 """
 import functools
 
+import sys
+
 import numpy as np
 import torch
 from numba import njit, prange
@@ -333,7 +335,7 @@ def linear(x, blocks, fmt, bias=None, num_threads=None):
     return linear_parts(x, [(blocks, fmt)], bias, num_threads)
 
 
-def linear_parts(x, parts, bias=None, num_threads=None, tile_dtype=torch.float32):
+def linear_parts(x, parts, bias=None, num_threads=None, tile_dtype=torch.float32, max_rows=MAX_ROWS):
     """x [M, K] @ [W_0; W_1; ...]^T (+ bias) -> float32 torch tensor [M, N_0 + N_1 + ...] in one call: a
     fused layer whose parts are stored apart, each in its own format (q / k / v, gate / up).
 
@@ -342,11 +344,14 @@ def linear_parts(x, parts, bias=None, num_threads=None, tile_dtype=torch.float32
     tile_dtype: the dtype of the GEMM above MAX_ROWS rows: torch.float32 (the dequantized matrix's product),
     or torch.bfloat16 (x and each dequantized tile rounded to bfloat16, the products rounded to bfloat16
     before they are written: relative error ~3e-3, a few times faster where the CPU multiplies bfloat16
-    natively, see native_bf16; slower elsewhere). The rest as `linear`."""
+    natively, see native_bf16; slower elsewhere). max_rows: the most rows the block kernel takes, MAX_ROWS
+    by default; None: every call (the block kernel computes a row alike at any row count: the
+    batch-invariant mode's products). The rest as `linear`."""
+    max_rows = sys.maxsize if max_rows is None else max_rows
     # a prefill's x may be a strided view (SiLU-and-mul's output is the gate half of [T, 2 I]): torch's GEMM
     # takes its strides, the block kernel (few rows) a contiguous copy
     xa = _check(x, "x", np.float32, 2, contiguous=False)
-    if xa.shape[0] <= MAX_ROWS or xa.strides[1] != xa.itemsize or xa.strides[0] < 0:     # (torch: no negative strides)
+    if xa.shape[0] <= max_rows or xa.strides[1] != xa.itemsize or xa.strides[0] < 0:     # (torch: no negative strides)
         xa = np.ascontiguousarray(xa)
     parts = parts if isinstance(parts, Parts) else Parts(parts)
     parts.check_input(xa)
@@ -354,7 +359,7 @@ def linear_parts(x, parts, bias=None, num_threads=None, tile_dtype=torch.float32
     ba = _bias(bias, N)
     threads = num_threads or torch.get_num_threads()
     out = torch.empty(M, N, dtype=torch.float32)
-    if M > MAX_ROWS:
+    if M > max_rows:
         if tile_dtype not in (torch.float32, torch.bfloat16):
             raise KernelLaunchError(f"tile_dtype: {tile_dtype}, expected torch.float32 or torch.bfloat16")
         xt = torch.from_numpy(xa)

@@ -355,12 +355,13 @@ def linear(x, blocks, fmt, bias=None, num_threads=None, avx2=None):
     return linear_parts(x, [(blocks, fmt)], bias, num_threads, avx2)
 
 
-def linear_parts(x, parts, bias=None, num_threads=None, avx2=None, tile_dtype=torch.float32):
+def linear_parts(x, parts, bias=None, num_threads=None, avx2=None, tile_dtype=torch.float32,
+                 max_rows=cpu_quant.MAX_ROWS):
     """cpu_quant.linear_parts with int8 activations: x quantized once for every part (parts: a list or a
-    cpu_quant.Parts). Above cpu_quant.MAX_ROWS rows (a prefill): cpu_quant's tiles in tile_dtype (x not
-    rounded to int8)."""
+    cpu_quant.Parts). Above max_rows rows (a prefill): cpu_quant's tiles in tile_dtype (x not rounded to
+    int8); max_rows None: the block kernel at any row count (a row's result is the same at every count)."""
     xa = cpu_quant._check(x, "x", np.float32, 2, contiguous=False)
-    if xa.shape[0] > cpu_quant.MAX_ROWS:
+    if max_rows is not None and xa.shape[0] > max_rows:
         return cpu_quant.linear_parts(xa, parts, bias, num_threads, tile_dtype)
     xa = np.ascontiguousarray(xa)
     avx2 = AVX2 if avx2 is None else avx2

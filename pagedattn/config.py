@@ -77,6 +77,10 @@ class EngineConfig:
         dequantized float32 matrix's. "auto" (default): "int8" where the CPU numba compiles for has AVX2
         (its byte multiply-adds make it fast), "float32" elsewhere and on float32 weights;
         with_model_path resolves it. "int8" needs weights="quantized" (or "auto" resolving to it).
+    batch_invariant: a request's token ids and logprobs the same bits whatever else is in its steps (alone or
+        batched, chunked at any token budget, after preemption, with prefix-cache hits; seeded sampling
+        included): every row's arithmetic fixed by the row alone (docs/batch_invariance.md). CPU, float32,
+        the numba CPU backend, one rank; it costs a prompt's steps their large-GEMM speed.
     """
 
     model: str | None = None
@@ -102,6 +106,7 @@ class EngineConfig:
     activations: str = "auto"
     gguf_file: str | None = None             # resolved by with_model_path on the quantized path
     warmup: bool | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if not isinstance(self.device, (str, torch.device)):
@@ -153,7 +158,8 @@ class EngineConfig:
             self.warmup = kind == "cuda"
         if self.piecewise_graphs is None:
             self.piecewise_graphs = kind == "cuda"
-        for name in ("enable_prefix_caching", "enforce_eager", "piecewise_graphs", "async_scheduling", "warmup"):
+        for name in ("enable_prefix_caching", "enforce_eager", "piecewise_graphs", "async_scheduling", "warmup",
+                     "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.fused_allreduce not in ("auto", "on", "off") and (
@@ -173,6 +179,13 @@ class EngineConfig:
         if self.activations == "int8" and (self.weights == "float32" or not self.can_quantize):
             raise InvalidRequestError(f"activations='int8' runs on the quantized weights only (CPU, float32, one "
                                       f"rank), not weights={self.weights!r} on device={self.device!r}")
+        if self.batch_invariant and (kind != "cpu" or self.dtype != torch.float32 or self.tensor_parallel_size > 1
+                                     or self.attn_backend not in ("auto", "cpu")):
+            raise InvalidRequestError(
+                f"batch_invariant=True runs on the CPU in float32 with the numba CPU backend on one rank, not "
+                f"device={self.device!r}, dtype={str(self.dtype).replace('torch.', '')}, attn_backend="
+                f"{self.attn_backend!r}, tensor_parallel_size={self.tensor_parallel_size} (the GPU's invariant "
+                f"GEMM and attention are not built: docs/batch_invariance.md)")
         if self.tensor_parallel_size > 1 and kind == "cuda" and self.device not in ("cuda", "cuda:0"):
             raise InvalidRequestError(f"tensor_parallel_size={self.tensor_parallel_size} runs rank r on cuda:r: "
                                       f"device must be 'auto', 'cuda' or 'cuda:0', got {self.device!r}")

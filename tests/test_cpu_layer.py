@@ -180,7 +180,7 @@ def test_a_bad_position_is_named(bundled_model_dir, bundled_gguf):  # noqa: F811
     for positions, slots, field in (([cos_sin.shape[0]], [0], "positions"),
                                     ([0], [first_slot_past_the_pool], "slot_mapping")):
         positions, slots = np.array(positions, np.int32), np.array(slots, np.int32)     # the engine's dtypes
-        step = (positions, slots, tables, np.array([0, 1], np.int32), ctx, *plan_items, 1)
+        step = (positions, slots, tables, np.array([0, 1], np.int32), ctx, *plan_items, 1, 1)   # 1 thread, tile 1
         with pytest.raises(KernelLaunchError, match=field):
             cpu_layer.run_layer(kind, x, None, w, pool, step, 1)
     assert np.array_equal(k_cache.view(np.uint32), before.view(np.uint32))      # bits (the pool is uninitialised)
@@ -200,7 +200,7 @@ pool = (kv.k_caches[0].numpy(), kv.v_caches[0].numpy(), attn.rotary_emb.cos_sin_
         attn.num_kv_heads, attn.head_dim, np.float32(1.0 / math.sqrt(attn.head_dim)))
 x = np.ones((1, w[0].shape[0]), np.float32)
 step = (np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros((1, 1), np.int32), np.array([0, 1], np.int32),
-        np.ones(1, np.int32), np.zeros(1, np.int64), np.zeros(1, np.int64), np.arange(pool[4], dtype=np.int64), 2)
+        np.ones(1, np.int32), np.zeros(1, np.int64), np.zeros(1, np.int64), np.arange(pool[4], dtype=np.int64), 2, 1)
 out, res = cpu_layer.run_layer(kind, x, None, w, pool, step, 2)
 print("finite", bool(np.isfinite(out).all()))
 """

@@ -90,6 +90,8 @@ def load_shard(config, rank, world_size, device):
     backend = get_backend(config.attn_backend, device)
     if hasattr(backend, "validate"):
         backend.validate = False
+    if config.batch_invariant:                   # EngineConfig allows it with the numba CPU backend only
+        backend.batch_invariant = True
     if config.weights == "quantized":
         return load_gguf_model(config.model, config.gguf_file, backend, config.activations)
     return load_model(config.model, device, config.dtype, backend, tp_rank=rank, tp_size=world_size,

@@ -26,6 +26,10 @@ its weights gathered once per layer into the tuples the kernel reads; the layers
 (weights="quantized") or float32 tensors. Elsewhere (large steps, 16-bit pools, weights of mixed kinds) the
 layer's own forward runs, op by op.
 
+The batch-invariant mode (`CpuNumbaBackend.batch_invariant`, EngineConfig.batch_invariant) makes every step
+a small step, runs every product through its small-step kernel at any row count and plans attention one query
+per work item, so that a row's arithmetic depends on the row alone (docs/batch_invariance.md).
+
 Tensors on another device go to the torch pieces. The kernels are compiled on first use and cached
 on disk (numba cache=True): the first process pays ~10 s of CPU per pool dtype, later ones about a
 second. Outside small steps, calls big enough are split over torch.get_num_threads() Python threads.
@@ -57,19 +61,25 @@ class CpuStep:
 
     validate: the small step's kernels check their arguments (the engine, whose tensors fit by construction,
     turns it off through its backend's `validate`).
+    invariant: the batch-invariant mode (docs/batch_invariance.md): every step is a small step whatever its
+    rows and every product runs its small-step kernel whatever its rows, so each row's arithmetic is what it
+    would be in a step of that row alone. (The block kernels compute a row alike at any row count;
+    cpu_linear's result for a row depends on whether it sits in a group of 4 rows or among the leftovers,
+    so its calls get zero rows up to a multiple of 4.)
     """
 
     def __init__(self):
         self.small = False           # inside a small step's scope
         self._threads = None         # then: the kernels' thread count (torch runs on one)
         self.validate = True
+        self.invariant = False
 
     @contextmanager
     def scope(self, num_rows):
-        """At most cpu_linear.MAX_ROWS rows run their GEMMs through the kernel, on torch.get_num_threads()
-        threads, with torch set to one thread meanwhile (see the module docstring). Larger ones, and
-        scopes inside a scope, change nothing."""
-        if num_rows > cpu_linear.MAX_ROWS or self.small:
+        """At most cpu_linear.MAX_ROWS rows (any number in the batch-invariant mode) run their GEMMs through
+        the kernel, on torch.get_num_threads() threads, with torch set to one thread meanwhile (see the
+        module docstring). Larger ones, and scopes inside a scope, change nothing."""
+        if (num_rows > cpu_linear.MAX_ROWS and not self.invariant) or self.small:
             yield
             return
         threads = torch.get_num_threads()
@@ -87,6 +97,12 @@ class CpuStep:
         return self._threads or torch.get_num_threads()
 
     def linear(self, x, weight, bias=None):
+        if self.invariant and cpu_linear.use_kernel(x[:1], weight):
+            M = x.shape[0]
+            if M % 4:                            # every row in a group of 4 (the class docstring)
+                x = torch.cat([x, x.new_zeros(4 - M % 4, x.shape[1])])
+            return cpu_linear.linear(x.contiguous(), weight, bias, num_threads=self.threads(),
+                                     validate=self.validate)[:M]
         if self.small and cpu_linear.use_kernel(x, weight):
             return cpu_linear.linear(x, weight, bias, num_threads=self._threads, validate=self.validate)
         return F.linear(x, weight, bias)
@@ -116,6 +132,16 @@ class CpuNumbaBackend(TorchPagedBackend):
     def validate(self, on):
         self.step.validate = on
 
+    @property
+    def batch_invariant(self):
+        """The batch-invariant mode (CpuStep.invariant; docs/batch_invariance.md): every step runs the small
+        step's kernels whatever its rows, attention one query per work item."""
+        return self.step.invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on):
+        self.step.invariant = bool(on)
+
     @staticmethod
     def _runs_here(q, k_cache):
         return q.device.type == "cpu" and k_cache.device.type == "cpu" and k_cache.dtype in _POOL_DTYPES
@@ -135,7 +161,7 @@ class CpuNumbaBackend(TorchPagedBackend):
         cu_prefill = kernels.as_numpy(meta.cu_seqlens_q)[:P + 1] if P else np.zeros(1, np.int32)
         cu = np.concatenate([cu_prefill.astype(np.int32), Np + np.arange(1, num_decodes + 1, dtype=np.int32)])
         plan = kernels.make_plan(kernels.as_numpy(meta.block_tables), cu, kernels.as_numpy(meta.context_lens),
-                                 *geometry)
+                                 *geometry, query_tile=1 if self.step.invariant else kernels.QUERY_TILE)
         meta.cpu_plan = (geometry, plan)
         return plan
 
@@ -179,14 +205,17 @@ class CpuNumbaBackend(TorchPagedBackend):
         w = self._layers.get(layer, False)
         if w is False:
             w = self._layers[layer] = _fused_weights(layer)
-        if w is None or not self.step.small or x.shape[0] > cpu_quant.MAX_ROWS or k_cache.dtype != torch.float32:
+        invariant = self.step.invariant          # any rows on the blocks; float32 weights' rows go unpadded here
+        if (w is None or not self.step.small or k_cache.dtype != torch.float32
+                or (x.shape[0] > cpu_quant.MAX_ROWS if not invariant else w[0] == "dense")):
             return layer(positions, x, residual, k_cache, v_cache, meta)
         plan, threads = self.plan(meta, k_cache), self.step._threads
         attn = layer.self_attn
         pool = (k_cache.numpy(), v_cache.numpy(), attn.rotary_emb.cos_sin_cache.numpy(), attn.num_heads,
                 attn.num_kv_heads, attn.head_dim, np.float32(1.0 / math.sqrt(attn.head_dim)))   # cpu_attention's scale
         step = (positions.numpy(), meta.slot_mapping.numpy(), plan.block_tables, plan.cu_seqlens_q,
-                plan.context_lens, plan.tile_seq, plan.tile_q0, plan.order, min(threads, len(plan.order)))
+                plan.context_lens, plan.tile_seq, plan.tile_q0, plan.order, min(threads, len(plan.order)),
+                plan.query_tile)
         out, residual = cpu_layer.run_layer(w[0], x.numpy(), None if residual is None else residual.numpy(), w[1],
                                             pool, step, threads)
         return torch.from_numpy(out), torch.from_numpy(residual)

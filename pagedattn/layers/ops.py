@@ -127,18 +127,26 @@ def torch_ops(backend):
 
 
 # ---- GGUF blocks (weights="quantized") ---------------------------------------------------------
-def quantized_linear(threads, float_linear, x, weight, bias=None):
-    """x weight^T + bias where weight is a QuantWeight (its blocks, on `threads()` threads); a float32
-    tensor goes to float_linear."""
+class TorchThreads:
+    """The step of a backend that has none (CpuNumbaBackend has its CpuStep): torch's thread count, the
+    products' own choice of kernel."""
+
+    threads = staticmethod(torch.get_num_threads)
+    invariant = False
+
+
+def quantized_linear(step, float_linear, x, weight, bias=None):
+    """x weight^T + bias where weight is a QuantWeight (its blocks, on the step's threads; the block kernel
+    at any row count in the batch-invariant mode, CpuStep.invariant); a float32 tensor goes to float_linear."""
     if isinstance(weight, torch.Tensor):
         return float_linear(x, weight, bias)
-    return weight(x, bias, num_threads=threads())
+    return weight(x, bias, num_threads=step.threads(), any_rows=step.invariant)
 
 
-def quantized_embedding(threads, ids, weight):
+def quantized_embedding(step, ids, weight):
     if isinstance(weight, torch.Tensor):
         return F.embedding(ids, weight)
-    return weight.embedding(ids, num_threads=threads())
+    return weight.embedding(ids, num_threads=step.threads())
 
 
 def quantize_ops(ops, device, dtype):
@@ -147,10 +155,9 @@ def quantize_ops(ops, device, dtype):
     (pagedattn/models/loader.py: load_gguf_model). Returns ops."""
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         raise ValueError(f"quantized weights run on the CPU in float32, not on {device} in {dtype}")
-    step = getattr(ops.backend, "step", None)
-    threads = step.threads if step is not None else torch.get_num_threads
-    ops.linear = partial(quantized_linear, threads, ops.linear)
-    ops.embedding = partial(quantized_embedding, threads)
+    step = getattr(ops.backend, "step", None) or TorchThreads()
+    ops.linear = partial(quantized_linear, step, ops.linear)
+    ops.embedding = partial(quantized_embedding, step)
     return ops
 
 

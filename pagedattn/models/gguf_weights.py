@@ -282,17 +282,19 @@ class QuantWeight:
         """The blocks' bytes (as in the file)."""
         return sum(p.nbytes for p in self.parts)
 
-    def __call__(self, x, bias=None, num_threads=None):
+    def __call__(self, x, bias=None, num_threads=None, any_rows=False):
         """x float32 [M, K] -> x W^T (+ bias [N]) float32 [M, N]: every part in one kernel call, each part's
-        outputs written into its columns of the one result."""
+        outputs written into its columns of the one result. any_rows: the block kernel at any row count
+        (default: above cpu_quant.MAX_ROWS rows, the dequantized tiles' GEMM)."""
+        max_rows = None if any_rows else cpu_quant.MAX_ROWS
         if bias is not None and not isinstance(bias, torch.Tensor):
             bias = torch.from_numpy(np.asarray(getattr(bias, "data", bias)))
         if self.activations == "int8":
             from kernels_numba import cpu_quant_int8
 
             return cpu_quant_int8.linear_parts(x, self.checked, bias, num_threads=num_threads,
-                                               tile_dtype=self.tile_dtype)
-        return cpu_quant.linear_parts(x, self.checked, bias, num_threads=num_threads)
+                                               tile_dtype=self.tile_dtype, max_rows=max_rows)
+        return cpu_quant.linear_parts(x, self.checked, bias, num_threads=num_threads, max_rows=max_rows)
 
     def embedding(self, ids, num_threads=None):
         """float32 [T, K]: rows ids (int [T]) of a one-part table."""

@@ -51,6 +51,9 @@ def build_parser():
     eng.add_argument("--tensor-parallel-size", type=int, help="GPUs (ranks) per engine core (default 1)")
     eng.add_argument("--no-prefix-caching", action="store_true")
     eng.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    eng.add_argument("--batch-invariant", action="store_true",
+                     help="a request's tokens and logprobs independent of the rest of its batch (CPU; "
+                          "docs/batch_invariance.md)")
     eng.add_argument("--no-piecewise-graphs", action="store_true",
                      help="steps with prompt tokens run eagerly (default on CUDA: the forward's pieces between "
                           "attentions replayed as CUDA graphs)")
@@ -117,6 +120,8 @@ def parse_config(argv=None):
         engine["enable_prefix_caching"] = False
     if a.enforce_eager:
         engine["enforce_eager"] = True
+    if a.batch_invariant:
+        engine["batch_invariant"] = True
     if a.no_piecewise_graphs:
         engine["piecewise_graphs"] = False
     try:

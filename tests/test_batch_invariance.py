@@ -1,0 +1,236 @@
+"""The batch-invariant mode (docs/batch_invariance.md): a request's token ids and logprobs are the same bits
+alone, batched, chunked at any token budget, preempted and recomputed, with prefix-cache hits.
+
+Kernel level: the pieces that make it so (a prompt's attention in one-query tiles is its decodes', a
+product of any row count is its rows' alone). Engine level: the tiny random Qwen2 (float32 weights: cpu_linear's
+products) in the default suite, the bundled model (GGUF blocks, the CPU default) in both suites; each
+comparison also runs with the mode off, where the same workload differs, so a comparison that passed by
+construction would show.
+"""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import bundled_gguf, bundled_model_dir, tiny_checkpoint  # noqa: F401 (session fixtures)
+from kernels_numba import cpu_attention
+from kernels_numba.errors import KernelLaunchError
+from pagedattn import LLM, SamplingParams
+from pagedattn.errors import InvalidRequestError
+from pagedattn.layers.cpu import CpuStep
+
+
+# ---------------------------------------------------------------- kernels
+
+def _pool(num_blocks, Hkv, BS, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_blocks, Hkv, BS, D, generator=g), torch.randn(num_blocks, Hkv, BS, D, generator=g))
+
+
+@pytest.mark.parametrize("lens", [[37], [5, 64, 19], [16, 1, 33]])
+def test_a_prompt_in_one_query_tiles_is_its_decodes(lens):
+    """With query_tile=1, every query of a prompt (several prompts in one call) gets the bits it gets as a
+    decode at its position, alone; with the default tile some query does not (the mode is needed)."""
+    H, Hkv, BS, D = 14, 2, 16, 64
+    k_cache, v_cache = _pool(24, Hkv, BS, D, seed=1)
+    rng = np.random.default_rng(2)
+    blocks = rng.permutation(24).astype(np.int32)
+    tables, start = [], 0
+    for n in lens:
+        tables.append(blocks[start:start + -(-n // BS)])
+        start += len(tables[-1])
+    table = np.full((len(lens), max(len(t) for t in tables)), 0, np.int32)
+    for s, t in enumerate(tables):
+        table[s, :len(t)] = t
+    q = torch.from_numpy(rng.standard_normal((sum(lens), H, D)).astype(np.float32))
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    ctx = np.array(lens, np.int32)
+    outs = {}
+    for tile in (1, cpu_attention.QUERY_TILE):
+        plan = cpu_attention.make_plan(table, cu, ctx, 24, Hkv, BS, query_tile=tile)
+        outs[tile] = cpu_attention.attention(q, k_cache, v_cache, plan, num_threads=2)
+    decodes = np.empty_like(outs[1])
+    for s, n in enumerate(lens):
+        for i in range(n):                                  # query i of prompt s as a decode at context i + 1
+            plan = cpu_attention.make_plan(table[s:s + 1], np.array([0, 1], np.int32), np.array([i + 1], np.int32),
+                                           24, Hkv, BS)
+            decodes[cu[s] + i] = cpu_attention.attention(q[cu[s] + i:cu[s] + i + 1], k_cache, v_cache, plan)[0]
+    assert np.array_equal(outs[1].view(np.uint32), decodes.view(np.uint32))
+    if max(lens) > cpu_attention.QUERY_TILE:
+        assert not np.array_equal(outs[cpu_attention.QUERY_TILE], decodes), "the default tile was meant to differ"
+
+
+def test_query_tile_must_be_positive():
+    with pytest.raises(KernelLaunchError, match="query_tile"):
+        cpu_attention.make_plan(np.zeros((1, 1), np.int32), np.array([0, 1], np.int32), np.array([1], np.int32),
+                                4, 2, 16, query_tile=0)
+
+
+def _invariant_step():
+    step = CpuStep()
+    step.invariant = True
+    return step
+
+
+@pytest.mark.parametrize("M", [1, 3, 4, 16, 17, 45])
+def test_dense_products_padded_to_4_rows_are_each_rows_alone(M):
+    """cpu_linear's result for a row depends on its place (a group of 4 or a leftover): in the mode every row
+    of any call is computed as it is alone (padded to 4)."""
+    g = torch.Generator().manual_seed(M)
+    x, w, b = torch.randn(M, 96, generator=g), torch.randn(70, 96, generator=g), torch.randn(70, generator=g)
+    step = _invariant_step()
+    with step.scope(M):
+        y = step.linear(x, w, b)
+        alone = [step.linear(x[i:i + 1], w, b) for i in range(M)]
+    assert torch.equal(y, torch.cat(alone))
+    assert torch.allclose(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_products_at_any_row_count_are_each_rows_alone(bundled_model_dir, bundled_gguf):  # noqa: F811
+    """A GGUF layer of the bundled model (q/k/v parts in two formats) on 40 rows in the mode (the block kernel
+    at any row count): each row's bits as alone, where the default (above 16 rows: dequantized tiles) differs."""
+    from pagedattn.models.loader import load_gguf_model
+
+    model, _ = load_gguf_model(bundled_model_dir, bundled_gguf, "cpu", "int8")
+    linear = model.ops.linear
+    w = model.model.layers[0].self_attn.qkv_proj
+    x = torch.randn(40, w.weight.shape[1], generator=torch.Generator().manual_seed(3))
+    step = model.ops.backend.step
+    default = linear(x, w.weight, w.bias)
+    step.invariant = True
+    try:
+        with step.scope(40):
+            y = linear(x, w.weight, w.bias)
+            alone = torch.cat([linear(x[i:i + 1], w.weight, w.bias) for i in range(40)])
+    finally:
+        step.invariant = False
+    assert torch.equal(y, alone)
+    assert not torch.equal(default, alone)
+
+
+# ---------------------------------------------------------------- the engine: tiny model
+
+PROMPTS = [[random.Random(s).randrange(3, 128) for _ in range(random.Random(s + 100).randrange(2, 70))]
+           for s in range(12)]
+
+
+def _params(i, max_tokens=12):
+    """Greedy, seeded top-p and seeded n=2 top-k requests, each asking for its logprobs."""
+    if i % 3 == 0:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True, ignore_eos=True)
+    if i % 3 == 1:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.9, seed=1000 + i, logprobs=True,
+                              ignore_eos=True)
+    return SamplingParams(n=2, max_tokens=max_tokens, temperature=1.1, top_k=20, seed=2000 + i, logprobs=True,
+                          ignore_eos=True)
+
+
+def _generate(llm, idx, prompts=PROMPTS):
+    outs = llm.generate([prompts[i] for i in idx], [_params(i) for i in idx], use_tqdm=False)
+    return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs]
+
+
+def _comparisons(model, invariant, **kw):
+    """The request outputs of each way of running the 12 prompts that the mode makes equal: name -> list."""
+    def llm(**extra):
+        return LLM(model, device="cpu", batch_invariant=invariant, **{**kw, **extra})
+
+    big = llm(num_blocks=256, block_size=8)
+    runs = {"batched": _generate(big, range(len(PROMPTS))),
+            "prefix hits": _generate(big, range(len(PROMPTS)))}        # the same prompts again: cached blocks
+    assert big.metrics()["prefix_cache_hit_tokens"] > 0
+    runs["alone"] = [_generate(big, [i])[0] for i in range(len(PROMPTS))]
+    runs["budget 16"] = _generate(llm(num_blocks=256, block_size=8, max_num_batched_tokens=16), range(len(PROMPTS)))
+    small = llm(num_blocks=30, block_size=8, max_num_seqs=12)
+    runs["tiny pool"] = _generate(small, range(len(PROMPTS)))
+    assert small.metrics()["num_preemptions"] > 0, "the tiny pool was meant to preempt"
+    return runs
+
+
+def test_tiny_model_tokens_and_logprobs_do_not_depend_on_the_batch(tiny_checkpoint):  # noqa: F811
+    runs = _comparisons(tiny_checkpoint, True)
+    for name, outs in runs.items():
+        same = sum(o == b for o, b in zip(outs, runs["batched"]))
+        assert same == len(PROMPTS), f"{name}: {same}/{len(PROMPTS)} requests identical to the batched run"
+    default = _comparisons(tiny_checkpoint, False)
+    assert any(outs != default["batched"] for outs in default.values()), "the default was meant to differ"
+
+
+# ---------------------------------------------------------------- configuration
+
+@pytest.mark.parametrize("kwargs", [dict(dtype="bfloat16"), dict(attn_backend="torch"),
+                                    dict(tensor_parallel_size=2), dict(batch_invariant=1)])
+def test_mode_outside_its_conditions_is_refused(kwargs):
+    from pagedattn.config import EngineConfig
+
+    with pytest.raises(InvalidRequestError, match="batch_invariant"):
+        EngineConfig(device="cpu", **{"batch_invariant": True, **kwargs})
+
+
+def test_mode_on_a_gpu_is_refused(monkeypatch):
+    from pagedattn.config import EngineConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(InvalidRequestError, match="batch_invariant=True runs on the CPU"):
+        EngineConfig(device="cuda", batch_invariant=True)
+
+
+def test_serve_flag():
+    from pagedattn.serving.cli import parse_config
+
+    assert parse_config(["--batch-invariant"]).engine["batch_invariant"] is True
+    assert "batch_invariant" not in parse_config([]).engine
+
+
+# ---------------------------------------------------------------- the engine: the bundled model
+
+CHAT = ["The capital of France is", "Write a Python function that checks whether a number is prime.",
+        "Explain what a hash map is in two sentences.", "def fibonacci(n):", "List three sorting algorithms.",
+        "What is 17 * 23?", "Translate 'good morning' into German.", "Name a prime number above 100.",
+        "Write a haiku about the sea.", "What does HTTP stand for?", "SELECT the five newest rows of orders:",
+        "Explain recursion to a child.", "Why is the sky blue?", "Write a Bash loop over *.txt files.",
+        "What is a closure in JavaScript?", "Summarise: " + " ".join(f"item{i}" for i in range(120))]
+
+
+def _bundled_runs(model_dir, prompts, max_tokens, invariant, tiny_pool=False):
+    """alone / batched / prefix hits / chunked at 37 tokens (a budget that cuts the prompts' query tiles
+    where a whole prompt does not) and, with tiny_pool, a 32-block pool that preempts."""
+    llm = LLM(model_dir, batch_invariant=invariant, num_blocks=256)
+    tok = llm.get_tokenizer()
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+           for p in prompts]
+
+    def gen(engine, idx):
+        outs = engine.generate([ids[i] for i in idx], [_params(i, max_tokens) for i in idx], use_tqdm=False)
+        return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs]
+
+    every = range(len(ids))
+    runs = {"batched": gen(llm, every), "prefix hits": gen(llm, every), "alone": [gen(llm, [i])[0] for i in every]}
+    runs["budget 37"] = gen(LLM(model_dir, batch_invariant=invariant, num_blocks=256, max_num_batched_tokens=37),
+                            every)
+    if tiny_pool:
+        small = LLM(model_dir, batch_invariant=invariant, num_blocks=32, max_num_batched_tokens=64)
+        runs["tiny pool"] = gen(small, every)
+        assert small.metrics()["num_preemptions"] > 0, "the tiny pool was meant to preempt"
+    return runs
+
+
+def test_bundled_model_alone_equals_batched(bundled_model_dir, bundled_gguf):  # noqa: F811
+    """The CPU default's weights (GGUF blocks, int8 activations where the CPU has AVX2), 4 requests: alone,
+    batched, with prefix hits and chunked at 37 tokens, the same bits."""
+    runs = _bundled_runs(bundled_model_dir, CHAT[:3] + CHAT[-1:], 8, True)
+    for name, outs in runs.items():
+        assert outs == runs["batched"], name
+
+
+@pytest.mark.slow
+def test_bundled_model_16_requests(bundled_model_dir, bundled_gguf):  # noqa: F811
+    """16 chat requests (greedy, seeded top-p, seeded n=2) x 24 tokens, every comparison of the mode on the
+    CPU default's weights; the same workload with the mode off differs."""
+    runs = _bundled_runs(bundled_model_dir, CHAT, 24, True, tiny_pool=True)
+    for name, outs in runs.items():
+        same = sum(o == b for o, b in zip(outs, runs["batched"]))
+        assert same == len(CHAT), f"{name}: {same}/{len(CHAT)} identical to the batched run"
+    default = _bundled_runs(bundled_model_dir, CHAT, 24, False, tiny_pool=True)
+    assert any(outs != default["batched"] for outs in default.values())
