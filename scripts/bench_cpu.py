@@ -1,6 +1,6 @@
 """pagedattn against HF transformers `generate` on the CPU: same model (the bundled Qwen2.5-Coder-0.5B-Instruct;
 HF on its float32 conversion, pagedattn on what LLM() picks: the GGUF blocks), same machine, same thread
-count, greedy, prompts the tests never use. Goals (issue 19; issue 30 raised the mixed batch's to 5x):
+count, greedy, prompts the tests never use. Goals:
 
   one prompt   chat template, a 100-token answer: pagedattn >= 1.05x HF's tokens/s, same tokens
   mixed batch  8 requests, two of them long (~1000-token prompts: two standard-library modules to explain),
