@@ -102,6 +102,34 @@ def test_deltas_concatenate_to_the_final_output(make_client, ref):
     assert client.num_requests_in_flight == 0
 
 
+def test_deltas_only_outputs_hold_the_new_tokens_text_and_logprobs(make_client, ref):
+    """A stream read with deltas_only (a streamed HTTP response): each completion's token_ids, logprobs and
+    text are the delta's, and they concatenate to the whole answer; a stop string still cuts the text."""
+    client = make_client()
+    params = greedy(17, logprobs=True)
+    whole = want(ref, PROMPTS[2], params)
+    stop = whole.text[len(whole.text) // 2:len(whole.text) // 2 + 2]
+
+    async def read(p):
+        stream = client.add_request(PROMPTS[2], p)
+        stream.deltas_only = True
+        return [out async for out in stream]
+
+    outs = run(read(params))
+    assert len(outs) > 2
+    for o in outs:
+        c = o.outputs[0]
+        assert c.token_ids == c.delta_token_ids and c.text == c.delta_text and len(c.logprobs) == len(c.token_ids)
+    assert [t for o in outs for t in o.outputs[0].token_ids] == whole.token_ids
+    assert [v for o in outs for v in o.outputs[0].logprobs] == whole.logprobs
+    assert "".join(o.outputs[0].text for o in outs) == whole.text
+    if stop.strip():
+        stopped = SamplingParams(temperature=0, max_tokens=17, stop=[stop])
+        cut = run(read(stopped))
+        assert "".join(o.outputs[0].text for o in cut) == want(ref, PROMPTS[2], stopped).text
+        assert cut[-1].outputs[0].finish_reason == "stop"
+
+
 def test_a_slow_reader_gets_one_output_holding_everything(make_client, ref):
     client = make_client()
 

@@ -82,20 +82,26 @@ class _Completion:
         self.num_sent_chars = 0
         self.last_token_time = None
 
-    def output(self):
-        """The CompletionOutput of what is known, with the delta since the last call."""
+    def output(self, full=True):
+        """The CompletionOutput of what is known, with the delta since the last call. full=False: token_ids,
+        logprobs and text hold the delta alone (a streamed response sends no more; copying the whole
+        completion into every output made a long stream's cost per token grow with its length)."""
         if self.finish_reason is not None and self.text is None:
             self.text = self.detok.finish() if self.detok is not None else ""
         if self.text is not None:
             text = self.text
         else:
             text = self.detok.releasable if self.detok is not None else ""
-        ids = list(self.token_ids)
-        out = CompletionOutput(self.index, text, ids, self.finish_reason, self.cumulative,
-                               None if self.logprobs is None else list(self.logprobs))
-        out.delta_token_ids = ids[self.num_sent_tokens:]
-        out.delta_text = text[self.num_sent_chars:] if text.startswith(text[:self.num_sent_chars]) else ""
-        self.num_sent_tokens, self.num_sent_chars = len(ids), max(self.num_sent_chars, len(text))
+        sent_tokens, sent_chars = self.num_sent_tokens, self.num_sent_chars
+        delta_ids, delta_text = self.token_ids[sent_tokens:], text[sent_chars:]
+        self.num_sent_tokens, self.num_sent_chars = len(self.token_ids), max(sent_chars, len(text))
+        if full:
+            out = CompletionOutput(self.index, text, list(self.token_ids), self.finish_reason, self.cumulative,
+                                   None if self.logprobs is None else list(self.logprobs))
+        else:
+            out = CompletionOutput(self.index, delta_text, delta_ids, self.finish_reason, self.cumulative,
+                                   None if self.logprobs is None else self.logprobs[sent_tokens:])
+        out.delta_token_ids, out.delta_text = delta_ids, delta_text
         return out
 
 
@@ -535,11 +541,13 @@ class CoreClient:
                     self._fail_streams(list(self._live.values()), self.error)
 
     def _output_of(self, req):
-        """The RequestOutput of `req` as it stands (deltas since the consumer's last one)."""
+        """The RequestOutput of `req` as it stands (deltas since the consumer's last one; only those where the
+        stream asks for deltas_only)."""
         stream = req.stream
+        full = not stream.deltas_only
         with self._proc_lock:
             return RequestOutput(stream.request_id, stream.prompt, stream.prompt_token_ids,
-                                 [c.output() for c in req.completions], req.num_finished == req.n)
+                                 [c.output(full) for c in req.completions], req.num_finished == req.n)
 
     def _core_died(self, core, reason):
         logger.error("engine core %d: %s", core.rank, reason)

@@ -55,6 +55,8 @@ class RequestStream:
     owner: the front (its stream_interval, _abort and _output_of). request_id: the caller's id.
     prompt_token_ids: list[int], the tokenized prompt. params: SamplingParams. loop: the event loop of the
     reader. arrival_time: perf_counter seconds when the front accepted it (TTFT and e2e latency start here).
+    deltas_only: set it before reading for outputs whose completions hold only what is new (token_ids,
+    logprobs and text equal to the delta_ fields): a streamed HTTP response needs no more.
     """
 
     def __init__(self, owner, request_id, prompt, prompt_token_ids, params, loop):
@@ -65,6 +67,7 @@ class RequestStream:
         self.params = params
         self.loop = loop
         self.arrival_time = now()
+        self.deltas_only = False
         self._wire_id = None            # the front's number for the request on the wire
         self.finished = False           # the reader has seen the final output (or an error)
         self._lock = threading.Lock()   # guards the fields below between the front's threads and the reader
