@@ -34,7 +34,6 @@ Threads: the output features (of all parts) are cut into one contiguous range pe
 parallel loop, as in cpu_linear.
 """
 import functools
-
 import sys
 
 import numpy as np
