@@ -157,6 +157,22 @@ def test_tiny_model_tokens_and_logprobs_do_not_depend_on_the_batch(tiny_checkpoi
     assert any(outs != default["batched"] for outs in default.values()), "the default was meant to differ"
 
 
+def test_tiny_model_beam_search_does_not_depend_on_the_batch(tiny_checkpoint):  # noqa: F811
+    """Beam search (width 3, copy-on-write forks): each request's beams, ids and cumulative logprobs, the same
+    alone and beside the others under the mode; not so by default."""
+    from pagedattn import BeamSearchParams
+
+    def beams(llm, prompts):
+        outs = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=10))
+        return [[(b.output_token_ids, b.cumulative_logprob) for b in o.sequences] for o in outs]
+
+    prompts = PROMPTS[:6]
+    for invariant in (True, False):
+        llm = LLM(tiny_checkpoint, device="cpu", batch_invariant=invariant, num_blocks=256, block_size=8)
+        batched, alone = beams(llm, prompts), [beams(llm, [p])[0] for p in prompts]
+        assert (alone == batched) == invariant, f"batch_invariant={invariant}"
+
+
 # ---------------------------------------------------------------- configuration
 
 @pytest.mark.parametrize("kwargs", [dict(dtype="bfloat16"), dict(attn_backend="torch"),
