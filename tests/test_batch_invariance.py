@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from helpers import bundled_gguf, bundled_model_dir, tiny_checkpoint  # noqa: F401 (session fixtures)
+from serving_helpers import signal_handlers_kept  # noqa: F401 (autouse: SIGTERM/SIGINT handlers kept)
 from kernels_numba import cpu_attention
 from kernels_numba.errors import KernelLaunchError
 from pagedattn import LLM, SamplingParams
@@ -171,6 +172,34 @@ def test_tiny_model_beam_search_does_not_depend_on_the_batch(tiny_checkpoint):  
         llm = LLM(tiny_checkpoint, device="cpu", batch_invariant=invariant, num_blocks=256, block_size=8)
         batched, alone = beams(llm, prompts), [beams(llm, [p])[0] for p in prompts]
         assert (alone == batched) == invariant, f"batch_invariant={invariant}"
+
+
+def test_served_requests_do_not_depend_on_the_batch(tmp_path):
+    """Through the serving front (the engine core on a thread, as `serve --batch-invariant --in-process`):
+    text prompts through the tokenizer, each request's tokens and logprobs the same bits alone and among
+    concurrent others."""
+    import asyncio
+
+    from serving_helpers import write_tiny_chat_checkpoint
+
+    from pagedattn.serving.core_client import CoreClient
+
+    checkpoint = write_tiny_chat_checkpoint(tmp_path / "chat")
+    client = CoreClient.in_thread(LLM(checkpoint, device="cpu", batch_invariant=True, num_blocks=128))
+    prompts = ["def fib(n):", "The paged KV cache", "Hello world! How are you", "a b c d e f g h i j k l m n o p"]
+
+    async def answer(i):
+        outs = [out async for out in client.generate(prompts[i], _params(i))]
+        return [(c.token_ids, c.logprobs) for c in outs[-1].outputs]
+
+    async def together():
+        return await asyncio.gather(*[answer(i) for i in range(len(prompts))])
+
+    try:
+        alone = [asyncio.run(answer(i)) for i in range(len(prompts))]
+        assert asyncio.run(together()) == alone
+    finally:
+        client.shutdown()
 
 
 # ---------------------------------------------------------------- configuration
