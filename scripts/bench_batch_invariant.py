@@ -15,7 +15,7 @@ Then, once per mode, the invariance itself on the workload's 8 requests (sampled
 chunked at a 37-token budget against the batched run, counting the requests whose token ids and logprobs
 are bit-identical.
 
-    python scripts/bench_batch_invariant.py --out OUT          # 2 threads, 3 rounds (~10 min on 2 cores)
+    python scripts/bench_batch_invariant.py --out OUT          # 2 threads, 3 rounds (~13 min on 2 cores)
 
 Writes OUT/bench_batch_invariant.json and .md (benchlib.save).
 """
