@@ -158,6 +158,21 @@ def test_tiny_model_tokens_and_logprobs_do_not_depend_on_the_batch(tiny_checkpoi
     assert any(outs != default["batched"] for outs in default.values()), "the default was meant to differ"
 
 
+def test_tiny_model_thread_count_changes_nothing(tiny_checkpoint):  # noqa: F811
+    """The kernels split outputs and work items over threads, never one output's sums: the 12 requests give
+    the same bits on one thread and on two."""
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            llm = LLM(tiny_checkpoint, device="cpu", batch_invariant=True, num_blocks=256, block_size=8)
+            runs.append(_generate(llm, range(len(PROMPTS))))
+    finally:
+        torch.set_num_threads(threads)
+    assert runs[0] == runs[1]
+
+
 def test_tiny_model_beam_search_does_not_depend_on_the_batch(tiny_checkpoint):  # noqa: F811
     """Beam search (width 3, copy-on-write forks): each request's beams, ids and cumulative logprobs, the same
     alone and beside the others under the mode; not so by default."""
