@@ -34,7 +34,6 @@ Threads: the output features (of all parts) are cut into one contiguous range pe
 parallel loop, as in cpu_linear.
 """
 import functools
-import sys
 
 import numpy as np
 import torch
@@ -346,11 +345,11 @@ def linear_parts(x, parts, bias=None, num_threads=None, tile_dtype=torch.float32
     natively, see native_bf16; slower elsewhere). max_rows: the most rows the block kernel takes, MAX_ROWS
     by default; None: every call (the block kernel computes a row alike at any row count: the
     batch-invariant mode's products). The rest as `linear`."""
-    max_rows = sys.maxsize if max_rows is None else max_rows
     # a prefill's x may be a strided view (SiLU-and-mul's output is the gate half of [T, 2 I]): torch's GEMM
     # takes its strides, the block kernel (few rows) a contiguous copy
     xa = _check(x, "x", np.float32, 2, contiguous=False)
-    if xa.shape[0] <= max_rows or xa.strides[1] != xa.itemsize or xa.strides[0] < 0:     # (torch: no negative strides)
+    tiles = max_rows is not None and xa.shape[0] > max_rows
+    if not tiles or xa.strides[1] != xa.itemsize or xa.strides[0] < 0:     # (torch: no negative strides)
         xa = np.ascontiguousarray(xa)
     parts = parts if isinstance(parts, Parts) else Parts(parts)
     parts.check_input(xa)
@@ -358,7 +357,7 @@ def linear_parts(x, parts, bias=None, num_threads=None, tile_dtype=torch.float32
     ba = _bias(bias, N)
     threads = num_threads or torch.get_num_threads()
     out = torch.empty(M, N, dtype=torch.float32)
-    if M > max_rows:
+    if tiles:
         if tile_dtype not in (torch.float32, torch.bfloat16):
             raise KernelLaunchError(f"tile_dtype: {tile_dtype}, expected torch.float32 or torch.bfloat16")
         xt = torch.from_numpy(xa)

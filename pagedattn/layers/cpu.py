@@ -205,9 +205,9 @@ class CpuNumbaBackend(TorchPagedBackend):
         w = self._layers.get(layer, False)
         if w is False:
             w = self._layers[layer] = _fused_weights(layer)
-        invariant = self.step.invariant          # any rows on the blocks; float32 weights' rows go unpadded here
-        if (w is None or not self.step.small or k_cache.dtype != torch.float32
-                or (x.shape[0] > cpu_quant.MAX_ROWS if not invariant else w[0] == "dense")):
+        # the batch-invariant mode takes any rows on the blocks; float32 weights' rows would go unpadded here
+        unfit = w is not None and (w[0] == "dense" if self.step.invariant else x.shape[0] > cpu_quant.MAX_ROWS)
+        if w is None or unfit or not self.step.small or k_cache.dtype != torch.float32:
             return layer(positions, x, residual, k_cache, v_cache, meta)
         plan, threads = self.plan(meta, k_cache), self.step._threads
         attn = layer.self_attn
