@@ -330,6 +330,34 @@ def test_shutdown_fails_streams_and_refuses_new_requests(make_client, ref):
     assert not client.is_alive and not client.runners[0].is_alive()       # the core stopped (and closed its LLM)
 
 
+def test_a_core_that_ends_because_it_was_asked_to_is_not_reported_dead(make_client):
+    """The receiver checks the core thread between its loop's stop checks: a core that ended because shutdown()
+    asked it to must give "shut down", not "the core thread ended" (held open here: the receiver's check of
+    the core waits until the core has stopped)."""
+    client = make_client()
+    core, armed = client._cores[0], threading.Event()
+    ended = core.ended
+
+    def ended_after_the_stop():
+        if armed.is_set():
+            client.runners[0].join(10)
+        return ended()
+
+    core.ended = ended_after_the_stop
+
+    async def main():
+        stream = client.add_request(PROMPTS[0], greedy(200), "cut")
+        await stream.__anext__()
+        armed.set()
+        await asyncio.get_running_loop().run_in_executor(None, client.shutdown)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in stream:
+                pass
+
+    run(main())
+    assert not client.runners[0].is_alive()
+
+
 def test_failing_a_stream_raises_in_its_reader_and_aborts_the_request(make_client):
     """RequestStream.fail (a stopping server's way to end a request): the reader's next read raises the
     error, even when it was not waiting at that moment, and the core aborts the request."""

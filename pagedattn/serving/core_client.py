@@ -466,7 +466,8 @@ class CoreClient:
                 if self._inbox and (self._loop is None or self._loop.is_closed()):
                     self._process_inbox()           # the loop that was to process them is gone
                 for core in self._cores:
-                    if core.error is None and core.ended():
+                    # ended, and (read after that) no stop was asked for: a stop sets _stopping before it asks
+                    if core.error is None and core.ended() and not self._stopping:
                         self._drain(core)           # (a core that failed said why before it ended)
                         if core.error is None:
                             self._core_died(core, core.ended())
