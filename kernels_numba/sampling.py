@@ -53,6 +53,7 @@ from kernels_numba.sampling_rule import F32, G_MAX, G_MIN, G_TOP, NEG_INF, check
 THREADS = 448           # per CTA of the hot kernel and the split passes: two CTAs per SM at <= 72 registers
 TARGET_CTAS = 264       # the split aims at two CTAs per SM of an H200 (132 SMs) ...
 MAX_CHUNKS = 64         # ... with at most this many CTAs per row
+INVARIANT_CHUNKS = 16   # ... and in the batch-invariant mode, whatever the rows (invariant_chunks)
 FALLBACK_THREADS = 384  # per CTA of the fallback kernel (at 512 its 128 registers spill)
 NBINS_LOG2 = 11        # 2048 radix bins: 24 KiB of shared memory
 LADDER = (F32(2.0), F32(4.0), F32(8.0), F32(16.0))   # top-k selection starts at the first m - d holding k
@@ -103,6 +104,12 @@ def split_chunks(n, vocab, threads=THREADS):
     at least one group of 4 per thread. A fixed function of (n, vocab): a captured graph stays valid."""
     groups = (vocab + 3) // 4
     return max(1, min(MAX_CHUNKS, -(-TARGET_CTAS // n), groups // threads))
+
+
+def invariant_chunks(vocab, threads=THREADS):
+    """CTAs per row in the batch-invariant mode (pagedattn.layers.sampler): a function of the vocabulary
+    alone, so a row's partial sums and their merge are the same whatever the batch."""
+    return max(1, min(INVARIANT_CHUNKS, (vocab + 3) // 4 // threads))
 
 
 PART_I64 = ("ridx", "j", "total", "count", "mass", "count0", "count1", "count2", "count3", "mass0", "mass1",

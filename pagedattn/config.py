@@ -79,8 +79,10 @@ class EngineConfig:
         with_model_path resolves it. "int8" needs weights="quantized" (or "auto" resolving to it).
     batch_invariant: a request's token ids and logprobs the same bits whatever else is in its steps (alone or
         batched, chunked at any token budget, after preemption, with prefix-cache hits; seeded sampling
-        included): every row's arithmetic fixed by the row alone (docs/batch_invariance.md). CPU, float32,
-        the numba CPU backend, one rank; it costs a prompt's steps their large-GEMM speed.
+        included): every row's arithmetic fixed by the row alone (docs/batch_invariance.md). One rank: on the
+        CPU in float32 with the numba CPU backend (it costs a prompt's steps their large-GEMM speed), on a GPU
+        in float16 / bfloat16 with the numba backend (every attention through the prefill kernel in one KV
+        part, products 128 rows at a time, the sampler's split fixed).
     """
 
     model: str | None = None
@@ -179,13 +181,19 @@ class EngineConfig:
         if self.activations == "int8" and (self.weights == "float32" or not self.can_quantize):
             raise InvalidRequestError(f"activations='int8' runs on the quantized weights only (CPU, float32, one "
                                       f"rank), not weights={self.weights!r} on device={self.device!r}")
-        if self.batch_invariant and (kind != "cpu" or self.dtype != torch.float32 or self.tensor_parallel_size > 1
-                                     or self.attn_backend not in ("auto", "cpu")):
-            raise InvalidRequestError(
-                f"batch_invariant=True runs on the CPU in float32 with the numba CPU backend on one rank, not "
-                f"device={self.device!r}, dtype={str(self.dtype).replace('torch.', '')}, attn_backend="
-                f"{self.attn_backend!r}, tensor_parallel_size={self.tensor_parallel_size} (the GPU's invariant "
-                f"GEMM and attention are not built: docs/batch_invariance.md)")
+        if self.batch_invariant:
+            backend, dtypes = {"cpu": ("cpu", (torch.float32,)),
+                               "cuda": ("numba", (torch.float16, torch.bfloat16))}.get(kind, (None, ()))
+            if self.dtype not in dtypes or self.attn_backend not in ("auto", backend) \
+                    or self.tensor_parallel_size > 1:
+                raise InvalidRequestError(
+                    f"batch_invariant=True runs on one rank, on the CPU in float32 with the numba CPU backend or on "
+                    f"a GPU in float16 / bfloat16 with the numba backend, not device={self.device!r}, dtype="
+                    f"{str(self.dtype).replace('torch.', '')}, attn_backend={self.attn_backend!r}, "
+                    f"tensor_parallel_size={self.tensor_parallel_size} (docs/batch_invariance.md)")
+            if kind == "cuda" and self.block_size not in (8, 16, 32):
+                raise InvalidRequestError(f"batch_invariant=True on a GPU needs block_size 8, 16 or 32 (the prefill "
+                                          f"kernel's), got {self.block_size}")
         if self.tensor_parallel_size > 1 and kind == "cuda" and self.device not in ("cuda", "cuda:0"):
             raise InvalidRequestError(f"tensor_parallel_size={self.tensor_parallel_size} runs rank r on cuda:r: "
                                       f"device must be 'auto', 'cuda' or 'cuda:0', got {self.device!r}")

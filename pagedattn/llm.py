@@ -71,8 +71,9 @@ class LLM:
     "float32" elsewhere.
     "int8" without quantized weights raises InvalidRequestError.
     batch_invariant: True makes each request's token ids and logprobs the same bits whatever else is in
-    the batch, the token budget, preemption or prefix-cache hits (seeded sampling included): CPU, float32,
-    the numba CPU backend; docs/batch_invariance.md says what it guarantees and costs.
+    the batch, the token budget, preemption or prefix-cache hits (seeded sampling included): on the CPU in
+    float32, on a GPU in float16 / bfloat16, one rank; docs/batch_invariance.md says what it guarantees
+    and costs.
 
     tensor_parallel_size: P > 1 shards the model over P ranks (see docs/tensor_parallel.md): this process
     is rank 0 and starts P - 1 worker processes (spawn; NCCL on cuda:0..P-1, gloo on CPU). They stop on

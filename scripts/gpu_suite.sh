@@ -63,7 +63,8 @@ tests)
     for i in 1 2 3 4; do group decode$i $i 540 $i/4 $decode & done
     for i in 1 2; do group prefill$i $i 540 $i/2 $prefill & done
     for i in 1 2; do group layers$i $i 540 $i/2 $layers & done
-    group engine 1 540 - tests/test_cuda_graph.py tests/test_engine.py tests/test_async_engine.py tests/test_serving_gpu.py &
+    group engine 1 540 - tests/test_cuda_graph.py tests/test_engine.py tests/test_async_engine.py tests/test_serving_gpu.py \
+        tests/test_batch_invariance_gpu.py &
     # the step-level paths (work lists per step, piecewise graphs, launch plans) and the start-up /
     # lifecycle tests, which start processes of their own
     steps="tests/test_prefill_plan.py tests/test_piecewise_graph.py tests/test_launcher.py

@@ -110,6 +110,53 @@ def test_quantized_products_at_any_row_count_are_each_rows_alone(bundled_model_d
     assert not torch.equal(default, alone)
 
 
+# ---------------------------------------------------------------- the GPU's pieces (in the CUDA simulator)
+
+def test_fixed_row_products_are_each_rows_alone():
+    """ops.fixed_rows_linear (the GPU mode's products, here on torch's CPU GEMM, which also changes its sums
+    with the row count): any row count, any place in a piece, the bits of the row alone; F.linear's differ."""
+    from pagedattn.layers.ops import fixed_rows_linear
+
+    g = torch.Generator().manual_seed(3)
+    w, b, x = torch.randn(96, 200, generator=g), torch.randn(96, generator=g), torch.randn(300, 200, generator=g)
+    for bias in (None, b):
+        alone = torch.cat([fixed_rows_linear(128, x[i:i + 1], w, bias) for i in range(300)])
+        for M in (2, 7, 128, 129, 300):
+            assert torch.equal(fixed_rows_linear(128, x[:M], w, bias), alone[:M]), M
+        assert torch.equal(fixed_rows_linear(128, x[5:6].expand(128, -1), w, bias), alone[5:6].expand(128, -1))
+    plain = torch.cat([torch.nn.functional.linear(x[i:i + 1], w, b) for i in range(300)])
+    assert any(not torch.equal(torch.nn.functional.linear(x[:M], w, b), plain[:M]) for M in (7, 128, 300))
+
+
+@pytest.mark.parametrize("positions", [[50, 79], pytest.param([0, 41, 42, 63, 64, 65], marks=pytest.mark.slow)])
+def test_gpu_mode_a_query_gets_the_same_bits_in_a_prompt_a_chunk_and_a_decode(positions):
+    """The GPU mode's attention (the prefill kernel in one KV part for every call, decodes as one-query
+    chunks), in the numba simulator running the kernels' code: a query's row is the same bits in the whole
+    prompt, in a chunk after its cached prefix and as a decode beside others; the default decode kernel's
+    rows differ (its own reduction order). One 80-token sequence, 3 query heads on 1 KV head: 42-query
+    tiles, so the tile of queries 42..79 reads the second 64-key tile, which rows 42..63 see masked whole."""
+    from pagedattn.layers.attention import NumbaBackend
+
+    g = torch.Generator().manual_seed(4)
+    H, Hkv, D, BS, L = 3, 1, 64, 16, 80
+    k_cache = torch.randn(8, Hkv, BS, D, generator=g).half()
+    v_cache = torch.randn(8, Hkv, BS, D, generator=g).half()
+    table = torch.tensor([[3, 1, 6, 0, 2]], dtype=torch.int32)
+    q = torch.randn(L, H, D, generator=g).half()
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)        # noqa: E731
+    mode, scale = NumbaBackend(batch_invariant=True), D ** -0.5
+    whole, chunk = torch.empty_like(q), torch.empty(20, H, D).half()
+    mode.prefill(q, k_cache, v_cache, table, i32(0, L), i32(L), scale, whole)
+    mode.prefill(q[60:].contiguous(), k_cache, v_cache, table, i32(0, 20), i32(L), scale, chunk)
+    assert torch.equal(chunk, whole[60:])
+    decodes = (q[positions].contiguous(), k_cache, v_cache, table.expand(len(positions), -1).contiguous(),
+               i32(*[p + 1 for p in positions]), scale)
+    for backend, same in ((mode, True), (NumbaBackend(), False)):
+        out = torch.empty(len(positions), H, D).half()
+        backend.decode(*decodes, out)
+        assert torch.equal(out, whole[positions]) == same, backend.batch_invariant
+
+
 # ---------------------------------------------------------------- the engine: tiny model
 
 PROMPTS = [[random.Random(s).randrange(3, 128) for _ in range(random.Random(s + 100).randrange(2, 70))]
@@ -132,10 +179,11 @@ def _generate(llm, idx, prompts=PROMPTS):
     return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs]
 
 
-def _comparisons(model, invariant, **kw):
-    """The request outputs of each way of running the 12 prompts that the mode makes equal: name -> list."""
+def _comparisons(model, invariant, device="cpu", **kw):
+    """The request outputs of each way of running the 12 prompts that the mode makes equal: name -> list
+    (on CUDA also eagerly, against the batched run's CUDA graphs)."""
     def llm(**extra):
-        return LLM(model, device="cpu", batch_invariant=invariant, **{**kw, **extra})
+        return LLM(model, device=device, batch_invariant=invariant, **{**kw, **extra})
 
     big = llm(num_blocks=256, block_size=8)
     runs = {"batched": _generate(big, range(len(PROMPTS))),
@@ -146,6 +194,8 @@ def _comparisons(model, invariant, **kw):
     small = llm(num_blocks=30, block_size=8, max_num_seqs=12)
     runs["tiny pool"] = _generate(small, range(len(PROMPTS)))
     assert small.metrics()["num_preemptions"] > 0, "the tiny pool was meant to preempt"
+    if device == "cuda":
+        runs["eager"] = _generate(llm(num_blocks=256, block_size=8, enforce_eager=True), range(len(PROMPTS)))
     return runs
 
 
@@ -228,12 +278,30 @@ def test_mode_outside_its_conditions_is_refused(kwargs):
         EngineConfig(device="cpu", **{"batch_invariant": True, **kwargs})
 
 
-def test_mode_on_a_gpu_is_refused(monkeypatch):
+@pytest.mark.parametrize("kwargs", [dict(dtype="float32"), dict(attn_backend="torch"), dict(attn_backend="cpu"),
+                                    dict(tensor_parallel_size=2), dict(block_size=64)])
+def test_mode_on_a_gpu_outside_its_conditions_is_refused(monkeypatch, kwargs):
     from pagedattn.config import EngineConfig
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(InvalidRequestError, match="batch_invariant=True runs on the CPU"):
-        EngineConfig(device="cuda", batch_invariant=True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert EngineConfig(device="cuda", batch_invariant=True).batch_invariant            # fp16, numba: taken
+    assert EngineConfig(device="cuda", dtype="bfloat16", attn_backend="numba", batch_invariant=True).batch_invariant
+    with pytest.raises(InvalidRequestError, match="batch_invariant=True"):
+        EngineConfig(device="cuda", **{"batch_invariant": True, **kwargs})
+
+
+def test_gpu_mode_refuses_a_model_its_kernels_do_not_cover():
+    """Every op must be one of the numba backend's per-row kernels: a head_dim the prefill kernel lacks (or
+    widths the glue kernels lack) is refused when the model is built, naming the mode."""
+    from pagedattn.layers.attention import NumbaBackend
+
+    backend = NumbaBackend(batch_invariant=True)
+    backend.ops_table("cpu", torch.float16, 896, 4864, 64)                  # covered (the simulator's device)
+    with pytest.raises(InvalidRequestError, match=r"batch_invariant=True needs head_dim in \(64, 128\)"):
+        backend.ops_table("cpu", torch.float16, 896, 4864, 32)
+    with pytest.raises(InvalidRequestError, match="batch_invariant=True needs the glue kernels"):
+        backend.ops_table("cpu", torch.float32, 896, 4864, 64)
 
 
 def test_serve_flag():

@@ -90,7 +90,7 @@ def load_shard(config, rank, world_size, device):
     backend = get_backend(config.attn_backend, device)
     if hasattr(backend, "validate"):
         backend.validate = False
-    if config.batch_invariant:                   # EngineConfig allows it with the numba CPU backend only
+    if config.batch_invariant:                   # EngineConfig allows it with the numba backends only
         backend.batch_invariant = True
     if config.weights == "quantized":
         return load_gguf_model(config.model, config.gguf_file, backend, config.activations)
@@ -294,7 +294,8 @@ class ModelRunner:
             st = sampler.SamplingTensors(temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"],
                                          seed=f["seed"], index=f["comp_index"], position=f["position"])
             sampler.sample(logits, st, out_tokens=self.sampled_tokens[:N], out_logprobs=self.sampled_logprobs[:N],
-                           validate=False)                  # the step's arrays were checked when packed
+                           validate=False,                  # the step's arrays were checked when packed
+                           batch_invariant=self.config.batch_invariant)
         return hidden, logits
 
     @torch.inference_mode()

@@ -40,6 +40,7 @@ from functools import partial
 
 import torch
 
+from pagedattn.errors import InvalidRequestError
 from pagedattn.kv_cache import AttentionMetadata  # noqa: F401 - the backends' contract, re-exported
 from pagedattn.layers.torch_attention import TorchPagedBackend
 
@@ -68,6 +69,12 @@ class NumbaBackend(TorchPagedBackend):
 
     validate: the kernels' host-side checks (shapes, and value checks that cost a device sync each,
     skipped inside CUDA-graph capture). The engine turns it off and checks each step's metadata once.
+
+    batch_invariant: a row's result never depends on the other rows of its step (EngineConfig.batch_invariant;
+    docs/batch_invariance.md). Set it before the model is built (its ops table reads it): every attention,
+    prefill and decode, runs the prefill kernel in one KV part (a query's keys summed in the same 64-key tiles
+    from position 0, whichever call it is in: a prompt's query is exactly its decode), and every product runs
+    INVARIANT_ROWS rows at a time (ops.fixed_rows_linear).
     """
 
     name = "numba"
@@ -75,9 +82,13 @@ class NumbaBackend(TorchPagedBackend):
     KERNEL_HEAD_DIMS = (64, 128)
     KERNEL_BLOCK_SIZES = (8, 16, 32)
     FUSED_MODULES = ("rmsnorm", "rotary", "activation")
+    INVARIANT_ROWS = 128            # the batch-invariant mode's rows per product (docs/batch_invariance.md)
 
-    def __init__(self, validate=True):
+    def __init__(self, validate=True, batch_invariant=False):
         self.validate = validate
+        self.batch_invariant = batch_invariant
+        self._query_starts = {}         # device -> int32 [0, 1, 2, ...]: decodes as one-query prefill chunks
+        self._outgrown = []
         self.cache_ops = self._load("kernels_numba.cache_ops")
         self.paged_attention = self._load("kernels_numba.paged_attention")
         # prefill: the shipped kernel (v7, kernels_numba/paged_prefill_fa2.py); the journey is not a fallback
@@ -115,7 +126,7 @@ class NumbaBackend(TorchPagedBackend):
         split partitions and their merge), else [max_context_len]."""
         pa = self.paged_attention
         short = getattr(pa, "SHORT_CONTEXT", None)
-        if pa is None or short is None or short >= max_context_len:
+        if pa is None or short is None or short >= max_context_len or self.batch_invariant:
             return [max_context_len]
         from kernels_numba import bridge
         sms = bridge.num_sms(torch.device(device))
@@ -131,6 +142,10 @@ class NumbaBackend(TorchPagedBackend):
         from pagedattn.layers import ops
 
         table = ops.torch_ops(self)
+        if self.batch_invariant:
+            self._check_invariant_model(device, dtype, hidden_size, intermediate_size, head_dim)
+            table.linear = partial(ops.fixed_rows_linear, self.INVARIANT_ROWS)
+            self.query_starts(torch.empty(0, device=device).device, 1024)        # before any graph is captured
         if not self.glue_kernels_for(device, dtype):
             return table
         from kernels_numba import activation, rmsnorm
@@ -144,6 +159,18 @@ class NumbaBackend(TorchPagedBackend):
         if head_dim % 16 == 0:                          # 8-element pieces of each half
             table.rotary_and_cache_write = partial(fused_rotary_and_cache_write, v)
         return table
+
+    def _check_invariant_model(self, device, dtype, hidden_size, intermediate_size, head_dim):
+        """The batch-invariant mode holds where every op of a layer is one of this backend's per-row kernels
+        (torch's reductions, and its attention's gather, are sized by the whole step)."""
+        missing = [what for what, ok in (
+            ("the glue kernels on this device and dtype", self.glue_kernels_for(device, dtype)),
+            ("the prefill kernel", self.paged_prefill is not None),
+            (f"head_dim in {self.KERNEL_HEAD_DIMS} (got {head_dim})", head_dim in self.KERNEL_HEAD_DIMS),
+            (f"hidden_size and intermediate_size multiples of 8 (got {hidden_size}, {intermediate_size})",
+             hidden_size % 8 == 0 and intermediate_size % 8 == 0)) if not ok]
+        if missing:
+            raise InvalidRequestError("batch_invariant=True needs " + "; ".join(missing))
 
     def can_capture(self, dtype, head_dim, block_size):
         """Every piece of a decode step is a numba kernel or a torch op without host syncs for fp16/bf16
@@ -169,18 +196,46 @@ class NumbaBackend(TorchPagedBackend):
     def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, plans=None):
         """q, out: [Np, H, D]; plans: the step's work lists (AttentionMetadata.prefill_plans), or None: the
         first layer's call builds the work list, the step's other layers reuse it (one plan kernel a step)."""
+        if self.batch_invariant and not self._kernel_ok(q, k_cache):
+            raise InvalidRequestError(f"batch_invariant=True needs the prefill kernel's inputs: float16/bfloat16 "
+                                      f"on the GPU, head_dim in {self.KERNEL_HEAD_DIMS}, block_size in "
+                                      f"{self.KERNEL_BLOCK_SIZES} (got {q.dtype}, head_dim {q.shape[-1]}, "
+                                      f"block_size {k_cache.shape[2]})")
         if self.paged_prefill is None or not self._kernel_ok(q, k_cache):
             return super().prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out)
         _run_into(out, self.paged_prefill.paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                         context_lens, scale=scale, out=out,
-                                                        validate=self.validate, plans=plans))
+                                                        validate=self.validate, plans=plans,
+                                                        splits=1 if self.batch_invariant else None))
 
-    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len=None):
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len=None,
+               plans=None):
+        if self.batch_invariant:
+            n = q.shape[0]                  # n one-query chunks: query s at context_lens[s] - 1, as in a prompt
+            return self.prefill(q, k_cache, v_cache, block_tables, self.query_starts(q.device, n + 1)[:n + 1],
+                                context_lens, scale, out, plans=plans)
         if self.paged_attention is None or not self._kernel_ok(q, k_cache):
             return super().decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len)
         _run_into(out, self.paged_attention.paged_attention(q, k_cache, v_cache, block_tables, context_lens,
                                                             scale=scale, out=out, validate=self.validate,
                                                             max_context_len=max_context_len))
+
+    def query_starts(self, device, n):
+        """int32 [0, 1, ..., n - 1] or longer on `device`: the chunk boundaries of decodes run as one-query
+        prefill chunks. Made outside any CUDA-graph capture (the engine's eager warm-up steps come first): a
+        tensor first written inside a capture would hold its values only once the graph replays."""
+        from kernels_numba import bridge
+
+        have = self._query_starts.get(device)
+        if have is None or have.shape[0] < n:
+            if bridge.capturing():
+                raise RuntimeError(f"the batch-invariant decode's query starts for {n} rows were first asked for "
+                                   "inside a CUDA-graph capture: run an eager step of that size first")
+            size = max(n, 2 * (0 if have is None else have.shape[0]), 1024)
+            self._query_starts[device] = torch.arange(size, dtype=torch.int32, device=device)
+            if have is not None:
+                self._outgrown.append(have)             # kept: a captured graph may read it
+        return self._query_starts[device]
 
 
 def fused_rotary_and_cache_write(validate, positions, qkv, num_heads, num_kv_heads, head_dim, cos_sin_cache,

@@ -189,9 +189,10 @@ class CpuNumbaBackend(TorchPagedBackend):
         kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out,
                                         self.step.threads())
 
-    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len=None):
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len=None,
+               plans=None):
         """q, out: [num_decodes, H, D]; each query sees its sequence's context_len tokens.
-        max_context_len: unused (the kernel reads each sequence's own length)."""
+        max_context_len, plans: unused (the kernel reads each sequence's own length)."""
         if not self._runs_here(q, k_cache):
             return super().decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len)
         kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,

@@ -115,6 +115,25 @@ def torch_linear(x, weight, bias=None):
     return F.linear(x, weight, bias)
 
 
+def fixed_rows_linear(rows, x, weight, bias=None):
+    """x weight^T + bias computed `rows` rows at a time, the last piece padded to `rows` with zeros: every
+    product is one shape, so the GEMM library runs one algorithm on it and a row's result never depends on
+    how many rows came with it (the GPU's batch-invariant mode: docs/batch_invariance.md). Each row of a
+    product reads only its own row of x, so the padding and the rows beside it change nothing."""
+    T = x.shape[0]
+    pad = -T % rows
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    out = torch.empty(T + pad, weight.shape[0], dtype=x.dtype, device=x.device)
+    wt = weight.t()
+    for i in range(0, T + pad, rows):
+        if bias is None:
+            torch.mm(x[i:i + rows], wt, out=out[i:i + rows])
+        else:
+            torch.addmm(bias, x[i:i + rows], wt, out=out[i:i + rows])
+    return out[:T]
+
+
 def no_scope(num_rows):
     return contextlib.nullcontext()
 

@@ -81,24 +81,28 @@ class SamplingTensors:
         return self.temperature.shape[0]
 
 
-def sample(logits, st, out_tokens=None, out_logprobs=None, validate=True):
+def sample(logits, st, out_tokens=None, out_logprobs=None, validate=True, batch_invariant=False):
     """Next token and its raw log-probability for each row.
 
     logits: [N, V] float32/float16/bfloat16, contiguous; st: SamplingTensors of N rows on the same
     device. out_tokens: optional [N] int32, out_logprobs: optional [N] float32, written in place
     (pass them when capturing a CUDA graph). validate: the samplers' argument checks (the engine, which
-    checks its step's arrays once on the host, passes False). Returns (tokens [N] int32, logprobs [N]
-    float32) on logits.device: CUDA runs the kernels on torch's current stream, CPU the numba CPU version.
+    checks its step's arrays once on the host, passes False). batch_invariant: on CUDA, every row split over
+    the same number of CTAs whatever N (kernels_numba.sampling.invariant_chunks), so that a row's sums (its
+    logprob's logsumexp, top-p's masses) never depend on the other rows (the CPU sampler's do not anyway).
+    Returns (tokens [N] int32, logprobs [N] float32) on logits.device: CUDA runs the kernels on torch's
+    current stream, CPU the numba CPU version.
     """
     n = logits.shape[0]
     if out_tokens is None:
         out_tokens = torch.empty(n, dtype=torch.int32, device=logits.device)
     if out_logprobs is None:
         out_logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)
+    args = (logits, st.temperature, st.top_k, st.top_p, st.seed, st.index, st.position, out_tokens, out_logprobs)
     if logits.is_cuda:
         # imported on the first CUDA call: numba.cuda takes ~0.4 s to import, which a CPU engine never needs
-        from kernels_numba.sampling import sample_cuda as fn
-    else:
-        fn = sample_cpu
-    return fn(logits, st.temperature, st.top_k, st.top_p, st.seed, st.index, st.position, out_tokens,
-              out_logprobs, validate=validate)
+        from kernels_numba import sampling
+
+        return sampling.sample_cuda(*args, validate=validate,
+                                    chunks=sampling.invariant_chunks(logits.shape[1]) if batch_invariant else None)
+    return sample_cpu(*args, validate=validate)

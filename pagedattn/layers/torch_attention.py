@@ -108,7 +108,7 @@ class TorchPagedBackend:
                          meta.context_lens[:P], scale, out[:Np], plans=meta.prefill_plans)
         if meta.num_decode_tokens > 0:
             self.decode(q[Np:], k_cache, v_cache, meta.block_tables[P:], meta.context_lens[P:], scale, out[Np:],
-                        max_context_len=meta.max_context_len)
+                        max_context_len=meta.max_context_len, plans=meta.prefill_plans)
         return out
 
     def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, plans=None):
@@ -127,9 +127,10 @@ class TorchPagedBackend:
         res = paged_sdpa(q[rows], q_pos, k_cache, v_cache, block_tables.to(q.device), ctx, scale)
         out[rows[real]] = res[real].to(out.dtype)                                    # (Np, H, D)
 
-    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len=None):
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len=None,
+               plans=None):
         """q, out: [num_decodes, H, D]; each query sees its sequence's context_len tokens.
-        max_context_len: a host bound on context_lens (None: read from the device)."""
+        max_context_len: a host bound on context_lens (None: read from the device). plans: as prefill's."""
         ctx = context_lens.to(device=q.device, dtype=torch.long)
         res = paged_sdpa(q[:, None], (ctx - 1)[:, None], k_cache, v_cache, block_tables.to(q.device), ctx, scale,
                          max_len=max_context_len)

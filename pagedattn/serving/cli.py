@@ -52,8 +52,8 @@ def build_parser():
     eng.add_argument("--no-prefix-caching", action="store_true")
     eng.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     eng.add_argument("--batch-invariant", action="store_true",
-                     help="a request's tokens and logprobs independent of the rest of its batch (CPU; "
-                          "docs/batch_invariance.md)")
+                     help="a request's tokens and logprobs independent of the rest of its batch (CPU float32, "
+                          "GPU float16/bfloat16; docs/batch_invariance.md)")
     eng.add_argument("--no-piecewise-graphs", action="store_true",
                      help="steps with prompt tokens run eagerly (default on CUDA: the forward's pieces between "
                           "attentions replayed as CUDA graphs)")
