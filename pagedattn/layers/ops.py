@@ -119,11 +119,13 @@ def fixed_rows_linear(rows, x, weight, bias=None):
     """x weight^T + bias computed `rows` rows at a time, the last piece padded to `rows` with zeros: every
     product is one shape, so the GEMM library runs one algorithm on it and a row's result never depends on
     how many rows came with it (the GPU's batch-invariant mode: docs/batch_invariance.md). Each row of a
-    product reads only its own row of x, so the padding and the rows beside it change nothing."""
+    product reads only its own row of x, so the padding and the rows beside it change nothing. x is made
+    contiguous (SiLU-and-mul's output is a strided view): the library may choose by the leading dimension too."""
     T = x.shape[0]
     pad = -T % rows
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    x = x.contiguous()
     out = torch.empty(T + pad, weight.shape[0], dtype=x.dtype, device=x.device)
     wt = weight.t()
     for i in range(0, T + pad, rows):
