@@ -18,10 +18,15 @@
 #                                                        (each on new cache directories) and 3 warm ones
 #   OLD=DIR bash scripts/gpu_suite.sh ab                 this tree against the tree in DIR, alternating, 3 rounds:
 #                                                        the nano-vllm workload and batch 1 (scripts/ab_trees.py)
+#   [MODEL=DIR] bash scripts/gpu_suite.sh invariant      the batch-invariant mode: its `gpu` tests, then
+#                                                        scripts/gpu_batch_invariant.py's products, identity table
+#                                                        (MODEL: the real checkpoint; default random 0.5B)
+#   bash scripts/gpu_suite.sh invariant_cost             the mode's cost beside the default: the nano-vllm workload
+#                                                        and batch 1, greedy and sampled, 3 rounds
 #
 # Logs and results go to $OUT (default ./gpu_out) and are packed into $OUT/<phase>.tar.gz.
 set -uo pipefail
-phase=${1:?phase: tests | bench | tp | tp7b | runtime | serve | final | both | startup | ab}
+phase=${1:?phase: tests | bench | tp | tp7b | runtime | serve | final | both | startup | ab | invariant | invariant_cost}
 shift
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT/$phase"
@@ -138,6 +143,14 @@ serve_mp)
     # the server through the launcher (engine core in its own process; 1, 2, 4 API servers) and the in-process
     # one beside LLM.generate: 256 streams at once from 8 client processes, and one request at a time
     run serve_mp 570 python3 scripts/bench_serving.py --model "${MODEL:-random}" --out "$dir" --time-budget 480
+    ;;
+invariant)
+    run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_batch_invariance_gpu.py
+    run gemm 120 python3 scripts/gpu_batch_invariant.py --parts gemm --out "$dir"
+    run identity 300 python3 scripts/gpu_batch_invariant.py --parts identity ${MODEL:+--model "$MODEL"} --out "$dir"
+    ;;
+invariant_cost)
+    run cost 580 python3 scripts/gpu_batch_invariant.py --parts cost --dtypes float16 --out "$dir"
     ;;
 startup)
     run startup 580 python3 scripts/startup_times.py --model "${MODEL:?MODEL=checkpoint dir}" --device cuda \
