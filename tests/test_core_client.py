@@ -130,6 +130,23 @@ def test_deltas_only_outputs_hold_the_new_tokens_text_and_logprobs(make_client, 
         assert cut[-1].outputs[0].finish_reason == "stop"
 
 
+def test_a_final_only_reader_is_woken_once_with_the_whole_answer(make_client, ref):
+    """A stream read with final_only (a non-streamed HTTP response) reads one output: the final one, holding
+    the whole answer, while the request ran for many steps; the same request read normally gets several."""
+    client = make_client()
+    params = greedy(20, logprobs=True)
+
+    async def read(final_only):
+        stream = client.add_request(PROMPTS[1], params)
+        stream.final_only = final_only
+        return [out async for out in stream]
+
+    several, one = run(read(False)), run(read(True))
+    assert len(several) > 2 and len(one) == 1 and one[0].finished
+    c, whole = one[0].outputs[0], want(ref, PROMPTS[1], params)
+    assert (c.token_ids, c.logprobs, c.text) == (whole.token_ids, whole.logprobs, whole.text)
+
+
 def test_a_slow_reader_gets_one_output_holding_everything(make_client, ref):
     client = make_client()
 

@@ -73,9 +73,8 @@ class _Job:
         self.finished = set()           # choice indices whose finish_reason was sent
         self.final = {}                 # choice index -> latest CompletionOutput
         self._pieces = {}               # choice index -> TokenPieces (logprobs)
-        if req.stream:                  # a streamed chunk carries the new tokens and text alone
-            for s in streams:
-                s.deltas_only = True
+        for s in streams:               # a streamed chunk carries the new tokens and text alone; a body, the end
+            s.deltas_only, s.final_only = req.stream, not req.stream
 
     def abort(self):
         for s in self.streams:

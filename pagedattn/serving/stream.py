@@ -57,6 +57,8 @@ class RequestStream:
     reader. arrival_time: perf_counter seconds when the front accepted it (TTFT and e2e latency start here).
     deltas_only: set it before reading for outputs whose completions hold only what is new (token_ids,
     logprobs and text equal to the delta_ fields): a streamed HTTP response needs no more.
+    final_only: set it before reading to be woken for the final output (or an error) alone: a non-streamed
+    HTTP response reads one output, not a copy of the completion at every step.
     """
 
     def __init__(self, owner, request_id, prompt, prompt_token_ids, params, loop):
@@ -68,6 +70,7 @@ class RequestStream:
         self.loop = loop
         self.arrival_time = now()
         self.deltas_only = False
+        self.final_only = False
         self._wire_id = None            # the front's number for the request on the wire
         self.finished = False           # the reader has seen the final output (or an error)
         self._lock = threading.Lock()   # guards the fields below between the front's threads and the reader
@@ -82,14 +85,18 @@ class RequestStream:
         """News for the reader: `request` (the front's state, which _output_of turns into a RequestOutput)
         advanced by num_tokens tokens, finished or not; or an error. Returns True when the reader must be
         woken: it is not already, and this is an error, the final output, the first tokens, or at least
-        stream_interval tokens since it last took one (the caller wakes it, once per loop per step)."""
+        stream_interval tokens since it last took one (final_only: an error or the final output); the caller
+        wakes it, once per loop per step."""
         with self._lock:
             if error is not None:
                 self._error = error
                 return not self._ready.is_set()
             self._pending = request
             self._pending_tokens += num_tokens
-            due = finished or not self._sent_any or self._pending_tokens >= self.owner.stream_interval
+            if self.final_only:
+                due = finished
+            else:
+                due = finished or not self._sent_any or self._pending_tokens >= self.owner.stream_interval
             return due and not self._ready.is_set()
 
     # ---- the reader's side -----------------------------------------------------------------------
