@@ -446,7 +446,11 @@ def make_tile_math(head_dim, kind, m_tiles, bn, q_in_smem):
                 mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 1))
                 mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 2))
                 ms = mx * sl if mx != NEG_INF else float32(0.0)  # a fully masked row: p = 0
-                alpha = ex2(m[mt, h] * sl - ms)  # 0 while the row has seen nothing
+                # 0 while the row has seen nothing; exactly 1 while its max stands (ex2 of m * sl - ms would be
+                # 2^(the rounding of m * sl) once the compiler fuses it into an FMA): a tile masked whole for a
+                # row then leaves its O and l as they were, so a query gets the same bits in a tile that reads
+                # keys past it as alone (the batch-invariant mode's prompt row == its decode)
+                alpha = float32(1.0) if mx == m[mt, h] else ex2(m[mt, h] * sl - ms)
                 m[mt, h] = mx
                 lsum[mt, h] = lsum[mt, h] * alpha + probabilities(sc, mt, h, ms, sl)
                 rescale(oa, ob, mt, h, alpha)
