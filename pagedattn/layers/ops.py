@@ -116,16 +116,19 @@ def torch_linear(x, weight, bias=None):
 
 
 def fixed_rows_linear(rows, x, weight, bias=None):
-    """x weight^T + bias computed `rows` rows at a time, the last piece padded to `rows` with zeros: every
-    product is one shape, so the GEMM library runs one algorithm on it and a row's result never depends on
-    how many rows came with it (the GPU's batch-invariant mode: docs/batch_invariance.md). Each row of a
-    product reads only its own row of x, so the padding and the rows beside it change nothing. The library may
-    also choose by the leading dimension and the pointers' alignment: x is copied into a fresh contiguous buffer
-    unless it is one already (SiLU-and-mul's output is a strided view)."""
+    """x weight^T + bias computed `rows` rows at a time, the last piece padded to `rows`: every product is one
+    shape, so the GEMM library runs one algorithm on it and a row's result never depends on how many rows came
+    with it (the GPU's batch-invariant mode: docs/batch_invariance.md). Each row of a product reads only its own
+    row of x, so the padding rows (left as the allocator gives them: one copy, no fill) and the rows beside it
+    change nothing, and their results are dropped. The library may also choose by the leading dimension and the
+    pointers' alignment: x is copied into a fresh contiguous buffer unless it is one already (SiLU-and-mul's
+    output is a strided view)."""
     T = x.shape[0]
     pad = -T % rows
     if pad or not x.is_contiguous() or x.data_ptr() % 256:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        buf = torch.empty(T + pad, x.shape[1], dtype=x.dtype, device=x.device)
+        buf[:T] = x
+        x = buf
     out = torch.empty(T + pad, weight.shape[0], dtype=x.dtype, device=x.device)
     wt = weight.t()
     for i in range(0, T + pad, rows):
