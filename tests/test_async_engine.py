@@ -49,7 +49,7 @@ def run(ckpt, async_scheduling, **kw):
     return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs], m
 
 
-@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("caching", [pytest.param(True, marks=pytest.mark.slow), False])      # True: 26 s
 def test_async_equals_serial_under_preemption(tiny_checkpoint, caching):  # noqa: F811
     serial, ms = run(tiny_checkpoint, False, enable_prefix_caching=caching)
     overlapped, mo = run(tiny_checkpoint, True, enable_prefix_caching=caching)

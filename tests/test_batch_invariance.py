@@ -344,6 +344,7 @@ def _bundled_runs(model_dir, prompts, max_tokens, invariant, tiny_pool=False):
     return runs
 
 
+@pytest.mark.slow                   # 20 s; test_bundled_model_16_requests is the larger check
 def test_bundled_model_alone_equals_batched(bundled_model_dir, bundled_gguf):  # noqa: F811
     """The CPU default's weights (GGUF blocks, int8 activations where the CPU has AVX2), 4 requests: alone,
     batched, with prefix hits and chunked at 37 tokens, the same bits."""

@@ -84,6 +84,7 @@ def test_close_is_idempotent_and_del_after_close_is_quiet(ckpt):
     assert alive(refs) == []
 
 
+@pytest.mark.slow                   # 35 s
 def test_kernel_caches_are_released_per_engine(ckpt64):
     """The numba kernels' cached views (the KV pool's words, activations) and scratch belong to the engines
     that used them: deleting one engine frees what only it held, and nothing a live engine still uses."""

@@ -243,10 +243,12 @@ V10_SPLIT_CASES = [
     # the plan's 8-warp split CTAs with the fused merge, on head blocks of more than 8 rows (20 heads: 2 x 10)
     ("fused_8_warps_20_heads", 20, 1, 64, 16, np.float16, [200, 9], pa.DecodePlan(2, 128, 8, 3, "fused"), 2),
 ]
+SLOW_V10_SPLIT_CASES = {"fused_8_warps_20_heads"}       # 23 s in the simulator: under -m slow
 
 
 @pytest.mark.skipif(HAS_GPU, reason="tiny plans forced on the simulator; the gpu tests below run real ones")
-@pytest.mark.parametrize("case", V10_SPLIT_CASES, ids=[c[0] for c in V10_SPLIT_CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0], marks=[pytest.mark.slow] * (c[0] in SLOW_V10_SPLIT_CASES))
+                                  for c in V10_SPLIT_CASES])
 def test_v10_split_merges_match_reference(case):
     """Each merge on forced partitions, through the torch entry; the fused case twice: its counters
     (a persistent buffer) must be back at zero after a launch, or the second launch never merges."""
