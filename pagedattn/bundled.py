@@ -156,6 +156,7 @@ def is_converted(path, expected_sha256=None):
 def convert_gguf(gguf_dir, gguf_file, out_dir):
     """GGUF -> HF-style dir (float32 safetensors, config.json, tokenizer + chat template). Returns the config dict."""
     import torch
+    os.makedirs(out_dir, exist_ok=True)
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

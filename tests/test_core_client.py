@@ -102,6 +102,33 @@ def test_deltas_concatenate_to_the_final_output(make_client, ref):
     assert client.num_requests_in_flight == 0
 
 
+def read_in_lockstep(client, make_stream):
+    """Read the stream make_stream() opens to its end with the core's engine stepping only after the reader took the last step's
+    output (a wait of at most 5 s), so a reader on a loaded machine still gets one output a step."""
+    engine = client.engine_core.engine
+    step, taken = engine.step, threading.Event()
+    taken.set()
+
+    def step_after_read():
+        taken.wait(5)
+        taken.clear()
+        return step()
+
+    async def read():
+        outs = []
+        async for out in make_stream():
+            outs.append(out)
+            taken.set()
+        return outs
+
+    engine.step = step_after_read
+    try:
+        return run(read())
+    finally:
+        engine.step = step
+        taken.set()
+
+
 def test_deltas_only_outputs_hold_the_new_tokens_text_and_logprobs(make_client, ref):
     """A stream read with deltas_only (a streamed HTTP response): each completion's token_ids, logprobs and
     text are the delta's, and they concatenate to the whole answer; a stop string still cuts the text."""
@@ -110,12 +137,15 @@ def test_deltas_only_outputs_hold_the_new_tokens_text_and_logprobs(make_client, 
     whole = want(ref, PROMPTS[2], params)
     stop = whole.text[len(whole.text) // 2:len(whole.text) // 2 + 2]
 
-    async def read(p):
+    def open_deltas_only(p):
         stream = client.add_request(PROMPTS[2], p)
         stream.deltas_only = True
-        return [out async for out in stream]
+        return stream
 
-    outs = run(read(params))
+    def read(p):
+        return read_in_lockstep(client, lambda: open_deltas_only(p))
+
+    outs = read(params)
     assert len(outs) > 2
     for o in outs:
         c = o.outputs[0]
@@ -125,7 +155,7 @@ def test_deltas_only_outputs_hold_the_new_tokens_text_and_logprobs(make_client, 
     assert "".join(o.outputs[0].text for o in outs) == whole.text
     if stop.strip():
         stopped = SamplingParams(temperature=0, max_tokens=17, stop=[stop])
-        cut = run(read(stopped))
+        cut = read(stopped)
         assert "".join(o.outputs[0].text for o in cut) == want(ref, PROMPTS[2], stopped).text
         assert cut[-1].outputs[0].finish_reason == "stop"
 
@@ -136,12 +166,13 @@ def test_a_final_only_reader_is_woken_once_with_the_whole_answer(make_client, re
     client = make_client()
     params = greedy(20, logprobs=True)
 
-    async def read(final_only):
+    async def read_final_only():
         stream = client.add_request(PROMPTS[1], params)
-        stream.final_only = final_only
+        stream.final_only = True
         return [out async for out in stream]
 
-    several, one = run(read(False)), run(read(True))
+    several = read_in_lockstep(client, lambda: client.add_request(PROMPTS[1], params))
+    one = run(read_final_only())
     assert len(several) > 2 and len(one) == 1 and one[0].finished
     c, whole = one[0].outputs[0], want(ref, PROMPTS[1], params)
     assert (c.token_ids, c.logprobs, c.text) == (whole.token_ids, whole.logprobs, whole.text)

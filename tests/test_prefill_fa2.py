@@ -515,13 +515,14 @@ REGISTER_BOUND = {(4, 64): 232}
 # (measured: 40 bytes stored, 60-64 loaded, numba-cuda 0.30.4, ptxas 13.0); more means the budget
 # broke (one of O's loops left rolled moved O to local memory: 500+ bytes)
 SPILL_BYTES = {(7, 128): 64, (8, 64): 8, (8, 128): 72, (9, 64): 160, (9, 128): 2560, ("9e", 64): 72,
-               ("9e", 128): 2048}
+               ("9e", 128): 2560}
 # v8 keeps a tile's block ids (4 registers) live through the KV loop: at d=64 one word spills (4 bytes
 # each way), at d=128 56 stored / 64 loaded (numba-cuda 0.30.4, ptxas 13.0)
 # v9's item loop keeps more live through the KV loop (the next item's place in the work list, the round, the
 # Q buffer's base): at d=64 92 bytes stored / 156 loaded (a few reloads a tile, L1 hits), 56 / 64 with the
 # copies after the last tile's math ("9e": none inside the KV loop); at d=128 ~350 / ~1700 with those,
-# ~560 / ~2500 at the last tile's start (reloads inside the loop: short_plan leaves d=128 to v7)
+# ~560 / ~2500 at the last tile's start (reloads inside the loop: short_plan leaves d=128 to v7); the
+# softmax's test that a row's max stands (alpha held at exactly 1) brings 9e at d=128 to 348 / 2096
 
 
 def _name(cfg):
