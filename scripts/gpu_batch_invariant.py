@@ -77,6 +77,9 @@ def prompts_for(llm, n):
         prompts, _ = benchlib.nano_vllm_workload(n, 50, 300, seed=7)
         return prompts
     texts = [ASKS[i % len(ASKS)].format(TOPICS[(i // len(ASKS)) % len(TOPICS)]) + f" (note {i})" for i in range(n)]
+    if getattr(tok, "chat_template", None):      # the template's system turn is a prefix every prompt shares
+        return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
+                                        return_dict=False) for t in texts]
     return [tok.encode(t) for t in texts]
 
 
@@ -108,6 +111,8 @@ def identity_part(model, dtypes, num_requests, max_tokens, device="cuda"):
             runs = {"prefix hits": run(llm, prompts, params),
                     "alone (8)": [run(llm, [prompts[i]], [params[i]])[0] for i in range(8)]}
             hits = llm.metrics()["prefix_cache_hit_tokens"]
+            if not hits:
+                raise SystemExit("the second run had no prefix-cache hits: its comparison would test nothing")
             blocks_needed = sum(-(-(len(p) + max_tokens) // 16) for p in prompts)
             llm.close()
             release(device)
