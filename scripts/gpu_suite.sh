@@ -23,10 +23,13 @@
 #                                                        (MODEL: the real checkpoint; default random 0.5B)
 #   bash scripts/gpu_suite.sh invariant_cost             the mode's cost beside the default: the nano-vllm workload
 #                                                        and batch 1, greedy and sampled, 3 rounds
+#   [MODEL=DIR] bash scripts/gpu_suite.sh step           the decode step as numba phases (kernels_numba/step.py): its
+#                                                        `gpu` tests, its step time at 1-8 sequences beside the
+#                                                        engine's (profile_step.py)
 #
 # Logs and results go to $OUT (default ./gpu_out) and are packed into $OUT/<phase>.tar.gz.
 set -uo pipefail
-phase=${1:?phase: tests | bench | tp | tp7b | runtime | serve | final | both | startup | ab | invariant | invariant_cost}
+phase=${1:?phase: tests | bench | tp | tp7b | runtime | serve | final | both | startup | ab | invariant | invariant_cost | step}
 shift
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT/$phase"
@@ -73,7 +76,7 @@ tests)
     # the step-level paths (work lists per step, piecewise graphs, launch plans) and the start-up /
     # lifecycle tests, which start processes of their own
     steps="tests/test_prefill_plan.py tests/test_piecewise_graph.py tests/test_launcher.py
-        tests/test_kernel_codegen.py"
+        tests/test_kernel_codegen.py tests/test_step_kernel.py"
     for i in 1 2; do group steps$i $i 540 $i/2 $steps & done
     group life 0 540 - tests/test_startup.py tests/test_lifecycle.py &
     wait
@@ -151,6 +154,11 @@ invariant)
     ;;
 invariant_cost)
     run cost 580 python3 scripts/gpu_batch_invariant.py --parts cost --dtypes float16 --out "$dir"
+    ;;
+step)
+    run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_step_kernel.py
+    run step_kernel 240 python3 scripts/bench_step_kernel.py ${MODEL:+--model "$MODEL"} --out "$dir"
+    run profile 120 python3 scripts/profile_step.py --batches 1,2,4,8 ${MODEL:+--model "$MODEL"} --out "$dir"
     ;;
 startup)
     run startup 580 python3 scripts/startup_times.py --model "${MODEL:?MODEL=checkpoint dir}" --device cuda \

@@ -1,0 +1,354 @@
+"""The whole Qwen2 decode step of 1-8 sequences as numba.cuda phases: the step family's v0.
+
+A decode step is a chain of phases, each a device function of (cta, num_ctas, ...) that loops over its own
+work items `cta, cta + num_ctas, ...` and never reads the grid itself:
+
+    embed                      x[s] = embed[token[s]]                                 item: a sequence
+    per layer:
+      rms_norm                 h[s] = w * x[s] / sqrt(mean(x[s]^2) + eps)             item: a sequence
+      linear (q, k, v)         qkv[s, n] = h[s] . Wqkv[n] + b[n]                      item: an output column
+      rotary_kv                rotate q and k of (s, head) at s's position;           item: (sequence, head)
+                               a K/V head's k and v written to its pool slot
+      attention                a[s, head] = softmax(q k^T * scale) v over the pool    item: (sequence, head)
+      linear (o, + residual)   x[s, n] += a[s] . Wo[n]                                item: an output column
+      rms_norm                 h[s] = ...
+      gate_up                  m[s, i] = silu(h[s] . Wg[i]) * (h[s] . Wu[i])          item: an intermediate column
+      linear (down, + resid.)  x[s, n] += m[s] . Wd[n]                                item: an output column
+    rms_norm, linear (LM head) logits[s, v] = h[s] . W_lm[v]                          item: a vocabulary column
+    argmax                     ids[s] = the lowest v of the largest logit             item: a sequence
+
+A CTA is WARPS warps; the column phases give each warp one output column at a time for every sequence of the
+step at once (a lane reads K / 32 of the column's weights once and multiplies them into up to MAX_S rows:
+the weights, which are most of a decode step's bytes, are read once per step whatever S is). The activations
+and the residual stream are float32 (small: S x hidden); the weights and the KV pool are float16 or float32 (torch
+hands numba no bfloat16 array; a later version reads bfloat16 as 16-bit words, as the decode family does),
+widened on load.
+
+v0 drives the phases with one launch each (`StepKernels.decode_step`): the baseline the later versions
+(one persistent launch with a barrier between dependent phases, then counters, prefetch, a split LM head:
+docs/kernels.md, "The step family") are measured against, and the driver numba's CUDA simulator can run (it
+runs a grid's CTAs one after another, so any wait between CTAs would hang it). Its ground truth is
+reference/step.py (float64).
+"""
+import math
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from kernels_numba.common import warp_sum
+
+WARPS = 4                   # warps per CTA
+THREADS = 32 * WARPS
+MAX_S = 8                   # sequences per step
+MAX_D_PER_LANE = 4          # head_dim <= 128
+SCRATCH = WARPS + 1         # block_sum's shared slots: one per warp, one for the total
+
+
+@cuda.jit(device=True)
+def block_sum(value, scratch):
+    """Sum of `value` over the CTA's threads, returned to every thread. scratch: shared float32[SCRATCH]."""
+    tid = cuda.threadIdx.x
+    value = warp_sum(value)
+    if tid % 32 == 0:
+        scratch[tid // 32] = value
+    cuda.syncthreads()
+    if tid == 0:
+        total = float32(0.0)
+        for w in range(WARPS):
+            total += scratch[w]
+        scratch[WARPS] = total
+    cuda.syncthreads()
+    total = scratch[WARPS]
+    cuda.syncthreads()                 # nobody writes scratch again before every thread has read it
+    return total
+
+
+@cuda.jit(device=True)
+def embed_phase(cta, num_ctas, tokens, embed, x):
+    for s in range(cta, x.shape[0], num_ctas):
+        for e in range(cuda.threadIdx.x, x.shape[1], THREADS):
+            x[s, e] = float32(embed[tokens[s], e])
+
+
+@cuda.jit(device=True)
+def rms_norm_phase(cta, num_ctas, x, weight, eps, h):
+    scratch = cuda.shared.array(SCRATCH, float32)
+    E = x.shape[1]
+    for s in range(cta, x.shape[0], num_ctas):
+        squares = float32(0.0)
+        for e in range(cuda.threadIdx.x, E, THREADS):
+            squares += x[s, e] * x[s, e]
+        inv = float32(1.0) / math.sqrt(block_sum(squares, scratch) / float32(E) + eps)
+        for e in range(cuda.threadIdx.x, E, THREADS):
+            h[s, e] = float32(weight[e]) * (x[s, e] * inv)
+
+
+@cuda.jit(device=True)
+def linear_phase(cta, num_ctas, h, weight, bias, has_bias, accumulate, out):
+    """out[s, n] (+)= h[s] . weight[n] (+ bias[n]) for every sequence s: one warp per column n at a time."""
+    S, K = h.shape
+    lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+    acc = cuda.local.array(MAX_S, float32)
+    for n in range(cta * WARPS + warp, weight.shape[0], num_ctas * WARPS):
+        for s in range(MAX_S):
+            acc[s] = float32(0.0)
+        for k in range(lane, K, 32):
+            w = float32(weight[n, k])
+            for s in range(MAX_S):
+                if s < S:
+                    acc[s] += h[s, k] * w
+        for s in range(MAX_S):
+            if s < S:
+                total = warp_sum(acc[s])
+                if lane == 0:
+                    if has_bias:
+                        total += float32(bias[n])
+                    if accumulate:
+                        total += out[s, n]
+                    out[s, n] = total
+
+
+@cuda.jit(device=True)
+def gate_up_phase(cta, num_ctas, h, w_gate, w_up, m):
+    """m[s, i] = silu(h[s] . w_gate[i]) * (h[s] . w_up[i]): one warp per intermediate column i at a time."""
+    S, K = h.shape
+    lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+    g = cuda.local.array(MAX_S, float32)
+    u = cuda.local.array(MAX_S, float32)
+    for i in range(cta * WARPS + warp, w_gate.shape[0], num_ctas * WARPS):
+        for s in range(MAX_S):
+            g[s] = float32(0.0)
+            u[s] = float32(0.0)
+        for k in range(lane, K, 32):
+            wg, wu = float32(w_gate[i, k]), float32(w_up[i, k])
+            for s in range(MAX_S):
+                if s < S:
+                    g[s] += h[s, k] * wg
+                    u[s] += h[s, k] * wu
+        for s in range(MAX_S):
+            if s < S:
+                gs, us = warp_sum(g[s]), warp_sum(u[s])
+                if lane == 0:
+                    m[s, i] = gs / (float32(1.0) + math.exp(-gs)) * us
+
+
+@cuda.jit(device=True)
+def rotary_kv_phase(cta, num_ctas, qkv, positions, cos, sin, num_heads, num_kv_heads, k_pool, v_pool, tables):
+    """Rotate each (sequence, head)'s q or k in place (rotate-half by the tables cos, sin [position, D / 2]);
+    a K/V head also writes its k and v to the sequence's slot in the pool [blocks, kv heads, block, D]."""
+    S = qkv.shape[0]
+    D, BS = k_pool.shape[3], k_pool.shape[2]
+    half = D // 2
+    lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+    heads = num_heads + num_kv_heads
+    for item in range(cta * WARPS + warp, S * heads, num_ctas * WARPS):
+        s, head = item // heads, item % heads
+        base = head * D                                       # q heads, then k heads
+        pos = positions[s]
+        for i in range(lane, half, 32):
+            c, sn = cos[pos, i], sin[pos, i]
+            x1, x2 = qkv[s, base + i], qkv[s, base + i + half]
+            qkv[s, base + i] = x1 * c - x2 * sn
+            qkv[s, base + i + half] = x2 * c + x1 * sn
+        if head >= num_heads:
+            kv = head - num_heads
+            block, offset = tables[s, pos // BS], pos % BS
+            v_base = (num_heads + num_kv_heads + kv) * D
+            for d in range(lane, D, 32):
+                k_pool[block, kv, offset, d] = qkv[s, base + d]
+                v_pool[block, kv, offset, d] = qkv[s, v_base + d]
+
+
+@cuda.jit(device=True)
+def attention_phase(cta, num_ctas, qkv, k_pool, v_pool, tables, positions, num_heads, num_kv_heads, scale, out):
+    """out[s, head] = softmax(q . k_t * scale) over t = 0 .. position[s], times v_t: one warp per (sequence,
+    head), the lanes over head_dim, the keys in order with an online softmax (running max and sum)."""
+    S = qkv.shape[0]
+    D, BS = k_pool.shape[3], k_pool.shape[2]
+    group = num_heads // num_kv_heads
+    lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+    q = cuda.local.array(MAX_D_PER_LANE, float32)
+    acc = cuda.local.array(MAX_D_PER_LANE, float32)
+    for item in range(cta * WARPS + warp, S * num_heads, num_ctas * WARPS):
+        s, head = item // num_heads, item % num_heads
+        kv = head // group
+        for j in range(MAX_D_PER_LANE):
+            d = lane + 32 * j
+            q[j] = qkv[s, head * D + d] * scale if d < D else float32(0.0)
+            acc[j] = float32(0.0)
+        m, l = float32(-math.inf), float32(0.0)
+        for t in range(positions[s] + 1):
+            block, offset = tables[s, t // BS], t % BS
+            partial = float32(0.0)
+            for j in range(MAX_D_PER_LANE):
+                d = lane + 32 * j
+                if d < D:
+                    partial += q[j] * float32(k_pool[block, kv, offset, d])
+            score = warp_sum(partial)
+            m_new = max(m, score)
+            alpha, p = math.exp(m - m_new), math.exp(score - m_new)
+            l = l * alpha + p
+            for j in range(MAX_D_PER_LANE):
+                d = lane + 32 * j
+                if d < D:
+                    acc[j] = acc[j] * alpha + p * float32(v_pool[block, kv, offset, d])
+            m = m_new
+        for j in range(MAX_D_PER_LANE):
+            d = lane + 32 * j
+            if d < D:
+                out[s, head * D + d] = acc[j] / l
+
+
+@cuda.jit(device=True)
+def argmax_phase(cta, num_ctas, logits, ids):
+    """ids[s] = the lowest index of row s's largest logit: each thread scans its columns, then a tree."""
+    best = cuda.shared.array(THREADS, float32)
+    where = cuda.shared.array(THREADS, int32)
+    tid = cuda.threadIdx.x
+    for s in range(cta, logits.shape[0], num_ctas):
+        b, w = float32(-math.inf), int32(-1)
+        for v in range(tid, logits.shape[1], THREADS):
+            if logits[s, v] > b or w < 0:
+                b, w = logits[s, v], v
+        best[tid] = b
+        where[tid] = w
+        cuda.syncthreads()
+        stride = THREADS // 2
+        while stride > 0:
+            if tid < stride:
+                ob, ow = best[tid + stride], where[tid + stride]
+                if ow >= 0 and (where[tid] < 0 or ob > best[tid] or (ob == best[tid] and ow < where[tid])):
+                    best[tid] = ob
+                    where[tid] = ow
+            cuda.syncthreads()
+            stride //= 2
+        if tid == 0:
+            ids[s] = where[0]
+        cuda.syncthreads()
+
+
+# ----------------------------------------------------------------------------------------------
+# v0's driver: one launch per phase
+
+
+@cuda.jit
+def _embed(tokens, embed, x):
+    embed_phase(cuda.blockIdx.x, cuda.gridDim.x, tokens, embed, x)
+
+
+@cuda.jit
+def _rms_norm(x, weight, eps, h):
+    rms_norm_phase(cuda.blockIdx.x, cuda.gridDim.x, x, weight, eps, h)
+
+
+@cuda.jit
+def _linear(h, weight, bias, has_bias, accumulate, out):
+    linear_phase(cuda.blockIdx.x, cuda.gridDim.x, h, weight, bias, has_bias, accumulate, out)
+
+
+@cuda.jit
+def _gate_up(h, w_gate, w_up, m):
+    gate_up_phase(cuda.blockIdx.x, cuda.gridDim.x, h, w_gate, w_up, m)
+
+
+@cuda.jit
+def _rotary_kv(qkv, positions, cos, sin, num_heads, num_kv_heads, k_pool, v_pool, tables):
+    rotary_kv_phase(cuda.blockIdx.x, cuda.gridDim.x, qkv, positions, cos, sin, num_heads, num_kv_heads,
+                    k_pool, v_pool, tables)
+
+
+@cuda.jit
+def _attention(qkv, k_pool, v_pool, tables, positions, num_heads, num_kv_heads, scale, out):
+    attention_phase(cuda.blockIdx.x, cuda.gridDim.x, qkv, k_pool, v_pool, tables, positions, num_heads,
+                    num_kv_heads, scale, out)
+
+
+@cuda.jit
+def _argmax(logits, ids):
+    argmax_phase(cuda.blockIdx.x, cuda.gridDim.x, logits, ids)
+
+
+def rotary_tables(num_positions, head_dim, theta):
+    """(cos, sin) [num_positions, D / 2] float32 as HF's Qwen2 computes them: angle = position / theta^(2i / D),
+    each factor float32 (reference/step.py's rotary). Tables, not cosf / sinf on the device: those keep a slow
+    path for large angles with local memory and float64."""
+    inv_freq = np.float32(1.0) / np.float32(theta) ** (np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim))
+    angles = np.arange(num_positions).astype(np.float32)[:, None] * inv_freq[None, :]
+    return np.cos(angles), np.sin(angles)
+
+
+class StepKernels:
+    """A Qwen2 model's weights laid out for the step's phases, and v0's driver.
+
+    weights: HF tensor names -> 2-D / 1-D arrays: numpy arrays for numba's CUDA simulator (on_gpu=False),
+    torch CUDA tensors on a GPU; config: reference.step.load_config's dict. q, k and v are packed into one
+    [(H + 2 Hkv) D, E] matrix (and bias) here, once; anything else is used as given.
+    """
+
+    def __init__(self, weights, config, num_ctas=132, on_gpu=False, max_positions=4096):
+        self.config, self.num_ctas = config, num_ctas
+        if on_gpu:
+            import torch
+            self.empty = lambda shape, dtype: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+            concat, asarray = torch.cat, lambda a: torch.as_tensor(a, device="cuda")
+            self.capturing = torch.cuda.is_current_stream_capturing
+            if any(t.dtype == torch.bfloat16 for t in weights.values()):
+                raise ValueError("v0 takes float16 or float32 weights and pools: torch hands numba no bfloat16 arrays")
+        else:
+            self.empty = lambda shape, dtype: np.empty(shape, dtype=dtype)
+            concat, asarray = np.concatenate, np.asarray
+            self.capturing = lambda: False
+        H, Hkv, D = config["num_heads"], config["num_kv_heads"], config["head_dim"]
+        if D > 32 * MAX_D_PER_LANE or H % Hkv:
+            raise ValueError(f"head_dim {D} > {32 * MAX_D_PER_LANE} or heads {H} not a multiple of kv heads {Hkv}")
+        self.embed = weights["model.embed_tokens.weight"]
+        self.lm_head = self.embed if config["tied"] else weights["lm_head.weight"]
+        self.final_norm = weights["model.norm.weight"]
+        self.layers = []
+        for i in range(config["num_layers"]):
+            p = f"model.layers.{i}"
+            qkv_w = concat([weights[f"{p}.self_attn.{n}_proj.weight"] for n in "qkv"])
+            qkv_b = concat([weights[f"{p}.self_attn.{n}_proj.bias"] for n in "qkv"])
+            self.layers.append(dict(
+                ln1=weights[f"{p}.input_layernorm.weight"], qkv_w=qkv_w, qkv_b=qkv_b,
+                o=weights[f"{p}.self_attn.o_proj.weight"], ln2=weights[f"{p}.post_attention_layernorm.weight"],
+                gate=weights[f"{p}.mlp.gate_proj.weight"], up=weights[f"{p}.mlp.up_proj.weight"],
+                down=weights[f"{p}.mlp.down_proj.weight"]))
+        self.cos, self.sin = (asarray(t) for t in rotary_tables(max_positions, D, config["theta"]))
+
+    def decode_step(self, tokens, positions, k_pools, v_pools, tables, stream=None):
+        """One decode step: writes each sequence's new K/V into k_pools[i] / v_pools[i] (one [num_blocks,
+        kv heads, block_size, D] array per layer) and returns (logits [S, vocab] float32, greedy ids [S]).
+        stream: the numba stream to launch on (e.g. cuda.external_stream of torch's, to capture the step in a
+        CUDA graph); default numba's."""
+        c, empty, grid = self.config, self.empty, self.num_ctas
+        cfg = (grid, THREADS) if stream is None else (grid, THREADS, stream)
+        H, Hkv, D = c["num_heads"], c["num_kv_heads"], c["head_dim"]
+        S, E = len(tokens), self.embed.shape[1]
+        if not 1 <= S <= MAX_S:
+            raise ValueError(f"a step of {S} sequences: v0 takes 1 to {MAX_S}")
+        if not self.capturing():           # (reading the positions back would break a graph's capture)
+            last = int(positions.max())
+            if last >= self.cos.shape[0]:
+                raise ValueError(f"position {last} is past max_positions {self.cos.shape[0]}")
+        x, h = empty((S, E), "float32"), empty((S, E), "float32")
+        qkv, a = empty((S, (H + 2 * Hkv) * D), "float32"), empty((S, H * D), "float32")
+        m = empty((S, self.layers[0]["gate"].shape[0]), "float32") if self.layers else None
+        logits, ids = empty((S, self.lm_head.shape[0]), "float32"), empty(S, "int32")
+        eps, scale = np.float32(c["eps"]), np.float32(1.0 / math.sqrt(D))
+        none = qkv[0, :1]                      # a bias argument for the products without one
+
+        _embed[cfg](tokens, self.embed, x)
+        for layer, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
+            _rms_norm[cfg](x, layer["ln1"], eps, h)
+            _linear[cfg](h, layer["qkv_w"], layer["qkv_b"], True, False, qkv)
+            _rotary_kv[cfg](qkv, positions, self.cos, self.sin, H, Hkv, k_pool, v_pool, tables)
+            _attention[cfg](qkv, k_pool, v_pool, tables, positions, H, Hkv, scale, a)
+            _linear[cfg](a, layer["o"], none, False, True, x)
+            _rms_norm[cfg](x, layer["ln2"], eps, h)
+            _gate_up[cfg](h, layer["gate"], layer["up"], m)
+            _linear[cfg](m, layer["down"], none, False, True, x)
+        _rms_norm[cfg](x, self.final_norm, eps, h)
+        _linear[cfg](h, self.lm_head, none, False, False, logits)
+        _argmax[cfg](logits, ids)
+        return logits, ids

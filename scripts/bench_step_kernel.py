@@ -1,0 +1,116 @@
+"""The step family on the GPU: kernels_numba/step.py's decode step against the engine's, on Qwen2-0.5B shapes.
+
+For S = 1, 2, 4, 8 sequences at a --context-token history (random K/V in the pool, scattered blocks):
+
+  check     S = 2's logits against reference/step.py (float64, the same float16 weights and pool widened):
+            max |diff| and whether the greedy ids agree where the top two logits are apart;
+  v0        StepKernels.decode_step (one launch per phase) captured in a CUDA graph: microseconds per step
+            (median of replays), tok/s = S / step, and the fraction of the weight-read floor (bytes of every
+            weight and the pool's context read once / the copy bandwidth measured in the same run).
+
+The engine's own decode step at the same batch sizes is `python scripts/profile_step.py --batches 1,2,4,8`
+(`bash scripts/gpu_suite.sh step` runs both in one call).
+
+    python scripts/bench_step_kernel.py --out OUT [--model DIR]      # default: random 0.5B weights
+"""
+import os
+import sys
+
+if __name__ == "__main__":          # run as a file: make `scripts.` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from scripts import benchlib  # noqa: E402
+
+BLOCK = 16
+
+
+def load(path, dtype):
+    from safetensors.torch import load_file
+
+    weights = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            weights.update({k: v.to("cuda", dtype) for k, v in load_file(os.path.join(path, name)).items()})
+    return weights
+
+
+def make_step(config, S, context, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    per_seq = -(-(context + 1) // BLOCK)
+    num_blocks = S * per_seq + 8
+    shape = (num_blocks, config["num_kv_heads"], BLOCK, config["head_dim"])
+    k_pools = [(torch.randn(shape, generator=g, device="cuda") * 0.5).to(dtype) for _ in range(config["num_layers"])]
+    v_pools = [torch.randn(shape, generator=g, device="cuda").to(dtype) for _ in range(config["num_layers"])]
+    tables = torch.randperm(num_blocks, generator=g, device="cuda")[:S * per_seq].reshape(S, per_seq).to(torch.int32)
+    tokens = torch.randint(0, 1000, (S,), generator=g, device="cuda", dtype=torch.int32)
+    positions = torch.full((S,), context, device="cuda", dtype=torch.int32)
+    return tokens, positions, k_pools, v_pools, tables
+
+
+def check(kernels, weights, config, context, dtype):
+    from reference.step import decode_step
+
+    tokens, positions, k_pools, v_pools, tables = make_step(config, 2, context, dtype, seed=1)
+    widened = {k: v.double().cpu().numpy() for k, v in weights.items()}
+    want, _, _ = decode_step(widened, config, tokens.cpu().numpy(), positions.cpu().numpy(),
+                             [k.double().cpu().numpy() for k in k_pools], [v.double().cpu().numpy() for v in v_pools],
+                             tables.cpu().numpy())
+    logits, ids = kernels.decode_step(tokens, positions, k_pools, v_pools, tables)
+    got = logits.double().cpu().numpy()
+    top2 = np.sort(want, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 0.05
+    return dict(max_abs_diff=float(np.abs(got - want).max()), max_abs_logit=float(np.abs(want).max()),
+                greedy_agree=bool((ids.cpu().numpy()[clear] == want.argmax(1)[clear]).all()), clear_rows=int(clear.sum()))
+
+
+def main(out, model, context, batches, num_ctas):
+    from numba import cuda
+
+    from kernels_numba.step import StepKernels
+    from reference.step import load_config
+
+    path = model or benchlib.random_checkpoint("0.5b")
+    dtype = torch.float16
+    config = load_config(path)
+    weights = load(path, dtype)
+    copy_gbs = benchlib.copy_bandwidth_gbs()
+    kernels = StepKernels(weights, config, num_ctas=num_ctas, on_gpu=True)
+    # every weight is read once a step, but the embedding table, of which only S rows are (unless it is
+    # also the LM head)
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    if not config["tied"]:
+        weight_bytes -= weights["model.embed_tokens.weight"].numel() * weights["model.embed_tokens.weight"].element_size()
+    rows = [dict(S=2, part="check", **check(kernels, weights, config, context, dtype))]
+    print(rows[-1], flush=True)
+    for S in batches:
+        tokens, positions, k_pools, v_pools, tables = make_step(config, S, context, dtype, seed=S)
+
+        def step():     # on torch's current stream: the capture's, inside graph_time_us
+            kernels.decode_step(tokens, positions, k_pools, v_pools, tables,
+                                stream=cuda.external_stream(torch.cuda.current_stream().cuda_stream))
+        us = benchlib.graph_time_us(step, calls=5, replays=10)
+        kv_bytes = 2 * S * (context + 1) * config["num_kv_heads"] * config["head_dim"] * 2 * config["num_layers"]
+        floor_us = (weight_bytes + kv_bytes) / (copy_gbs * 1e3)
+        rows.append(dict(S=S, part="v0 (graph)", us_per_step=us, tok_s=S / us * 1e6, floor_us=floor_us,
+                         of_floor=floor_us / us))
+        print(rows[-1], flush=True)
+    md = benchlib.markdown_table(rows)
+    meta = dict(model=path, context=context, num_ctas=num_ctas, copy_gbs=copy_gbs, weight_bytes=weight_bytes)
+    benchlib.save(out, "bench_step_kernel", rows, meta, md)
+    print(benchlib.env_line() + "\n\n" + md)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench_step_kernel_out")
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: random 0.5B weights)")
+    ap.add_argument("--context", type=int, default=256, help="tokens of history per sequence")
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--num-ctas", type=int, default=132)
+    a = ap.parse_args()
+    main(a.out, a.model, a.context, [int(b) for b in a.batches.split(",")], a.num_ctas)
