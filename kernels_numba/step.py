@@ -35,6 +35,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
+from kernels_numba.bridge import torch_stream
 from kernels_numba.common import warp_sum
 
 WARPS = 4                   # warps per CTA
@@ -145,17 +146,21 @@ def rotary_kv_phase(cta, num_ctas, qkv, positions, cos, sin, num_heads, num_kv_h
         s, head = item // heads, item % heads
         base = head * D                                       # q heads, then k heads
         pos = positions[s]
+        kv = head - num_heads
+        block, offset = tables[s, pos // BS], pos % BS
         for i in range(lane, half, 32):
             c, sn = cos[pos, i], sin[pos, i]
             x1, x2 = qkv[s, base + i], qkv[s, base + i + half]
-            qkv[s, base + i] = x1 * c - x2 * sn
-            qkv[s, base + i + half] = x2 * c + x1 * sn
+            r1, r2 = x1 * c - x2 * sn, x2 * c + x1 * sn
+            if head < num_heads:                              # q: rotated in place, for the attention phase
+                qkv[s, base + i] = r1
+                qkv[s, base + i + half] = r2
+            else:                                             # k: straight from the registers to the pool
+                k_pool[block, kv, offset, i] = r1
+                k_pool[block, kv, offset, i + half] = r2
         if head >= num_heads:
-            kv = head - num_heads
-            block, offset = tables[s, pos // BS], pos % BS
-            v_base = (num_heads + num_kv_heads + kv) * D
+            v_base = (num_heads + num_kv_heads + kv) * D      # v: copied as it is (no lane reads another's write)
             for d in range(lane, D, 32):
-                k_pool[block, kv, offset, d] = qkv[s, base + d]
                 v_pool[block, kv, offset, d] = qkv[s, v_base + d]
 
 
@@ -316,13 +321,12 @@ class StepKernels:
                 down=weights[f"{p}.mlp.down_proj.weight"]))
         self.cos, self.sin = (asarray(t) for t in rotary_tables(max_positions, D, config["theta"]))
 
-    def decode_step(self, tokens, positions, k_pools, v_pools, tables, stream=None):
+    def decode_step(self, tokens, positions, k_pools, v_pools, tables):
         """One decode step: writes each sequence's new K/V into k_pools[i] / v_pools[i] (one [num_blocks,
         kv heads, block_size, D] array per layer) and returns (logits [S, vocab] float32, greedy ids [S]).
-        stream: the numba stream to launch on (e.g. cuda.external_stream of torch's, to capture the step in a
-        CUDA graph); default numba's."""
+        Launched on torch's current stream (its temporaries are torch's, and so a CUDA graph captures it)."""
         c, empty, grid = self.config, self.empty, self.num_ctas
-        cfg = (grid, THREADS) if stream is None else (grid, THREADS, stream)
+        cfg = (grid, THREADS, torch_stream())
         H, Hkv, D = c["num_heads"], c["num_kv_heads"], c["head_dim"]
         S, E = len(tokens), self.embed.shape[1]
         if not 1 <= S <= MAX_S:

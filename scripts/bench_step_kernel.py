@@ -67,8 +67,6 @@ def check(kernels, weights, config, context, dtype):
 
 
 def main(out, model, context, batches, num_ctas):
-    from numba import cuda
-
     from kernels_numba.step import StepKernels
     from reference.step import load_config
 
@@ -89,10 +87,10 @@ def main(out, model, context, batches, num_ctas):
         tokens, positions, k_pools, v_pools, tables = make_step(config, S, context, dtype, seed=S)
 
         def step():     # on torch's current stream: the capture's, inside graph_time_us
-            kernels.decode_step(tokens, positions, k_pools, v_pools, tables,
-                                stream=cuda.external_stream(torch.cuda.current_stream().cuda_stream))
+            kernels.decode_step(tokens, positions, k_pools, v_pools, tables)
         us = benchlib.graph_time_us(step, calls=5, replays=10)
-        kv_bytes = 2 * S * (context + 1) * config["num_kv_heads"] * config["head_dim"] * 2 * config["num_layers"]
+        kv_bytes = (2 * S * (context + 1) * config["num_kv_heads"] * config["head_dim"] * k_pools[0].element_size()
+                    * config["num_layers"])
         floor_us = (weight_bytes + kv_bytes) / (copy_gbs * 1e3)
         rows.append(dict(S=S, part="v0 (graph)", us_per_step=us, tok_s=S / us * 1e6, floor_us=floor_us,
                          of_floor=floor_us / us))
