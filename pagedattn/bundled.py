@@ -156,10 +156,10 @@ def is_converted(path, expected_sha256=None):
 def convert_gguf(gguf_dir, gguf_file, out_dir):
     """GGUF -> HF-style dir (float32 safetensors, config.json, tokenizer + chat template). Returns the config dict."""
     import torch
-    os.makedirs(out_dir, exist_ok=True)
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    os.makedirs(out_dir, exist_ok=True)
     _say("  [3/4] dequantising the GGUF to float32 (the longest step) ...")
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)

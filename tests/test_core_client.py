@@ -103,8 +103,8 @@ def test_deltas_concatenate_to_the_final_output(make_client, ref):
 
 
 def read_in_lockstep(client, make_stream):
-    """Read the stream make_stream() opens to its end with the core's engine stepping only after the reader took the last step's
-    output (a wait of at most 5 s), so a reader on a loaded machine still gets one output a step."""
+    """Read the stream make_stream() opens to its end, the core's engine stepping only after the reader took
+    the last step's output (a wait of at most 5 s): a reader on a loaded machine still gets one output a step."""
     engine = client.engine_core.engine
     step, taken = engine.step, threading.Event()
     taken.set()
