@@ -2,10 +2,11 @@
 
 Three parts (--parts, comma-separated; each writes OUT/gpu_batch_invariant_<part>.{json,md}):
 
-  gemm      the mode's products (pagedattn.layers.ops.fixed_rows_linear, 128 rows at a time) against
-            F.linear for the 0.5B model's shapes, fp16 and bf16: at how many of the row counts M tried a
-            row's bits differ from the row alone (the invariance), and microseconds per product at M = 1 ..
-            8192 (CUDA-graph replay; the cost).
+  gemm      the mode's products (pagedattn.layers.ops.InvariantLinear: the bits of fixed_rows_linear's
+            128-row pieces, in one call at the row counts its check finds equal) against F.linear and the
+            pieces alone, for the 0.5B model's shapes, fp16 and bf16: the check's time and the row counts
+            left to the pieces, at how many of the row counts M tried a row's bits differ from the row alone
+            (the invariance), and microseconds per product at M = 1 .. 8192 (CUDA-graph replay; the cost).
   identity  --requests prompts (chat prompts through the tokenizer where the model has one, else random
             ids), half greedy, half sampled (T 0.8, top-p 0.95, a seed each), --max-tokens tokens each,
             logprobs on: run batched (prefix caching on), again (prefix-cache hits), the first 8 alone, at
@@ -21,6 +22,7 @@ Three parts (--parts, comma-separated; each writes OUT/gpu_batch_invariant_<part
 import os
 import statistics
 import sys
+import time
 
 if __name__ == "__main__":          # run as a file: make `scripts.` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,7 +45,7 @@ ASKS = ["Explain {} in two sentences.", "Write a short Python example of {}.", "
 
 
 def gemm_part(dtypes):
-    from pagedattn.layers.ops import fixed_rows_linear
+    from pagedattn.layers.ops import InvariantLinear, fixed_rows_linear
 
     rows = []
     for dtype in dtypes:
@@ -53,7 +55,18 @@ def gemm_part(dtypes):
             b = torch.randn(n, generator=g, device="cuda", dtype=dtype) if name == "qkv" else None
             x = torch.randn(max(ROW_COUNTS), k, generator=g, device="cuda", dtype=dtype)
             row = dict(dtype=str(dtype).replace("torch.", ""), shape=name, K=k, N=n)
-            for label, fn in (("F.linear", F.linear), ("fixed rows", lambda x, w, b: fixed_rows_linear(ROWS, x, w, b))):
+            lin = InvariantLinear(ROWS)             # the mode's products: checked at every M up to checked_rows
+            checked_rows = 1024 if name == "lm_head" else max(ROW_COUNTS)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            lin(x[:checked_rows], w, b)
+            torch.cuda.synchronize()
+            ok = lin.checked[(w.shape, w.dtype, w.device, b is not None)]
+            bad = [m for m in range(1, checked_rows + 1) if not ok[m]]
+            row["check s"] = round(time.perf_counter() - t0, 2)
+            row["one call at M"] = f"{checked_rows - len(bad)}/{checked_rows} (pieces at {runs(bad)})"
+            for label, fn in (("F.linear", F.linear), ("fixed rows", lambda x, w, b: fixed_rows_linear(ROWS, x, w, b)),
+                              ("mode", lin)):
                 probe = range(0, max(ROW_COUNTS), 97)           # rows checked at every M, against themselves alone
                 alone = {i: fn(x[i:i + 1], w, b)[0] for i in probe}
                 differ = []
@@ -69,6 +82,18 @@ def gemm_part(dtypes):
             rows.append(row)
             print(row, flush=True)
     return rows
+
+
+def runs(ms, shown=8):
+    """[3, 4, 5, 9] -> '3-5, 9' (the first `shown` runs)."""
+    out = []
+    for m in ms:
+        if out and out[-1][1] == m - 1:
+            out[-1][1] = m
+        else:
+            out.append([m, m])
+    text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in out[:shown])
+    return text + (f", ... ({len(out)} runs)" if len(out) > shown else "") if out else "none"
 
 
 def prompts_for(llm, n):

@@ -128,6 +128,53 @@ def test_fixed_row_products_are_each_rows_alone():
     assert any(not torch.equal(torch.nn.functional.linear(x[:M], w, b), plain[:M]) for M in (7, 128, 300))
 
 
+def test_invariant_linear_takes_one_call_only_where_the_library_gives_the_pieces_bits(monkeypatch):
+    """ops.InvariantLinear over a GEMM library that changes its sums at some row counts (every third M sums in
+    float64): the check finds exactly those M, one call runs at the others, the pieces at those, every result is
+    the pieces' bits; the check grows with the row counts met, never repeats an M, and is skipped (pieces run)
+    inside a CUDA-graph capture."""
+    from pagedattn.layers import ops
+
+    def library(x, w, b=None):
+        calls.append(x.shape[0])
+        if x.shape[0] % 3 == 0:
+            return torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double()).float()
+        return ops.fixed_rows_linear(16, x, w, b)
+
+    g = torch.Generator().manual_seed(5)
+    w, b, x = torch.randn(24, 40, generator=g), torch.randn(24, generator=g), torch.randn(100, 40, generator=g)
+    lin = ops.InvariantLinear(16, plain=library)
+    calls = []
+    for M in (7, 5, 30, 100):
+        assert torch.equal(lin(x[:M], w, b), ops.fixed_rows_linear(16, x[:M], w, b)), M
+    ok = lin.checked[(w.shape, w.dtype, w.device, True)]
+    assert ok.shape[0] == 101 and [m for m in range(1, 101) if not ok[m]] == list(range(3, 101, 3))
+    assert sorted(calls) == sorted([*range(1, 101), 7, 5, 100]), "each M checked once; one call at 7, 5, 100"
+    calls.clear()
+    assert torch.equal(lin(x[:7], w, None), ops.fixed_rows_linear(16, x[:7], w, None))   # a shape of its own
+    assert len(calls) == 7 + 1
+    calls.clear()
+    assert torch.equal(lin(x[:40:2], w, b), ops.fixed_rows_linear(16, x[:40:2], w, b))  # strided rows: copied
+    assert calls == [20]
+    monkeypatch.setattr(ops, "_capturing", lambda t: True)
+    w2 = torch.randn(8, 40, generator=g)
+    calls.clear()
+    assert torch.equal(lin(x[:10], w2), ops.fixed_rows_linear(16, x[:10], w2)) and calls == []
+    assert (w2.shape, w2.dtype, w2.device, False) not in lin.checked
+
+
+def test_invariant_linear_on_torchs_cpu_gemm_is_the_pieces_bits():
+    """The same over torch's own CPU GEMM (which changes its sums with the row count): at every row count the
+    pieces' bits, whichever path the check chose."""
+    from pagedattn.layers.ops import InvariantLinear, fixed_rows_linear
+
+    g = torch.Generator().manual_seed(6)
+    w, b, x = torch.randn(96, 200, generator=g), torch.randn(96, generator=g), torch.randn(300, 200, generator=g)
+    lin = InvariantLinear(128)
+    for M in (300, *range(1, 300, 7)):
+        assert torch.equal(lin(x[:M], w, b), fixed_rows_linear(128, x[:M], w, b)), M
+
+
 @pytest.mark.parametrize("positions", [[50], pytest.param([0, 41, 42, 63, 64, 65, 79], marks=pytest.mark.slow)])
 def test_gpu_mode_a_query_gets_the_same_bits_in_a_prompt_a_chunk_and_a_decode(positions):
     """The GPU mode's attention (the prefill kernel in one KV part for every call, decodes as one-query

@@ -73,8 +73,9 @@ class NumbaBackend(TorchPagedBackend):
     batch_invariant: a row's result never depends on the other rows of its step (EngineConfig.batch_invariant;
     docs/batch_invariance.md). Set it before the model is built (its ops table reads it): every attention,
     prefill and decode, runs the prefill kernel in one KV part (a query's keys summed in the same 64-key tiles
-    from position 0, whichever call it is in: a prompt's query is exactly its decode), and every product runs
-    INVARIANT_ROWS rows at a time (ops.fixed_rows_linear).
+    from position 0, whichever call it is in: a prompt's query is exactly its decode), and every product gives
+    the bits of INVARIANT_ROWS rows at a time (ops.fixed_rows_linear; in one call where a check showed the GEMM
+    library gives them: ops.InvariantLinear).
     """
 
     name = "numba"
@@ -144,7 +145,7 @@ class NumbaBackend(TorchPagedBackend):
         table = ops.torch_ops(self)
         if self.batch_invariant:
             self._check_invariant_model(device, dtype, hidden_size, intermediate_size, head_dim)
-            table.linear = partial(ops.fixed_rows_linear, self.INVARIANT_ROWS)
+            table.linear = ops.InvariantLinear(self.INVARIANT_ROWS)
             self.query_starts(torch.empty(0, device=device).device, 1024)        # before any graph is captured
         if not self.glue_kernels_for(device, dtype):
             return table

@@ -139,6 +139,56 @@ def fixed_rows_linear(rows, x, weight, bias=None):
     return out[:T]
 
 
+class InvariantLinear:
+    """The batch-invariant mode's products: fixed_rows_linear's bits (`rows` rows a call), by one plain call
+    where the GEMM library gives those bits anyway.
+
+    The library chooses its algorithm by the product's shape, so whether one call of M rows gives each row
+    the bits of the `rows`-row pieces is a property of (weight shape, dtype, bias, M): checked once per weight
+    shape, outside any CUDA-graph capture, by running both on random rows at every M up to the largest row count
+    met so far (each M's rows against the pieces' bits). A product takes the plain call where its M was checked
+    equal, the pieces elsewhere (and inside a capture before its shape was checked): the bits are the pieces'
+    whichever runs, the check only decides the speed. x goes to the plain call as fixed_rows_linear gives it
+    to the pieces: contiguous and 256-byte aligned (copied once otherwise), as in the check.
+
+    plain: the one-call product (F.linear; a test passes a library of its own).
+    """
+
+    def __init__(self, rows, plain=None):
+        self.rows = rows
+        self.plain = plain if plain is not None else F.linear
+        self.checked = {}           # (N, K, dtype, device, bias) -> bool tensor [max M + 1]: M's plain bits ok
+
+    def __call__(self, x, weight, bias=None):
+        T = x.shape[0]
+        key = (weight.shape, weight.dtype, weight.device, bias is not None)
+        ok = self.checked.get(key)
+        have = 0 if ok is None else ok.shape[0] - 1
+        if T > have and not _capturing(x):
+            more = self.check(weight, bias, have + 1, max(T, 2 * have))
+            ok = self.checked[key] = more if ok is None else torch.cat([ok, more[have + 1:]])
+        if ok is None or T >= ok.shape[0] or not ok[T]:
+            return fixed_rows_linear(self.rows, x, weight, bias)
+        if not x.is_contiguous() or x.data_ptr() % 256:
+            x = x.clone(memory_format=torch.contiguous_format)
+        return self.plain(x, weight, bias)
+
+    def check(self, weight, bias, lo, hi):
+        """bool [hi + 1]: [M] true for lo <= M <= hi when the plain product of M random rows is, on every row, the
+        bits the pieces give."""
+        gen = torch.Generator(device=weight.device).manual_seed(lo)
+        x = torch.randn(hi, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
+        want = fixed_rows_linear(self.rows, x, weight, bias)
+        same = torch.zeros(hi + 1, dtype=torch.bool, device=weight.device)
+        for m in range(lo, hi + 1):
+            same[m] = (self.plain(x[:m], weight, bias) == want[:m]).all()
+        return same.cpu()
+
+
+def _capturing(x):
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def no_scope(num_rows):
     return contextlib.nullcontext()
 
