@@ -115,14 +115,15 @@ def torch_linear(x, weight, bias=None):
     return F.linear(x, weight, bias)
 
 
-def fixed_rows_linear(rows, x, weight, bias=None):
+def fixed_rows_linear(rows, x, weight, bias=None, product=None):
     """x weight^T + bias computed `rows` rows at a time, the last piece padded to `rows`: every product is one
     shape, so the GEMM library runs one algorithm on it and a row's result never depends on how many rows came
     with it (the GPU's batch-invariant mode: docs/batch_invariance.md). Each row of a product reads only its own
     row of x, so the padding rows (left as the allocator gives them: one copy, no fill) and the rows beside it
     change nothing, and their results are dropped. The library may also choose by the leading dimension and the
     pointers' alignment: x is copied into a fresh contiguous buffer unless it is one already (SiLU-and-mul's
-    output is a strided view)."""
+    output is a strided view). product: a piece's product (x, weight, bias) -> out (default torch.mm / addmm,
+    which is F.linear)."""
     T = x.shape[0]
     pad = -T % rows
     if pad or not x.is_contiguous() or x.data_ptr() % 256:
@@ -132,7 +133,9 @@ def fixed_rows_linear(rows, x, weight, bias=None):
     out = torch.empty(T + pad, weight.shape[0], dtype=x.dtype, device=x.device)
     wt = weight.t()
     for i in range(0, T + pad, rows):
-        if bias is None:
+        if product is not None:
+            out[i:i + rows] = product(x[i:i + rows], weight, bias)
+        elif bias is None:
             torch.mm(x[i:i + rows], wt, out=out[i:i + rows])
         else:
             torch.addmm(bias, x[i:i + rows], wt, out=out[i:i + rows])
@@ -140,49 +143,72 @@ def fixed_rows_linear(rows, x, weight, bias=None):
 
 
 class InvariantLinear:
-    """The batch-invariant mode's products: fixed_rows_linear's bits (`rows` rows a call), by one plain call
-    where the GEMM library gives those bits anyway.
+    """The batch-invariant mode's products: a row's bits fixed by the row alone, in as few GEMM calls as the
+    library allows.
 
-    The library chooses its algorithm by the product's shape, so whether one call of M rows gives each row
-    the bits of the `rows`-row pieces is a property of (weight shape, dtype, bias, M): checked once per weight
-    shape, outside any CUDA-graph capture, by running both on random rows at every M up to the largest row count
-    met so far (each M's rows against the pieces' bits). A product takes the plain call where its M was checked
-    equal, the pieces elsewhere (and inside a capture before its shape was checked): the bits are the pieces'
-    whichever runs, the check only decides the speed. x goes to the plain call as fixed_rows_linear gives it
-    to the pieces: contiguous and 256-byte aligned (copied once otherwise), as in the check.
+    The bits are fixed_rows_linear's with a piece size chosen per weight shape: the largest of `sizes` whose
+    pieces give each row the bits of that row alone (GEMM libraries sum a short product's K in one order and
+    split the sum only from some M on, e.g. cuBLAS's `down` at M 112+ in fp16: pieces of 64 rows then keep the
+    one-row order). And the library chooses its algorithm by the product's shape, so whether one call of M
+    rows gives each row those bits anyway is a property of (weight shape, dtype, bias, M): checked the first
+    time a weight shape meets a row count outside a CUDA-graph capture (the engine's warm-up runs meet every
+    graph's row count before its capture), on M random rows. A product takes the one call where its M was
+    checked equal, the pieces elsewhere (and inside a capture at a row count not met before): the bits are the
+    pieces' whichever runs, the check only decides the speed. x goes to the one call as fixed_rows_linear
+    gives it to the pieces: contiguous and 256-byte aligned (copied once otherwise), as in the check.
 
-    plain: the one-call product (F.linear; a test passes a library of its own).
+    plain: the product (F.linear; a test passes a library of its own, for the pieces too).
     """
 
-    def __init__(self, rows, plain=None):
-        self.rows = rows
+    def __init__(self, sizes=(128, 64, 32, 16), plain=None):
+        self.sizes = sizes
         self.plain = plain if plain is not None else F.linear
-        self.checked = {}           # (N, K, dtype, device, bias) -> bool tensor [max M + 1]: M's plain bits ok
+        self.product = plain
+        self.piece_rows = {}        # (weight shape, dtype, device, has bias) -> the piece size
+        self.checked = {}           # (weight shape, dtype, device, has bias, M) -> one call gives the pieces' bits
 
     def __call__(self, x, weight, bias=None):
-        T = x.shape[0]
-        key = (weight.shape, weight.dtype, weight.device, bias is not None)
-        ok = self.checked.get(key)
-        have = 0 if ok is None else ok.shape[0] - 1
-        if T > have and not _capturing(x):
-            more = self.check(weight, bias, have + 1, max(T, 2 * have))
-            ok = self.checked[key] = more if ok is None else torch.cat([ok, more[have + 1:]])
-        if ok is None or T >= ok.shape[0] or not ok[T]:
-            return fixed_rows_linear(self.rows, x, weight, bias)
+        capturing = _capturing(x)
+        rows = self.rows(weight, bias, capturing)
+        if not self.one_call(weight, bias, x.shape[0], capturing):
+            return fixed_rows_linear(rows, x, weight, bias, self.product)
         if not x.is_contiguous() or x.data_ptr() % 256:
             x = x.clone(memory_format=torch.contiguous_format)
         return self.plain(x, weight, bias)
 
-    def check(self, weight, bias, lo, hi):
-        """bool [hi + 1]: [M] true for lo <= M <= hi when the plain product of M random rows is, on every row, the
-        bits the pieces give."""
-        gen = torch.Generator(device=weight.device).manual_seed(lo)
-        x = torch.randn(hi, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
-        want = fixed_rows_linear(self.rows, x, weight, bias)
-        same = torch.zeros(hi + 1, dtype=torch.bool, device=weight.device)
-        for m in range(lo, hi + 1):
-            same[m] = (self.plain(x[:m], weight, bias) == want[:m]).all()
-        return same.cpu()
+    def rows(self, weight, bias, capturing=False):
+        """The piece size of this weight shape (chosen on its first use, which must be outside a capture)."""
+        key = (weight.shape, weight.dtype, weight.device, bias is not None)
+        rows = self.piece_rows.get(key)
+        if rows is None:
+            if capturing:
+                raise RuntimeError(f"the batch-invariant products of a {tuple(weight.shape)} weight were first "
+                                   "run inside a CUDA-graph capture: run an eager step first")
+            x = self._random_rows(weight, max(self.sizes))
+            alone = torch.cat([self.plain(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
+            rows = next((r for r in self.sizes if torch.equal(fixed_rows_linear(r, x, weight, bias, self.product), alone)),
+                        min(self.sizes))
+            self.piece_rows[key] = rows
+        return rows
+
+    def one_call(self, weight, bias, M, capturing=False):
+        """Whether one call of M rows gives the pieces' bits (checked once; False while unchecked inside a
+        capture)."""
+        key = (weight.shape, weight.dtype, weight.device, bias is not None, M)
+        ok = self.checked.get(key)
+        if ok is None:
+            if capturing:
+                return False
+            x = self._random_rows(weight, M)
+            want = fixed_rows_linear(self.rows(weight, bias), x, weight, bias, self.product)
+            ok = torch.equal(self.plain(x, weight, bias), want)
+            self.checked[key] = ok
+        return ok
+
+    @staticmethod
+    def _random_rows(weight, M):
+        gen = torch.Generator(device=weight.device).manual_seed(M)
+        return torch.randn(M, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
 
 
 def _capturing(x):
