@@ -3,11 +3,10 @@
 Three parts (--parts, comma-separated; each writes OUT/gpu_batch_invariant_<part>.{json,md}):
 
   gemm      the mode's products (pagedattn.layers.ops.InvariantLinear: the bits of fixed_rows_linear's
-            pieces of the size it chooses, in one call at the row counts its check finds equal) against
-            F.linear and 128-row pieces, for the 0.5B model's shapes, fp16 and bf16: the piece size, the
-            check's time per row count, the row counts left to the pieces, at how many of the row counts M
-            tried a row's bits differ from the row alone (the invariance), and microseconds per product at
-            M = 1 .. 8192 (CUDA-graph replay; the cost).
+            128-row pieces, in one call at the row counts its check finds equal) against F.linear and the
+            pieces alone, for the 0.5B model's shapes, fp16 and bf16: the check's time per row count, the row
+            counts left to the pieces, at how many of the row counts M tried a row's bits differ from the row
+            alone (the invariance), and microseconds per product at M = 1 .. 8192 (CUDA-graph replay; the cost).
   identity  --requests prompts (chat prompts through the tokenizer where the model has one, else random
             ids), half greedy, half sampled (T 0.8, top-p 0.95, a seed each), --max-tokens tokens each,
             logprobs on: run batched (prefix caching on), again (prefix-cache hits), the first 8 alone, at
@@ -34,7 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 from scripts import benchlib  # noqa: E402
 from scripts.bench_throughput import release, workload_mode  # noqa: E402
 
-ROWS = 128                          # the plain pieces compared (the mode chooses its own: InvariantLinear.rows)
+ROWS = 128                          # NumbaBackend.INVARIANT_ROWS
 SHAPES = {"qkv": (896, 1152), "o": (896, 896), "gate_up": (896, 9728), "down": (4864, 896), "lm_head": (896, 151936)}
 ROW_COUNTS = list(range(1, 300, 3)) + [384, 511, 512, 1000, 2048, 4096, 8192]
 TIMED_M = (1, 16, 128, 256, 1024, 8192)
@@ -56,9 +55,8 @@ def gemm_part(dtypes):
             b = torch.randn(n, generator=g, device="cuda", dtype=dtype) if name == "qkv" else None
             x = torch.randn(max(ROW_COUNTS), k, generator=g, device="cuda", dtype=dtype)
             row = dict(dtype=str(dtype).replace("torch.", ""), shape=name, K=k, N=n)
-            lin = InvariantLinear()                 # the mode's products: checked at every M up to checked_rows
+            lin = InvariantLinear(ROWS)             # the mode's products: checked at every M up to checked_rows
             checked_rows = 1024 if name == "lm_head" else max(ROW_COUNTS)
-            row["pieces of"] = lin.rows(w, b)
             t0 = time.perf_counter()
             bad = [m for m in range(1, checked_rows + 1) if not lin.one_call(w, b, m)]
             row["check ms per M"] = round((time.perf_counter() - t0) * 1e3 / checked_rows, 3)

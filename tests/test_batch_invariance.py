@@ -129,10 +129,10 @@ def test_fixed_row_products_are_each_rows_alone():
 
 
 def test_invariant_linear_takes_one_call_only_where_the_library_gives_the_pieces_bits(monkeypatch):
-    """ops.InvariantLinear over a GEMM library that sums a row alone from 20 rows on (a split-K's change) and in
-    float64 at every third M: the pieces are the largest size that keeps the one-row sums (16, not 32), one call
-    runs exactly where it gives their bits, the pieces elsewhere, every result is the pieces' bits; each (shape,
-    M) is checked once, and not inside a CUDA-graph capture (the pieces run; a shape never met is refused)."""
+    """ops.InvariantLinear over a GEMM library that sums each row alone below 20 rows, in float64 from 20 rows on
+    (a split-K's change) and otherwise at every third M: the check finds exactly the row counts where one call
+    gives the 16-row pieces' bits, one call runs there, the pieces elsewhere, every result is the pieces' bits;
+    each (shape, M) is checked once, and not inside a CUDA-graph capture (the pieces run)."""
     from pagedattn.layers import ops
 
     def library(x, w, b=None):
@@ -140,34 +140,28 @@ def test_invariant_linear_takes_one_call_only_where_the_library_gives_the_pieces
         if x.shape[0] >= 20:
             return torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double()).float()
         if x.shape[0] % 3 == 0:
-            return torch.nn.functional.linear(x, w.double().float(), b) * 1.0000001
+            return torch.nn.functional.linear(x, w, b) * 1.0000001
         return torch.cat([torch.nn.functional.linear(x[i:i + 1], w, b) for i in range(x.shape[0])])
+
+    def pieces(M):                                          # 16-row pieces of `library`: each row alone
+        return torch.cat([torch.nn.functional.linear(x[i:i + 1], w, b) for i in range(M)])
+
+    def num_pieces(*ms):
+        return [16] * sum(-(-M // 16) for M in ms)          # the last piece padded
 
     g = torch.Generator().manual_seed(5)
     w, b, x = torch.randn(24, 40, generator=g), torch.randn(24, generator=g), torch.randn(100, 40, generator=g)
-    lin = ops.InvariantLinear((32, 16, 8), plain=library)
+    lin = ops.InvariantLinear(16, plain=library)
     calls = []
-    assert lin.rows(w, b) == 16
-    calls.clear()
-
-    def pieces(M, bias=b):
-        return torch.cat([torch.nn.functional.linear(x[i:i + 1], w, bias) for i in range(M)])
-
     for M in (7, 5, 30, 100, 7, 30):
         assert torch.equal(lin(x[:M], w, b), pieces(M)), M
-
-    def num_pieces(*ms):
-        return [16] * sum(-(-M // 16) for M in ms)          # 16 rows a piece, the last padded
-
     checks = [7, 5, 30, 100]                                # each a one-call against the pieces
     assert sorted(calls) == sorted(checks + num_pieces(*checks) + [7, 5, 7] + num_pieces(30, 100, 30))
     with monkeypatch.context() as patch:
         patch.setattr(ops, "_capturing", lambda t: True)
         calls.clear()
         assert torch.equal(lin(x[:11], w, b), pieces(11)) and calls == [16]
-        assert (w.shape, w.dtype, w.device, True, 11) not in lin.checked
-        with pytest.raises(RuntimeError, match="first run inside a CUDA-graph capture"):
-            lin(x[:10], torch.randn(8, 40, generator=g))
+        assert (library, 16, w.shape, w.dtype, w.device, True, 11) not in lin.checked
     assert [lin.one_call(w, b, M) for M in range(1, 101)] == [M < 20 and M % 3 != 0 for M in range(1, 101)]
     calls.clear()
     assert torch.equal(lin(x[:40:2][:10], w, b), pieces(20)[::2][:10])      # strided rows: copied, one call
@@ -181,10 +175,9 @@ def test_invariant_linear_on_torchs_cpu_gemm_is_the_pieces_bits():
 
     g = torch.Generator().manual_seed(6)
     w, b, x = torch.randn(96, 200, generator=g), torch.randn(96, generator=g), torch.randn(300, 200, generator=g)
-    lin = InvariantLinear()
-    rows = lin.rows(w, b)
+    lin = InvariantLinear(128)
     for M in (300, *range(1, 300, 7)):
-        assert torch.equal(lin(x[:M], w, b), fixed_rows_linear(rows, x[:M], w, b)), M
+        assert torch.equal(lin(x[:M], w, b), fixed_rows_linear(128, x[:M], w, b)), M
 
 
 @pytest.mark.parametrize("positions", [[50], pytest.param([0, 41, 42, 63, 64, 65, 79], marks=pytest.mark.slow)])

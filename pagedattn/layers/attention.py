@@ -74,8 +74,8 @@ class NumbaBackend(TorchPagedBackend):
     docs/batch_invariance.md). Set it before the model is built (its ops table reads it): every attention,
     prefill and decode, runs the prefill kernel in one KV part (a query's keys summed in the same 64-key tiles
     from position 0, whichever call it is in: a prompt's query is exactly its decode), and every product gives
-    the bits of fixed-size row pieces (ops.InvariantLinear: the largest of INVARIANT_PIECES that keeps a row's
-    one-row sums, in one call at the row counts where a check showed the GEMM library gives them).
+    the bits of INVARIANT_ROWS rows at a time (ops.fixed_rows_linear; in one call at the row counts where a
+    check showed the GEMM library gives them: ops.InvariantLinear).
     """
 
     name = "numba"
@@ -83,7 +83,7 @@ class NumbaBackend(TorchPagedBackend):
     KERNEL_HEAD_DIMS = (64, 128)
     KERNEL_BLOCK_SIZES = (8, 16, 32)
     FUSED_MODULES = ("rmsnorm", "rotary", "activation")
-    INVARIANT_PIECES = (128, 64, 32, 16)  # the batch-invariant mode's piece sizes (docs/batch_invariance.md)
+    INVARIANT_ROWS = 128            # the batch-invariant mode's rows per product (docs/batch_invariance.md)
 
     def __init__(self, validate=True, batch_invariant=False):
         self.validate = validate
@@ -145,7 +145,7 @@ class NumbaBackend(TorchPagedBackend):
         table = ops.torch_ops(self)
         if self.batch_invariant:
             self._check_invariant_model(device, dtype, hidden_size, intermediate_size, head_dim)
-            table.linear = ops.InvariantLinear(self.INVARIANT_PIECES)
+            table.linear = ops.InvariantLinear(self.INVARIANT_ROWS)
             self.query_starts(torch.empty(0, device=device).device, 1024)        # before any graph is captured
         if not self.glue_kernels_for(device, dtype):
             return table

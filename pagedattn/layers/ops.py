@@ -143,72 +143,48 @@ def fixed_rows_linear(rows, x, weight, bias=None, product=None):
 
 
 class InvariantLinear:
-    """The batch-invariant mode's products: a row's bits fixed by the row alone, in as few GEMM calls as the
-    library allows.
+    """The batch-invariant mode's products: fixed_rows_linear's bits (`rows` rows a call), by one plain call
+    where the GEMM library gives those bits anyway.
 
-    The bits are fixed_rows_linear's with a piece size chosen per weight shape: the largest of `sizes` whose
-    pieces give each row the bits of that row alone (GEMM libraries sum a short product's K in one order and
-    split the sum only from some M on, e.g. cuBLAS's `down` at M 112+ in fp16: pieces of 64 rows then keep the
-    one-row order). And the library chooses its algorithm by the product's shape, so whether one call of M
-    rows gives each row those bits anyway is a property of (weight shape, dtype, bias, M): checked the first
-    time a weight shape meets a row count outside a CUDA-graph capture (the engine's warm-up runs meet every
-    graph's row count before its capture), on M random rows. A product takes the one call where its M was
-    checked equal, the pieces elsewhere (and inside a capture at a row count not met before): the bits are the
-    pieces' whichever runs, the check only decides the speed. x goes to the one call as fixed_rows_linear
-    gives it to the pieces: contiguous and 256-byte aligned (copied once otherwise), as in the check.
+    The library chooses its algorithm by the product's shape, so whether one call of M rows gives each row the
+    bits of the `rows`-row pieces is a property of (weight shape, dtype, bias, M): checked the first time a
+    weight shape meets a row count outside a CUDA-graph capture (the engine's warm-up runs meet every graph's
+    row count before its capture), on M random rows. A product takes the one call where its M was checked
+    equal, the pieces elsewhere (and inside a capture at a row count not met before): the bits are the pieces'
+    whichever runs, the check only decides the speed. x goes to the one call as fixed_rows_linear gives it to
+    the pieces: contiguous and 256-byte aligned (copied once otherwise), as in the check.
 
-    plain: the product (F.linear; a test passes a library of its own, for the pieces too).
+    plain: the product (F.linear; a test passes a library of its own, for the pieces too). What a check finds
+    is the library's, so the process keeps it for every model (`checked`).
     """
 
-    def __init__(self, sizes=(128, 64, 32, 16), plain=None):
-        self.sizes = sizes
+    checked = {}        # (plain, rows, weight shape, dtype, device, has bias, M) -> one call gives the pieces' bits
+
+    def __init__(self, rows, plain=None):
+        self.rows = rows
         self.plain = plain if plain is not None else F.linear
         self.product = plain
-        self.piece_rows = {}        # (weight shape, dtype, device, has bias) -> the piece size
-        self.checked = {}           # (weight shape, dtype, device, has bias, M) -> one call gives the pieces' bits
 
     def __call__(self, x, weight, bias=None):
-        capturing = _capturing(x)
-        rows = self.rows(weight, bias, capturing)
-        if not self.one_call(weight, bias, x.shape[0], capturing):
-            return fixed_rows_linear(rows, x, weight, bias, self.product)
+        if not self.one_call(weight, bias, x.shape[0], _capturing(x)):
+            return fixed_rows_linear(self.rows, x, weight, bias, self.product)
         if not x.is_contiguous() or x.data_ptr() % 256:
             x = x.clone(memory_format=torch.contiguous_format)
         return self.plain(x, weight, bias)
 
-    def rows(self, weight, bias, capturing=False):
-        """The piece size of this weight shape (chosen on its first use, which must be outside a capture)."""
-        key = (weight.shape, weight.dtype, weight.device, bias is not None)
-        rows = self.piece_rows.get(key)
-        if rows is None:
-            if capturing:
-                raise RuntimeError(f"the batch-invariant products of a {tuple(weight.shape)} weight were first "
-                                   "run inside a CUDA-graph capture: run an eager step first")
-            x = self._random_rows(weight, max(self.sizes))
-            alone = torch.cat([self.plain(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
-            rows = next((r for r in self.sizes if torch.equal(fixed_rows_linear(r, x, weight, bias, self.product), alone)),
-                        min(self.sizes))
-            self.piece_rows[key] = rows
-        return rows
-
     def one_call(self, weight, bias, M, capturing=False):
         """Whether one call of M rows gives the pieces' bits (checked once; False while unchecked inside a
         capture)."""
-        key = (weight.shape, weight.dtype, weight.device, bias is not None, M)
+        key = (self.plain, self.rows, weight.shape, weight.dtype, weight.device, bias is not None, M)
         ok = self.checked.get(key)
         if ok is None:
             if capturing:
                 return False
-            x = self._random_rows(weight, M)
-            want = fixed_rows_linear(self.rows(weight, bias), x, weight, bias, self.product)
-            ok = torch.equal(self.plain(x, weight, bias), want)
-            self.checked[key] = ok
+            gen = torch.Generator(device=weight.device).manual_seed(M)
+            x = torch.randn(M, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
+            want = fixed_rows_linear(self.rows, x, weight, bias, self.product)
+            ok = self.checked[key] = torch.equal(self.plain(x, weight, bias), want)
         return ok
-
-    @staticmethod
-    def _random_rows(weight, M):
-        gen = torch.Generator(device=weight.device).manual_seed(M)
-        return torch.randn(M, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
 
 
 def _capturing(x):
