@@ -8,6 +8,10 @@ For S = 1, 2, 4, 8 sequences at a --context-token history (random K/V in the poo
             (median of replays), tok/s = S / step, and the fraction of the weight-read floor (bytes of every
             weight and the pool's context read once / the copy bandwidth measured in the same run).
 
+  phases    (--phases) one eager step at S = 1 and 8 under torch.profiler: each phase's GPU microseconds a step
+            (its launches summed over the layers) and its share, and the effective bandwidth of the column
+            phases (their weight bytes / their time).
+
 The engine's own decode step at the same batch sizes is `python scripts/profile_step.py --batches 1,2,4,8`
 (`bash scripts/gpu_suite.sh step` runs both in one call).
 
@@ -66,7 +70,60 @@ def check(kernels, weights, config, context, dtype):
                 greedy_agree=bool((ids.cpu().numpy()[clear] == want.argmax(1)[clear]).all()), clear_rows=int(clear.sum()))
 
 
-def main(out, model, context, batches, num_ctas):
+KERNELS = {"embed": "_embed", "rms_norm": "_rms_norm", "qkv": "_linear", "rotary_kv": "_rotary_kv",
+           "attention": "_attention", "o": "_linear", "gate_up": "_gate_up", "down": "_linear",
+           "lm_head": "_linear", "argmax": "_argmax"}
+
+
+def phase_times(kernels, config, S, context, dtype, steps=3):
+    """{phase: GPU us a step} of v0's eager step: the profiler's kernels in launch order, each named by its
+    place in the step (a check: the kernel's name holds its phase's function)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    L = config["num_layers"]
+    order = (["embed"] + ["rms_norm", "qkv", "rotary_kv", "attention", "o", "rms_norm", "gate_up", "down"] * L
+             + ["rms_norm", "lm_head", "argmax"])
+    tokens, positions, k_pools, v_pools, tables = make_step(config, S, context, dtype, seed=S)
+    kernels.decode_step(tokens, positions, k_pools, v_pools, tables)         # compiled and loaded first
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            kernels.decode_step(tokens, positions, k_pools, v_pools, tables)
+        torch.cuda.synchronize()
+    names = set(KERNELS.values())       # (the host's check of the positions runs a torch reduction: left out)
+    events = sorted((ev for ev in prof.events() if ev.device_type == DeviceType.CUDA
+                     and any(n in ev.name for n in names)), key=lambda ev: ev.time_range.start)
+    if len(events) != steps * len(order):
+        raise RuntimeError(f"{len(events)} kernels in {steps} steps, {steps * len(order)} expected")
+    us = {}
+    for i, ev in enumerate(events):
+        phase = order[i % len(order)]
+        if KERNELS[phase] not in ev.name:
+            raise RuntimeError(f"kernel {i % len(order)} of a step is {ev.name!r}, not {phase}'s")
+        us[phase] = us.get(phase, 0.0) + ev.time_range.elapsed_us() / steps
+    return us
+
+
+def phase_rows(kernels, weights, config, context, dtype, batches=(1, 8)):
+    per_layer = {"qkv": ["q_proj", "k_proj", "v_proj"], "o": ["o_proj"], "gate_up": ["gate_proj", "up_proj"],
+                 "down": ["down_proj"]}
+    nbytes = {phase: sum(weights[f"model.layers.{i}.{'self_attn' if phase in ('qkv', 'o') else 'mlp'}.{n}.weight"]
+                         .numel() * 2 for i in range(config["num_layers"]) for n in names)
+              for phase, names in per_layer.items()}
+    nbytes["lm_head"] = kernels.lm_head.numel() * 2
+    rows = []
+    for S in batches:
+        us = phase_times(kernels, config, S, context, dtype)
+        total = sum(us.values())
+        for phase, t in sorted(us.items(), key=lambda kv: -kv[1]):
+            rows.append(dict(S=S, phase=phase, us_per_step=t, share=t / total,
+                             weight_gbs=nbytes[phase] / (t * 1e3) if phase in nbytes else None))
+        rows.append(dict(S=S, phase="total", us_per_step=total, share=1.0))
+    return rows
+
+
+def main(out, model, context, batches, num_ctas, phases=False):
     from kernels_numba.step import StepKernels
     from reference.step import load_config
 
@@ -97,6 +154,10 @@ def main(out, model, context, batches, num_ctas):
         print(rows[-1], flush=True)
     md = benchlib.markdown_table(rows)
     meta = dict(model=path, context=context, num_ctas=num_ctas, copy_gbs=copy_gbs, weight_bytes=weight_bytes)
+    if phases:
+        prow = phase_rows(kernels, weights, config, context, dtype)
+        md += "\n\nv0's phases (one eager step, GPU us summed over the layers):\n\n" + benchlib.markdown_table(prow)
+        meta["phases"] = prow
     benchlib.save(out, "bench_step_kernel", rows, meta, md)
     print(benchlib.env_line() + "\n\n" + md)
 
@@ -110,5 +171,6 @@ if __name__ == "__main__":
     ap.add_argument("--context", type=int, default=256, help="tokens of history per sequence")
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--num-ctas", type=int, default=132)
+    ap.add_argument("--phases", action="store_true", help="also each phase's GPU time (torch.profiler)")
     a = ap.parse_args()
-    main(a.out, a.model, a.context, [int(b) for b in a.batches.split(",")], a.num_ctas)
+    main(a.out, a.model, a.context, [int(b) for b in a.batches.split(",")], a.num_ctas, a.phases)

@@ -157,7 +157,7 @@ invariant_cost)
     ;;
 step)
     run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_step_kernel.py
-    run step_kernel 240 python3 scripts/bench_step_kernel.py ${MODEL:+--model "$MODEL"} --out "$dir"
+    run step_kernel 240 python3 scripts/bench_step_kernel.py --phases ${MODEL:+--model "$MODEL"} --out "$dir"
     run profile 120 python3 scripts/profile_step.py --batches 1,2,4,8 ${MODEL:+--model "$MODEL"} --out "$dir"
     ;;
 startup)
