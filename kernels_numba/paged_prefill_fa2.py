@@ -73,13 +73,22 @@ from numba import cuda, float32, uint32
 from kernels_numba import bridge, common
 from kernels_numba.common import cp_async_commit, cp_async_wait, ex2
 from kernels_numba.launcher import launch as launch_kernel
-from kernels_numba.prefill_parts import (BN, JIT_OPTIONS, LAUNCH_BOUNDS, LOG2E, NEG_INF, SMEM_ALIGN, THREADS,
-                                         make_copies, make_epilogue, make_tile_math, poison, prepare)
+from kernels_numba.prefill_parts import (BN, LAUNCH_BOUNDS, LOG2E, NEG_INF, SMEM_ALIGN, THREADS, make_copies,
+                                         make_epilogue, make_poison, make_tile_math, prepare)
 
 BM = 128  # (query, head) rows per CTA: 4 warps x 2 m-tiles of 16
 MT = 2  # m-tiles per warp
 BN_D128 = 32  # keys per KV tile at d=128: 128 rows x 32 keys keep S in 32 registers beside O's 128
 STAGES = 2  # the ring's stages of [K tile | V tile]
+WARPS = 4  # warps per CTA; the one-warp CTA (16 rows) serves one-query chunks (rows_per_cta)
+
+
+def rows_per_cta(warps=WARPS):
+    """(query, head) rows a CTA of `warps` warps owns: 4 warps x 2 m-tiles (BM), or one warp's one m-tile.
+    Each row's arithmetic is the same in both (a row's scores, softmax and P V never meet another row's):
+    a one-query chunk of 7 heads in the one-warp CTA gets the bits it gets in the 128-row one, for an
+    eighth of the mma work and 4x fewer threads (the batch-invariant mode's decodes)."""
+    return 16 * (MT if warps > 1 else 1) * warps
 
 
 def tile_keys(head_dim):
@@ -87,9 +96,9 @@ def tile_keys(head_dim):
     return BN_D128 if head_dim == 128 else BN
 
 
-def smem_bytes(head_dim, stages=STAGES):
+def smem_bytes(head_dim, stages=STAGES, warps=WARPS):
     """Dynamic shared memory of one CTA: `stages` stages of a K and a V tile, then the Q tile."""
-    return stages * 2 * tile_keys(head_dim) * head_dim * 2 + BM * head_dim * 2
+    return stages * 2 * tile_keys(head_dim) * head_dim * 2 + rows_per_cta(warps) * head_dim * 2
 
 
 # ----------------------------------------------------------------------------------------
@@ -98,9 +107,12 @@ def smem_bytes(head_dim, stages=STAGES):
 
 @bridge.disk_cached
 @lru_cache(maxsize=None)
-def make_prefill_kernel(head_dim, kind, block_size, stages=STAGES):
-    """The attention kernel for one (head_dim, "f16" | "bf16", block_size) and ring depth."""
+def make_prefill_kernel(head_dim, kind, block_size, stages=STAGES, warps=WARPS):
+    """The attention kernel for one (head_dim, "f16" | "bf16", block_size), ring depth and CTA size (4 warps
+    of 2 m-tiles, or one warp of one: rows_per_cta)."""
     D, BS, ST = head_dim, block_size, stages
+    MT_ = MT if warps > 1 else 1
+    BM_, THREADS_ = rows_per_cta(warps), 32 * warps
     BN_ = tile_keys(D)
     W = D // 2  # words (pairs of halves) per row
     NT = BN_ // 8  # n-tiles of S per m-tile
@@ -108,15 +120,17 @@ def make_prefill_kernel(head_dim, kind, block_size, stages=STAGES):
     DH = D // 16  # O's d-tiles in each half
     STAGE = 2 * BN_ * W  # words of a stage: K tile, then V tile
     RING = ST * STAGE  # the Q tile follows the ring; O is staged at the start of shared memory
-    SMEM_WORDS = RING + BM * W
-    copy_roles, tile_range, issue_q, issue_tile = make_copies(D, BS, BM, BN_, step_rows=D == 64)
-    tile_math = make_tile_math(D, kind, MT, BN_, True)  # Q's fragments re-read from shared memory at every tile
+    SMEM_WORDS = RING + BM_ * W
+    copy_roles, tile_range, issue_q, issue_tile = make_copies(D, BS, BM_, BN_, step_rows=D == 64, threads=THREADS_)
+    tile_math = make_tile_math(D, kind, MT_, BN_, True)  # Q's fragments re-read from shared memory at every tile
     start_rows, scores, mask, softmax, accumulate = (tile_math.start_rows, tile_math.scores, tile_math.mask,
                                                      tile_math.softmax, tile_math.accumulate)
-    empty_part, row_sums, store_out, store_partials = make_epilogue(D, kind, MT)
+    empty_part, row_sums, store_out, store_partials = make_epilogue(D, kind, MT_, threads=THREADS_)
+    poison = make_poison(THREADS_)
     wait_tile = cp_async_wait(ST - 2)  # tile j done, tiles j+1 .. j+ST-2 may pend
+    jit_options = {} if bridge.SIMULATOR else {"launch_bounds": (THREADS_, 2 * WARPS // warps)}
 
-    @cuda.jit(**JIT_OPTIONS)
+    @cuda.jit(**jit_options)
     def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse,
                                 work, num_heads, num_kv_heads, scale):
         # q, out: flat uint32 views of [total_q, num_heads, D]; k_cache, v_cache: flat uint32
@@ -134,7 +148,7 @@ def make_prefill_kernel(head_dim, kind, block_size, stages=STAGES):
         split = cuda.blockIdx.z
         num_splits = cuda.gridDim.z
         group = num_heads // num_kv_heads
-        bq = BM // group  # queries per tile
+        bq = BM_ // group  # queries per tile
         rows_used = bq * group
 
         # ---- which (sequence, q tile, KV head): two loads from the plan's work list, heads interleaved
@@ -148,13 +162,13 @@ def make_prefill_kernel(head_dim, kind, block_size, stages=STAGES):
         total_rows = q.shape[0] // W  # total_q * num_heads
         chunk, row0, tdst, tsrc = copy_roles(tid, head)
         block_words = num_kv_heads * BS * W
-        pos = cuda.local.array((MT, 2), np.int32)  # the positions of this lane's rows
-        qa = cuda.local.array((MT, KS, 4), uint32)  # Q fragments, re-read at every tile
-        sc = cuda.local.array((MT, NT, 4), float32)  # S, then P, of this tile
-        oa = cuda.local.array((MT, DH, 4), float32)  # O's first half of dims ...
-        ob = cuda.local.array((MT, DH, 4), float32)  # ... and its second
-        m = cuda.local.array((MT, 2), float32)  # running max per row (raw score units)
-        lsum = cuda.local.array((MT, 2), float32)  # this lane's part of the row sums
+        pos = cuda.local.array((MT_, 2), np.int32)  # the positions of this lane's rows
+        qa = cuda.local.array((MT_, KS, 4), uint32)  # Q fragments, re-read at every tile
+        sc = cuda.local.array((MT_, NT, 4), float32)  # S, then P, of this tile
+        oa = cuda.local.array((MT_, DH, 4), float32)  # O's first half of dims ...
+        ob = cuda.local.array((MT_, DH, 4), float32)  # ... and its second
+        m = cuda.local.array((MT_, 2), float32)  # running max per row (raw score units)
+        lsum = cuda.local.array((MT_, 2), float32)  # this lane's part of the row sums
         lrow = (lane & 7) + ((lane >> 3) & 1) * 8  # ldmatrix row of Q this lane addresses
         sl = scale * float32(LOG2E)
 
@@ -178,7 +192,7 @@ def make_prefill_kernel(head_dim, kind, block_size, stages=STAGES):
             cp_async_commit()
 
         start_rows(pos, m, lsum, oa, ob, warp, fg, q0, group, rows_used, q_len, first_pos, kv_end)
-        qrow = RING + (warp * MT * 16 + lrow) * W  # + 16 W mt: this lane's ldmatrix row of Q
+        qrow = RING + (warp * MT_ * 16 + lrow) * W  # + 16 W mt: this lane's ldmatrix row of Q
         read = 0  # word offset of tile j's stage
         write = (ST - 1) * STAGE  # ... and of the stage tile j + ST - 1 goes to
         for j in range(t_lo, t_hi):
@@ -358,10 +372,10 @@ def launch_plan(cu_seqlens_q, bq, work, stream):
     launch_kernel(make_plan_kernel(), 1, PLAN_THREADS, (cu_seqlens_q, bq, work), stream)
 
 
-def launch_attention(kernel, grid, args, nbytes, stream):
-    """An attention kernel of THREADS threads and nbytes of dynamic shared memory (opted in past 48 KB)."""
+def launch_attention(kernel, grid, args, nbytes, stream, threads=THREADS):
+    """An attention kernel of `threads` threads and nbytes of dynamic shared memory (opted in past 48 KB)."""
     bridge.allow_dynamic_smem(kernel, args, nbytes)
-    launch_kernel(kernel, grid, THREADS, args, stream, nbytes)
+    launch_kernel(kernel, grid, threads, args, stream, nbytes)
 
 
 def launch_merge(part_o, part_lse, out, total_q, num_heads, head_dim, kind, splits, stream):
@@ -372,7 +386,8 @@ def launch_merge(part_o, part_lse, out, total_q, num_heads, head_dim, kind, spli
 
 
 def launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse, work, num_heads,
-           num_kv_heads, head_dim, block_size, scale, kind, splits=1, stream=0, stages=None, planned=False):
+           num_kv_heads, head_dim, block_size, scale, kind, splits=1, stream=0, stages=None, planned=False,
+           warps=WARPS):
     """Launch on raw arrays, no checks: the plan kernel, then attention, then the merge of a split.
 
     q, out: 1-D uint32 views of [total_q, num_heads, head_dim], 16-byte aligned
@@ -380,24 +395,25 @@ def launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, p
     block_tables [num_seqs, max_blocks], cu_seqlens_q [num_seqs + 1], context_lens [num_seqs]: int32
     part_o: float32 [splits * total_q * num_heads * head_dim], part_lse: float32
         [splits * total_q * num_heads] (any 1-element arrays when splits == 1)
-    work: int32 [3 * num_tiles_bound(total_q, num_seqs, BM // group)]: the work list's space
+    work: int32 [3 * num_tiles_bound(total_q, num_seqs, rows_per_cta(warps) // group)]: the work list's space
     planned: `work` already holds this launch's work list (the plan of the same cu_seqlens_q and sizes,
         built by an earlier launch of the step): the plan kernel is not launched again
+    warps: the CTA's warps (4; 1: the one-warp CTA of 16 rows, rows_per_cta)
     numba device arrays or contiguous torch tensors of those dtypes (numpy in the simulator).
     """
     total_q = q.shape[0] // (num_heads * head_dim // 2)
     num_seqs = context_lens.shape[0]
     if total_q == 0 or num_seqs == 0:
         return
-    bq = BM // (num_heads // num_kv_heads)
+    bq = rows_per_cta(warps) // (num_heads // num_kv_heads)
     if not planned:
         launch_plan(cu_seqlens_q, bq, work, stream)
     stages = STAGES if stages is None else stages
-    kernel = make_prefill_kernel(head_dim, kind, block_size, stages)
+    kernel = make_prefill_kernel(head_dim, kind, block_size, stages, warps)
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse, work, num_heads,
             num_kv_heads, np.float32(scale))
     grid = (num_tiles_bound(total_q, num_seqs, bq) * num_kv_heads, 1, splits)
-    launch_attention(kernel, grid, args, smem_bytes(head_dim, stages), stream)
+    launch_attention(kernel, grid, args, smem_bytes(head_dim, stages, warps), stream, 32 * warps)
     if splits > 1:
         launch_merge(part_o, part_lse, out, total_q, num_heads, head_dim, kind, splits, stream)
 
@@ -407,7 +423,7 @@ def launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, p
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
-                  validate=False, max_context_len=None, splits=None, stages=None, plans=None):
+                  validate=False, max_context_len=None, splits=None, stages=None, plans=None, warps=WARPS):
     """Causal prefill attention over the paged pool (new K/V already written): the engine's kernel.
 
     q: [total_q, num_heads, head_dim] float16/bfloat16, the chunks of num_seqs sequences packed
@@ -424,19 +440,22 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     plans: a dict that lives as long as one step's metadata (pagedattn's AttentionMetadata.prefill_plans):
         the first launch of the step stores its work list there, the step's later launches (its other
         layers) reuse it instead of launching the plan kernel again. Never share one across steps.
+    warps: 4, or 1 for CTAs of one warp and 16 rows (chunks of one or two queries: each row the same bits
+        as in the 4-warp CTA; rows_per_cta)
     Returns out [total_q, num_heads, head_dim] in q's dtype. Runs on torch's current stream; with
     validate=False (or while capturing) there is no host sync.
     """
     a, out = prepare(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, validate,
-                     max_context_len, BM)
+                     max_context_len, rows_per_cta(warps))
     if a is None:
         return out
-    bq = BM // a.group
+    bq = rows_per_cta(warps) // a.group
     if splits is None:
         ctas = num_tiles_bound(a.total_q, a.num_seqs, bq) * a.num_kv_heads
         splits = split_plan(ctas, a.max_context_len, a.num_sms, tile_keys(a.head_dim))
     part_o, part_lse = a.partials(splits)
     work, planned = work_list(plans, cu_seqlens_q, a.total_q, a.num_seqs, bq, q.device)
     launch(a.q, a.k, a.v, a.block_tables, a.cu_seqlens_q, a.context_lens, a.out_words, part_o, part_lse, work,
-           a.num_heads, a.num_kv_heads, a.head_dim, a.block_size, a.scale, a.kind, splits, a.stream, stages, planned)
+           a.num_heads, a.num_kv_heads, a.head_dim, a.block_size, a.scale, a.kind, splits, a.stream, stages, planned,
+           warps)
     return a.finish()

@@ -197,20 +197,29 @@ def inline_math(fn):
 # A CTA's copies: cp.async into the ring of shared memory
 
 
-@inline_device
-def poison(ring, words, tid):
-    """Under the simulator: shared memory's first `words` words filled with NaN (then a barrier), so that a
-    read of a word nobody wrote shows in the output. Nothing on the GPU."""
-    if SIMULATOR:
-        for i in range(tid, words, THREADS):
-            ring[i] = uint32(NAN_WORD)
-        cuda.syncthreads()
+@lru_cache(maxsize=None)
+def make_poison(threads):
+    """poison(ring, words, tid) for CTAs of `threads` threads: under the simulator, shared memory's first
+    `words` words filled with NaN (then a barrier), so that a read of a word nobody wrote shows in the
+    output. Nothing on the GPU."""
+
+    @inline_device
+    def poison(ring, words, tid):
+        if SIMULATOR:
+            for i in range(tid, words, threads):
+                ring[i] = uint32(NAN_WORD)
+            cuda.syncthreads()
+
+    return poison
+
+
+poison = make_poison(THREADS)
 
 
 @lru_cache(maxsize=None)
-def make_copies(head_dim, block_size, rows, bn, step_rows=False):
-    """(copy_roles, tile_range, issue_q, issue_tile) for CTAs of `rows` (query, head) rows and K/V tiles
-    of `bn` keys.
+def make_copies(head_dim, block_size, rows, bn, step_rows=False, threads=THREADS):
+    """(copy_roles, tile_range, issue_q, issue_tile) for CTAs of `threads` threads, `rows` (query, head) rows
+    and K/V tiles of `bn` keys.
 
     tile_range(cu_seqlens_q, context_lens, s, tile, bq, split, num_splits) -> (q_start, q_len, first_pos,
         q0, kv_end, unmasked_end, t_lo, t_hi): q tile `tile` of sequence s (bq queries a tile): its chunk's
@@ -218,8 +227,9 @@ def make_copies(head_dim, block_size, rows, bn, step_rows=False):
         visible position, the end of the keys every row sees; and the KV tiles [t_lo, t_hi) of part
         `split` of num_splits (all of them without a split; empty when the part has none).
     copy_roles(tid, head) -> (chunk, row0, tdst, tsrc): thread tid copies 16-byte chunk `chunk` of rows
-        row0 + RPP i (RPP = THREADS / chunks per row); tdst: the chunk's swizzled word in row row0 of a
-        tile (row & 7 is the same for every pass); tsrc: its word in a pool block (KV head, row0's slot).
+        row0 + RPP i (RPP = threads / chunks per row); tdst: the chunk's swizzled word in row row0 of a
+        tile (row & 7 is the same for every pass when RPP is a multiple of 8); tsrc: its word in a pool block
+        (KV head, row0's slot).
     issue_q(ring, qs, q, q_start, q_len, q0, head, num_heads, group, rows_used, row0, chunk): the Q tile of
         queries q0 .. q0 + rows / group - 1 of the chunk at q_start (q_len queries) into the region at word
         qs (rows past the chunk: zeros). step_rows: each pass's (query, head) stepped from row0's (two
@@ -230,13 +240,14 @@ def make_copies(head_dim, block_size, rows, bn, step_rows=False):
     D, BS, BM, BN_ = head_dim, block_size, rows, bn
     W = D // 2  # words (pairs of halves) per row
     CPR = D // 8  # 16-byte chunks per row
-    RPP = THREADS // CPR  # rows a copy pass covers (one chunk per thread)
+    RPP = threads // CPR  # rows a copy pass covers (one chunk per thread)
     PASSES = BN_ // RPP  # copy passes per K (and V) tile
     Q_PASSES = BM // RPP
     TILE = BN_ * W  # words of a K (or V) tile
     BS_SHIFT = BS.bit_length() - 1  # block_tables index: pos >> BS_SHIFT, offset: pos & (BS - 1)
     assert BS == 1 << BS_SHIFT and PASSES >= 1 and BN_ % 16 == 0
     STEP_ROWS = step_rows
+    SWIZZLE_STEADY = RPP % 8 == 0  # every pass's rows have row0's swizzle
 
     @inline_device
     def copy_roles(tid, head):
@@ -293,11 +304,17 @@ def make_copies(head_dim, block_size, rows, bn, step_rows=False):
     def issue_tile(ring, dst0, k_cache, v_cache, block_tables, s, block_words, n0, kv_stop, row0, tdst, tsrc):
         # As n0 is a multiple of bn and RPP, BS are powers of two, pass i's block is
         # (n0 + RPP i) / BS + row0 / BS and its slot (RPP i) % BS + row0 % BS: compile-time offsets
-        # from per-tile values
+        # from per-tile values. A pass of fewer than 8 rows (a one-warp CTA) moves the swizzle: row
+        # row0 + RPP i's chunk sits at chunk ^ ((row0 + RPP i) & 7)
         rem = kv_stop - n0 - row0  # pass i copies while RPP i < rem
         b0 = (n0 >> BS_SHIFT) + (row0 >> BS_SHIFT)
+        chunk = ((tdst - row0 * W) >> 2) ^ (row0 & 7)
         for i in range(PASSES):
-            dst = dst0 + tdst + RPP * i * W
+            if SWIZZLE_STEADY:
+                dst = dst0 + tdst + RPP * i * W
+            else:
+                r = row0 + RPP * i
+                dst = dst0 + r * W + ((chunk ^ (r & 7)) << 2)
             if RPP * i < rem:
                 block = block_tables[s, b0 + ((RPP * i) >> BS_SHIFT)]
                 src = block * block_words + tsrc + ((RPP * i) & (BS - 1)) * W
@@ -493,8 +510,8 @@ def make_tile_math(head_dim, kind, m_tiles, bn, q_in_smem):
 
 
 @lru_cache(maxsize=None)
-def make_epilogue(head_dim, kind, m_tiles):
-    """(empty_part, row_sums, store_out, store_partials) for CTAs of 64 m_tiles rows.
+def make_epilogue(head_dim, kind, m_tiles, threads=THREADS):
+    """(empty_part, row_sums, store_out, store_partials) for CTAs of `threads` threads, 16 m_tiles rows a warp.
 
     empty_part(part_lse, tid, split, total_rows, q_start, q_len, q0, head, num_heads, group, rows_used):
         a split's part with no KV tile for this CTA: its rows' log2-sum-exp -inf (the merge skips them).
@@ -506,17 +523,17 @@ def make_epilogue(head_dim, kind, m_tiles):
         head, num_heads, group, rows_used): this part's normalised O (fp32) and log2-sum-exp per row (the
         merge kernel combines the parts)."""
     D, MT = head_dim, m_tiles
-    BM = 64 * MT
+    BM = threads // 32 * 16 * MT
     W = D // 2
     DH = D // 16  # d-tiles in each half of O
     CPR = D // 8
-    RPP = THREADS // CPR
+    RPP = threads // CPR
     Q_PASSES = BM // RPP
     pack = common.f32x2_to_bf16x2 if kind == "bf16" else common.f32x2_to_f16x2
 
     @inline_device
     def empty_part(part_lse, tid, split, total_rows, q_start, q_len, q0, head, num_heads, group, rows_used):
-        for r in range(tid, rows_used, THREADS):
+        for r in range(tid, rows_used, threads):
             qi = q0 + r // group
             if qi < q_len:
                 part_lse[split * total_rows + (q_start + qi) * num_heads + head * group + r % group] = NEG_INF

@@ -356,6 +356,27 @@ def test_v8_lazy_rescale(rising):
     check(out, ref, tolerance(ref, v, q.dtype))
 
 
+# The shipped kernel's one-warp CTA (16 rows: the batch-invariant mode's decodes): chunks of one and two queries
+# give each row the 128-row CTA's bits. GQA 7 over two KV heads at d=64 (a one-query chunk fills 7 of the 16 rows,
+# a two-query chunk 14), block 16, contexts crossing 64-key tiles; under -m slow head_dim 128 bf16 block 8 (tiles
+# of 32 keys, 2 rows a copy pass) and MHA block 32
+ONE_WARP_SHAPES = [(14, 2, 64, 16, torch.float16, [1, 2, 1], [0, 63, 130]),
+                   pytest.param((4, 1, 128, 8, torch.bfloat16, [1, 2, 1], [5, 40, 95]), marks=pytest.mark.slow),
+                   pytest.param((2, 2, 64, 32, torch.float16, [2, 1], [70, 31]), marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("shape", ONE_WARP_SHAPES, ids=lambda s: case_id((7, 1, s))[len("v7-s1-"):])
+def test_one_warp_cta_rows_are_the_four_warp_ctas_bits(shape):
+    from kernels_numba import paged_prefill_fa2 as fa
+
+    q, k, v, bt, cu, ctx = make_batch(*shape, seed=7)
+    four = fa.paged_prefill(q, k, v, bt, cu, ctx, splits=1)
+    one = fa.paged_prefill(q, k, v, bt, cu, ctx, splits=1, warps=1)
+    assert torch.equal(one, four)
+    ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
+    check(one, ref, tolerance(ref, v, q.dtype))
+
+
 def test_scale_and_out_argument():
     q, k, v, bt, cu, ctx = make_batch(2, 1, 64, 16, torch.float16, [3], [5], seed=2)
     out = torch.full_like(q, float("nan"))
@@ -480,6 +501,9 @@ for version, head_dim, kind, block_size in json.loads(sys.argv[1]):
         ptx, _ = cuda.compile_ptx(fa.make_merge_kernel(kind).py_func, MERGE_SIG, cc=(9, 0))
     elif version == "plan":
         ptx, _ = cuda.compile_ptx(fa.make_plan_kernel().py_func, (i32, types.int64, i32), cc=(9, 0))
+    elif version == "7w1":  # the shipped kernel's one-warp CTA (the batch-invariant mode's decodes)
+        kernel = fa.make_prefill_kernel(head_dim, kind, block_size, warps=1)
+        ptx, _ = cuda.compile_ptx(kernel.py_func, SIG, cc=(9, 0), launch_bounds=(32, 8))
     else:  # "9e": v9 with its next item's copies after the last tile's math (prefetch="epilogue")
         version, prefetch = (9, "epilogue") if version == "9e" else (version, None)
         kernel = fj.get_kernel(version, head_dim, kind, block_size, prefetch=prefetch)
@@ -504,10 +528,11 @@ print("STATS" + json.dumps(out))
 """
 
 CODEGEN_FAST = [(4, 64, "f16", 16), (5, 64, "bf16", 8), ("merge", 0, "f16", 0), (7, 128, "f16", 16),
-                ("plan", 0, "", 0), (8, 64, "f16", 16), (9, 64, "f16", 16), ("9e", 64, "f16", 16)]
+                ("plan", 0, "", 0), (8, 64, "f16", 16), (9, 64, "f16", 16), ("9e", 64, "f16", 16),
+                ("7w1", 64, "f16", 16)]
 CODEGEN_SLOW = [(4, 128, "bf16", 32), (5, 128, "f16", 16), (4, 64, "bf16", 8), (5, 64, "f16", 32),
                 ("merge", 0, "bf16", 0), (7, 64, "f16", 16), (7, 128, "bf16", 8), (8, 128, "f16", 16),
-                (8, 64, "bf16", 8), (9, 128, "bf16", 8), ("9e", 128, "f16", 16)]
+                (8, 64, "bf16", 8), (9, 128, "bf16", 8), ("9e", 128, "f16", 16), ("7w1", 128, "bf16", 32)]
 # ptxas register bounds: 2 CTAs of 128 threads per SM (LAUNCH_BOUNDS) allow 255; v4 at d=64
 # measured 212 (numba 0.68 / numba-cuda 0.30.4): a rise past 232 means a regression worth a look
 REGISTER_BOUND = {(4, 64): 232}
@@ -568,8 +593,11 @@ def check_codegen(stats, tmp, cfg):
         return
     version, head_dim = cfg[0], cfg[1]
     assert regs <= REGISTER_BOUND.get((version, head_dim), 255), f"{_name(cfg)}: {regs} registers"
-    cfg_v = fj.version_config(9 if version == "9e" else version, head_dim)
-    mt, q_in_smem, bn = cfg_v.m_tiles, cfg_v.q_in_smem, cfg_v.bn
+    if version == "7w1":
+        mt, q_in_smem, bn, threads = 1, True, fa.tile_keys(head_dim), 32
+    else:
+        cfg_v = fj.version_config(9 if version == "9e" else version, head_dim)
+        mt, q_in_smem, bn, threads = cfg_v.m_tiles, cfg_v.q_in_smem, cfg_v.bn, fa.THREADS
     # per KV tile of bn keys and warp: S = Q K^T and O += P V are (bn / 8)(D / 16) MT mma each
     assert s["mma"] == 2 * (bn // 8) * (head_dim // 16) * mt, s
     # K: (bn / 8)(D / 32) ldmatrix.x4, Q: D/16 per m-tile (once, or at every tile)
@@ -578,8 +606,8 @@ def check_codegen(stats, tmp, cfg):
     assert s["ldmatrix_trans"] == (bn // 16) * (head_dim // 16), s
     # the pool and Q only through cp.async (Q tile, prologue tile, steady-state tile), waits
     # for Q and for each tile; no scalar shared loads of fragments
-    passes = bn // (fa.THREADS // (head_dim // 8))
-    assert s["cp_async"] >= 2 * 2 * passes, s
+    passes = bn // (threads // (head_dim // 8))     # (the one-warp CTA's 16 passes a tile stay a loop)
+    assert s["cp_async"] >= 2 * 2 * (passes if threads == fa.THREADS else 1), s
     assert s["cp_async_wait"] >= (1 if q_in_smem else 2), s
     assert s["ld_shared_scalar"] == 0, s
     # every exponential of the softmax is one ex2.approx: 2 per n-tile and row pair, + 1 rescale each

@@ -73,7 +73,8 @@ class NumbaBackend(TorchPagedBackend):
     batch_invariant: a row's result never depends on the other rows of its step (EngineConfig.batch_invariant;
     docs/batch_invariance.md). Set it before the model is built (its ops table reads it): every attention,
     prefill and decode, runs the prefill kernel in one KV part (a query's keys summed in the same 64-key tiles
-    from position 0, whichever call it is in: a prompt's query is exactly its decode), and every product gives
+    from position 0, whichever call it is in: a prompt's query is exactly its decode; decodes run in the
+    kernel's one-warp CTAs, whose rows get the bits of its 128-row ones), and every product gives
     the bits of INVARIANT_ROWS rows at a time (ops.fixed_rows_linear; in one call at the row counts where a
     check showed the GEMM library gives them: ops.InvariantLinear).
     """
@@ -194,9 +195,11 @@ class NumbaBackend(TorchPagedBackend):
         return (q.dtype in self.KERNEL_DTYPES and k_cache.dtype == q.dtype and self._on_kernel_device(q)
                 and q.shape[-1] in self.KERNEL_HEAD_DIMS and k_cache.shape[2] in self.KERNEL_BLOCK_SIZES)
 
-    def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, plans=None):
+    def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, plans=None,
+                warps=4):
         """q, out: [Np, H, D]; plans: the step's work lists (AttentionMetadata.prefill_plans), or None: the
-        first layer's call builds the work list, the step's other layers reuse it (one plan kernel a step)."""
+        first layer's call builds the work list, the step's other layers reuse it (one plan kernel a step).
+        warps: the prefill kernel's CTA (4 warps, 128 rows; 1: one warp, 16 rows, for one-query chunks)."""
         if self.batch_invariant and not self._kernel_ok(q, k_cache):
             raise InvalidRequestError(f"batch_invariant=True needs the prefill kernel's inputs: float16/bfloat16 "
                                       f"on the GPU, head_dim in {self.KERNEL_HEAD_DIMS}, block_size in "
@@ -207,14 +210,14 @@ class NumbaBackend(TorchPagedBackend):
         _run_into(out, self.paged_prefill.paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                         context_lens, scale=scale, out=out,
                                                         validate=self.validate, plans=plans,
-                                                        splits=1 if self.batch_invariant else None))
+                                                        splits=1 if self.batch_invariant else None, warps=warps))
 
     def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len=None,
                plans=None):
-        if self.batch_invariant:
-            n = q.shape[0]                  # n one-query chunks: query s at context_lens[s] - 1, as in a prompt
+        if self.batch_invariant:            # n one-query chunks: query s at context_lens[s] - 1, as in a prompt,
+            n = q.shape[0]                  # in one-warp CTAs (a row's arithmetic is the 128-row CTA's)
             return self.prefill(q, k_cache, v_cache, block_tables, self.query_starts(q.device, n + 1)[:n + 1],
-                                context_lens, scale, out, plans=plans)
+                                context_lens, scale, out, plans=plans, warps=1)
         if self.paged_attention is None or not self._kernel_ok(q, k_cache):
             return super().decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len)
         _run_into(out, self.paged_attention.paged_attention(q, k_cache, v_cache, block_tables, context_lens,
