@@ -35,8 +35,9 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
+from kernels_numba import bridge
 from kernels_numba.bridge import torch_stream
-from kernels_numba.common import warp_sum
+from kernels_numba.common import f16x2_to_f32, f32_from_bits, load_u32x4, warp_sum
 
 WARPS = 4                   # warps per CTA
 THREADS = 32 * WARPS
@@ -273,6 +274,94 @@ def _argmax(logits, ids):
     argmax_phase(cuda.blockIdx.x, cuda.gridDim.x, logits, ids)
 
 
+# ----------------------------------------------------------------------------------------------
+# v1: the column phases over 16-byte pieces of the weights, 16 warps a CTA
+
+
+THREADS_V1 = 512            # the column phases' CTA in v1: 16 warps
+
+
+def make_column_phases(half):
+    """(linear, gate_up) kernels of v1 for 16-bit (half) or float32 weights, given as 1-D uint32 words of
+    [rows, K] (two weights a word when half): v0's column phases with each lane reading 16 bytes of a row at a
+    time (8 weights, or 4) instead of one weight, and CTAs of THREADS_V1 threads. Where v0 waits on each 2-byte
+    load in turn (28 a column at K = 896, 152 at 4,864), a lane here has 4 (K / 8 / 32) or 19 in its loop,
+    and 4x the warps are in flight. Each lane sums its pieces' products into per-sequence partials (a
+    different order from v0's, the same float32 arithmetic)."""
+    PER = 8 if half else 4                  # weights in 16 bytes
+
+    @cuda.jit(device=True, inline="always")
+    def unpack(w0, w1, w2, w3, x):
+        if PER == 8:
+            x[0], x[1] = f16x2_to_f32(w0)
+            x[2], x[3] = f16x2_to_f32(w1)
+            x[4], x[5] = f16x2_to_f32(w2)
+            x[6], x[7] = f16x2_to_f32(w3)
+        else:
+            x[0], x[1], x[2], x[3] = f32_from_bits(w0), f32_from_bits(w1), f32_from_bits(w2), f32_from_bits(w3)
+
+    @cuda.jit(device=True, inline="always")
+    def row_dot(h, S, w, base, k_chunks, lane, acc, x):
+        """acc[s] = this lane's part of h[s] . the row whose first word is w[base]."""
+        for s in range(MAX_S):
+            acc[s] = float32(0.0)
+        for c in range(lane, k_chunks, 32):
+            w0, w1, w2, w3 = load_u32x4(w, base + 4 * c)
+            unpack(w0, w1, w2, w3, x)
+            k = c * PER
+            for s in range(MAX_S):
+                if s < S:
+                    t = acc[s]
+                    for e in range(PER):
+                        t += h[s, k + e] * x[e]
+                    acc[s] = t
+
+    @cuda.jit
+    def linear(h, w, bias, has_bias, accumulate, out):
+        """out[s, n] (+)= h[s] . W[n] (+ bias[n]): one warp per column n at a time."""
+        S, K = h.shape
+        nw = cuda.blockDim.x // 32
+        lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+        row_words = K // 2 if PER == 8 else K
+        acc = cuda.local.array(MAX_S, float32)
+        x = cuda.local.array(PER, float32)
+        for n in range(cuda.blockIdx.x * nw + warp, w.shape[0] // row_words, cuda.gridDim.x * nw):
+            row_dot(h, S, w, n * row_words, K // PER, lane, acc, x)
+            for s in range(MAX_S):
+                if s < S:
+                    total = warp_sum(acc[s])
+                    if lane == 0:
+                        if has_bias:
+                            total += float32(bias[n])
+                        if accumulate:
+                            total += out[s, n]
+                        out[s, n] = total
+
+    @cuda.jit
+    def gate_up(h, w_gate, w_up, m):
+        """m[s, i] = silu(h[s] . Wg[i]) * (h[s] . Wu[i]): one warp per intermediate column i at a time."""
+        S, K = h.shape
+        nw = cuda.blockDim.x // 32
+        lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+        row_words = K // 2 if PER == 8 else K
+        g = cuda.local.array(MAX_S, float32)
+        u = cuda.local.array(MAX_S, float32)
+        x = cuda.local.array(PER, float32)
+        for i in range(cuda.blockIdx.x * nw + warp, w_gate.shape[0] // row_words, cuda.gridDim.x * nw):
+            row_dot(h, S, w_gate, i * row_words, K // PER, lane, g, x)
+            row_dot(h, S, w_up, i * row_words, K // PER, lane, u, x)
+            for s in range(MAX_S):
+                if s < S:
+                    gs, us = warp_sum(g[s]), warp_sum(u[s])
+                    if lane == 0:
+                        m[s, i] = gs / (float32(1.0) + math.exp(-gs)) * us
+
+    return linear, gate_up
+
+
+COLUMN_PHASES = {half: make_column_phases(half) for half in (True, False)}
+
+
 def rotary_tables(num_positions, head_dim, theta):
     """(cos, sin) [num_positions, D / 2] float32 as HF's Qwen2 computes them: angle = position / theta^(2i / D),
     each factor float32 (reference/step.py's rotary). Tables, not cosf / sinf on the device: those keep a slow
@@ -290,8 +379,11 @@ class StepKernels:
     [(H + 2 Hkv) D, E] matrix (and bias) here, once; anything else is used as given.
     """
 
-    def __init__(self, weights, config, num_ctas=132, on_gpu=False, max_positions=4096):
-        self.config, self.num_ctas = config, num_ctas
+    def __init__(self, weights, config, num_ctas=132, on_gpu=False, max_positions=4096, version=0,
+                 column_threads=THREADS_V1):
+        if version not in (0, 1):
+            raise ValueError(f"version must be 0 or 1, got {version!r}")
+        self.config, self.num_ctas, self.version, self.column_threads = config, num_ctas, version, column_threads
         if on_gpu:
             import torch
             self.empty = lambda shape, dtype: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
@@ -320,6 +412,17 @@ class StepKernels:
                 gate=weights[f"{p}.mlp.gate_proj.weight"], up=weights[f"{p}.mlp.up_proj.weight"],
                 down=weights[f"{p}.mlp.down_proj.weight"]))
         self.cos, self.sin = (asarray(t) for t in rotary_tables(max_positions, D, config["theta"]))
+        if version == 1:                    # v1's column phases read each weight matrix as 1-D uint32 words
+            self.half = str(self.embed.dtype).endswith("float16")
+            per = 8 if self.half else 4
+            names = ("qkv_w", "o", "gate", "up", "down")
+            matrices = [self.lm_head] + [layer[n] for layer in self.layers for n in names]
+            if any(w.shape[1] % per for w in matrices):
+                raise ValueError(f"v1 reads a row {per} weights at a time: every product's width a multiple of {per}")
+            if on_gpu:
+                self.words = {id(w): bridge.words(w) for w in matrices}                # (all contiguous)
+            else:
+                self.words = {id(w): np.ascontiguousarray(w).view(np.uint32).reshape(-1) for w in matrices}
 
     def decode_step(self, tokens, positions, k_pools, v_pools, tables):
         """One decode step: writes each sequence's new K/V into k_pools[i] / v_pools[i] (one [num_blocks,
@@ -342,17 +445,28 @@ class StepKernels:
         eps, scale = np.float32(c["eps"]), np.float32(1.0 / math.sqrt(D))
         none = qkv[0, :1]                      # a bias argument for the products without one
 
+        linear, gate_up = self._column_phases(cfg)
         _embed[cfg](tokens, self.embed, x)
         for layer, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
             _rms_norm[cfg](x, layer["ln1"], eps, h)
-            _linear[cfg](h, layer["qkv_w"], layer["qkv_b"], True, False, qkv)
+            linear(h, layer["qkv_w"], layer["qkv_b"], True, False, qkv)
             _rotary_kv[cfg](qkv, positions, self.cos, self.sin, H, Hkv, k_pool, v_pool, tables)
             _attention[cfg](qkv, k_pool, v_pool, tables, positions, H, Hkv, scale, a)
-            _linear[cfg](a, layer["o"], none, False, True, x)
+            linear(a, layer["o"], none, False, True, x)
             _rms_norm[cfg](x, layer["ln2"], eps, h)
-            _gate_up[cfg](h, layer["gate"], layer["up"], m)
-            _linear[cfg](m, layer["down"], none, False, True, x)
+            gate_up(h, layer["gate"], layer["up"], m)
+            linear(m, layer["down"], none, False, True, x)
         _rms_norm[cfg](x, self.final_norm, eps, h)
-        _linear[cfg](h, self.lm_head, none, False, False, logits)
+        linear(h, self.lm_head, none, False, False, logits)
         _argmax[cfg](logits, ids)
         return logits, ids
+
+    def _column_phases(self, cfg):
+        """(linear, gate_up) launchers of this version, each taking the weights as the layers hold them: v0's
+        kernels on them; v1's on their words, in CTAs of column_threads threads."""
+        if self.version == 0:
+            return _linear[cfg], _gate_up[cfg]
+        linear, gate_up = (kernel[cfg[0], self.column_threads, cfg[2]] for kernel in COLUMN_PHASES[self.half])
+        words = self.words
+        return (lambda h, w, *args: linear(h, words[id(w)], *args),                     # noqa: E731
+                lambda h, w_gate, w_up, m: gate_up(h, words[id(w_gate)], words[id(w_up)], m))

@@ -2,15 +2,16 @@
 
 For S = 1, 2, 4, 8 sequences at a --context-token history (random K/V in the pool, scattered blocks):
 
-  check     S = 2's logits against reference/step.py (float64, the same float16 weights and pool widened):
-            max |diff| and whether the greedy ids agree where the top two logits are apart;
-  v0        StepKernels.decode_step (one launch per phase) captured in a CUDA graph: microseconds per step
-            (median of replays), tok/s = S / step, and the fraction of the weight-read floor (bytes of every
-            weight and the pool's context read once / the copy bandwidth measured in the same run).
+  check     each version's S = 2 logits against reference/step.py (float64, the same float16 weights and pool
+            widened): max |diff| and whether the greedy ids agree where the top two logits are apart;
+  v0, v1    StepKernels.decode_step (one launch per phase; v1: the column phases on 16-byte pieces, 16 warps
+            a CTA) captured in a CUDA graph: microseconds per step (median of replays), tok/s = S / step, and
+            the fraction of the weight-read floor (bytes of every weight and the pool's context read once / the
+            copy bandwidth measured in the same run).
 
-  phases    (--phases) one eager step at S = 1 and 8 under torch.profiler: each phase's GPU microseconds a step
-            (its launches summed over the layers) and its share, and the effective bandwidth of the column
-            phases (their weight bytes / their time).
+  phases    (--phases) one eager step of each version at S = 1 and 8 under torch.profiler: each phase's GPU
+            microseconds a step (its launches summed over the layers) and its share, and the effective
+            bandwidth of the column phases (their weight bytes / their time).
 
 The engine's own decode step at the same batch sizes is `python scripts/profile_step.py --batches 1,2,4,8`
 (`bash scripts/gpu_suite.sh step` runs both in one call).
@@ -70,9 +71,9 @@ def check(kernels, weights, config, context, dtype):
                 greedy_agree=bool((ids.cpu().numpy()[clear] == want.argmax(1)[clear]).all()), clear_rows=int(clear.sum()))
 
 
-KERNELS = {"embed": "_embed", "rms_norm": "_rms_norm", "qkv": "_linear", "rotary_kv": "_rotary_kv",
-           "attention": "_attention", "o": "_linear", "gate_up": "_gate_up", "down": "_linear",
-           "lm_head": "_linear", "argmax": "_argmax"}
+KERNELS = {"embed": "embed", "rms_norm": "rms_norm", "qkv": "linear", "rotary_kv": "rotary_kv",
+           "attention": "attention", "o": "linear", "gate_up": "gate_up", "down": "linear",
+           "lm_head": "linear", "argmax": "argmax"}           # (v0's kernels are _linear ..., v1's linear ...)
 
 
 def phase_times(kernels, config, S, context, dtype, steps=3):
@@ -123,7 +124,7 @@ def phase_rows(kernels, weights, config, context, dtype, batches=(1, 8)):
     return rows
 
 
-def main(out, model, context, batches, num_ctas, phases=False):
+def main(out, model, context, batches, num_ctas, phases=False, versions=(0, 1)):
     from kernels_numba.step import StepKernels
     from reference.step import load_config
 
@@ -132,31 +133,35 @@ def main(out, model, context, batches, num_ctas, phases=False):
     config = load_config(path)
     weights = load(path, dtype)
     copy_gbs = benchlib.copy_bandwidth_gbs()
-    kernels = StepKernels(weights, config, num_ctas=num_ctas, on_gpu=True)
     # every weight is read once a step, but the embedding table, of which only S rows are (unless it is
     # also the LM head)
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     if not config["tied"]:
-        weight_bytes -= weights["model.embed_tokens.weight"].numel() * weights["model.embed_tokens.weight"].element_size()
-    rows = [dict(S=2, part="check", **check(kernels, weights, config, context, dtype))]
-    print(rows[-1], flush=True)
-    for S in batches:
-        tokens, positions, k_pools, v_pools, tables = make_step(config, S, context, dtype, seed=S)
-
-        def step():     # on torch's current stream: the capture's, inside graph_time_us
-            kernels.decode_step(tokens, positions, k_pools, v_pools, tables)
-        us = benchlib.graph_time_us(step, calls=5, replays=10)
-        kv_bytes = (2 * S * (context + 1) * config["num_kv_heads"] * config["head_dim"] * k_pools[0].element_size()
-                    * config["num_layers"])
-        floor_us = (weight_bytes + kv_bytes) / (copy_gbs * 1e3)
-        rows.append(dict(S=S, part="v0 (graph)", us_per_step=us, tok_s=S / us * 1e6, floor_us=floor_us,
-                         of_floor=floor_us / us))
+        embed = weights["model.embed_tokens.weight"]
+        weight_bytes -= embed.numel() * embed.element_size()
+    rows, prow = [], []
+    for version in versions:
+        kernels = StepKernels(weights, config, num_ctas=num_ctas, on_gpu=True, version=version)
+        rows.append(dict(S=2, part=f"v{version} check", **check(kernels, weights, config, context, dtype)))
         print(rows[-1], flush=True)
+        for S in batches:
+            tokens, positions, k_pools, v_pools, tables = make_step(config, S, context, dtype, seed=S)
+
+            def step():     # on torch's current stream: the capture's, inside graph_time_us
+                kernels.decode_step(tokens, positions, k_pools, v_pools, tables)
+            us = benchlib.graph_time_us(step, calls=5, replays=10)
+            kv_bytes = (2 * S * (context + 1) * config["num_kv_heads"] * config["head_dim"]
+                        * k_pools[0].element_size() * config["num_layers"])
+            floor_us = (weight_bytes + kv_bytes) / (copy_gbs * 1e3)
+            rows.append(dict(S=S, part=f"v{version} (graph)", us_per_step=us, tok_s=S / us * 1e6,
+                             floor_us=floor_us, of_floor=floor_us / us))
+            print(rows[-1], flush=True)
+        if phases:
+            prow += [dict(version=version, **r) for r in phase_rows(kernels, weights, config, context, dtype)]
     md = benchlib.markdown_table(rows)
     meta = dict(model=path, context=context, num_ctas=num_ctas, copy_gbs=copy_gbs, weight_bytes=weight_bytes)
     if phases:
-        prow = phase_rows(kernels, weights, config, context, dtype)
-        md += "\n\nv0's phases (one eager step, GPU us summed over the layers):\n\n" + benchlib.markdown_table(prow)
+        md += "\n\nThe phases (one eager step, GPU us summed over the layers):\n\n" + benchlib.markdown_table(prow)
         meta["phases"] = prow
     benchlib.save(out, "bench_step_kernel", rows, meta, md)
     print(benchlib.env_line() + "\n\n" + md)
@@ -172,5 +177,7 @@ if __name__ == "__main__":
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--num-ctas", type=int, default=132)
     ap.add_argument("--phases", action="store_true", help="also each phase's GPU time (torch.profiler)")
+    ap.add_argument("--versions", default="0,1")
     a = ap.parse_args()
-    main(a.out, a.model, a.context, [int(b) for b in a.batches.split(",")], a.num_ctas, a.phases)
+    main(a.out, a.model, a.context, [int(b) for b in a.batches.split(",")], a.num_ctas, a.phases,
+         [int(v) for v in a.versions.split(",")])

@@ -52,7 +52,7 @@ def pool_close(got, ref, dtype):
         np.testing.assert_allclose(got.astype(np.float64), ref, rtol=0, atol=1e-4)
 
 
-def _decode_all(weights, config, dtype, lengths, block_size, num_ctas):
+def _decode_all(weights, config, dtype, lengths, block_size, num_ctas, version=0):
     """Decode len(lengths) random sequences token by token; per step (logits, ids, the reference's logits,
     the K pools, V pools, the reference's K pools, V pools)."""
     rng = np.random.default_rng(0)
@@ -67,7 +67,7 @@ def _decode_all(weights, config, dtype, lengths, block_size, num_ctas):
     ref_k, ref_v = [np.zeros(shape) for _ in range(L)], [np.zeros(shape) for _ in range(L)]
     narrowed = {k: v.astype(dtype) for k, v in weights.items()}
     widened = {k: v.astype(np.float64) for k, v in narrowed.items()}
-    kernels = sk.StepKernels(narrowed, config, num_ctas=num_ctas)
+    kernels = sk.StepKernels(narrowed, config, num_ctas=num_ctas, version=version, column_threads=64)
     steps = []
     for pos in range(max(lengths)):
         live = [i for i, s in enumerate(seqs) if pos < len(s)]
@@ -86,19 +86,24 @@ def _decode_all(weights, config, dtype, lengths, block_size, num_ctas):
 # step of the 2-layer d16 model on a busy 2-core machine): the default suite decodes 2 steps of the d64 model,
 # two sequences then one (block size 1: the second step reads two blocks); `slow` 3 steps of both d16 layers in both dtypes (block size
 # 2), 5 steps over 3 CTAs (block size 4: the last crosses a block), and one step of 8 sequences at d128.
-CASES = [pytest.param("d64", np.float32, (2, 1), 1, 2, id="d64-f32-2steps"),
-         pytest.param("d16", np.float32, (3, 2, 3), 2, 2, id="d16-f32-3steps", marks=pytest.mark.slow),
-         pytest.param("d16", np.float16, (3, 2, 3), 2, 2, id="d16-f16-3steps", marks=pytest.mark.slow),
-         pytest.param("d16", np.float32, (5, 1, 2), 4, 3, id="d16-f32-5steps", marks=pytest.mark.slow),
-         pytest.param("d128", np.float16, (1,) * 8, 2, 2, id="d128-f16-8seqs", marks=pytest.mark.slow)]
+# v1 (the column phases on 16-byte pieces, here 2 warps a CTA): the d64 model in float16 by default (two steps),
+# the d16 one in float32 under `slow`.
+CASES = [pytest.param("d64", np.float32, (2, 1), 1, 2, 0, id="d64-f32-2steps"),
+         pytest.param("d16", np.float32, (3, 2, 3), 2, 2, 0, id="d16-f32-3steps", marks=pytest.mark.slow),
+         pytest.param("d16", np.float16, (3, 2, 3), 2, 2, 0, id="d16-f16-3steps", marks=pytest.mark.slow),
+         pytest.param("d16", np.float32, (5, 1, 2), 4, 3, 0, id="d16-f32-5steps", marks=pytest.mark.slow),
+         pytest.param("d128", np.float16, (1,) * 8, 2, 2, 0, id="d128-f16-8seqs", marks=pytest.mark.slow),
+         pytest.param("d64", np.float16, (2, 1), 1, 2, 1, id="v1-d64-f16-2steps"),
+         pytest.param("d16", np.float32, (3, 2, 3), 2, 3, 1, id="v1-d16-f32-3steps", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("shape, dtype, lengths, block_size, num_ctas", CASES)
-def test_decode_steps_against_the_float64_reference(checkpoints, shape, dtype, lengths, block_size, num_ctas):
+@pytest.mark.parametrize("shape, dtype, lengths, block_size, num_ctas, version", CASES)
+def test_decode_steps_against_the_float64_reference(checkpoints, shape, dtype, lengths, block_size, num_ctas,
+                                                    version):
     weights, config = checkpoints(shape)
     atol = LOGITS_ATOL[dtype]
     for logits, ids, want, k_pools, v_pools, ref_k, ref_v in _decode_all(weights, config, dtype, lengths,
-                                                                          block_size, num_ctas):
+                                                                          block_size, num_ctas, version):
         np.testing.assert_allclose(logits, want, rtol=0, atol=atol)
         top2 = np.sort(want, axis=1)[:, -2:]
         clear = top2[:, 1] - top2[:, 0] > 2 * atol           # rows whose winner no rounding can change
@@ -140,8 +145,9 @@ def _gpu_step_inputs(config, S, pos, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", [0, 1])
 @pytest.mark.parametrize("shape", ["d64", "d16", "d128"])
-def test_gpu_decode_step_against_the_float64_reference(checkpoints, shape):
+def test_gpu_decode_step_against_the_float64_reference(checkpoints, shape, version):
     """On the GPU, torch tensors in and out (float16 weights and pools), 8 sequences at position 9 over a
     random history: logits and the K/V written against the reference on the same weights; bfloat16 weights
     are refused by name."""
@@ -152,7 +158,7 @@ def test_gpu_decode_step_against_the_float64_reference(checkpoints, shape):
         sk.StepKernels({k: torch.from_numpy(v).to("cuda", torch.bfloat16) for k, v in weights.items()}, config,
                        on_gpu=True)
     dev = {k: torch.from_numpy(v).to("cuda", torch.float16) for k, v in weights.items()}
-    kernels = sk.StepKernels(dev, config, on_gpu=True)
+    kernels = sk.StepKernels(dev, config, on_gpu=True, version=version)
     tokens, positions, k_pools, v_pools, tables = _gpu_step_inputs(config, 8, 9, seed=0)
     np64 = lambda t: t.double().cpu().numpy()                                     # noqa: E731
     want, ref_k, ref_v = decode_step({k: np64(t) for k, t in dev.items()}, config, np64(tokens).astype(int),
@@ -166,14 +172,15 @@ def test_gpu_decode_step_against_the_float64_reference(checkpoints, shape):
 
 
 @pytest.mark.gpu
-def test_gpu_step_captured_in_a_graph_replays_the_eager_step(checkpoints):
+@pytest.mark.parametrize("version", [0, 1])
+def test_gpu_step_captured_in_a_graph_replays_the_eager_step(checkpoints, version):
     """torch's own capture recipe (a warm-up on a side stream, then torch.cuda.graph): the replayed step's
     logits, ids and pools are the eager step's bits."""
     import torch
 
     weights, config = checkpoints("d64")
     kernels = sk.StepKernels({k: torch.from_numpy(v).to("cuda", torch.float16) for k, v in weights.items()},
-                             config, on_gpu=True)
+                             config, on_gpu=True, version=version)
     tokens, positions, k_pools, v_pools, tables = _gpu_step_inputs(config, 3, 6, seed=1)
     k_eager, v_eager = [k.clone() for k in k_pools], [v.clone() for v in v_pools]
     logits, ids = kernels.decode_step(tokens, positions, k_eager, v_eager, tables)
@@ -214,27 +221,40 @@ SIGS = {
     "_attention": (f32_2, f16_4, f16_4, i32_2, i32_1, types.int64, types.int64, types.float32, f32_2),
     "_argmax": (f32_2, i32_1),
 }
-for name, sig in SIGS.items():
-    ptx, _ = cuda.compile_ptx(getattr(sk, name.replace("_no_bias", "")).py_func, sig, cc=(9, 0))
+u32_1 = types.uint32[::1]
+V1 = {                                  # v1's column phases on float16 words (half) and float32 words
+    "v1_linear_f16": (sk.COLUMN_PHASES[True][0], (f32_2, u32_1, f16_1, types.boolean, types.boolean, f32_2)),
+    "v1_gate_up_f16": (sk.COLUMN_PHASES[True][1], (f32_2, u32_1, u32_1, f32_2)),
+    "v1_linear_f32": (sk.COLUMN_PHASES[False][0], (f32_2, u32_1, f32_1, types.boolean, types.boolean, f32_2)),
+}
+kernels = [(name, getattr(sk, name.replace("_no_bias", "")), sig) for name, sig in SIGS.items()]
+for name, (kernel, sig) in V1.items():
+    kernels.append((name, kernel, sig))
+for name, kernel, sig in kernels:
+    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
     body = "\n".join(l for l in ptx.splitlines() if not l.lstrip().startswith("//"))
     print(name, len(re.findall(r"\.f64\b", body)), len(re.findall(r"\.local\b", body)),
-          len(re.findall(r"shfl\.sync", body)))
+          len(re.findall(r"shfl\.sync", body)), len(re.findall(r"ld\.global(?:\.nc)?\.v4\.[buf]32", body)))
 """
 
 
 def test_every_phase_compiles_for_sm90_in_float32_without_local_memory():
-    """The phases compiled for sm_90 (float16 weights and pool): no float64 instruction (each constant and
-    function float32; rotary from tables, not cosf / sinf, whose slow path has both), no local memory (the
-    per-sequence and per-lane accumulators are unrolled into registers: loops over MAX_S and MAX_D_PER_LANE
-    with constant bounds), and the reductions as warp shuffles (5 a sum; the column phases' sums unrolled over
-    MAX_S sequences, LLVM may copy them once more for the bias / accumulate branches)."""
-    counts = {}
+    """The phases (and v1's column phases) compiled for sm_90 (float16 weights and pool): no float64
+    instruction (each constant and function float32; rotary from tables, not cosf / sinf, whose slow path has
+    both), no local memory (the per-sequence and per-lane accumulators are unrolled into registers: loops over
+    MAX_S and MAX_D_PER_LANE with constant bounds), the reductions as warp shuffles (5 a sum; the column phases'
+    sums unrolled over MAX_S sequences, LLVM may copy them once more for the bias / accumulate branches), and
+    v1's weights read by 16-byte loads."""
+    counts, v4 = {}, {}
     for line in compile_in_subprocess(_COMPILE, timeout=600).strip().splitlines():
-        name, f64, local, shfl = line.split()
-        counts[name] = (int(f64), int(local), int(shfl))
+        name, f64, local, shfl, loads = line.split()
+        counts[name], v4[name] = (int(f64), int(local), int(shfl)), int(loads)
     assert set(counts) == {"_embed", "_rms_norm", "_linear", "_linear_no_bias", "_gate_up", "_rotary_kv",
-                           "_attention", "_argmax"}
+                           "_attention", "_argmax", "v1_linear_f16", "v1_gate_up_f16", "v1_linear_f32"}
     assert all(f64 == 0 and local == 0 for f64, local, _ in counts.values()), counts
+    # v1 reads the weights 16 bytes a load (one per row a step of its loop; the gate and the up row each)
+    assert v4["v1_linear_f16"] >= 1 and v4["v1_linear_f32"] >= 1 and v4["v1_gate_up_f16"] >= 2, v4
+    assert v4["_linear"] == v4["_gate_up"] == 0, v4
     shfl = {name: c[2] for name, c in counts.items()}
     assert shfl["_rms_norm"] == shfl["_attention"] == 5, shfl
     assert all(shfl[n] % (5 * sk.MAX_S) == 0 and shfl[n] >= 5 * sk.MAX_S for n in ("_linear", "_linear_no_bias")), shfl
