@@ -25,8 +25,9 @@ hands numba no bfloat16 array; a later version reads bfloat16 as 16-bit words, a
 widened on load.
 
 v0 drives the phases with one launch each (`StepKernels.decode_step`): the baseline the later versions
-(one persistent launch with a barrier between dependent phases, then counters, prefetch, a split LM head:
-docs/kernels.md, "The step family") are measured against, and the driver numba's CUDA simulator can run (it
+(v1: the column phases reading 16 bytes a load in 16-warp CTAs, `make_column_phases`; then one persistent launch
+with a barrier between dependent phases, counters, prefetch, a split LM head: docs/kernels.md, "The step
+family") are measured against, and the driver numba's CUDA simulator can run (it
 runs a grid's CTAs one after another, so any wait between CTAs would hang it). Its ground truth is
 reference/step.py (float64).
 """
