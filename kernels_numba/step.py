@@ -24,12 +24,12 @@ and the residual stream are float32 (small: S x hidden); the weights and the KV 
 hands numba no bfloat16 array; a later version reads bfloat16 as 16-bit words, as the decode family does),
 widened on load.
 
-v0 drives the phases with one launch each (`StepKernels.decode_step`): the baseline the later versions
-(v1: the column phases reading 16 bytes a load in 16-warp CTAs, `make_column_phases`; then one persistent launch
-with a barrier between dependent phases, counters, prefetch, a split LM head: docs/kernels.md, "The step
-family") are measured against, and the driver numba's CUDA simulator can run (it
-runs a grid's CTAs one after another, so any wait between CTAs would hang it). Its ground truth is
-reference/step.py (float64).
+v0 drives the phases with one launch each (`StepKernels.decode_step`): the baseline the later versions (v1:
+the column phases reading 16 bytes a load and attention's keys over a CTA's warps, in 16-warp CTAs,
+`make_column_phases`, `attention_v1`; then one persistent launch with a barrier between dependent phases,
+counters, prefetch, a split LM head: docs/kernels.md, "The step family") are measured against, and the driver
+numba's CUDA simulator can run (it runs a grid's CTAs one after another, so any wait between CTAs would hang
+it). Its ground truth is reference/step.py (float64).
 """
 import math
 
@@ -279,7 +279,7 @@ def _argmax(logits, ids):
 # v1: the column phases over 16-byte pieces of the weights, 16 warps a CTA
 
 
-THREADS_V1 = 512            # the column phases' CTA in v1: 16 warps
+THREADS_V1 = 512            # v1's CTA for the column phases and attention: 16 warps
 
 
 def make_column_phases(half):
@@ -361,6 +361,76 @@ def make_column_phases(half):
 
 
 COLUMN_PHASES = {half: make_column_phases(half) for half in (True, False)}
+MAX_WARPS = THREADS_V1 // 32
+MAX_D = 32 * MAX_D_PER_LANE   # head_dim's bound: a run's output in shared memory
+
+
+@cuda.jit
+def attention_v1(qkv, k_pool, v_pool, tables, positions, num_heads, num_kv_heads, scale, out):
+    """v1's attention: a CTA per (sequence, head) at a time, its warps over the keys. Warp w takes the w-th of
+    nw equal runs of keys 0 .. position and runs v0's online softmax over them (lanes over head_dim); the runs'
+    (max, sum, unnormalised output) then meet in shared memory, merged in warp order. Where v0 sums every key
+    of a head on one warp, nw warps (16 in v1's CTA) each sum a run of them."""
+    S = qkv.shape[0]
+    D, BS = k_pool.shape[3], k_pool.shape[2]
+    group = num_heads // num_kv_heads
+    nw = cuda.blockDim.x // 32
+    lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+    run_m = cuda.shared.array(MAX_WARPS, float32)
+    run_l = cuda.shared.array(MAX_WARPS, float32)
+    run_o = cuda.shared.array((MAX_WARPS, MAX_D), float32)
+    q = cuda.local.array(MAX_D_PER_LANE, float32)
+    acc = cuda.local.array(MAX_D_PER_LANE, float32)
+    for item in range(cuda.blockIdx.x, S * num_heads, cuda.gridDim.x):
+        s, head = item // num_heads, item % num_heads
+        kv = head // group
+        n = positions[s] + 1
+        per = (n + nw - 1) // nw
+        for j in range(MAX_D_PER_LANE):
+            d = lane + 32 * j
+            q[j] = qkv[s, head * D + d] * scale if d < D else float32(0.0)
+            acc[j] = float32(0.0)
+        m, l = float32(-math.inf), float32(0.0)
+        for t in range(warp * per, min(n, (warp + 1) * per)):
+            block, offset = tables[s, t // BS], t % BS
+            partial = float32(0.0)
+            for j in range(MAX_D_PER_LANE):
+                d = lane + 32 * j
+                if d < D:
+                    partial += q[j] * float32(k_pool[block, kv, offset, d])
+            score = warp_sum(partial)
+            m_new = max(m, score)
+            alpha, p = math.exp(m - m_new), math.exp(score - m_new)
+            l = l * alpha + p
+            for j in range(MAX_D_PER_LANE):
+                d = lane + 32 * j
+                if d < D:
+                    acc[j] = acc[j] * alpha + p * float32(v_pool[block, kv, offset, d])
+            m = m_new
+        if lane == 0:
+            run_m[warp] = m
+            run_l[warp] = l
+        for j in range(MAX_D_PER_LANE):
+            run_o[warp, lane + 32 * j] = acc[j]
+        cuda.syncthreads()
+        if warp == 0:
+            top = float32(-math.inf)
+            for w in range(nw):
+                top = max(top, run_m[w])
+            total = float32(0.0)
+            for j in range(MAX_D_PER_LANE):
+                acc[j] = float32(0.0)
+            for w in range(nw):
+                if run_l[w] > float32(0.0):         # (a run with no key: nothing to add)
+                    f = math.exp(run_m[w] - top)
+                    total += run_l[w] * f
+                    for j in range(MAX_D_PER_LANE):
+                        acc[j] += run_o[w, lane + 32 * j] * f
+            for j in range(MAX_D_PER_LANE):
+                d = lane + 32 * j
+                if d < D:
+                    out[s, head * D + d] = acc[j] / total
+        cuda.syncthreads()                          # the shared runs are read before the next item's
 
 
 def rotary_tables(num_positions, head_dim, theta):
@@ -384,6 +454,8 @@ class StepKernels:
                  column_threads=THREADS_V1):
         if version not in (0, 1):
             raise ValueError(f"version must be 0 or 1, got {version!r}")
+        if not (column_threads % 32 == 0 and 32 <= column_threads <= THREADS_V1):
+            raise ValueError(f"column_threads must be a multiple of 32 up to {THREADS_V1}, got {column_threads}")
         self.config, self.num_ctas, self.version, self.column_threads = config, num_ctas, version, column_threads
         if on_gpu:
             import torch
@@ -447,12 +519,13 @@ class StepKernels:
         none = qkv[0, :1]                      # a bias argument for the products without one
 
         linear, gate_up = self._column_phases(cfg)
+        attention = _attention[cfg] if self.version == 0 else attention_v1[grid, self.column_threads, cfg[2]]
         _embed[cfg](tokens, self.embed, x)
         for layer, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
             _rms_norm[cfg](x, layer["ln1"], eps, h)
             linear(h, layer["qkv_w"], layer["qkv_b"], True, False, qkv)
             _rotary_kv[cfg](qkv, positions, self.cos, self.sin, H, Hkv, k_pool, v_pool, tables)
-            _attention[cfg](qkv, k_pool, v_pool, tables, positions, H, Hkv, scale, a)
+            attention(qkv, k_pool, v_pool, tables, positions, H, Hkv, scale, a)
             linear(a, layer["o"], none, False, True, x)
             _rms_norm[cfg](x, layer["ln2"], eps, h)
             gate_up(h, layer["gate"], layer["up"], m)

@@ -86,8 +86,9 @@ def _decode_all(weights, config, dtype, lengths, block_size, num_ctas, version=0
 # step of the 2-layer d16 model on a busy 2-core machine): the default suite decodes 2 steps of the d64 model,
 # two sequences then one (block size 1: the second step reads two blocks); `slow` 3 steps of both d16 layers in both dtypes (block size
 # 2), 5 steps over 3 CTAs (block size 4: the last crosses a block), and one step of 8 sequences at d128.
-# v1 (the column phases on 16-byte pieces, here 2 warps a CTA): the d64 model in float16 by default (two steps),
-# the d16 one in float32 under `slow`.
+# v1 (the column phases on 16-byte pieces and attention's keys over the warps, here 2 warps a CTA: the second
+# warp has no key at the first step): the d64 model in float16 by default (two steps), the d16 one in float32
+# under `slow`.
 CASES = [pytest.param("d64", np.float32, (2, 1), 1, 2, 0, id="d64-f32-2steps"),
          pytest.param("d16", np.float32, (3, 2, 3), 2, 2, 0, id="d16-f32-3steps", marks=pytest.mark.slow),
          pytest.param("d16", np.float16, (3, 2, 3), 2, 2, 0, id="d16-f16-3steps", marks=pytest.mark.slow),
@@ -226,6 +227,7 @@ V1 = {                                  # v1's column phases on float16 words (h
     "v1_linear_f16": (sk.COLUMN_PHASES[True][0], (f32_2, u32_1, f16_1, types.boolean, types.boolean, f32_2)),
     "v1_gate_up_f16": (sk.COLUMN_PHASES[True][1], (f32_2, u32_1, u32_1, f32_2)),
     "v1_linear_f32": (sk.COLUMN_PHASES[False][0], (f32_2, u32_1, f32_1, types.boolean, types.boolean, f32_2)),
+    "v1_attention": (sk.attention_v1, SIGS["_attention"]),
 }
 kernels = [(name, getattr(sk, name.replace("_no_bias", "")), sig) for name, sig in SIGS.items()]
 for name, (kernel, sig) in V1.items():
@@ -250,13 +252,14 @@ def test_every_phase_compiles_for_sm90_in_float32_without_local_memory():
         name, f64, local, shfl, loads = line.split()
         counts[name], v4[name] = (int(f64), int(local), int(shfl)), int(loads)
     assert set(counts) == {"_embed", "_rms_norm", "_linear", "_linear_no_bias", "_gate_up", "_rotary_kv",
-                           "_attention", "_argmax", "v1_linear_f16", "v1_gate_up_f16", "v1_linear_f32"}
+                           "_attention", "_argmax", "v1_linear_f16", "v1_gate_up_f16", "v1_linear_f32",
+                           "v1_attention"}
     assert all(f64 == 0 and local == 0 for f64, local, _ in counts.values()), counts
     # v1 reads the weights 16 bytes a load (one per row a step of its loop; the gate and the up row each)
     assert v4["v1_linear_f16"] >= 1 and v4["v1_linear_f32"] >= 1 and v4["v1_gate_up_f16"] >= 2, v4
     assert v4["_linear"] == v4["_gate_up"] == 0, v4
     shfl = {name: c[2] for name, c in counts.items()}
-    assert shfl["_rms_norm"] == shfl["_attention"] == 5, shfl
+    assert shfl["_rms_norm"] == shfl["_attention"] == shfl["v1_attention"] == 5, shfl
     assert all(shfl[n] % (5 * sk.MAX_S) == 0 and shfl[n] >= 5 * sk.MAX_S for n in ("_linear", "_linear_no_bias")), shfl
     assert shfl["_gate_up"] % (10 * sk.MAX_S) == 0 and shfl["_gate_up"] >= 10 * sk.MAX_S, shfl
     assert shfl["_embed"] == shfl["_rotary_kv"] == shfl["_argmax"] == 0, shfl
