@@ -166,40 +166,50 @@ def rotary_kv_phase(cta, num_ctas, qkv, positions, cos, sin, num_heads, num_kv_h
                 v_pool[block, kv, offset, d] = qkv[s, v_base + d]
 
 
+@cuda.jit(device=True, inline="always")
+def attend_run(qkv, k_pool, v_pool, tables, s, head, kv, scale, t_lo, t_hi, lane, q, acc):
+    """One warp's online softmax of query head `head` of sequence s over its keys t_lo .. t_hi - 1 (K/V head kv),
+    in order, the lanes over head_dim: q gets the scaled query, acc the unnormalised output (this lane's dims
+    lane, lane + 32, ...). Returns (running max, sum); (-inf, 0) for no key."""
+    D, BS = k_pool.shape[3], k_pool.shape[2]
+    for j in range(MAX_D_PER_LANE):
+        d = lane + 32 * j
+        q[j] = qkv[s, head * D + d] * scale if d < D else float32(0.0)
+        acc[j] = float32(0.0)
+    m, l = float32(-math.inf), float32(0.0)
+    for t in range(t_lo, t_hi):
+        block, offset = tables[s, t // BS], t % BS
+        partial = float32(0.0)
+        for j in range(MAX_D_PER_LANE):
+            d = lane + 32 * j
+            if d < D:
+                partial += q[j] * float32(k_pool[block, kv, offset, d])
+        score = warp_sum(partial)
+        m_new = max(m, score)
+        alpha, p = math.exp(m - m_new), math.exp(score - m_new)
+        l = l * alpha + p
+        for j in range(MAX_D_PER_LANE):
+            d = lane + 32 * j
+            if d < D:
+                acc[j] = acc[j] * alpha + p * float32(v_pool[block, kv, offset, d])
+        m = m_new
+    return m, l
+
+
 @cuda.jit(device=True)
 def attention_phase(cta, num_ctas, qkv, k_pool, v_pool, tables, positions, num_heads, num_kv_heads, scale, out):
     """out[s, head] = softmax(q . k_t * scale) over t = 0 .. position[s], times v_t: one warp per (sequence,
     head), the lanes over head_dim, the keys in order with an online softmax (running max and sum)."""
     S = qkv.shape[0]
-    D, BS = k_pool.shape[3], k_pool.shape[2]
+    D = k_pool.shape[3]
     group = num_heads // num_kv_heads
     lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
     q = cuda.local.array(MAX_D_PER_LANE, float32)
     acc = cuda.local.array(MAX_D_PER_LANE, float32)
     for item in range(cta * WARPS + warp, S * num_heads, num_ctas * WARPS):
         s, head = item // num_heads, item % num_heads
-        kv = head // group
-        for j in range(MAX_D_PER_LANE):
-            d = lane + 32 * j
-            q[j] = qkv[s, head * D + d] * scale if d < D else float32(0.0)
-            acc[j] = float32(0.0)
-        m, l = float32(-math.inf), float32(0.0)
-        for t in range(positions[s] + 1):
-            block, offset = tables[s, t // BS], t % BS
-            partial = float32(0.0)
-            for j in range(MAX_D_PER_LANE):
-                d = lane + 32 * j
-                if d < D:
-                    partial += q[j] * float32(k_pool[block, kv, offset, d])
-            score = warp_sum(partial)
-            m_new = max(m, score)
-            alpha, p = math.exp(m - m_new), math.exp(score - m_new)
-            l = l * alpha + p
-            for j in range(MAX_D_PER_LANE):
-                d = lane + 32 * j
-                if d < D:
-                    acc[j] = acc[j] * alpha + p * float32(v_pool[block, kv, offset, d])
-            m = m_new
+        _, l = attend_run(qkv, k_pool, v_pool, tables, s, head, head // group, scale, 0, positions[s] + 1, lane,
+                          q, acc)
         for j in range(MAX_D_PER_LANE):
             d = lane + 32 * j
             if d < D:
@@ -323,7 +333,7 @@ def make_column_phases(half):
         S, K = h.shape
         nw = cuda.blockDim.x // 32
         lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
-        row_words = K // 2 if PER == 8 else K
+        row_words = K // (PER // 4)           # 32-bit words of a row
         acc = cuda.local.array(MAX_S, float32)
         x = cuda.local.array(PER, float32)
         for n in range(cuda.blockIdx.x * nw + warp, w.shape[0] // row_words, cuda.gridDim.x * nw):
@@ -344,7 +354,7 @@ def make_column_phases(half):
         S, K = h.shape
         nw = cuda.blockDim.x // 32
         lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
-        row_words = K // 2 if PER == 8 else K
+        row_words = K // (PER // 4)           # 32-bit words of a row
         g = cuda.local.array(MAX_S, float32)
         u = cuda.local.array(MAX_S, float32)
         x = cuda.local.array(PER, float32)
@@ -372,7 +382,7 @@ def attention_v1(qkv, k_pool, v_pool, tables, positions, num_heads, num_kv_heads
     (max, sum, unnormalised output) then meet in shared memory, merged in warp order. Where v0 sums every key
     of a head on one warp, nw warps (16 in v1's CTA) each sum a run of them."""
     S = qkv.shape[0]
-    D, BS = k_pool.shape[3], k_pool.shape[2]
+    D = k_pool.shape[3]
     group = num_heads // num_kv_heads
     nw = cuda.blockDim.x // 32
     lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
@@ -383,30 +393,10 @@ def attention_v1(qkv, k_pool, v_pool, tables, positions, num_heads, num_kv_heads
     acc = cuda.local.array(MAX_D_PER_LANE, float32)
     for item in range(cuda.blockIdx.x, S * num_heads, cuda.gridDim.x):
         s, head = item // num_heads, item % num_heads
-        kv = head // group
         n = positions[s] + 1
         per = (n + nw - 1) // nw
-        for j in range(MAX_D_PER_LANE):
-            d = lane + 32 * j
-            q[j] = qkv[s, head * D + d] * scale if d < D else float32(0.0)
-            acc[j] = float32(0.0)
-        m, l = float32(-math.inf), float32(0.0)
-        for t in range(warp * per, min(n, (warp + 1) * per)):
-            block, offset = tables[s, t // BS], t % BS
-            partial = float32(0.0)
-            for j in range(MAX_D_PER_LANE):
-                d = lane + 32 * j
-                if d < D:
-                    partial += q[j] * float32(k_pool[block, kv, offset, d])
-            score = warp_sum(partial)
-            m_new = max(m, score)
-            alpha, p = math.exp(m - m_new), math.exp(score - m_new)
-            l = l * alpha + p
-            for j in range(MAX_D_PER_LANE):
-                d = lane + 32 * j
-                if d < D:
-                    acc[j] = acc[j] * alpha + p * float32(v_pool[block, kv, offset, d])
-            m = m_new
+        m, l = attend_run(qkv, k_pool, v_pool, tables, s, head, head // group, scale, warp * per,
+                          min(n, (warp + 1) * per), lane, q, acc)
         if lane == 0:
             run_m[warp] = m
             run_l[warp] = l
