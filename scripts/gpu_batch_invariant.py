@@ -18,6 +18,10 @@ Three parts (--parts, comma-separated; each writes OUT/gpu_batch_invariant_<part
 
     python scripts/gpu_batch_invariant.py --out OUT                             # random 0.5B weights
     python scripts/gpu_batch_invariant.py --model DIR --parts identity --out OUT  # the real checkpoint
+
+The mode gives cuBLAS no workspace (ops.no_split_k), which torch reads at a process's first GEMM: a process
+that starts with the mode has it, but here the default runs first, so the script sets it at its start, for
+both (the default's throughput is the same with it: docs/batch_invariance.md, probe_no_split_k.py).
 """
 import os
 import statistics
@@ -176,8 +180,12 @@ def cost_part(out, model, dtype, rounds, workload_requests):
 
 
 def main(out, model, parts, dtypes, num_requests, max_tokens, rounds, workload_requests, device="cuda"):
+    from pagedattn.layers.ops import no_split_k
+
+    no_split_k()                    # before the first GEMM: the mode's setting, for the default too
     model = model or benchlib.random_checkpoint("0.5b")
-    meta = dict(model=model, env=benchlib.env_line())
+    meta = dict(model=model, env=benchlib.env_line(),
+                cublas={k: os.environ.get(k) for k in ('CUBLAS_WORKSPACE_CONFIG', 'CUBLASLT_WORKSPACE_SIZE')})
     dtypes = [getattr(torch, d) for d in dtypes]
     for part in parts:
         if part == "gemm":

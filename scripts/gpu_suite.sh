@@ -150,6 +150,7 @@ serve_mp)
 invariant)
     run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_batch_invariance_gpu.py
     run gemm 120 python3 scripts/gpu_batch_invariant.py --parts gemm --out "$dir"
+    run no_split_k 120 python3 scripts/probe_no_split_k.py --out "$dir"
     run identity 300 python3 scripts/gpu_batch_invariant.py --parts identity ${MODEL:+--model "$MODEL"} --out "$dir"
     ;;
 invariant_cost)

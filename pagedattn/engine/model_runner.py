@@ -92,6 +92,9 @@ def load_shard(config, rank, world_size, device):
         backend.validate = False
     if config.batch_invariant:                   # EngineConfig allows it with the numba backends only
         backend.batch_invariant = True
+        if str(device).startswith("cuda"):
+            from pagedattn.layers.ops import no_split_k
+            no_split_k()
     if config.weights == "quantized":
         return load_gguf_model(config.model, config.gguf_file, backend, config.activations)
     return load_model(config.model, device, config.dtype, backend, tp_rank=rank, tp_size=world_size,

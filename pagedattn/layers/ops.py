@@ -37,6 +37,7 @@ still holding a float32 tensor goes to the float32 linear above.
 Every variant has the same math and the same roundings (Hugging Face's; reference/layers.py).
 """
 import contextlib
+import os
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -156,21 +157,35 @@ class InvariantLinear:
 
     plain: the product (F.linear; a test passes a library of its own, for the pieces too). What a check finds
     is the library's, so the process keeps it for every model (`checked`).
+
+    min_rows: a one call of fewer rows, on a long reduction over few outputs (K >= 4 N: the MLP's `down`), runs
+    on min_rows rows instead (padded as the pieces are; checked so). cuBLAS without split-K (no_split_k) has a
+    slow kernel for one row of `down` (14.7 us on the H200, where 16 rows take 9.5: docs/batch_invariance.md).
     """
 
     checked = {}        # (plain, rows, weight shape, dtype, device, has bias, M) -> one call gives the pieces' bits
 
-    def __init__(self, rows, plain=None):
+    def __init__(self, rows, plain=None, min_rows=1):
         self.rows = rows
         self.plain = plain if plain is not None else F.linear
         self.product = plain
+        self.min_rows = min_rows
 
     def __call__(self, x, weight, bias=None):
-        if not self.one_call(weight, bias, x.shape[0], _capturing(x)):
+        T = x.shape[0]
+        M = self.rows_called(weight, T)
+        if not self.one_call(weight, bias, M, _capturing(x)):
             return fixed_rows_linear(self.rows, x, weight, bias, self.product)
-        if not x.is_contiguous() or x.data_ptr() % 256:
-            x = x.clone(memory_format=torch.contiguous_format)
-        return self.plain(x, weight, bias)
+        if M > T or not x.is_contiguous() or x.data_ptr() % 256:
+            buf = torch.empty(M, x.shape[1], dtype=x.dtype, device=x.device)
+            buf[:T] = x
+            x = buf
+        return self.plain(x, weight, bias)[:T]
+
+    def rows_called(self, weight, T):
+        """The rows one call of T rows runs on (T, or min_rows for a short product on a long reduction)."""
+        N, K = weight.shape
+        return self.min_rows if T < self.min_rows and K >= 4 * N else T
 
     def one_call(self, weight, bias, M, capturing=False):
         """Whether one call of M rows gives the pieces' bits (checked once; False while unchecked inside a
@@ -185,6 +200,21 @@ class InvariantLinear:
             want = fixed_rows_linear(self.rows, x, weight, bias, self.product)
             ok = self.checked[key] = torch.equal(self.plain(x, weight, bias), want)
         return ok
+
+
+NO_SPLIT_K = {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}
+
+
+def no_split_k():
+    """Give cuBLAS no workspace for the rest of the process, so that it cannot split a product's K over CTAs:
+    split-K is what makes a row's bits depend on the row count on the H200 (cuBLAS splits `down` below ~112
+    rows); without it every 0.5B product gave a row the same bits at 1 to 8,192 rows, fp16 and bf16
+    (scripts/probe_no_split_k.py). torch reads both settings once, at the process's first cuBLAS call, so this
+    acts only before it (the engine calls it before loading the model; the engine core's own process always
+    meets it in time); a setting already in the environment is kept. Only speed depends on it: InvariantLinear
+    checks the bits whatever cuBLAS does."""
+    for name, value in NO_SPLIT_K.items():
+        os.environ.setdefault(name, value)
 
 
 def _capturing(x):
