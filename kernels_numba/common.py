@@ -29,6 +29,7 @@ Stable API (other kernels import these):
     f32x2_to_f16x2(lo, hi) -> u32     f32x2_to_bf16x2(lo, hi) -> u32
     fma_f16x2(a, b, c) -> u32         fma_bf16x2(a, b, c) -> u32          (a*b+c per half)
     ex2(x) -> f32                     2**x on the SFU (ex2.approx.ftz.f32, one MUFU.EX2; ex2(-inf) = 0)
+    mul_rn(a, b) -> f32               a*b rounded to float32 by itself (mul.rn.f32: never fused into an FMA)
     store_u32x4(arr_u32, i, a, b, c, d)  16-byte store of 4 words at arr[i:i+4] (STG.E.128), i % 4 == 0
     ldmatrix_x4(shared_u32, i) -> 4 x u32   four 8x8 b16 matrices of shared memory in mma fragment
     ldmatrix_x4_trans(shared_u32, i)     layout (PTX ldmatrix .x4, and .trans); this lane gives the
@@ -169,6 +170,9 @@ if SIMULATOR:
 
     def ex2(x):
         return np.float32(np.exp2(np.float32(x)))
+
+    def mul_rn(a, b):
+        return np.float32(np.float32(a) * np.float32(b))
 
     def store_u32x4(arr, i, a, b, c, d):
         arr[i], arr[i + 1], arr[i + 2], arr[i + 3] = a, b, c, d
@@ -467,6 +471,20 @@ else:
         def codegen(context, builder, sig, args):
             xf = context.cast(builder, args[0], sig.args[0], types.float32)
             return _asm(builder, _f32, [xf], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+
+        return sig, codegen
+
+    @intrinsic
+    def mul_rn(typingctx, a, b):
+        """a*b rounded to float32 on its own (mul.rn.f32: the compiler never contracts it into an FMA, which it
+        may do for a*b + c in one unrolled copy of a loop and not in another)."""
+        if not (isinstance(a, types.Float) and isinstance(b, types.Float)):
+            return None
+        sig = types.float32(a, b)
+
+        def codegen(context, builder, sig, args):
+            af, bf = (context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args))
+            return _asm(builder, _f32, [af, bf], "mul.rn.f32 $0, $1, $2;", "=f,f,f")
 
         return sig, codegen
 

@@ -34,7 +34,10 @@ later launches (its other layers) reuse the first one's work list (paged_prefill
 
 Split-KV. When the grid is short (fewer CTAs than SMs, e.g. a short chunk behind a long prefix:
 split_plan), the KV range of each tile is cut into gridDim.z parts; each part's CTA writes a
-normalised fp32 partial and its log2-sum-exp, and the merge kernel combines them.
+normalised fp32 partial and its log2-sum-exp, and the merge kernel combines them. The batch-invariant
+mode cuts by position instead (part_keys: parts of a fixed number of keys from position 0, as many as
+the longest context needs), so that a query's keys fall in the same parts in a prompt, a chunk and a
+decode, whatever else the launch holds.
 
 Pipeline per CTA (ST = 2 stages of [K tile | V tile], dynamic shared memory, then the Q tile):
     Q tile -> past the ring by cp.async (zeros for rows past the chunk), commit
@@ -59,8 +62,8 @@ included).
 Entry points (this file stands alone: the journey's versions are in prefill_journey_fa2.py, and
 prefill_journey.py numbers every version):
     paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
-                  validate=False, max_context_len=None, splits=None, stages=None, plans=None)
-                                    torch tensors; plans: a step's dict of work lists (built by its first
+                  validate=False, max_context_len=None, splits=None, stages=None, plans=None, warps=4,
+                  part_keys=None)   torch tensors; plans: a step's dict of work lists (built by its first
                                     layer, reused by the others)
     launch(q, k_cache, ...)         raw-bit numba device arrays, or numpy under the simulator
 """
@@ -72,6 +75,7 @@ from numba import cuda, float32, uint32
 
 from kernels_numba import bridge, common
 from kernels_numba.common import cp_async_commit, cp_async_wait, ex2
+from kernels_numba.errors import KernelLaunchError
 from kernels_numba.launcher import launch as launch_kernel
 from kernels_numba.prefill_parts import (BN, LAUNCH_BOUNDS, LOG2E, NEG_INF, SMEM_ALIGN, THREADS, make_copies,
                                          make_epilogue, make_poison, make_tile_math, prepare)
@@ -132,13 +136,13 @@ def make_prefill_kernel(head_dim, kind, block_size, stages=STAGES, warps=WARPS):
 
     @cuda.jit(**jit_options)
     def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse,
-                                work, num_heads, num_kv_heads, scale):
+                                work, num_heads, num_kv_heads, scale, part_tiles):
         # q, out: flat uint32 views of [total_q, num_heads, D]; k_cache, v_cache: flat uint32
         # views of [num_blocks, num_kv_heads, BS, D]; block_tables [num_seqs, max_blocks],
         # cu_seqlens_q [num_seqs + 1], context_lens [num_seqs] int32; part_o float32
         # [splits, total_q * num_heads, D] and part_lse float32 [splits, total_q * num_heads]
         # (used when gridDim.z > 1); work int32 [3 * gridDim.x / num_kv_heads], the plan's work
-        # list; scale float32.
+        # list; scale float32; part_tiles: KV tiles per part of a split (0: gridDim.z equal parts).
         ring = cuda.shared.array(0, uint32, alignment=SMEM_ALIGN)
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -175,7 +179,8 @@ def make_prefill_kernel(head_dim, kind, block_size, stages=STAGES, warps=WARPS):
         # ---- the tile's queries (chunk at q_start, its query 0 at first_pos, the tile's first q0; keys below
         # kv_end visible to some row, below unmasked_end to all), this split's KV tiles [t_lo, t_hi)
         q_start, q_len, first_pos, q0, kv_end, unmasked_end, t_lo, t_hi = tile_range(cu_seqlens_q, context_lens, s,
-                                                                                     tile, bq, split, num_splits)
+                                                                                     tile, bq, split, num_splits,
+                                                                                     part_tiles)
         if t_lo >= t_hi:  # an empty part of a split tile: nothing to add to the merge
             empty_part(part_lse, tid, split, total_rows, q_start, q_len, q0, head, num_heads, group, rows_used)
             return
@@ -254,7 +259,7 @@ def make_merge_kernel(kind):
         for p in range(num_splits):
             lse = part_lse[p * rows + row]
             if lse != NEG_INF:  # an empty part's O was never written
-                wgt = ex2(lse - mx)
+                wgt = float32(1.0) if lse == mx else ex2(lse - mx)  # a row's one part: exactly its O
                 total += wgt
                 a0 += wgt * part_o[(p * rows + row) * head_dim + 2 * w]
                 a1 += wgt * part_o[(p * rows + row) * head_dim + 2 * w + 1]
@@ -387,7 +392,7 @@ def launch_merge(part_o, part_lse, out, total_q, num_heads, head_dim, kind, spli
 
 def launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse, work, num_heads,
            num_kv_heads, head_dim, block_size, scale, kind, splits=1, stream=0, stages=None, planned=False,
-           warps=WARPS):
+           warps=WARPS, part_tiles=0):
     """Launch on raw arrays, no checks: the plan kernel, then attention, then the merge of a split.
 
     q, out: 1-D uint32 views of [total_q, num_heads, head_dim], 16-byte aligned
@@ -399,6 +404,7 @@ def launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, p
     planned: `work` already holds this launch's work list (the plan of the same cu_seqlens_q and sizes,
         built by an earlier launch of the step): the plan kernel is not launched again
     warps: the CTA's warps (4; 1: the one-warp CTA of 16 rows, rows_per_cta)
+    part_tiles: KV tiles per part of a split, parts fixed by position (0: a tile's keys in `splits` equal parts)
     numba device arrays or contiguous torch tensors of those dtypes (numpy in the simulator).
     """
     total_q = q.shape[0] // (num_heads * head_dim // 2)
@@ -411,7 +417,7 @@ def launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, p
     stages = STAGES if stages is None else stages
     kernel = make_prefill_kernel(head_dim, kind, block_size, stages, warps)
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse, work, num_heads,
-            num_kv_heads, np.float32(scale))
+            num_kv_heads, np.float32(scale), np.int32(part_tiles))
     grid = (num_tiles_bound(total_q, num_seqs, bq) * num_kv_heads, 1, splits)
     launch_attention(kernel, grid, args, smem_bytes(head_dim, stages, warps), stream, 32 * warps)
     if splits > 1:
@@ -423,7 +429,8 @@ def launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, p
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
-                  validate=False, max_context_len=None, splits=None, stages=None, plans=None, warps=WARPS):
+                  validate=False, max_context_len=None, splits=None, stages=None, plans=None, warps=WARPS,
+                  part_keys=None):
     """Causal prefill attention over the paged pool (new K/V already written): the engine's kernel.
 
     q: [total_q, num_heads, head_dim] float16/bfloat16, the chunks of num_seqs sequences packed
@@ -442,6 +449,10 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
         layers) reuse it instead of launching the plan kernel again. Never share one across steps.
     warps: 4, or 1 for CTAs of one warp and 16 rows (chunks of one or two queries: each row the same bits
         as in the 4-warp CTA; rows_per_cta)
+    part_keys: KV parts of this many keys from position 0 (a multiple of the kernel's tile_keys), as many as
+        max_context_len needs, whatever the launch: a row's keys are summed in the same parts, each in the
+        same tiles, and merged in the same order in every launch it is in (the batch-invariant mode; a row
+        of one part gets that part's O exactly, merged or not). None: split_plan's count (or `splits`).
     Returns out [total_q, num_heads, head_dim] in q's dtype. Runs on torch's current stream; with
     validate=False (or while capturing) there is no host sync.
     """
@@ -450,6 +461,14 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     if a is None:
         return out
     bq = rows_per_cta(warps) // a.group
+    part_tiles = 0
+    if part_keys is not None:
+        if splits is not None or part_keys <= 0 or part_keys % tile_keys(a.head_dim):
+            raise KernelLaunchError(f"part_keys must be a positive multiple of {tile_keys(a.head_dim)} (the "
+                                    f"kernel's keys per tile at head_dim {a.head_dim}) and excludes splits; got "
+                                    f"part_keys={part_keys}, splits={splits}")
+        part_tiles = part_keys // tile_keys(a.head_dim)
+        splits = -(-a.max_context_len // part_keys)
     if splits is None:
         ctas = num_tiles_bound(a.total_q, a.num_seqs, bq) * a.num_kv_heads
         splits = split_plan(ctas, a.max_context_len, a.num_sms, tile_keys(a.head_dim))
@@ -457,5 +476,5 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     work, planned = work_list(plans, cu_seqlens_q, a.total_q, a.num_seqs, bq, q.device)
     launch(a.q, a.k, a.v, a.block_tables, a.cu_seqlens_q, a.context_lens, a.out_words, part_o, part_lse, work,
            a.num_heads, a.num_kv_heads, a.head_dim, a.block_size, a.scale, a.kind, splits, a.stream, stages, planned,
-           warps)
+           warps, part_tiles)
     return a.finish()

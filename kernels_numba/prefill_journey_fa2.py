@@ -409,7 +409,7 @@ def make_kernel(head_dim, kind, block_size, m_tiles, stages, q_in_smem, bn, plan
         while True:  # v9: one work item per pass, until the list ends; v4-v8: one pass
             # ---- the tile's queries, this split's KV tiles [t_lo, t_hi) (paged_prefill_fa2's kernel says more)
             q_start, q_len, first_pos, q0, kv_end, unmasked_end, t_lo, t_hi = tile_range(cu_seqlens_q, context_lens,
-                                                                                         s, tile, bq, split, num_splits)
+                                                                                         s, tile, bq, split, num_splits, 0)
             if t_lo >= t_hi:  # an empty part of a split tile: nothing to add to the merge
                 empty_part(part_lse, tid, split, total_rows, q_start, q_len, q0, head, num_heads, group, rows_used)
                 return
@@ -592,6 +592,8 @@ def launch(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     kernel = get_kernel(version, head_dim, kind, block_size, stages, prefetch)
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_o, part_lse, work,
             num_heads, num_kv_heads, np.float32(scale))
+    if version == PRODUCTION_VERSION:
+        args += (np.int32(0),)  # the shipped kernel's part_tiles: a split in equal parts
     shipped.launch_attention(kernel, (x, 1, splits), args, smem_bytes(version, head_dim, stages), stream)
     if splits > 1:
         shipped.launch_merge(part_o, part_lse, out, total_q, num_heads, head_dim, kind, splits, stream)

@@ -67,7 +67,8 @@ import torch
 from numba import cuda, float32, uint32
 
 from kernels_numba import bridge, common
-from kernels_numba.common import cp_async16, ex2, inline_device, ldmatrix_x4, ldmatrix_x4_trans, load_u32x4, store_u32x4
+from kernels_numba.common import (cp_async16, ex2, inline_device, ldmatrix_x4, ldmatrix_x4_trans, load_u32x4, mul_rn,
+                                  store_u32x4)
 from kernels_numba.errors import KernelLaunchError
 
 HEAD_DIMS = (64, 128)
@@ -221,11 +222,13 @@ def make_copies(head_dim, block_size, rows, bn, step_rows=False, threads=THREADS
     """(copy_roles, tile_range, issue_q, issue_tile) for CTAs of `threads` threads, `rows` (query, head) rows
     and K/V tiles of `bn` keys.
 
-    tile_range(cu_seqlens_q, context_lens, s, tile, bq, split, num_splits) -> (q_start, q_len, first_pos,
-        q0, kv_end, unmasked_end, t_lo, t_hi): q tile `tile` of sequence s (bq queries a tile): its chunk's
-        first query and length, the position of the chunk's query 0, its first query, one past its last
-        visible position, the end of the keys every row sees; and the KV tiles [t_lo, t_hi) of part
-        `split` of num_splits (all of them without a split; empty when the part has none).
+    tile_range(cu_seqlens_q, context_lens, s, tile, bq, split, num_splits, part_tiles) -> (q_start, q_len,
+        first_pos, q0, kv_end, unmasked_end, t_lo, t_hi): q tile `tile` of sequence s (bq queries a tile): its
+        chunk's first query and length, the position of the chunk's query 0, its first query, one past its
+        last visible position, the end of the keys every row sees; and the KV tiles [t_lo, t_hi) of part
+        `split` of num_splits (all of them without a split; empty when the part has none). The tile's keys
+        are cut into num_splits parts of equal length, or with part_tiles > 0 into parts of part_tiles
+        tiles from position 0 (fixed by position, not by the launch: the batch-invariant mode's parts).
     copy_roles(tid, head) -> (chunk, row0, tdst, tsrc): thread tid copies 16-byte chunk `chunk` of rows
         row0 + RPP i (RPP = threads / chunks per row); tdst: the chunk's swizzled word in row row0 of a
         tile (row & 7 is the same for every pass when RPP is a multiple of 8); tsrc: its word in a pool block
@@ -258,7 +261,7 @@ def make_copies(head_dim, block_size, rows, bn, step_rows=False, threads=THREADS
         return chunk, row0, tdst, tsrc
 
     @inline_device
-    def tile_range(cu_seqlens_q, context_lens, s, tile, bq, split, num_splits):
+    def tile_range(cu_seqlens_q, context_lens, s, tile, bq, split, num_splits, part_tiles):
         q_start = cu_seqlens_q[s]
         q_len = cu_seqlens_q[s + 1] - q_start
         first_pos = context_lens[s] - q_len  # position of the chunk's query 0
@@ -266,7 +269,7 @@ def make_copies(head_dim, block_size, rows, bn, step_rows=False, threads=THREADS
         kv_end = first_pos + min(q0 + bq, q_len)  # one past the tile's last visible position
         unmasked_end = first_pos + q0 + 1  # keys below it are visible to every row of the tile
         n_tiles = (kv_end + BN_ - 1) // BN_
-        per_split = (n_tiles + num_splits - 1) // num_splits
+        per_split = part_tiles if part_tiles > 0 else (n_tiles + num_splits - 1) // num_splits
         t_lo = split * per_split
         t_hi = min(n_tiles, t_lo + per_split)
         return q_start, q_len, first_pos, q0, kv_end, unmasked_end, t_lo, t_hi
@@ -592,8 +595,8 @@ def make_epilogue(head_dim, kind, m_tiles, threads=THREADS):
                     for dt in range(DH):
                         part_o[row * D + (dt + DH) * 8 + 2 * ft] = ob[mt, dt, 2 * h] * inv
                         part_o[row * D + (dt + DH) * 8 + 2 * ft + 1] = ob[mt, dt, 2 * h + 1] * inv
-                    if ft == 0:
-                        part_lse[row] = m[mt, h] * sl + math.log2(x) if x > float32(0.0) else NEG_INF
+                    if ft == 0:  # the product rounded alone: an FMA here would give a row bits by its place
+                        part_lse[row] = mul_rn(m[mt, h], sl) + math.log2(x) if x > float32(0.0) else NEG_INF
 
     return empty_part, row_sums, store_out, store_partials
 

@@ -47,7 +47,8 @@ def kernels():
     u32, i32, i64, f32 = types.uint32[::1], types.int32[::1], types.int64, types.float32
     bt, i32_3 = types.int32[:, ::1], types.int32[:, :, ::1]
     decode = (i32_3, i32, i32, bt, i32, i32_3, u32, i32, f32, i64)
-    prefill = (u32, u32, u32, bt, i32, i32, u32, types.float32[::1], types.float32[::1], i32, i64, i64, f32)
+    prefill = (u32, u32, u32, bt, i32, i32, u32, types.float32[::1], types.float32[::1], i32, i64, i64, f32,
+               types.int32)
     rows = (types.int32[::1], i64, types.float32[::1], i32, types.float32[::1], types.int64[::1], i32, i32, i32,
             types.float32[::1], types.int64[:, ::1], types.float32[:, ::1])      # sampling: float32 logits
     split = rows[:2] + (i64,) + rows[2:] + (types.int64[:, ::1], types.float32[:, ::1])

@@ -7,6 +7,7 @@ products) in the default suite, the bundled model (GGUF blocks, the CPU default)
 comparison also runs with the mode off, where the same workload differs, so a comparison that passed by
 construction would show.
 """
+import os
 import random
 
 import numpy as np
@@ -168,6 +169,39 @@ def test_invariant_linear_takes_one_call_only_where_the_library_gives_the_pieces
     assert calls == [10]
 
 
+def test_invariant_linear_runs_a_short_product_on_a_long_reduction_at_min_rows():
+    """min_rows: a one call of fewer rows where K >= 4 N (`down`) runs on min_rows rows (the padding's results
+    dropped), checked at min_rows; other products and longer ones run on their own rows; the pieces' bits in
+    every case."""
+    from pagedattn.layers import ops
+
+    def library(x, w, b=None):
+        calls.append(x.shape[0])
+        return torch.cat([torch.nn.functional.linear(x[i:i + 1], w, b) for i in range(x.shape[0])])
+
+    g = torch.Generator().manual_seed(7)
+    long_k, wide = torch.randn(8, 40, generator=g), torch.randn(24, 40, generator=g)
+    x = torch.randn(30, 40, generator=g)
+    lin = ops.InvariantLinear(16, plain=library, min_rows=8)
+    for w, M, rows in ((long_k, 3, 8), (long_k, 8, 8), (long_k, 11, 11), (wide, 3, 3)):
+        want = torch.cat([torch.nn.functional.linear(x[i:i + 1], w) for i in range(M)])
+        calls = []
+        assert torch.equal(lin(x[:M], w), want) and lin(x[:M], w).shape == (M, w.shape[0])
+        assert calls[-1] == rows and (library, 16, w.shape, w.dtype, w.device, False, rows) in lin.checked, (M, calls)
+
+
+def test_no_split_k_gives_cublas_no_workspace_and_keeps_a_setting_already_made(monkeypatch):
+    """ops.no_split_k: both workspace settings (cuBLAS's and cuBLASLt's) zero when unset; a value the
+    environment already holds is kept."""
+    from pagedattn.layers import ops
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")      # recorded, so that the teardown restores it
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "1024")
+    ops.no_split_k()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":0:0" and os.environ["CUBLASLT_WORKSPACE_SIZE"] == "1024"
+
+
 def test_invariant_linear_on_torchs_cpu_gemm_is_the_pieces_bits():
     """The same over torch's own CPU GEMM (which changes its sums with the row count): at every row count the
     pieces' bits, whichever path the check chose."""
@@ -180,14 +214,19 @@ def test_invariant_linear_on_torchs_cpu_gemm_is_the_pieces_bits():
         assert torch.equal(lin(x[:M], w, b), fixed_rows_linear(128, x[:M], w, b)), M
 
 
-@pytest.mark.parametrize("positions", [[50], pytest.param([0, 41, 42, 63, 64, 65, 79], marks=pytest.mark.slow)])
-def test_gpu_mode_a_query_gets_the_same_bits_in_a_prompt_a_chunk_and_a_decode(positions):
-    """The GPU mode's attention (the prefill kernel in one KV part for every call, decodes as one-query
-    chunks), in the numba simulator running the kernels' code: a query's row is the same bits in the whole
-    prompt, in a chunk after its cached prefix and as a decode beside others; the default decode kernel's
-    rows differ (its own reduction order). One 80-token sequence, 3 query heads on 1 KV head: 42-query
-    tiles, so the tile of queries 42..79 reads the second 64-key tile, which rows 42..63 see masked whole."""
+@pytest.mark.parametrize("part_keys,positions", [(256, [50]), (64, [50, 79]),
+                                                   pytest.param(64, [0, 41, 42, 63, 64, 65, 79], marks=pytest.mark.slow)])
+def test_gpu_mode_a_query_gets_the_same_bits_in_a_prompt_a_chunk_and_a_decode(part_keys, positions, monkeypatch):
+    """The GPU mode's attention (the prefill kernel with its keys in parts fixed by position for every call,
+    decodes as one-query chunks), in the numba simulator running the kernels' code: a query's row is the same
+    bits in the whole prompt, in a chunk after its cached prefix and as a decode beside others; the default
+    decode kernel's rows differ (its own reduction order). One 80-token sequence, 3 query heads on 1 KV head:
+    42-query tiles, so the tile of queries 42..79 reads the second 64-key tile, which rows 42..63 see masked
+    whole; with 64-key parts (instead of the mode's 256) that tile is split in two parts, the second empty
+    for rows 42..63, and the decodes of rows of one part and of two are merged from a bound of two parts."""
     from pagedattn.layers.attention import NumbaBackend
+
+    monkeypatch.setattr(NumbaBackend, "INVARIANT_PART_KEYS", part_keys)
 
     g = torch.Generator().manual_seed(4)
     H, Hkv, D, BS, L = 3, 1, 64, 16, 80

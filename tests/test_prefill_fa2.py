@@ -377,6 +377,29 @@ def test_one_warp_cta_rows_are_the_four_warp_ctas_bits(shape):
     check(one, ref, tolerance(ref, v, q.dtype))
 
 
+def test_parts_fixed_by_position_give_a_row_the_same_bits_in_every_launch():
+    """part_keys (the batch-invariant mode): a query's keys in parts of 64 keys from position 0, whatever the
+    launch: the whole prompt (3 parts), a chunk behind its cached prefix, and one-query decodes in one-warp
+    CTAs under a larger bound (7 parts, the last ones empty) give a row the same bits; a row of one part gets
+    the unsplit launch's bits (its one part merged is its O exactly); all within the reference's tolerance."""
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32, device=DEVICE)     # noqa: E731
+    q, k, v, bt, cu, ctx = make_batch(4, 1, 64, 16, torch.float16, [170], [0], seed=9)
+    whole = fa.paged_prefill(q, k, v, bt, cu, ctx, part_keys=64)
+    ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
+    check(whole, ref, tolerance(ref, v, q.dtype))
+    chunk = fa.paged_prefill(q[120:].contiguous(), k, v, bt, i32(0, 50), ctx, part_keys=64)
+    assert torch.equal(chunk, whole[120:])
+    rows = [10, 63, 64, 169]
+    decodes = fa.paged_prefill(q[rows].contiguous(), k, v, bt.expand(len(rows), -1).contiguous(), i32(0, 1, 2, 3, 4),
+                               i32(*[r + 1 for r in rows]), part_keys=64, warps=1, max_context_len=400)
+    assert torch.equal(decodes, whole[rows])
+    unsplit = fa.paged_prefill(q, k, v, bt, cu, ctx, splits=1)
+    assert torch.equal(unsplit[:64], whole[:64])
+    for bad in (dict(part_keys=48), dict(part_keys=64, splits=2), dict(part_keys=0)):
+        with pytest.raises(KernelLaunchError, match="part_keys"):
+            fa.paged_prefill(q, k, v, bt, cu, ctx, **bad)
+
+
 def test_scale_and_out_argument():
     q, k, v, bt, cu, ctx = make_batch(2, 1, 64, 16, torch.float16, [3], [5], seed=2)
     out = torch.full_like(q, float("nan"))
@@ -493,6 +516,7 @@ from kernels_numba import paged_prefill_fa2 as fa, prefill_journey_fa2 as fj
 
 u32, f32, bt, i32 = types.uint32[::1], types.float32[::1], types.int32[:, ::1], types.int32[::1]
 SIG = (u32, u32, u32, bt, i32, i32, u32, f32, f32, i32, types.int64, types.int64, types.float32)
+SHIPPED_SIG = SIG + (types.int32,)  # paged_prefill_fa2's kernel (v7): + part_tiles
 MERGE_SIG = (f32, f32, u32, types.int64, types.int64)
 out = {}
 for version, head_dim, kind, block_size in json.loads(sys.argv[1]):
@@ -503,11 +527,12 @@ for version, head_dim, kind, block_size in json.loads(sys.argv[1]):
         ptx, _ = cuda.compile_ptx(fa.make_plan_kernel().py_func, (i32, types.int64, i32), cc=(9, 0))
     elif version == "7w1":  # the shipped kernel's one-warp CTA (the batch-invariant mode's decodes)
         kernel = fa.make_prefill_kernel(head_dim, kind, block_size, warps=1)
-        ptx, _ = cuda.compile_ptx(kernel.py_func, SIG, cc=(9, 0), launch_bounds=(32, 8))
+        ptx, _ = cuda.compile_ptx(kernel.py_func, SHIPPED_SIG, cc=(9, 0), launch_bounds=(32, 8))
     else:  # "9e": v9 with its next item's copies after the last tile's math (prefetch="epilogue")
         version, prefetch = (9, "epilogue") if version == "9e" else (version, None)
         kernel = fj.get_kernel(version, head_dim, kind, block_size, prefetch=prefetch)
-        ptx, _ = cuda.compile_ptx(kernel.py_func, SIG, cc=(9, 0), launch_bounds=fa.LAUNCH_BOUNDS)
+        sig = SHIPPED_SIG if version == fj.PRODUCTION_VERSION else SIG
+        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), launch_bounds=fa.LAUNCH_BOUNDS)
     open(f"{sys.argv[2]}/{name}.ptx", "w").write(ptx)
     ops = re.findall(r"^\s*(?:@!?%p\d+\s+)?([a-z][a-z0-9_.]*)", ptx, re.M)
     count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))
@@ -703,6 +728,28 @@ def test_gpu_fuzz(seed):
     for version in VERSIONS:
         check(journey.paged_prefill(q, k, v, bt, cu, ctx, version=version, splits=None), ref, tol)
     check(fa.paged_prefill(q, k, v, bt, cu, ctx, splits=int(rng.integers(2, 12))), ref, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(14, 2, 64, 16, torch.float16), (28, 4, 128, 8, torch.bfloat16)], ids=str)
+def test_gpu_parts_fixed_by_position(shape):
+    """part_keys=256 (the batch-invariant mode) at the 0.5B and 7B head shapes: a 1,000-token prompt, its last
+    300 queries as a chunk behind the cached prefix, and 9 of its queries as one-query decodes in one-warp
+    CTAs under a 4,096-key bound: a row's bits the same in each; the rows of one part the unsplit launch's
+    bits; within the reference's tolerance."""
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32, device=DEVICE)     # noqa: E731
+    q, k, v, bt, cu, ctx = make_batch(*shape, [1000], [0], seed=12)
+    whole = fa.paged_prefill(q, k, v, bt, cu, ctx, part_keys=256)
+    ref = paged_prefill_attention(q, k, v, bt, cu, ctx)
+    check(whole, ref, tolerance(ref, v, q.dtype))
+    chunk = fa.paged_prefill(q[700:].contiguous(), k, v, bt, i32(0, 300), ctx, part_keys=256)
+    assert torch.equal(chunk, whole[700:])
+    rows = [0, 100, 255, 256, 511, 512, 700, 998, 999]
+    decodes = fa.paged_prefill(q[rows].contiguous(), k, v, bt.expand(len(rows), -1).contiguous(),
+                               i32(*range(len(rows) + 1)), i32(*[r + 1 for r in rows]), part_keys=256, warps=1,
+                               max_context_len=4096)
+    assert torch.equal(decodes, whole[rows])
+    assert torch.equal(fa.paged_prefill(q, k, v, bt, cu, ctx, splits=1)[:256], whole[:256])
 
 
 @pytest.mark.gpu

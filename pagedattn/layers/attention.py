@@ -72,8 +72,9 @@ class NumbaBackend(TorchPagedBackend):
 
     batch_invariant: a row's result never depends on the other rows of its step (EngineConfig.batch_invariant;
     docs/batch_invariance.md). Set it before the model is built (its ops table reads it): every attention,
-    prefill and decode, runs the prefill kernel in one KV part (a query's keys summed in the same 64-key tiles
-    from position 0, whichever call it is in: a prompt's query is exactly its decode; decodes run in the
+    prefill and decode, runs the prefill kernel with its keys cut into parts of INVARIANT_PART_KEYS keys from
+    position 0 (a query's keys summed in the same parts, each in the same 64-key tiles, the parts merged in
+    the same order, whichever call it is in: a prompt's query is exactly its decode; decodes run in the
     kernel's one-warp CTAs, whose rows get the bits of its 128-row ones), and every product gives
     the bits of INVARIANT_ROWS rows at a time (ops.fixed_rows_linear; in one call at the row counts where a
     check showed the GEMM library gives them: ops.InvariantLinear).
@@ -85,6 +86,7 @@ class NumbaBackend(TorchPagedBackend):
     KERNEL_BLOCK_SIZES = (8, 16, 32)
     FUSED_MODULES = ("rmsnorm", "rotary", "activation")
     INVARIANT_ROWS = 128            # the batch-invariant mode's rows per product (docs/batch_invariance.md)
+    INVARIANT_PART_KEYS = 256       # ... and keys per attention part (4 of the kernel's 64-key tiles)
 
     def __init__(self, validate=True, batch_invariant=False):
         self.validate = validate
@@ -146,7 +148,7 @@ class NumbaBackend(TorchPagedBackend):
         table = ops.torch_ops(self)
         if self.batch_invariant:
             self._check_invariant_model(device, dtype, hidden_size, intermediate_size, head_dim)
-            table.linear = ops.InvariantLinear(self.INVARIANT_ROWS)
+            table.linear = ops.InvariantLinear(self.INVARIANT_ROWS, min_rows=16)
             self.query_starts(torch.empty(0, device=device).device, 1024)        # before any graph is captured
         if not self.glue_kernels_for(device, dtype):
             return table
@@ -196,10 +198,11 @@ class NumbaBackend(TorchPagedBackend):
                 and q.shape[-1] in self.KERNEL_HEAD_DIMS and k_cache.shape[2] in self.KERNEL_BLOCK_SIZES)
 
     def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, plans=None,
-                warps=4):
+                warps=4, max_context_len=None):
         """q, out: [Np, H, D]; plans: the step's work lists (AttentionMetadata.prefill_plans), or None: the
         first layer's call builds the work list, the step's other layers reuse it (one plan kernel a step).
-        warps: the prefill kernel's CTA (4 warps, 128 rows; 1: one warp, 16 rows, for one-query chunks)."""
+        warps: the prefill kernel's CTA (4 warps, 128 rows; 1: one warp, 16 rows, for one-query chunks).
+        max_context_len: a host bound on context_lens (None: the block table's width), the mode's part count."""
         if self.batch_invariant and not self._kernel_ok(q, k_cache):
             raise InvalidRequestError(f"batch_invariant=True needs the prefill kernel's inputs: float16/bfloat16 "
                                       f"on the GPU, head_dim in {self.KERNEL_HEAD_DIMS}, block_size in "
@@ -210,14 +213,16 @@ class NumbaBackend(TorchPagedBackend):
         _run_into(out, self.paged_prefill.paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                         context_lens, scale=scale, out=out,
                                                         validate=self.validate, plans=plans,
-                                                        splits=1 if self.batch_invariant else None, warps=warps))
+                                                        max_context_len=max_context_len,
+                                                        warps=warps, part_keys=self.INVARIANT_PART_KEYS
+                                                        if self.batch_invariant else None))
 
     def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len=None,
                plans=None):
         if self.batch_invariant:            # n one-query chunks: query s at context_lens[s] - 1, as in a prompt,
             n = q.shape[0]                  # in one-warp CTAs (a row's arithmetic is the 128-row CTA's)
             return self.prefill(q, k_cache, v_cache, block_tables, self.query_starts(q.device, n + 1)[:n + 1],
-                                context_lens, scale, out, plans=plans, warps=1)
+                                context_lens, scale, out, plans=plans, warps=1, max_context_len=max_context_len)
         if self.paged_attention is None or not self._kernel_ok(q, k_cache):
             return super().decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len)
         _run_into(out, self.paged_attention.paged_attention(q, k_cache, v_cache, block_tables, context_lens,
