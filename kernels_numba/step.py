@@ -26,10 +26,11 @@ widened on load.
 
 v0 drives the phases with one launch each (`StepKernels.decode_step`): the baseline the later versions (v1:
 the column phases reading 16 bytes a load and attention's keys over a CTA's warps, in 16-warp CTAs,
-`make_column_phases`, `attention_v1`; then one persistent launch with a barrier between dependent phases,
-counters, prefetch, a split LM head: docs/kernels.md, "The step family") are measured against, and the driver
-numba's CUDA simulator can run (it runs a grid's CTAs one after another, so any wait between CTAs would hang
-it). Its ground truth is reference/step.py (float64).
+`make_column_phases`, `attention_v1`; v2: v1 with a warp taking 2 adjacent columns at a time (2 gate and 2 up
+rows for gate/up) and the argmax split over every CTA, `argmax_parts` then `argmax_merge`; then one persistent
+launch with a barrier between dependent phases, counters, prefetch: docs/kernels.md, "The step family") are
+measured against, and the driver numba's CUDA simulator can run (it runs a grid's CTAs one after another, so
+any wait between CTAs would hang it). Its ground truth is reference/step.py (float64).
 """
 import math
 
@@ -217,6 +218,28 @@ def attention_phase(cta, num_ctas, qkv, k_pool, v_pool, tables, positions, num_h
 
 
 @cuda.jit(device=True)
+def best_of_cta(b, w, best, where):
+    """The CTA's (largest value, its lowest index) of every thread's (b, w) (w < 0: none), by a tree in shared
+    memory (best, where: THREADS slots), returned to thread 0."""
+    tid = cuda.threadIdx.x
+    best[tid] = b
+    where[tid] = w
+    cuda.syncthreads()
+    stride = THREADS // 2
+    while stride > 0:
+        if tid < stride:
+            ob, ow = best[tid + stride], where[tid + stride]
+            if ow >= 0 and (where[tid] < 0 or ob > best[tid] or (ob == best[tid] and ow < where[tid])):
+                best[tid] = ob
+                where[tid] = ow
+        cuda.syncthreads()
+        stride //= 2
+    b, w = best[0], where[0]
+    cuda.syncthreads()                 # the slots are read before anyone writes them again
+    return b, w
+
+
+@cuda.jit(device=True)
 def argmax_phase(cta, num_ctas, logits, ids):
     """ids[s] = the lowest index of row s's largest logit: each thread scans its columns, then a tree."""
     best = cuda.shared.array(THREADS, float32)
@@ -227,21 +250,47 @@ def argmax_phase(cta, num_ctas, logits, ids):
         for v in range(tid, logits.shape[1], THREADS):
             if logits[s, v] > b or w < 0:
                 b, w = logits[s, v], v
-        best[tid] = b
-        where[tid] = w
-        cuda.syncthreads()
-        stride = THREADS // 2
-        while stride > 0:
-            if tid < stride:
-                ob, ow = best[tid + stride], where[tid + stride]
-                if ow >= 0 and (where[tid] < 0 or ob > best[tid] or (ob == best[tid] and ow < where[tid])):
-                    best[tid] = ob
-                    where[tid] = ow
-            cuda.syncthreads()
-            stride //= 2
+        b, w = best_of_cta(b, w, best, where)
         if tid == 0:
-            ids[s] = where[0]
-        cuda.syncthreads()
+            ids[s] = w
+
+
+@cuda.jit
+def argmax_parts(logits, part_best, part_where):
+    """v2's argmax, first half: CTA c takes the c-th of gridDim.x slices of the vocabulary and writes each
+    row's (largest logit, its lowest index) of that slice to part_best[s, c], part_where[s, c] (-1: an empty
+    slice). Every CTA reads V / gridDim.x logits a row, where v0's one CTA reads all V."""
+    best = cuda.shared.array(THREADS, float32)
+    where = cuda.shared.array(THREADS, int32)
+    V = logits.shape[1]
+    per = (V + cuda.gridDim.x - 1) // cuda.gridDim.x
+    lo = cuda.blockIdx.x * per
+    hi = min(V, lo + per)
+    for s in range(logits.shape[0]):
+        b, w = float32(-math.inf), int32(-1)
+        for v in range(lo + cuda.threadIdx.x, hi, THREADS):
+            if logits[s, v] > b or w < 0:
+                b, w = logits[s, v], v
+        b, w = best_of_cta(b, w, best, where)
+        if cuda.threadIdx.x == 0:
+            part_best[s, cuda.blockIdx.x] = b
+            part_where[s, cuda.blockIdx.x] = w
+
+
+@cuda.jit
+def argmax_merge(part_best, part_where, ids):
+    """v2's argmax, second half: a CTA per row over its slices' (best, index): the lowest index of the largest."""
+    best = cuda.shared.array(THREADS, float32)
+    where = cuda.shared.array(THREADS, int32)
+    for s in range(cuda.blockIdx.x, part_best.shape[0], cuda.gridDim.x):
+        b, w = float32(-math.inf), int32(-1)
+        for c in range(cuda.threadIdx.x, part_best.shape[1], THREADS):
+            ow = part_where[s, c]
+            if ow >= 0 and (w < 0 or part_best[s, c] > b):   # (slices in index order: a tie keeps the first)
+                b, w = part_best[s, c], ow
+        b, w = best_of_cta(b, w, best, where)
+        if cuda.threadIdx.x == 0:
+            ids[s] = w
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,85 +341,109 @@ def _argmax(logits, ids):
 THREADS_V1 = 512            # v1's CTA for the column phases and attention: 16 warps
 
 
-def make_column_phases(half):
+def make_column_phases(half, cols=1, gate_cols=1):
     """(linear, gate_up) kernels of v1 for 16-bit (half) or float32 weights, given as 1-D uint32 words of
     [rows, K] (two weights a word when half): v0's column phases with each lane reading 16 bytes of a row at a
     time (8 weights, or 4) instead of one weight, and CTAs of THREADS_V1 threads. Where v0 waits on each 2-byte
     load in turn (28 a column at K = 896, 152 at 4,864), a lane here has 4 (K / 8 / 32) or 19 in its loop,
     and 4x the warps are in flight. Each lane sums its pieces' products into per-sequence partials (a
-    different order from v0's, the same float32 arithmetic)."""
+    different order from v0's, the same float32 arithmetic).
+
+    cols, gate_cols (v2): a warp takes that many adjacent columns at a time (linear; gate_up, whose column is a
+    gate row and an up row): a lane issues the columns' 16-byte loads together and reads each activation once
+    for all of them. A column's sums are v1's, in v1's order: the same bits."""
     PER = 8 if half else 4                  # weights in 16 bytes
+    COLS, GCOLS = cols, gate_cols
 
     @cuda.jit(device=True, inline="always")
-    def unpack(w0, w1, w2, w3, x):
+    def unpack(w0, w1, w2, w3, x, j):
+        """x[j, :] = the PER weights of the 16 bytes w0 .. w3, as float32."""
         if PER == 8:
-            x[0], x[1] = f16x2_to_f32(w0)
-            x[2], x[3] = f16x2_to_f32(w1)
-            x[4], x[5] = f16x2_to_f32(w2)
-            x[6], x[7] = f16x2_to_f32(w3)
+            x[j, 0], x[j, 1] = f16x2_to_f32(w0)
+            x[j, 2], x[j, 3] = f16x2_to_f32(w1)
+            x[j, 4], x[j, 5] = f16x2_to_f32(w2)
+            x[j, 6], x[j, 7] = f16x2_to_f32(w3)
         else:
-            x[0], x[1], x[2], x[3] = f32_from_bits(w0), f32_from_bits(w1), f32_from_bits(w2), f32_from_bits(w3)
+            x[j, 0], x[j, 1], x[j, 2], x[j, 3] = (f32_from_bits(w0), f32_from_bits(w1), f32_from_bits(w2),
+                                                  f32_from_bits(w3))
 
     @cuda.jit(device=True, inline="always")
-    def row_dot(h, S, w, base, k_chunks, lane, acc, x):
-        """acc[s] = this lane's part of h[s] . the row whose first word is w[base]."""
-        for s in range(MAX_S):
-            acc[s] = float32(0.0)
+    def rows_dot(h, S, w, base, row_words, ncols, k_chunks, lane, acc, x):
+        """acc[j, s] = this lane's part of h[s] . row j of the ncols (<= cols) rows whose first word is
+        w[base + j row_words]: the rows' 16-byte pieces loaded first, then each activation read once for all."""
+        for j in range(acc.shape[0]):
+            for s in range(MAX_S):
+                acc[j, s] = float32(0.0)
         for c in range(lane, k_chunks, 32):
-            w0, w1, w2, w3 = load_u32x4(w, base + 4 * c)
-            unpack(w0, w1, w2, w3, x)
+            for j in range(acc.shape[0]):
+                if j < ncols:
+                    w0, w1, w2, w3 = load_u32x4(w, base + j * row_words + 4 * c)
+                    unpack(w0, w1, w2, w3, x, j)
             k = c * PER
             for s in range(MAX_S):
                 if s < S:
-                    t = acc[s]
                     for e in range(PER):
-                        t += h[s, k + e] * x[e]
-                    acc[s] = t
+                        hv = h[s, k + e]
+                        for j in range(acc.shape[0]):
+                            acc[j, s] += hv * x[j, e]
 
     @cuda.jit
     def linear(h, w, bias, has_bias, accumulate, out):
-        """out[s, n] (+)= h[s] . W[n] (+ bias[n]): one warp per column n at a time."""
+        """out[s, n] (+)= h[s] . W[n] (+ bias[n]): one warp per column n at a time (cols adjacent columns)."""
         S, K = h.shape
         nw = cuda.blockDim.x // 32
         lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
         row_words = K // (PER // 4)           # 32-bit words of a row
-        acc = cuda.local.array(MAX_S, float32)
-        x = cuda.local.array(PER, float32)
-        for n in range(cuda.blockIdx.x * nw + warp, w.shape[0] // row_words, cuda.gridDim.x * nw):
-            row_dot(h, S, w, n * row_words, K // PER, lane, acc, x)
-            for s in range(MAX_S):
-                if s < S:
-                    total = warp_sum(acc[s])
-                    if lane == 0:
-                        if has_bias:
-                            total += float32(bias[n])
-                        if accumulate:
-                            total += out[s, n]
-                        out[s, n] = total
+        N = w.shape[0] // row_words
+        acc = cuda.local.array((COLS, MAX_S), float32)
+        x = cuda.local.array((COLS, PER), float32)
+        for g in range(cuda.blockIdx.x * nw + warp, (N + COLS - 1) // COLS, cuda.gridDim.x * nw):
+            n0 = g * COLS
+            ncols = min(COLS, N - n0)
+            rows_dot(h, S, w, n0 * row_words, row_words, ncols, K // PER, lane, acc, x)
+            for j in range(COLS):
+                for s in range(MAX_S):
+                    if j < ncols and s < S:
+                        total = warp_sum(acc[j, s])
+                        if lane == 0:
+                            n = n0 + j
+                            if has_bias:
+                                total += float32(bias[n])
+                            if accumulate:
+                                total += out[s, n]
+                            out[s, n] = total
 
     @cuda.jit
     def gate_up(h, w_gate, w_up, m):
-        """m[s, i] = silu(h[s] . Wg[i]) * (h[s] . Wu[i]): one warp per intermediate column i at a time."""
+        """m[s, i] = silu(h[s] . Wg[i]) * (h[s] . Wu[i]): one warp per intermediate column i at a time
+        (gate_cols adjacent columns)."""
         S, K = h.shape
         nw = cuda.blockDim.x // 32
         lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
         row_words = K // (PER // 4)           # 32-bit words of a row
-        g = cuda.local.array(MAX_S, float32)
-        u = cuda.local.array(MAX_S, float32)
-        x = cuda.local.array(PER, float32)
-        for i in range(cuda.blockIdx.x * nw + warp, w_gate.shape[0] // row_words, cuda.gridDim.x * nw):
-            row_dot(h, S, w_gate, i * row_words, K // PER, lane, g, x)
-            row_dot(h, S, w_up, i * row_words, K // PER, lane, u, x)
-            for s in range(MAX_S):
-                if s < S:
-                    gs, us = warp_sum(g[s]), warp_sum(u[s])
-                    if lane == 0:
-                        m[s, i] = gs / (float32(1.0) + math.exp(-gs)) * us
+        N = w_gate.shape[0] // row_words
+        g = cuda.local.array((GCOLS, MAX_S), float32)
+        u = cuda.local.array((GCOLS, MAX_S), float32)
+        x = cuda.local.array((GCOLS, PER), float32)
+        for grp in range(cuda.blockIdx.x * nw + warp, (N + GCOLS - 1) // GCOLS, cuda.gridDim.x * nw):
+            i0 = grp * GCOLS
+            ncols = min(GCOLS, N - i0)
+            rows_dot(h, S, w_gate, i0 * row_words, row_words, ncols, K // PER, lane, g, x)
+            rows_dot(h, S, w_up, i0 * row_words, row_words, ncols, K // PER, lane, u, x)
+            for j in range(GCOLS):
+                for s in range(MAX_S):
+                    if j < ncols and s < S:
+                        gs, us = warp_sum(g[j, s]), warp_sum(u[j, s])
+                        if lane == 0:
+                            m[s, i0 + j] = gs / (float32(1.0) + math.exp(-gs)) * us
 
     return linear, gate_up
 
 
 COLUMN_PHASES = {half: make_column_phases(half) for half in (True, False)}
+V2_COLS, V2_GATE_COLS = 2, 2   # v2: columns a warp takes at a time (gate_up's are two rows each); 4 columns' fully
+                               # unrolled sums (4 x 8 sequences x 8 weights) are past LLVM's unrolling: local memory
+COLUMN_PHASES_V2 = {half: make_column_phases(half, V2_COLS, V2_GATE_COLS) for half in (True, False)}
 MAX_WARPS = THREADS_V1 // 32
 MAX_D = 32 * MAX_D_PER_LANE   # head_dim's bound: a run's output in shared memory
 
@@ -442,8 +515,8 @@ class StepKernels:
 
     def __init__(self, weights, config, num_ctas=132, on_gpu=False, max_positions=4096, version=0,
                  column_threads=THREADS_V1):
-        if version not in (0, 1):
-            raise ValueError(f"version must be 0 or 1, got {version!r}")
+        if version not in (0, 1, 2):
+            raise ValueError(f"version must be 0, 1 or 2, got {version!r}")
         if not (column_threads % 32 == 0 and 32 <= column_threads <= THREADS_V1):
             raise ValueError(f"column_threads must be a multiple of 32 up to {THREADS_V1}, got {column_threads}")
         self.config, self.num_ctas, self.version, self.column_threads = config, num_ctas, version, column_threads
@@ -475,7 +548,7 @@ class StepKernels:
                 gate=weights[f"{p}.mlp.gate_proj.weight"], up=weights[f"{p}.mlp.up_proj.weight"],
                 down=weights[f"{p}.mlp.down_proj.weight"]))
         self.cos, self.sin = (asarray(t) for t in rotary_tables(max_positions, D, config["theta"]))
-        if version == 1:                    # v1's column phases read each weight matrix as 1-D uint32 words
+        if version >= 1:                    # v1's column phases read each weight matrix as 1-D uint32 words
             self.half = str(self.embed.dtype).endswith("float16")
             per = 8 if self.half else 4
             names = ("qkv_w", "o", "gate", "up", "down")
@@ -510,6 +583,8 @@ class StepKernels:
 
         linear, gate_up = self._column_phases(cfg)
         attention = _attention[cfg] if self.version == 0 else attention_v1[grid, self.column_threads, cfg[2]]
+        if self.version == 2:
+            part_best, part_where = empty((S, grid), "float32"), empty((S, grid), "int32")
         _embed[cfg](tokens, self.embed, x)
         for layer, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
             _rms_norm[cfg](x, layer["ln1"], eps, h)
@@ -522,15 +597,20 @@ class StepKernels:
             linear(m, layer["down"], none, False, True, x)
         _rms_norm[cfg](x, self.final_norm, eps, h)
         linear(h, self.lm_head, none, False, False, logits)
-        _argmax[cfg](logits, ids)
+        if self.version == 2:
+            argmax_parts[cfg](logits, part_best, part_where)
+            argmax_merge[S, THREADS, cfg[2]](part_best, part_where, ids)
+        else:
+            _argmax[cfg](logits, ids)
         return logits, ids
 
     def _column_phases(self, cfg):
         """(linear, gate_up) launchers of this version, each taking the weights as the layers hold them: v0's
-        kernels on them; v1's on their words, in CTAs of column_threads threads."""
+        kernels on them; v1's (v2's: several columns a warp) on their words, in CTAs of column_threads threads."""
         if self.version == 0:
             return _linear[cfg], _gate_up[cfg]
-        linear, gate_up = (kernel[cfg[0], self.column_threads, cfg[2]] for kernel in COLUMN_PHASES[self.half])
+        phases = COLUMN_PHASES_V2 if self.version == 2 else COLUMN_PHASES
+        linear, gate_up = (kernel[cfg[0], self.column_threads, cfg[2]] for kernel in phases[self.half])
         words = self.words
         return (lambda h, w, *args: linear(h, words[id(w)], *args),                     # noqa: E731
                 lambda h, w_gate, w_up, m: gate_up(h, words[id(w_gate)], words[id(w_up)], m))

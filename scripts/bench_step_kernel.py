@@ -4,8 +4,8 @@ For S = 1, 2, 4, 8 sequences at a --context-token history (random K/V in the poo
 
   check     each version's S = 2 logits against reference/step.py (float64, the same float16 weights and pool
             widened): max |diff| and whether the greedy ids agree where the top two logits are apart;
-  v0, v1    StepKernels.decode_step (one launch per phase; v1: the column phases on 16-byte pieces, 16 warps
-            a CTA) captured in a CUDA graph: microseconds per step (median of replays), tok/s = S / step, and
+  v0-v2     StepKernels.decode_step (one launch per phase; v1: the column phases on 16-byte pieces, 16 warps
+            a CTA; v2: 2 columns a warp, the argmax split over the CTAs) captured in a CUDA graph: microseconds per step (median of replays), tok/s = S / step, and
             the fraction of the weight-read floor (bytes of every weight and the pool's context read once / the
             copy bandwidth measured in the same run).
 
@@ -77,14 +77,15 @@ KERNELS = {"embed": "embed", "rms_norm": "rms_norm", "qkv": "linear", "rotary_kv
 
 
 def phase_times(kernels, config, S, context, dtype, steps=3):
-    """{phase: GPU us a step} of v0's eager step: the profiler's kernels in launch order, each named by its
+    """{phase: GPU us a step} of an eager step (v0, v1 or v2): the profiler's kernels in launch order, each named by its
     place in the step (a check: the kernel's name holds its phase's function)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     L = config["num_layers"]
+    argmax = ["argmax", "argmax"] if kernels.version == 2 else ["argmax"]      # v2: its parts, then their merge
     order = (["embed"] + ["rms_norm", "qkv", "rotary_kv", "attention", "o", "rms_norm", "gate_up", "down"] * L
-             + ["rms_norm", "lm_head", "argmax"])
+             + ["rms_norm", "lm_head"] + argmax)
     tokens, positions, k_pools, v_pools, tables = make_step(config, S, context, dtype, seed=S)
     kernels.decode_step(tokens, positions, k_pools, v_pools, tables)         # compiled and loaded first
     torch.cuda.synchronize()
@@ -124,7 +125,7 @@ def phase_rows(kernels, weights, config, context, dtype, batches=(1, 8)):
     return rows
 
 
-def main(out, model, context, batches, num_ctas, phases=False, versions=(0, 1)):
+def main(out, model, context, batches, num_ctas, phases=False, versions=(0, 1, 2)):
     from kernels_numba.step import StepKernels
     from reference.step import load_config
 
@@ -177,7 +178,7 @@ if __name__ == "__main__":
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--num-ctas", type=int, default=132)
     ap.add_argument("--phases", action="store_true", help="also each phase's GPU time (torch.profiler)")
-    ap.add_argument("--versions", default="0,1")
+    ap.add_argument("--versions", default="0,1,2")
     a = ap.parse_args()
     main(a.out, a.model, a.context, [int(b) for b in a.batches.split(",")], a.num_ctas, a.phases,
          [int(v) for v in a.versions.split(",")])

@@ -214,8 +214,8 @@ def test_invariant_linear_on_torchs_cpu_gemm_is_the_pieces_bits():
         assert torch.equal(lin(x[:M], w, b), fixed_rows_linear(128, x[:M], w, b)), M
 
 
-@pytest.mark.parametrize("part_keys,positions", [(256, [50]), (64, [50, 79]),
-                                                   pytest.param(64, [0, 41, 42, 63, 64, 65, 79], marks=pytest.mark.slow)])
+@pytest.mark.parametrize("part_keys,positions", [
+    (256, [50]), (64, [50, 79]), pytest.param(64, [0, 41, 42, 63, 64, 65, 79], marks=pytest.mark.slow)])
 def test_gpu_mode_a_query_gets_the_same_bits_in_a_prompt_a_chunk_and_a_decode(part_keys, positions, monkeypatch):
     """The GPU mode's attention (the prefill kernel with its keys in parts fixed by position for every call,
     decodes as one-query chunks), in the numba simulator running the kernels' code: a query's row is the same

@@ -88,14 +88,16 @@ def _decode_all(weights, config, dtype, lengths, block_size, num_ctas, version=0
 # 2), 5 steps over 3 CTAs (block size 4: the last crosses a block), and one step of 8 sequences at d128.
 # v1 (the column phases on 16-byte pieces and attention's keys over the warps, here 2 warps a CTA: the second
 # warp has no key at the first step): the d64 model in float16 by default (two steps), the d16 one in float32
-# under `slow`.
+# under `slow`; v2 (4 columns a warp, the argmax split over the CTAs) the same.
 CASES = [pytest.param("d64", np.float32, (2, 1), 1, 2, 0, id="d64-f32-2steps"),
          pytest.param("d16", np.float32, (3, 2, 3), 2, 2, 0, id="d16-f32-3steps", marks=pytest.mark.slow),
          pytest.param("d16", np.float16, (3, 2, 3), 2, 2, 0, id="d16-f16-3steps", marks=pytest.mark.slow),
          pytest.param("d16", np.float32, (5, 1, 2), 4, 3, 0, id="d16-f32-5steps", marks=pytest.mark.slow),
          pytest.param("d128", np.float16, (1,) * 8, 2, 2, 0, id="d128-f16-8seqs", marks=pytest.mark.slow),
          pytest.param("d64", np.float16, (2, 1), 1, 2, 1, id="v1-d64-f16-2steps"),
-         pytest.param("d16", np.float32, (3, 2, 3), 2, 3, 1, id="v1-d16-f32-3steps", marks=pytest.mark.slow)]
+         pytest.param("d16", np.float32, (3, 2, 3), 2, 3, 1, id="v1-d16-f32-3steps", marks=pytest.mark.slow),
+         pytest.param("d64", np.float16, (2, 1), 1, 2, 2, id="v2-d64-f16-2steps"),
+         pytest.param("d16", np.float32, (3, 2, 3), 2, 3, 2, id="v2-d16-f32-3steps", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("shape, dtype, lengths, block_size, num_ctas, version", CASES)
@@ -124,6 +126,45 @@ def test_argmax_takes_the_lowest_index_of_a_tie():
     assert ids.tolist() == [7, 299]
 
 
+@pytest.mark.parametrize("half", [True, False])
+def test_v2_column_phases_give_v1s_bits(half):
+    """v2's linear and gate_up (2 adjacent columns a warp, the last group short when odd) against v1's (one column a
+    warp): the same sums in the same order, so the same bits, with the bias, the accumulation and 3 sequences."""
+    rng = np.random.default_rng(3)
+    dtype = np.float16 if half else np.float32
+    S, K, N, I = 3, 64, 9, 5
+    h = rng.standard_normal((S, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(dtype)
+    wg, wu = rng.standard_normal((I, K)).astype(dtype), rng.standard_normal((I, K)).astype(dtype)
+    bias = rng.standard_normal(N).astype(dtype)
+    words = lambda a: np.ascontiguousarray(a).view(np.uint32).reshape(-1)        # noqa: E731
+    outs = []
+    for phases in (sk.COLUMN_PHASES, sk.COLUMN_PHASES_V2):
+        linear, gate_up = phases[half]
+        out = rng.standard_normal((S, N)).astype(np.float32) * 0 + 1.5
+        m = np.empty((S, I), np.float32)
+        linear[2, 64](h, words(w), bias, True, True, out)
+        gate_up[2, 64](h, words(wg), words(wu), m)
+        outs.append((out, m))
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(outs[0][0], h @ w.astype(np.float64).T + bias + 1.5, rtol=1e-5, atol=1e-5)
+
+
+def test_v2_argmax_over_slices_takes_the_lowest_index_of_a_tie():
+    """argmax_parts over 3 slices of 100 logits, then argmax_merge: a tie within a slice and across slices
+    (the lowest index wins), a maximum alone in the last slice, an empty slice (a grid of 4 over 300)."""
+    logits = np.full((3, 300), -1.0, np.float32)
+    logits[0, [7, 200, 299]] = 5.0
+    logits[1, [150, 250]] = 2.0
+    logits[2, 299] = np.inf
+    for grid in (3, 4, 7):
+        best, where, ids = np.empty((3, grid), np.float32), np.empty((3, grid), np.int32), np.empty(3, np.int32)
+        sk.argmax_parts[grid, sk.THREADS](logits, best, where)
+        sk.argmax_merge[2, sk.THREADS](best, where, ids)
+        assert ids.tolist() == [7, 150, 299], grid
+
+
 def test_a_step_it_cannot_take_is_refused(checkpoints):
     kernels = sk.StepKernels(*checkpoints("d64"), num_ctas=2)
     with pytest.raises(ValueError, match="9 sequences"):
@@ -146,7 +187,7 @@ def _gpu_step_inputs(config, S, pos, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [0, 1])
+@pytest.mark.parametrize("version", [0, 1, 2])
 @pytest.mark.parametrize("shape", ["d64", "d16", "d128"])
 def test_gpu_decode_step_against_the_float64_reference(checkpoints, shape, version):
     """On the GPU, torch tensors in and out (float16 weights and pools), 8 sequences at position 9 over a
@@ -173,7 +214,7 @@ def test_gpu_decode_step_against_the_float64_reference(checkpoints, shape, versi
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [0, 1])
+@pytest.mark.parametrize("version", [0, 1, 2])
 def test_gpu_step_captured_in_a_graph_replays_the_eager_step(checkpoints, version):
     """torch's own capture recipe (a warm-up on a side stream, then torch.cuda.graph): the replayed step's
     logits, ids and pools are the eager step's bits."""
@@ -223,11 +264,16 @@ SIGS = {
     "_argmax": (f32_2, i32_1),
 }
 u32_1 = types.uint32[::1]
-V1 = {                                  # v1's column phases on float16 words (half) and float32 words
+V1 = {                                  # v1's (v2's) column phases on float16 words (half) and float32 words
     "v1_linear_f16": (sk.COLUMN_PHASES[True][0], (f32_2, u32_1, f16_1, types.boolean, types.boolean, f32_2)),
     "v1_gate_up_f16": (sk.COLUMN_PHASES[True][1], (f32_2, u32_1, u32_1, f32_2)),
     "v1_linear_f32": (sk.COLUMN_PHASES[False][0], (f32_2, u32_1, f32_1, types.boolean, types.boolean, f32_2)),
     "v1_attention": (sk.attention_v1, SIGS["_attention"]),
+    "v2_linear_f16": (sk.COLUMN_PHASES_V2[True][0], (f32_2, u32_1, f16_1, types.boolean, types.boolean, f32_2)),
+    "v2_gate_up_f16": (sk.COLUMN_PHASES_V2[True][1], (f32_2, u32_1, u32_1, f32_2)),
+    "v2_linear_f32": (sk.COLUMN_PHASES_V2[False][0], (f32_2, u32_1, f32_1, types.boolean, types.boolean, f32_2)),
+    "v2_argmax_parts": (sk.argmax_parts, (f32_2, f32_2, i32_2)),
+    "v2_argmax_merge": (sk.argmax_merge, (f32_2, i32_2, i32_1)),
 }
 kernels = [(name, getattr(sk, name.replace("_no_bias", "")), sig) for name, sig in SIGS.items()]
 for name, (kernel, sig) in V1.items():
@@ -253,10 +299,13 @@ def test_every_phase_compiles_for_sm90_in_float32_without_local_memory():
         counts[name], v4[name] = (int(f64), int(local), int(shfl)), int(loads)
     assert set(counts) == {"_embed", "_rms_norm", "_linear", "_linear_no_bias", "_gate_up", "_rotary_kv",
                            "_attention", "_argmax", "v1_linear_f16", "v1_gate_up_f16", "v1_linear_f32",
-                           "v1_attention"}
+                           "v1_attention", "v2_linear_f16", "v2_gate_up_f16", "v2_linear_f32", "v2_argmax_parts",
+                           "v2_argmax_merge"}
     assert all(f64 == 0 and local == 0 for f64, local, _ in counts.values()), counts
     # v1 reads the weights 16 bytes a load (one per row a step of its loop; the gate and the up row each)
     assert v4["v1_linear_f16"] >= 1 and v4["v1_linear_f32"] >= 1 and v4["v1_gate_up_f16"] >= 2, v4
+    # v2's warp issues the loads of its 2 (gate/up: 2 + 2) columns together
+    assert v4["v2_linear_f16"] >= 2 and v4["v2_linear_f32"] >= 2 and v4["v2_gate_up_f16"] >= 4, v4
     assert v4["_linear"] == v4["_gate_up"] == 0, v4
     shfl = {name: c[2] for name, c in counts.items()}
     assert shfl["_rms_norm"] == shfl["_attention"] == shfl["v1_attention"] == 5, shfl
