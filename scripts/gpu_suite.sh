@@ -18,11 +18,12 @@
 #                                                        (each on new cache directories) and 3 warm ones
 #   OLD=DIR bash scripts/gpu_suite.sh ab                 this tree against the tree in DIR, alternating, 3 rounds:
 #                                                        the nano-vllm workload and batch 1 (scripts/ab_trees.py)
-#   [MODEL=DIR] bash scripts/gpu_suite.sh invariant      the batch-invariant mode: its `gpu` tests, then
-#                                                        scripts/gpu_batch_invariant.py's products, identity table
-#                                                        (MODEL: the real checkpoint; default random 0.5B)
+#   [MODEL=DIR] bash scripts/gpu_suite.sh invariant      the batch-invariant mode: its `gpu` tests (and the prefill
+#                                                        kernel's parts), cuBLAS with and without a workspace,
+#                                                        the identity table (MODEL: the real checkpoint; default
+#                                                        random 0.5B)
 #   bash scripts/gpu_suite.sh invariant_cost             the mode's cost beside the default: the nano-vllm workload
-#                                                        and batch 1, greedy and sampled, 3 rounds
+#                                                        and batch 1, greedy and sampled, 3 rounds; its products
 #   [MODEL=DIR] bash scripts/gpu_suite.sh step           the decode step as numba phases (kernels_numba/step.py): its
 #                                                        `gpu` tests, its step time at 1-8 sequences beside the
 #                                                        engine's (profile_step.py)
@@ -148,13 +149,14 @@ serve_mp)
     run serve_mp 570 python3 scripts/bench_serving.py --model "${MODEL:-random}" --out "$dir" --time-budget 480
     ;;
 invariant)
-    run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_batch_invariance_gpu.py
-    run gemm 120 python3 scripts/gpu_batch_invariant.py --parts gemm --out "$dir"
-    run no_split_k 120 python3 scripts/probe_no_split_k.py --out "$dir"
+    run tests 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_batch_invariance_gpu.py
+    run parts 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_prefill_fa2.py -k parts_fixed
+    run no_split_k 60 python3 scripts/probe_no_split_k.py --out "$dir"
     run identity 300 python3 scripts/gpu_batch_invariant.py --parts identity ${MODEL:+--model "$MODEL"} --out "$dir"
     ;;
 invariant_cost)
-    run cost 580 python3 scripts/gpu_batch_invariant.py --parts cost --dtypes float16 --out "$dir"
+    run cost 300 python3 scripts/gpu_batch_invariant.py --parts cost --dtypes float16 --out "$dir"
+    run gemm 240 python3 scripts/gpu_batch_invariant.py --parts gemm --out "$dir"
     ;;
 step)
     run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_step_kernel.py
