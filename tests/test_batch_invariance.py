@@ -202,6 +202,27 @@ def test_no_split_k_gives_cublas_no_workspace_and_keeps_a_setting_already_made(m
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":0:0" and os.environ["CUBLASLT_WORKSPACE_SIZE"] == "1024"
 
 
+def test_an_engine_whose_products_fell_back_to_pieces_says_how_to_start_it(monkeypatch, caplog):
+    """After a GPU mode's warm-up: products checked to need the pieces (cuBLAS split K in a process that ran a
+    GEMM before the engine) give one warning naming them and the environment to start with; none otherwise."""
+    import logging
+
+    from pagedattn.engine import llm_engine
+    from pagedattn.layers import ops
+
+    ok = {(None, 128, torch.Size([896, 896]), torch.float16, "cuda", False, 1): True}
+    monkeypatch.setattr(ops.InvariantLinear, "checked", dict(ok))
+    with caplog.at_level(logging.WARNING, logger="pagedattn.startup"):
+        llm_engine._note_invariant_products()
+    assert not caplog.records
+    monkeypatch.setattr(ops.InvariantLinear, "checked", {**ok, (None, 128, torch.Size([896, 4864]), torch.float16,
+                                                             "cuda", False, 16): False})
+    with caplog.at_level(logging.WARNING, logger="pagedattn.startup"):
+        llm_engine._note_invariant_products()
+    [record] = caplog.records
+    assert "(896, 4864) at 16 rows" in record.message and "CUBLAS_WORKSPACE_CONFIG=:0:0" in record.message
+
+
 def test_invariant_linear_on_torchs_cpu_gemm_is_the_pieces_bits():
     """The same over torch's own CPU GEMM (which changes its sums with the row count): at every row count the
     pieces' bits, whichever path the check chose."""

@@ -119,6 +119,20 @@ class EngineStats:
 _Plan = namedtuple("_Plan", "num_tokens sample_rows beam_rows")
 
 
+def _note_invariant_products():
+    """After the warm-up of a GPU batch-invariant engine: a warning when some product was checked to need the
+    128-row pieces (cuBLAS split K in this process: a GEMM ran before the engine could give it no workspace)."""
+    from pagedattn.layers.ops import NO_SPLIT_K, InvariantLinear
+
+    pieces = sorted({(key[2], key[6]) for key, one_call in InvariantLinear.checked.items() if not one_call})
+    if pieces:
+        shapes = ", ".join(f"{tuple(shape)} at {m} rows" for shape, m in pieces[:4])
+        startup_log.warning(
+            f"batch_invariant: {len(pieces)} product shape(s) run in 128-row pieces (slower: {shapes}"
+            f"{', ...' if len(pieces) > 4 else ''}): cuBLAS splits K in this process, where a GEMM ran before "
+            "the engine; start it with " + " ".join(f"{k}={v}" for k, v in NO_SPLIT_K.items()))
+
+
 class LLMEngine:
     def __init__(self, config):
         config = config.with_model_path(config.model)
@@ -149,6 +163,8 @@ class LLMEngine:
             if later:
                 self._set_tokenizer(tokenizer.result()[0])
             times["load_tokenizer"] = tokenizer.result()[1]
+            if config.batch_invariant and config.device_type == "cuda":
+                _note_invariant_products()
         except BaseException:
             self._shutdown_quietly()
             raise
