@@ -1,8 +1,8 @@
 """The batch-invariant mode on the GPU (tests marked `gpu`; docs/batch_invariance.md): random weights of the
 real Qwen2-0.5B config in fp16 and bf16, the 12 requests of tests/test_batch_invariance.py (greedy, seeded
 top-p, seeded n=2 top-k, logprobs) alone, batched, with prefix hits, at a 16-token budget, in a 30-block pool
-that preempts and eagerly against the CUDA graphs: the same token ids and logprobs, bit for bit; with the mode
-off some differ."""
+that preempts and eagerly against the CUDA graphs: the same token ids and logprobs, bit for bit (bf16 with 64-key
+attention parts: every request's context over a part boundary); with the mode off some differ."""
 import pytest
 
 from test_batch_invariance import PROMPTS, _comparisons
@@ -16,8 +16,13 @@ def ckpt():
     return random_checkpoint("0.5b")
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_tokens_and_logprobs_do_not_depend_on_the_batch(ckpt, dtype):
+@pytest.mark.parametrize("dtype, part_keys", [("float16", 256), ("bfloat16", 64)])
+def test_tokens_and_logprobs_do_not_depend_on_the_batch(ckpt, dtype, part_keys, monkeypatch):
+    """part_keys: the mode's attention parts (256 as shipped; 64 puts these short requests, up to ~80 tokens of
+    context, across a part boundary, so that the merge of two parts meets every comparison too)."""
+    from pagedattn.layers.attention import NumbaBackend
+
+    monkeypatch.setattr(NumbaBackend, "INVARIANT_PART_KEYS", part_keys)
     runs = _comparisons(ckpt, True, device="cuda", dtype=dtype, max_model_len=512)
     for name, outs in runs.items():
         same = sum(o == b for o, b in zip(outs, runs["batched"]))
