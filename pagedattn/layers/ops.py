@@ -209,11 +209,10 @@ def no_split_k():
     """Give cuBLAS no workspace for the rest of the process, so that it cannot split a product's K over CTAs:
     split-K is what makes a row's bits depend on the row count on the H200 (a row of `down` got other bits than
     in 8,192 rows at 255 of 306 row counts, fp16); without it every 0.5B product gave a row the same bits at 1
-    to 8,192 rows, fp16 and bf16
-    (scripts/probe_no_split_k.py). torch reads both settings once, at the process's first cuBLAS call, so this
-    acts only before it (the engine calls it before loading the model; the engine core's own process always
-    meets it in time); a setting already in the environment is kept. Only speed depends on it: InvariantLinear
-    checks the bits whatever cuBLAS does."""
+    to 8,192 rows, fp16 and bf16 (scripts/probe_no_split_k.py). torch reads both settings once, at the
+    process's first cuBLAS call, so this acts only before it (the engine calls it before loading the model; the
+    engine core's own process always meets it in time); a setting already in the environment is kept. Only
+    speed depends on it: InvariantLinear checks the bits whatever cuBLAS does."""
     for name, value in NO_SPLIT_K.items():
         os.environ.setdefault(name, value)
 
