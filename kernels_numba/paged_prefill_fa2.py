@@ -468,7 +468,7 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                                     f"kernel's keys per tile at head_dim {a.head_dim}) and excludes splits; got "
                                     f"part_keys={part_keys}, splits={splits}")
         part_tiles = part_keys // tile_keys(a.head_dim)
-        splits = -(-a.max_context_len // part_keys)
+        splits = max(1, -(-a.max_context_len // part_keys))
     if splits is None:
         ctas = num_tiles_bound(a.total_q, a.num_seqs, bq) * a.num_kv_heads
         splits = split_plan(ctas, a.max_context_len, a.num_sms, tile_keys(a.head_dim))

@@ -198,11 +198,11 @@ class NumbaBackend(TorchPagedBackend):
                 and q.shape[-1] in self.KERNEL_HEAD_DIMS and k_cache.shape[2] in self.KERNEL_BLOCK_SIZES)
 
     def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, plans=None,
-                warps=4, max_context_len=None):
+                warps=4):
         """q, out: [Np, H, D]; plans: the step's work lists (AttentionMetadata.prefill_plans), or None: the
         first layer's call builds the work list, the step's other layers reuse it (one plan kernel a step).
-        warps: the prefill kernel's CTA (4 warps, 128 rows; 1: one warp, 16 rows, for one-query chunks).
-        max_context_len: a host bound on context_lens (None: the block table's width), the mode's part count."""
+        warps: the prefill kernel's CTA (4 warps, 128 rows; 1: one warp, 16 rows, for one-query chunks). The
+        mode's parts: as many as the block table's width needs (a bound on every context that no caller sets)."""
         if self.batch_invariant and not self._kernel_ok(q, k_cache):
             raise InvalidRequestError(f"batch_invariant=True needs the prefill kernel's inputs: float16/bfloat16 "
                                       f"on the GPU, head_dim in {self.KERNEL_HEAD_DIMS}, block_size in "
@@ -213,7 +213,6 @@ class NumbaBackend(TorchPagedBackend):
         _run_into(out, self.paged_prefill.paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                         context_lens, scale=scale, out=out,
                                                         validate=self.validate, plans=plans,
-                                                        max_context_len=max_context_len,
                                                         warps=warps, part_keys=self.INVARIANT_PART_KEYS
                                                         if self.batch_invariant else None))
 
@@ -222,7 +221,7 @@ class NumbaBackend(TorchPagedBackend):
         if self.batch_invariant:            # n one-query chunks: query s at context_lens[s] - 1, as in a prompt,
             n = q.shape[0]                  # in one-warp CTAs (a row's arithmetic is the 128-row CTA's)
             return self.prefill(q, k_cache, v_cache, block_tables, self.query_starts(q.device, n + 1)[:n + 1],
-                                context_lens, scale, out, plans=plans, warps=1, max_context_len=max_context_len)
+                                context_lens, scale, out, plans=plans, warps=1)
         if self.paged_attention is None or not self._kernel_ok(q, k_cache):
             return super().decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, max_context_len)
         _run_into(out, self.paged_attention.paged_attention(q, k_cache, v_cache, block_tables, context_lens,
