@@ -38,7 +38,8 @@ def test_a_prompt_row_is_its_decode_at_any_chunk_start(dtype, head_dim):
     tiles, 32-key at head_dim 128): every query of a 300-token prompt gets the same bits in the whole prompt,
     in chunks starting at other offsets (a token budget, a prefix-cache hit) and as a one-query decode. The
     softmax's rescale factor must be exactly 1 across a tile masked whole for a row (not ex2 of an FMA's
-    rounding)."""
+    rounding); past position 256 a row's keys are in two of the mode's parts, whose log2-sum-exp must not
+    depend on the row's place in its CTA (an FMA did: the chunk at 250 differed)."""
     import torch
 
     from pagedattn.layers.attention import NumbaBackend
