@@ -377,6 +377,7 @@ def test_one_warp_cta_rows_are_the_four_warp_ctas_bits(shape):
     check(one, ref, tolerance(ref, v, q.dtype))
 
 
+@pytest.mark.slow   # ~2 min in the simulator; by default the mode's prompt == chunk == decode test crosses a part
 def test_parts_fixed_by_position_give_a_row_the_same_bits_in_every_launch():
     """part_keys (the batch-invariant mode): a query's keys in parts of 64 keys from position 0, whatever the
     launch: the whole prompt (3 parts), a chunk behind its cached prefix, and one-query decodes in one-warp
