@@ -358,9 +358,10 @@ def test_v8_lazy_rescale(rising):
 
 # The shipped kernel's one-warp CTA (16 rows: the batch-invariant mode's decodes): chunks of one and two queries
 # give each row the 128-row CTA's bits. GQA 7 over two KV heads at d=64 (a one-query chunk fills 7 of the 16 rows,
-# a two-query chunk 14), block 16, contexts crossing 64-key tiles; under -m slow head_dim 128 bf16 block 8 (tiles
-# of 32 keys, 2 rows a copy pass) and MHA block 32
-ONE_WARP_SHAPES = [(14, 2, 64, 16, torch.float16, [1, 2, 1], [0, 63, 130]),
+# a two-query chunk 14), block 16, contexts crossing 64-key tiles; head_dim 128 bf16 block 8 (tiles of 32 keys, 2
+# rows a copy pass) and MHA block 32. All under -m slow (~45 s each in the simulator): by default the mode's test
+# (tests/test_batch_invariance.py) compares one-query decodes in one-warp CTAs with the prompt's 128-row CTAs.
+ONE_WARP_SHAPES = [pytest.param((14, 2, 64, 16, torch.float16, [1, 2, 1], [0, 63, 130]), marks=pytest.mark.slow),
                    pytest.param((4, 1, 128, 8, torch.bfloat16, [1, 2, 1], [5, 40, 95]), marks=pytest.mark.slow),
                    pytest.param((2, 2, 64, 32, torch.float16, [2, 1], [70, 31]), marks=pytest.mark.slow)]
 
