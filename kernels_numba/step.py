@@ -218,6 +218,17 @@ def attention_phase(cta, num_ctas, qkv, k_pool, v_pool, tables, positions, num_h
 
 
 @cuda.jit(device=True)
+def best_in(logits, s, lo, hi):
+    """This thread's (largest logit of row s among lo + tid, lo + tid + THREADS, ... < hi, its index): the first
+    of a tie (w < 0: none)."""
+    b, w = float32(-math.inf), int32(-1)
+    for v in range(lo + cuda.threadIdx.x, hi, THREADS):
+        if logits[s, v] > b or w < 0:
+            b, w = logits[s, v], v
+    return b, w
+
+
+@cuda.jit(device=True)
 def best_of_cta(b, w, best, where):
     """The CTA's (largest value, its lowest index) of every thread's (b, w) (w < 0: none), by a tree in shared
     memory (best, where: THREADS slots), returned to thread 0."""
@@ -246,10 +257,7 @@ def argmax_phase(cta, num_ctas, logits, ids):
     where = cuda.shared.array(THREADS, int32)
     tid = cuda.threadIdx.x
     for s in range(cta, logits.shape[0], num_ctas):
-        b, w = float32(-math.inf), int32(-1)
-        for v in range(tid, logits.shape[1], THREADS):
-            if logits[s, v] > b or w < 0:
-                b, w = logits[s, v], v
+        b, w = best_in(logits, s, 0, logits.shape[1])
         b, w = best_of_cta(b, w, best, where)
         if tid == 0:
             ids[s] = w
@@ -267,10 +275,7 @@ def argmax_parts(logits, part_best, part_where):
     lo = cuda.blockIdx.x * per
     hi = min(V, lo + per)
     for s in range(logits.shape[0]):
-        b, w = float32(-math.inf), int32(-1)
-        for v in range(lo + cuda.threadIdx.x, hi, THREADS):
-            if logits[s, v] > b or w < 0:
-                b, w = logits[s, v], v
+        b, w = best_in(logits, s, lo, hi)
         b, w = best_of_cta(b, w, best, where)
         if cuda.threadIdx.x == 0:
             part_best[s, cuda.blockIdx.x] = b

@@ -116,6 +116,17 @@ def torch_linear(x, weight, bias=None):
     return F.linear(x, weight, bias)
 
 
+def _gemm_rows(x, M):
+    """x as M >= len(x) contiguous, 256-byte aligned rows for a GEMM call: x itself where it is one already,
+    else a fresh buffer with x's rows first (the rest as the allocator gives them: a row's product reads only
+    its own row)."""
+    if M == x.shape[0] and x.is_contiguous() and x.data_ptr() % 256 == 0:
+        return x
+    buf = torch.empty(M, x.shape[1], dtype=x.dtype, device=x.device)
+    buf[:x.shape[0]] = x
+    return buf
+
+
 def fixed_rows_linear(rows, x, weight, bias=None, product=None):
     """x weight^T + bias computed `rows` rows at a time, the last piece padded to `rows`: every product is one
     shape, so the GEMM library runs one algorithm on it and a row's result never depends on how many rows came
@@ -127,10 +138,7 @@ def fixed_rows_linear(rows, x, weight, bias=None, product=None):
     which is F.linear)."""
     T = x.shape[0]
     pad = -T % rows
-    if pad or not x.is_contiguous() or x.data_ptr() % 256:
-        buf = torch.empty(T + pad, x.shape[1], dtype=x.dtype, device=x.device)
-        buf[:T] = x
-        x = buf
+    x = _gemm_rows(x, T + pad)
     out = torch.empty(T + pad, weight.shape[0], dtype=x.dtype, device=x.device)
     wt = weight.t()
     for i in range(0, T + pad, rows):
@@ -176,11 +184,7 @@ class InvariantLinear:
         M = self.rows_called(weight, T)
         if not self.one_call(weight, bias, M, _capturing(x)):
             return fixed_rows_linear(self.rows, x, weight, bias, self.product)
-        if M > T or not x.is_contiguous() or x.data_ptr() % 256:
-            buf = torch.empty(M, x.shape[1], dtype=x.dtype, device=x.device)
-            buf[:T] = x
-            x = buf
-        return self.plain(x, weight, bias)[:T]
+        return self.plain(_gemm_rows(x, M), weight, bias)[:T]
 
     def rows_called(self, weight, T):
         """The rows one call of T rows runs on (T, or min_rows for a short product on a long reduction)."""
