@@ -558,8 +558,9 @@ def test_64_concurrent_streaming_clients_some_leaving_early(server, ref):
 
 
 def test_streamed_chunks_are_the_protocol_models_json():
-    """The streamed chunks are plain dicts encoded by msgspec: byte for byte what the pydantic protocol
-    models write (non-ASCII text, quotes, logprobs, usage, the chat role chunk)."""
+    """The streamed chunks are written without the pydantic models (from a job's frame of bytes, or with
+    logprobs from plain dicts encoded by msgspec): byte for byte what the protocol models write (non-ASCII
+    text, quotes, a model name to escape, logprobs, usage or none, a finish reason or none, the chat role chunk)."""
     import types
 
     from pagedattn.engine.outputs import CompletionOutput
@@ -567,23 +568,34 @@ def test_streamed_chunks_are_the_protocol_models_json():
     from pagedattn.serving.responses import ChatJob, CompletionJob, _sse
 
     c = CompletionOutput(0, "x", [65, 66], None, -1.5, [-0.5, -1.0])
-    c.delta_text, c.delta_token_ids = 'h\u00e9 "\U0001f642"\n', [65, 66]
-    req = P.CompletionRequest(model="m", prompt="p", logprobs=1, stream=True)
-    job = CompletionJob("cmpl-1", "m", req, [], None)
-    got = _sse(job.chunk([job.stream_choice(0, c, "length")], job.usage_dict()))
-    job2 = CompletionJob("cmpl-1", "m", req, [], None)
-    want = P.CompletionChunk(id="cmpl-1", created=job.created, model="m", usage=job2.usage(), choices=[
-        P.CompletionChoice(index=0, text=c.delta_text, finish_reason="length",
-                           logprobs=job2.logprobs(0, c, c.delta_token_ids))])
-    assert got == b"data: " + want.model_dump_json().encode() + b"\n\n"
-    chat = P.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], logprobs=True)
+    c.delta_text, c.delta_token_ids = 'h\u00e9 "\U0001f642"\n\\', [65, 66]
     streams = [types.SimpleNamespace(prompt_token_ids=[1, 2, 3])]       # what a job reads of its stream
-    job = ChatJob("chatcmpl-1", "m", chat, streams, None)
-    job2 = ChatJob("chatcmpl-1", "m", chat, streams, None)
-    got = [_sse(job.first_chunks()[0]), _sse(job.chunk([job.stream_choice(1, c, None)]))]
-    want = [P.ChatCompletionChunk(id="chatcmpl-1", created=job.created, model="m", choices=[
-                P.ChatCompletionStreamChoice(index=0, delta=P.DeltaMessage(role="assistant", content=""))]),
-            P.ChatCompletionChunk(id="chatcmpl-1", created=job.created, model="m", choices=[
-                P.ChatCompletionStreamChoice(index=1, delta=P.DeltaMessage(content=c.delta_text),
-                                             logprobs=job2.logprobs(1, c, c.delta_token_ids))])]
-    assert got == [b"data: " + w.model_dump_json().encode() + b"\n\n" for w in want]
+    model = 'm "\u00e9"'
+    for logprobs in (None, 1):
+        req = P.CompletionRequest(model="m", prompt="p", logprobs=logprobs, stream=True)
+        for index, finish, usage in ((0, "length", True), (3, None, False)):
+            job = CompletionJob("cmpl-1", model, req, streams, None)
+            assert (job.frame is None) == (logprobs is not None)
+            got = job.event(index, c, finish, job.usage_dict() if usage else None)
+            job2 = CompletionJob("cmpl-1", model, req, streams, None)
+            want = P.CompletionChunk(id="cmpl-1", created=job.created, model=model,
+                                     usage=job2.usage() if usage else None, choices=[
+                P.CompletionChoice(index=index, text=c.delta_text, finish_reason=finish,
+                                   logprobs=job2.logprobs(index, c, c.delta_token_ids))])
+            assert got == b"data: " + want.model_dump_json().encode() + b"\n\n", (logprobs, index)
+    for logprobs in (False, True):
+        chat = P.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], logprobs=logprobs,
+                                       stream=True)
+        job = ChatJob("chatcmpl-1", model, chat, streams, None)
+        assert (job.frame is None) == logprobs
+        job2 = ChatJob("chatcmpl-1", model, chat, streams, None)
+        got = [_sse(job.first_chunks()[0]), job.event(1, c, None, None), job.event(0, c, "stop", job.usage_dict())]
+        want = [P.ChatCompletionChunk(id="chatcmpl-1", created=job.created, model=model, choices=[
+                    P.ChatCompletionStreamChoice(index=0, delta=P.DeltaMessage(role="assistant", content=""))]),
+                P.ChatCompletionChunk(id="chatcmpl-1", created=job.created, model=model, choices=[
+                    P.ChatCompletionStreamChoice(index=1, delta=P.DeltaMessage(content=c.delta_text),
+                                                 logprobs=job2.logprobs(1, c, c.delta_token_ids))]),
+                P.ChatCompletionChunk(id="chatcmpl-1", created=job.created, model=model, usage=job2.usage(), choices=[
+                    P.ChatCompletionStreamChoice(index=0, delta=P.DeltaMessage(content=c.delta_text),
+                                                 finish_reason="stop", logprobs=job2.logprobs(0, c, c.delta_token_ids))])]
+        assert got == [b"data: " + w.model_dump_json().encode() + b"\n\n" for w in want], logprobs

@@ -48,15 +48,20 @@ import json, sys
 from pagedattn.engine.tokenizer import Tokenizer, _cache_file, load_tokenizer
 tok = load_tokenizer(sys.argv[1])
 import os
+from pagedattn.engine.detokenizer import IncrementalDetokenizer
+detok = IncrementalDetokenizer(tok, ["zz"])     # (a server's text: streamed through the same tokenizer)
+for t in tok.encode("def fib(n):", add_special_tokens=False):
+    detok.add(t)
 print(json.dumps(dict(ours=isinstance(tok, Tokenizer), hf_loaded=tok._hf is not None, cached=os.path.isfile(
-    _cache_file(sys.argv[1])), transformers="transformers" in sys.modules, ids=tok.encode("def fib(n):"))))
+    _cache_file(sys.argv[1])), transformers="transformers" in sys.modules, ids=tok.encode("def fib(n):"),
+    text=detok.finish())))
 """
 
 
 def test_a_first_load_builds_in_a_child_process(tiny_dir, tmp_path):
     """On an empty cache the tokenizer is built by a child process, which saves it; this process reads the
     saved file and never imports transformers (whose import and build would hold its GIL), with the ids
-    transformers gives."""
+    transformers gives; detokenizing a stream of tokens does not import it either."""
     import json
     import os
     import subprocess
@@ -71,6 +76,8 @@ def test_a_first_load_builds_in_a_child_process(tiny_dir, tmp_path):
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["ours"] and out["cached"] and not out["hf_loaded"] and not out["transformers"], out
     assert out["ids"] == AutoTokenizer.from_pretrained(tiny_dir).encode("def fib(n):", add_special_tokens=True)
+    assert out["text"] == AutoTokenizer.from_pretrained(tiny_dir).decode(
+        AutoTokenizer.from_pretrained(tiny_dir).encode("def fib(n):", add_special_tokens=False), skip_special_tokens=True)
 
 
 def test_encode_matches_transformers(pair):

@@ -68,6 +68,12 @@ class Tokenizer:
         return self._tk.get_vocab_size(with_added_tokens=True)
 
     @property
+    def backend_tokenizer(self):
+        """The `tokenizers.Tokenizer` (transformers' name for it): the streaming decoders step through it
+        without loading transformers' tokenizer."""
+        return self._tk
+
+    @property
     def hf(self):
         """transformers' tokenizer of the checkpoint (AutoTokenizer), loaded on first use."""
         if self._hf is None:

@@ -528,18 +528,21 @@ class CoreClient:
         self._process_inbox()
 
     def _process_inbox(self):
-        """Process every step message waiting, oldest first (on the loop, or the receiver thread)."""
+        """Process every step message waiting, oldest first (on the loop, or the receiver thread), then wake
+        the streams they brought news to: a stream behind by several steps is woken (written) once."""
         with self._inbox_lock:
             self._scheduled = False
+        woken = {}                      # loop -> streams due: woken once, after every message waiting
         with self._proc_lock:
             while self._inbox:
                 core, msg = self._inbox.popleft()
                 try:
-                    self._on_step(core, msg)
+                    self._on_step(core, msg, woken)
                 except Exception as e:  # noqa: BLE001 (a bug here: fail loudly, never silently stall streams)
                     logger.exception("processing a step message failed")
                     self.error = self.error or EngineDeadError(f"the engine client failed: {e!r}")
                     self._fail_streams(list(self._live.values()), self.error)
+            self._wake(woken)
 
     def _output_of(self, req):
         """The RequestOutput of `req` as it stands (deltas since the consumer's last one; only those where the
@@ -569,8 +572,9 @@ class CoreClient:
                 woken.setdefault(req.stream.loop, []).append(req.stream)
         self._wake(woken)
 
-    def _on_step(self, core, msg):
-        """One step's outputs from `core`: detokenize, stop strings, news for each request's stream."""
+    def _on_step(self, core, msg, woken):
+        """One step's outputs from `core`: detokenize, stop strings, news for each request's stream (the
+        streams due added to woken: loop -> streams)."""
         t = now()
         step = m.decode_step(msg)
         wire_ids, index, counts = step["wire_ids"].tolist(), step["index"].tolist(), step["num_tokens"].tolist()
@@ -619,7 +623,6 @@ class CoreClient:
             if comp.finish_reason is not None:
                 req.num_finished += 1
         self._record_tokens(recorded, t)
-        woken = {}
         for req, n_new in touched.values():
             self._deliver(req, n_new, t, woken)
         errors = [(req.wire_id, "failed", message) for req, message in failed]
@@ -647,7 +650,6 @@ class CoreClient:
                     self.metrics.finished(reason, t - req.stream.arrival_time)
             if req.stream._put(error=err):
                 woken.setdefault(req.stream.loop, []).append(req.stream)
-        self._wake(woken)
 
     def _deliver(self, req, num_tokens, t, woken):
         stream = req.stream

@@ -13,8 +13,10 @@ answered, so a stopping server (http_server.Server) can end them with an error i
 """
 import asyncio
 import contextlib
+import functools
 import json
 import time
+import types
 
 import msgspec
 from fastapi.responses import Response
@@ -73,8 +75,18 @@ class _Job:
         self.finished = set()           # choice indices whose finish_reason was sent
         self.final = {}                 # choice index -> latest CompletionOutput
         self._pieces = {}               # choice index -> TokenPieces (logprobs)
+        self.continuous_usage = req.stream and req.continuous_usage
+        self.frame = None               # a streamed choice's bytes around its values (event); None: the dicts
         for s in streams:               # a streamed chunk carries the new tokens and text alone; a body, the end
             s.deltas_only, s.final_only = req.stream, not req.stream
+
+    def frame_of(self, obj, before_text, after_text):
+        """(head, mid, tail) of a streamed chunk of one choice with no logprobs: head + index + mid + the
+        text's JSON + tail + the finish reason's JSON + '}],"usage":' + the usage's JSON + '}', as event
+        writes it: the bytes _sse writes of chunk([stream_choice(...)], usage), without building either."""
+        head = b'data: {"id":%s,"object":%s,"created":%d,"model":%s,"choices":[{"index":' % (
+            _JSON.encode(self.rid), _JSON.encode(obj), self.created, _JSON.encode(self.model_name))
+        return head, before_text, after_text + b',"logprobs":null,"finish_reason":'
 
     def abort(self):
         for s in self.streams:
@@ -126,44 +138,145 @@ class _Job:
         return self.response()
 
     async def write(self, send):
-        """Send the SSE events of a streamed response to the ASGI `send`, [DONE] included, each output's chunks
-        (one per choice that changed, as OpenAI sends them) in one body message. One coroutine from the
-        request's stream to uvicorn's send, where two async generators and Starlette's streaming response
-        were: the API process's CPU per streamed token is what limits one API process (docs/serving.md)."""
-        done = b"data: [DONE]\n\n"
+        """Send the SSE events of a streamed response to the ASGI `send`, [DONE] included. The events are
+        written as the front processes each step (RequestStream.push_to: on_output), each output's chunks
+        (one per choice that changed, as OpenAI sends them) in one body message: no task wakes per step per
+        stream, and none of the response's Python runs outside the step's processing (the API process's CPU
+        per streamed token is what limits one API process, docs/serving.md). Returns once [DONE] went out."""
+        self.sender = _Sender(send)
+        self.ended = asyncio.get_running_loop().create_future()
+        self.open = len(self.streams)
         try:
             head = b"".join(_sse(chunk) for chunk in self.first_chunks())
             if head:
-                await send({"type": "http.response.body", "body": head, "more_body": True})
-            if len(self.streams) == 1:  # (no generator between the stream and the socket)
-                async for out in self.streams[0]:
-                    body = self.body(0, out)
-                    if body:
-                        await send({"type": "http.response.body", "body": body, "more_body": True})
-            else:
-                async for i, out in merge_streams(self.streams):
-                    body = self.body(i, out)
-                    if body:
-                        await send({"type": "http.response.body", "body": body, "more_body": True})
-            if self.req.include_usage:
-                done = _sse(self.chunk([], usage=self.usage_dict())) + done
-        except (EngineStepError, EngineDeadError, InvalidRequestError) as e:
-            done = b"data: " + json.dumps(error_of(e).body()).encode() + b"\n\n" + done
+                self.sender.write(head)
+            for i, stream in enumerate(self.streams):
+                if not self.ended.done():
+                    stream.push_to(functools.partial(self.on_output, i))
+            await self.ended
         finally:
-            self.abort()                # a no-op unless the client left early
-        await send({"type": "http.response.body", "body": done, "more_body": False})
+            self.abort()                # a no-op unless the client left early or a stream failed
+
+    def on_output(self, i, out, error):
+        """(RequestStream's writer, on the loop) An output of prompt i's stream, or its error: the chunks it
+        brings; after the last stream's final output (or the first error) the usage, [DONE], the end."""
+        if self.ended.done():
+            return
+        try:
+            if error is not None:
+                if not isinstance(error, (EngineStepError, EngineDeadError, InvalidRequestError)):
+                    raise error
+                self.end(b"data: " + json.dumps(error_of(error).body()).encode() + b"\n\n")
+                return
+            body = self.body(i, out)
+            self.open -= out.finished
+            if self.open:
+                if body:
+                    self.sender.write(body)
+                return
+            if self.req.include_usage:
+                body += _sse(self.chunk([], usage=self.usage_dict()))
+            self.end(body)
+        except Exception as e:          # noqa: BLE001 (this response fails; the step's other responses go on)
+            self.ended.set_exception(e)
+            self.abort()
+
+    def end(self, body):
+        """The last body message (body, then [DONE]); `ended` is set once it went out."""
+        self.sender.write(body + b"data: [DONE]\n\n", more_body=False)
+        self.sender.then(self.ended)
 
     def body(self, i, out):
         """The SSE events (bytes) of one output of prompt i: a chunk per choice that changed."""
         changed = list(self.updates(i, out))        # (first: the usage counts these tokens)
-        usage = self.usage_dict() if self.req.continuous_usage else None
-        return b"".join([_sse(self.chunk([self.stream_choice(index, c, finish)], usage)) for index, c, finish in changed])
+        usage = self.usage_dict() if self.continuous_usage else None
+        return b"".join([self.event(index, c, finish, usage) for index, c, finish in changed])
+
+    def event(self, index, c, finish, usage):
+        """The SSE event (bytes) of streamed choice `index` (CompletionOutput c, finish reason sent now or
+        None, usage dict or None): from the job's frame when it has one (no logprobs), else _sse(chunk(...))."""
+        if self.frame is None:
+            return _sse(self.chunk([self.stream_choice(index, c, finish)], usage))
+        head, mid, tail = self.frame
+        return b'%s%d%s%s%s%s}],"usage":%s}\n\n' % (
+            head, index, mid, _JSON.encode(c.delta_text), tail, b"null" if finish is None else _JSON.encode(finish),
+            b"null" if usage is None else _JSON.encode(usage))
 
     def first_chunks(self):
         return []
 
 
 _JSON = msgspec.json.Encoder()
+
+
+class _Sender:
+    """An ASGI `send` called from code that is not a coroutine (a step's processing): each message is sent on
+    the spot. An ASGI send returns without waiting unless the socket's buffer is full (uvicorn then awaits its
+    drain): sent as `send(message).send(None)`, a send that returns at once costs no task; one that waits
+    goes on as a task, and the messages written meanwhile follow it in one message, in order."""
+
+    def __init__(self, send):
+        self.send = send
+        self.backlog = None             # messages written while a send waits for the socket (and then a task runs)
+        self.task = None
+
+    def write(self, body, more_body=True):
+        message = {"type": "http.response.body", "body": body, "more_body": more_body}
+        if self.backlog is not None:
+            self.backlog.append(message)
+            return
+        send = self.send(message)
+        try:
+            waiting_on = send.send(None)
+        except StopIteration:
+            return
+        self.backlog = []
+        self.task = asyncio.ensure_future(self._drain(send, waiting_on))
+
+    async def _drain(self, send, waiting_on):
+        try:
+            await _resume(send, waiting_on)
+            while self.backlog:
+                messages, self.backlog = self.backlog, []
+                await self.send({"type": "http.response.body", "body": b"".join(m["body"] for m in messages),
+                                 "more_body": messages[-1]["more_body"]})
+        finally:
+            self.backlog = None
+
+    def then(self, future):
+        """Resolve `future` once every message written so far went out (or with the exception a send raised)."""
+        if self.task is None or self.task.done() and self.backlog is None:
+            error = None if self.task is None or self.task.cancelled() else self.task.exception()
+        else:
+            self.task.add_done_callback(lambda _: self.then(future))
+            return
+        if not future.done():
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+
+
+@types.coroutine
+def _resume(coro, waiting_on):
+    """Run `coro` to its end from where it stopped: it was stepped once by hand (coro.send(None)) and
+    yielded `waiting_on` (what it waits for), as `await coro` would have gone on from there."""
+    while True:
+        try:
+            sent = yield waiting_on
+        except GeneratorExit:
+            coro.close()
+            raise
+        except BaseException as e:      # (thrown into the task: a cancellation)
+            try:
+                waiting_on = coro.throw(e)
+            except StopIteration as stop:
+                return stop.value
+        else:
+            try:
+                waiting_on = coro.send(sent)
+            except StopIteration as stop:
+                return stop.value
 
 
 def _sse(chunk):
@@ -177,6 +290,8 @@ class CompletionJob(_Job):
     def __init__(self, *args):
         super().__init__(*args)
         self.offsets = {}               # choice index -> text offset of its next token (logprobs)
+        if self.req.stream and self.req.logprobs is None:
+            self.frame = self.frame_of("text_completion", b',"text":', b"")
 
     def logprobs(self, index, c, token_ids):
         if self.req.logprobs is None:
@@ -215,6 +330,11 @@ class CompletionJob(_Job):
 
 
 class ChatJob(_Job):
+    def __init__(self, *args):
+        super().__init__(*args)
+        if self.req.stream and not self.req.logprobs:
+            self.frame = self.frame_of("chat.completion.chunk", b',"delta":{"content":', b"}")
+
     def logprobs(self, index, c, token_ids):
         if not self.req.logprobs:
             return None

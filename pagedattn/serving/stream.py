@@ -11,6 +11,10 @@ everything it missed. Concatenated, the deltas are exactly the final text and to
 
 Closing the stream early (`aclose()`, `abort()`, leaving the `async for`, or cancelling the task that
 iterates it: a client that went away) aborts the request; its blocks are freed before the next step.
+
+Instead of being read, a stream can push: `stream.push_to(writer)` has the front call `writer(out, error)`
+with the same outputs as the front processes each step, on the stream's event loop. A streamed HTTP
+response writes its bytes from there (pagedattn.serving.responses): no task is woken per step.
 """
 import asyncio
 import threading
@@ -44,9 +48,9 @@ def engine_dead(error):
 
 
 def set_ready(streams):
-    """On the streams' event loop: wake each stream's reader."""
+    """On the streams' event loop: wake each stream's reader (or push its news to its writer)."""
     for stream in streams:
-        stream._ready.set()
+        stream._wake()
 
 
 class RequestStream:
@@ -59,6 +63,7 @@ class RequestStream:
     logprobs and text equal to the delta_ fields): a streamed HTTP response needs no more.
     final_only: set it before reading to be woken for the final output (or an error) alone: a non-streamed
     HTTP response reads one output, not a copy of the completion at every step.
+    writer: set by push_to (then the stream is not read).
     """
 
     def __init__(self, owner, request_id, prompt, prompt_token_ids, params, loop):
@@ -71,6 +76,7 @@ class RequestStream:
         self.arrival_time = now()
         self.deltas_only = False
         self.final_only = False
+        self.writer = None
         self._wire_id = None            # the front's number for the request on the wire
         self.finished = False           # the reader has seen the final output (or an error)
         self._lock = threading.Lock()   # guards the fields below between the front's threads and the reader
@@ -78,6 +84,7 @@ class RequestStream:
         self._pending_tokens = 0        # tokens the reader has not taken yet (all completions)
         self._sent_any = False          # the reader has taken an output
         self._error = None
+        self._due = False               # the reader has been woken (or the writer is to be pushed to) for news
         self._ready = asyncio.Event()
 
     # ---- the front's side ------------------------------------------------------------------------
@@ -86,20 +93,57 @@ class RequestStream:
         advanced by num_tokens tokens, finished or not; or an error. Returns True when the reader must be
         woken: it is not already, and this is an error, the final output, the first tokens, or at least
         stream_interval tokens since it last took one (final_only: an error or the final output); the caller
-        wakes it, once per loop per step."""
+        wakes it (set_ready), once for all the step messages it processes at a time."""
         with self._lock:
             if error is not None:
                 self._error = error
-                return not self._ready.is_set()
-            self._pending = request
-            self._pending_tokens += num_tokens
-            if self.final_only:
-                due = finished
+                due = True
             else:
-                due = finished or not self._sent_any or self._pending_tokens >= self.owner.stream_interval
-            return due and not self._ready.is_set()
+                self._pending = request
+                self._pending_tokens += num_tokens
+                if self.final_only:
+                    due = finished
+                else:
+                    due = finished or not self._sent_any or self._pending_tokens >= self.owner.stream_interval
+            if not due or self._due:
+                return False
+            self._due = True
+            return True
+
+    def _wake(self):
+        """(on the stream's loop) The reader is due: wake it, or push to the writer."""
+        if self.writer is not None:
+            self._push()
+        else:
+            self._ready.set()
 
     # ---- the reader's side -----------------------------------------------------------------------
+    def push_to(self, writer):
+        """Have the front call writer(out, None) with each output (what the reader would have read) and
+        writer(None, error) with an error, on the stream's loop, as it processes a step, instead of waking a
+        reader. The writer is called until an output is final or an error came; its exceptions are the
+        caller's to handle (the front's step processing does not expect any). Call on the stream's loop,
+        before any read; what is already waiting is pushed at once."""
+        self.writer = writer
+        self._push()
+
+    def _push(self):
+        with self._lock:
+            request, error = self._pending, self._error
+            self._pending, self._pending_tokens = None, 0
+            self._sent_any = self._sent_any or request is not None
+            self._due = False
+            self._ready.clear()         # (set if news came before push_to)
+        if self.finished:
+            return
+        if error is not None:
+            self.finished = True
+            self.writer(None, error)
+        elif request is not None:
+            out = self.owner._output_of(request)
+            self.finished = out.finished
+            self.writer(out, None)
+
     def __aiter__(self):
         return self
 
@@ -113,6 +157,7 @@ class RequestStream:
                     request, error = self._pending, self._error
                     self._pending, self._pending_tokens = None, 0
                     self._sent_any = self._sent_any or request is not None
+                    self._due = False
                     self._ready.clear()
                 if error is not None:
                     self.finished = True
@@ -146,4 +191,4 @@ class RequestStream:
         with self._lock:
             self._error = error
         self.owner._abort(self)         # (finished stays False until the reader has read the error)
-        self._ready.set()
+        self._wake()
