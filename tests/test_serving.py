@@ -599,3 +599,45 @@ def test_streamed_chunks_are_the_protocol_models_json():
                     P.ChatCompletionStreamChoice(index=0, delta=P.DeltaMessage(content=c.delta_text),
                                                  finish_reason="stop", logprobs=job2.logprobs(0, c, c.delta_token_ids))])]
         assert got == [b"data: " + w.model_dump_json().encode() + b"\n\n" for w in want], logprobs
+
+def test_a_send_that_waits_for_the_socket_keeps_the_order_of_later_writes():
+    """responses._Sender: a write whose ASGI send returns at once is sent on the spot; one whose send waits (a
+    full socket buffer) goes on as a task, the writes made meanwhile follow it in one message, in order, and
+    `then` resolves once all went out; an error of a send reaches the future `then` resolves."""
+    from pagedattn.serving.responses import _Sender
+
+    async def main():
+        sent, writable = [], asyncio.Event()
+        writable.set()
+
+        async def send(message):
+            if not writable.is_set():
+                await writable.wait()
+            sent.append((message["body"], message["more_body"]))
+
+        sender = _Sender(send)
+        sender.write(b"a")
+        assert sent == [(b"a", True)] and sender.task is None      # sent at once, no task
+        writable.clear()
+        sender.write(b"b")                                          # waits for the socket
+        sender.write(b"c")
+        sender.write(b"d", more_body=False)
+        done = asyncio.get_running_loop().create_future()
+        sender.then(done)
+        assert sent == [(b"a", True)] and not done.done()
+        writable.set()
+        await asyncio.wait_for(done, 5)
+        assert sent == [(b"a", True), (b"b", True), (b"cd", False)]
+
+        async def broken(message):
+            await asyncio.sleep(0)
+            raise OSError("gone")
+
+        sender = _Sender(broken)
+        sender.write(b"x")
+        failed = asyncio.get_running_loop().create_future()
+        sender.then(failed)
+        with pytest.raises(OSError, match="gone"):
+            await asyncio.wait_for(failed, 5)
+
+    asyncio.run(main())

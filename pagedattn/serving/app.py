@@ -69,8 +69,8 @@ def build_app(client, model_name, api_key=None, limits=None, enable_docs=False):
     # redirect_slashes off: Starlette's redirect from "/health/" to "/health" builds its Location from the
     # client's Host header, so any client could make the server send a redirect to a host of its choosing; an
     # unknown path is a 404 like any other.
-    app = FastAPI(title="pagedattn", description="OpenAI-compatible server on the pagedattn engine",
-                  redirect_slashes=False, **docs)
+    app = _App(title="pagedattn", description="OpenAI-compatible server on the pagedattn engine",
+               redirect_slashes=False, **docs)
     app.add_middleware(RequestGuard, api_key=api_key, limits=limits)
     # Chat templates and tokenization: one worker thread (the front's tokenizer is used by one thread at a
     # time), so a long prompt costs its own request time, never the event loop's.
@@ -237,6 +237,17 @@ def build_app(client, model_name, api_key=None, limits=None, enable_docs=False):
         return streams
 
     return app
+
+
+class _App(FastAPI):
+    """FastAPI, keeping the server's own ASGI `send` in the scope ("pagedattn.send"). A streamed response sends
+    its start through the middlewares' wrappers of `send` (they note that a response started) and its body
+    messages, which they pass on unchanged, straight to the server's (SSEResponse): two coroutine layers less
+    per chunk."""
+
+    async def __call__(self, scope, receive, send):
+        scope["pagedattn.send"] = send
+        await super().__call__(scope, receive, send)
 
 
 def _of_prompt(exc, i):

@@ -18,9 +18,11 @@ computing it. So the text, token ids, logprobs and finish reasons are exactly th
 Threads. One receiver thread waits on every core's socket (its Python runs only when a message came):
 metrics snapshots and deaths it applies itself; step messages it hands, raw, to the event loop that
 serves the requests (one wake-up for every message waiting), and that loop walks the entries (one per
-completion that advanced), detokenizes and marks each request's stream as having news. The
-RequestOutput (token ids, text, deltas since the reader last took one) is built only when the reader
-takes it (pagedattn.serving.stream), so a stream that lags costs nothing per step. All the Python of a
+completion that advanced), detokenizes and marks each request's stream as having news; then, once for
+all the messages it processed, it wakes the streams' readers, or pushes to the streams that have a writer
+(a streamed HTTP response writes its bytes right there: RequestStream.push_to). The RequestOutput (token
+ids, text, deltas since the reader last took one) is built only when the reader takes it (or it is
+pushed: pagedattn.serving.stream), so a stream that lags costs nothing per step. All the Python of a
 step's outputs thus runs on the thread that writes the responses: no second thread competes with it for
 the GIL (a thread that has to win the GIL back after every socket write would wait up to the
 interpreter's switch interval each time). Without a running loop (the one that added the requests

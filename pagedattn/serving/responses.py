@@ -370,7 +370,8 @@ class ChatJob(_Job):
 
 
 class SSEResponse(Response):
-    """A streamed response (text/event-stream) written by the job itself (_Job.write). While it writes, a task
+    """A streamed response (text/event-stream) written by the job itself (_Job.write; its body messages to the
+    server's own send where the app kept it in the scope, build_app's _App). While it writes, a task
     waits for the client's disconnect; if that comes first, the writer is cancelled and the job's requests are
     aborted (their blocks freed before the engine's next step). open_jobs: the app's OpenJobs, which hold the
     job while it writes."""
@@ -383,7 +384,7 @@ class SSEResponse(Response):
     async def __call__(self, scope, receive, send):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         with self.open_jobs.holding(self.job):
-            writer = await _unless_gone(self.job.write(send), receive, self.job)
+            writer = await _unless_gone(self.job.write(scope.get("pagedattn.send", send)), receive, self.job)
         if writer.done() and not writer.cancelled() and writer.exception() is not None:
             raise writer.exception()
         if self.background is not None:
