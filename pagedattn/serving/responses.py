@@ -245,7 +245,7 @@ class _Sender:
 
     def then(self, future):
         """Resolve `future` once every message written so far went out (or with the exception a send raised)."""
-        if self.task is None or self.task.done() and self.backlog is None:
+        if self.task is None or self.task.done():       # (a finished task left no backlog)
             error = None if self.task is None or self.task.cancelled() else self.task.exception()
         else:
             self.task.add_done_callback(lambda _: self.then(future))

@@ -133,7 +133,6 @@ class RequestStream:
             self._pending, self._pending_tokens = None, 0
             self._sent_any = self._sent_any or request is not None
             self._due = False
-            self._ready.clear()         # (set if news came before push_to)
         if self.finished:
             return
         if error is not None:
