@@ -18,6 +18,8 @@ open plain request with a 503 after the grace period; 64 concurrent streaming cl
 import asyncio
 import json
 import logging
+import os
+import re
 import socket
 import threading
 import time
@@ -30,6 +32,7 @@ from serving_helpers import ServerThread, scrape, write_tiny_chat_checkpoint
 from serving_helpers import signal_handlers_kept  # noqa: F401 (autouse: SIGTERM/SIGINT handlers kept)
 
 from pagedattn import LLM, SamplingParams
+from pagedattn.serving import protocol as P
 from pagedattn.serving.app import build_app
 from pagedattn.serving.core_client import CoreClient
 from pagedattn.serving.metrics import Histogram
@@ -641,3 +644,20 @@ def test_a_send_that_waits_for_the_socket_keeps_the_order_of_later_writes():
             await asyncio.wait_for(failed, 5)
 
     asyncio.run(main())
+
+
+def test_response_ids_are_unique_and_a_forked_process_draws_its_own():
+    """protocol.random_id: 128 random bits from a per-process generator (no system call per id); a forked
+    child reseeds, so two API processes never hand out the same ids."""
+    ids = {P.random_id("cmpl") for _ in range(10000)}
+    assert len(ids) == 10000 and all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                        # the child: its next id, to the parent
+        os.write(write, P.random_id("cmpl").encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child = os.read(read, 100).decode()
+    os.close(read)
+    assert child != P.random_id("cmpl") and child not in ids

@@ -11,9 +11,10 @@ silently ignored. Unknown fields are ignored, as OpenAI does.
 Extras beyond OpenAI's fields (vLLM's names): top_k, ignore_eos, stream_options.continuous_usage_stats
 (usage in every stream chunk: token counts so far).
 """
+import os
+import random
 import re
 import time
-import uuid
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer
@@ -145,7 +146,7 @@ class CompletionRequest(_SamplingRequest):
             return [p]
         if not p:
             raise InvalidRequestError("prompt is empty: it must have at least 1 token")
-        if all(isinstance(t, int) for t in p):
+        if isinstance(p[0], int):       # (validated as one of the union's lists: all ints, strs or lists)
             return [list(p)]
         return list(p)
 
@@ -232,7 +233,13 @@ def error_param(exc, renames=None):
 
 # ---- responses ---------------------------------------------------------------------------------------
 def random_id(prefix):
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """prefix-<32 hex digits>: 128 random bits from a generator seeded from the OS once per process (uuid4 asks
+    the OS for every id: a system call per request)."""
+    return f"{prefix}-{_ids.getrandbits(128):032x}"
+
+
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)     # (a forked process draws its own ids)
 
 
 class UsageInfo(BaseModel):
