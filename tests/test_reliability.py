@@ -36,6 +36,8 @@ BAD_REQUESTS = [
     ([5, -1, 6], greedy(), ["token id -1", "[0, 128)"]),
     ([5, 128], greedy(), ["token id 128", "[0, 128)"]),
     ([5, 2.5], greedy(), ["token ids must be ints"]),
+    ([5, 6, True], greedy(), ["token ids must be ints, got True at position 2"]),
+    ([5, 6, 7, -3], greedy(), ["token id -3 at position 3"]),
     ([5] * 40, greedy(20), ["never fit", f"num_blocks={NUM_BLOCKS}", "max_tokens must be <= 8"]),
     ("a string", greedy(), ["no tokenizer"]),
     (42, greedy(), ["prompt must be a str or a list of token ids"]),

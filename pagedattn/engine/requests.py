@@ -37,9 +37,10 @@ class InputProcessor:
         if isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
             ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
             self.check_prompt_length(len(ids))
-            for i, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, int):
-                    raise InvalidRequestError(f"prompt token ids must be ints, got {t!r} at position {i}")
+            if set(map(type, ids)) != {int}:   # (a scan in C; the loop below only to name what is wrong)
+                for i, t in enumerate(ids):
+                    if isinstance(t, bool) or not isinstance(t, int):
+                        raise InvalidRequestError(f"prompt token ids must be ints, got {t!r} at position {i}")
             return ids
         raise InvalidRequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
 
@@ -66,7 +67,9 @@ class InputProcessor:
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         ids = self.tokenize(prompt)     # (its length checked: the per-token scan below costs <= max_model_len)
         n_prompt, max_len = len(ids), self.max_model_len
-        bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
+        bad = None
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = next(i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size)
         if bad is not None:
             raise InvalidRequestError(f"prompt token id {ids[bad]} at position {bad} is outside the vocabulary: "
                                       f"token ids must be in [0, {self.vocab_size})")
