@@ -10,6 +10,7 @@ import asyncio
 import secrets
 
 from pagedattn.serving.http_errors import APIError
+from pagedattn.serving.responses import resume
 
 
 class RequestGuard:
@@ -45,7 +46,7 @@ class RequestGuard:
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             return await _too_large(limit).response(close=True)(scope, receive, send)
         try:
-            body = await asyncio.wait_for(self.read_body(receive, limit), self.limits.body_timeout_s)
+            body = await _within(self.read_body(receive, limit), self.limits.body_timeout_s)
         except asyncio.TimeoutError:
             return await APIError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
                                   code="request_timeout").response(close=True)(scope, receive, send)
@@ -88,6 +89,19 @@ class RequestGuard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+async def _within(coro, timeout_s):
+    """`await asyncio.wait_for(coro, timeout_s)`, without its task and timer when coro ends without waiting (a
+    small body is all there when the app is called: the server read it with the headers)."""
+    try:
+        waiting_on = coro.send(None)
+    except StopIteration as done:
+        return done.value
+
+    async def rest():
+        return await resume(coro, waiting_on)
+    return await asyncio.wait_for(rest(), timeout_s)
 
 
 def _without_body(send):

@@ -117,8 +117,9 @@ class _Job:
         return [pieces.step(t) for t in token_ids]
 
     def updates(self, i, out):
-        """(choice index, CompletionOutput, finish_reason sent now or None) for the completions of `out`
+        """[(choice index, CompletionOutput, finish_reason sent now or None)] for the completions of `out`
         that changed."""
+        changed = []
         for c in out.outputs:
             index = i * self.n + c.index
             self.final[index] = c
@@ -128,7 +129,8 @@ class _Job:
             if finish is not None:
                 self.finished.add(index)
             if k or c.delta_text or finish is not None:
-                yield index, c, finish
+                changed.append((index, c, finish))
+        return changed
 
     async def run(self):
         """Consume every output (non-streaming) and return the response model."""
@@ -169,14 +171,15 @@ class _Job:
                 self.end(b"data: " + json.dumps(error_of(error).body()).encode() + b"\n\n")
                 return
             body = self.body(i, out)
-            self.open -= out.finished
-            if self.open:
-                if body:
-                    self.sender.write(body)
-                return
-            if self.req.include_usage:
-                body += _sse(self.chunk([], usage=self.usage_dict()))
-            self.end(body)
+            if out.finished:
+                self.open -= 1
+                if not self.open:
+                    if self.req.include_usage:
+                        body += _sse(self.chunk([], usage=self.usage_dict()))
+                    self.end(body)
+                    return
+            if body:
+                self.sender.write(body)
         except Exception as e:          # noqa: BLE001 (this response fails; the step's other responses go on)
             self.ended.set_exception(e)
             self.abort()
@@ -188,8 +191,10 @@ class _Job:
 
     def body(self, i, out):
         """The SSE events (bytes) of one output of prompt i: a chunk per choice that changed."""
-        changed = list(self.updates(i, out))        # (first: the usage counts these tokens)
+        changed = self.updates(i, out)              # (first: the usage counts these tokens)
         usage = self.usage_dict() if self.continuous_usage else None
+        if len(changed) == 1:
+            return self.event(*changed[0], usage)
         return b"".join([self.event(index, c, finish, usage) for index, c, finish in changed])
 
     def event(self, index, c, finish, usage):
@@ -235,7 +240,7 @@ class _Sender:
 
     async def _drain(self, send, waiting_on):
         try:
-            await _resume(send, waiting_on)
+            await resume(send, waiting_on)
             while self.backlog:
                 messages, self.backlog = self.backlog, []
                 await self.send({"type": "http.response.body", "body": b"".join(m["body"] for m in messages),
@@ -258,7 +263,7 @@ class _Sender:
 
 
 @types.coroutine
-def _resume(coro, waiting_on):
+def resume(coro, waiting_on):
     """Run `coro` to its end from where it stopped: it was stepped once by hand (coro.send(None)) and
     yielded `waiting_on` (what it waits for), as `await coro` would have gone on from there."""
     while True:
