@@ -11,7 +11,7 @@ batch are not affected.
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int                     # which of the request's n completions
     text: str                      # detokenized so far (special tokens skipped, stop string removed)
@@ -27,7 +27,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: object
     prompt: object                 # the string given, or None for token ids

@@ -98,13 +98,10 @@ class _Completion:
         delta_ids, delta_text = self.token_ids[sent_tokens:], text[sent_chars:]
         self.num_sent_tokens, self.num_sent_chars = len(self.token_ids), max(sent_chars, len(text))
         if full:
-            out = CompletionOutput(self.index, text, list(self.token_ids), self.finish_reason, self.cumulative,
-                                   None if self.logprobs is None else list(self.logprobs))
-        else:
-            out = CompletionOutput(self.index, delta_text, delta_ids, self.finish_reason, self.cumulative,
-                                   None if self.logprobs is None else self.logprobs[sent_tokens:])
-        out.delta_token_ids, out.delta_text = delta_ids, delta_text
-        return out
+            return CompletionOutput(self.index, text, list(self.token_ids), self.finish_reason, self.cumulative,
+                                    None if self.logprobs is None else list(self.logprobs), delta_text, delta_ids)
+        return CompletionOutput(self.index, delta_text, delta_ids, self.finish_reason, self.cumulative,
+                                None if self.logprobs is None else self.logprobs[sent_tokens:], delta_text, delta_ids)
 
 
 class _Request:
@@ -684,13 +681,16 @@ class CoreClient:
         if m is None or not recorded:
             return
         with self._lock:
-            total = 0
+            total, gaps = 0, {}         # (previous token's time, tokens) -> completions: mostly one key a step
             for req, comp, k in recorded:
                 if req.first_token_time is None:
                     req.first_token_time = t
                     m.first_token(t - req.stream.arrival_time, len(req.stream.prompt_token_ids))
                 if comp.last_token_time is not None:
-                    m.inter_token((t - comp.last_token_time) / k, k)
+                    key = (comp.last_token_time, k)
+                    gaps[key] = gaps.get(key, 0) + 1
                 comp.last_token_time = t
                 total += k
+            for (last, k), n in gaps.items():
+                m.inter_token((t - last) / k, k * n)
             m.generated(total)
