@@ -396,6 +396,26 @@ def test_a_slow_sender_is_cut_off(server):
     assert httpx.get(server.url + "/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
 
 
+def test_a_body_that_arrives_in_parts_within_the_timeout_is_served(server):
+    """The guard reads a body that is all there at once without a timer; one that arrives later goes on
+    reading under body_timeout_s: here its second half comes 0.5 s after the first."""
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                  % (API_KEY.encode(), len(body), body[:10]))
+        time.sleep(0.5)
+        s.sendall(body[10:])
+        got = b""
+        while b"}}" not in got:                                            # the whole JSON answer
+            chunk = s.recv(4096)
+            assert chunk, got
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 200"), got
+    assert json.loads(got.split(b"\r\n\r\n", 1)[1])["usage"]["completion_tokens"] == 2
+
+
 @pytest.mark.parametrize("impl", ["h11", "httptools"])
 def test_either_http_parser_cuts_off_headers_that_never_end(impl):
     """The head timeout wraps whichever uvicorn protocol serves (httptools by default where installed)."""
