@@ -6,7 +6,7 @@ Two ways to run the same 256 requests (greedy, ignore_eos, all at t = 0) on one 
               output processor, with the tokenizer);
   * core      as pagedattn/serving/engine_core.py runs them: streamed requests, the core's output processor
               (no tokenizer, deltas only), and each step's outputs packed into one StepOutputs message
-              (`EngineCore._step`'s packing and `encode_step`, the send left out).
+              (`engine_core.pack_outputs` and `encode_step`, as EngineCore._step does, the send left out).
 
 Per way and run (they alternate, --runs each): output tok/s, and the process's CPU time (every thread) per
 1000 output tokens. With --profile, one more run of each under cProfile, the top functions by own time
@@ -32,13 +32,13 @@ from scripts import benchlib  # noqa: E402
 def run(llm, prompts, out_lens, way, tag):
     """The workload one way; returns (output tokens, wall seconds, CPU seconds)."""
     from pagedattn import SamplingParams
-    from pagedattn.engine.outputs import StepDeltas
-    from pagedattn.serving.engine_core import encode_step
+    from pagedattn.serving.engine_core import encode_step, pack_outputs
 
     engine = llm.engine
     stream = way == "core"
     for i, (p, n) in enumerate(zip(prompts, out_lens)):
-        engine.add_request(f"{tag}-{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), stream=stream)
+        rid = (b"client", i) if stream else f"{tag}-{i}"        # (the core's ids: (client, wire id))
+        engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), stream=stream)
     tokens = 0
     w0, c0 = time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
@@ -46,20 +46,9 @@ def run(llm, prompts, out_lens, way, tag):
         if not stream:
             tokens += sum(len(c.token_ids) for o in outs for c in o.outputs)
             continue
-        entries = []                    # EngineCore._step's packing, one client
-        for out in outs:
-            if type(out) is StepDeltas:
-                for d in out.deltas:
-                    if d[1] or d[4] is not None:
-                        entries.append((0, *d))
-                        tokens += len(d[1])
-                continue
-            for c in out.outputs:
-                d = c.delta_token_ids
-                if d or c.finish_reason is not None:
-                    entries.append((0, c.index, d, None, c.cumulative_logprob, c.finish_reason))
-                    tokens += len(d)
-        encode_step(0, entries, [], [])
+        for entries, finished, errors in pack_outputs(outs).values():      # EngineCore._step's packing
+            tokens += sum(len(e[2]) for e in entries)
+            encode_step(0, entries, finished, errors)
     return tokens, time.perf_counter() - w0, time.process_time() - c0
 
 

@@ -188,9 +188,10 @@ def test_run_profiled_writes_the_process_profile_only_when_asked(tmp_path, monke
 
 
 def test_core_steps_carry_only_each_steps_new_tokens(checkpoint):
-    """The core's output processor (deltas_only): a running request's step output is a StepDeltas holding
-    the step's new token ids and logprobs alone; joined, they are the final output (n=2; with this seed
-    completion 1 samples the end-of-sequence id early, while completion 0 runs to max_tokens)."""
+    """The core's output processor (deltas_only): the running requests' progress is one StepDeltas a step,
+    a row per completion holding the step's new token ids and logprobs alone; joined, they are the final
+    output. "r" (n=2; with this seed completion 1 samples the end-of-sequence id early, while completion 0
+    runs to max_tokens) goes through the per-request path, "s" (n=1) through the row made as its token is."""
     from pagedattn.engine.output_processor import OutputProcessor
     from pagedattn.engine.outputs import StepDeltas
 
@@ -198,28 +199,34 @@ def test_core_steps_carry_only_each_steps_new_tokens(checkpoint):
     try:
         engine = llm.engine
         engine.outputs = OutputProcessor(None, engine.eos_token_ids, engine.max_model_len, deltas_only=True)
-        params = SamplingParams(temperature=0.8, seed=3, max_tokens=17, n=2, logprobs=True)
-        engine.add_request("r", [5, 17, 301, 42], params, stream=True)
-        joined, final, steps = {}, None, 0
+        engine.add_request("r", [5, 17, 301, 42], SamplingParams(temperature=0.8, seed=3, max_tokens=17, n=2,
+                                                                 logprobs=True), stream=True)
+        engine.add_request("s", [9, 8, 7], SamplingParams(temperature=0.8, seed=4, max_tokens=11, logprobs=True,
+                                                          ignore_eos=True), stream=True)
+        joined, final, steps = {}, {}, 0
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            outs = engine.step()
+            assert sum(type(out) is StepDeltas for out in outs) <= 1
+            for out in outs:
                 if out.finished:
-                    final = out
+                    final[out.request_id] = out
                     continue
                 assert isinstance(out, StepDeltas)
                 steps += 1
-                for index, ids, lps, cumulative, reason in out.deltas:
+                for rid, index, ids, lps, cumulative, reason in out.rows:
                     assert len(lps) == len(ids) and cumulative < 0
-                    old_ids, old_lps = joined.get(index, ([], []))
-                    joined[index] = (old_ids + ids, old_lps + lps)
-        assert steps >= 10 and final is not None
+                    old_ids, old_lps = joined.get((rid, index), ([], []))
+                    joined[rid, index] = (old_ids + ids, old_lps + lps)
+        assert steps >= 10 and set(final) == {"r", "s"}
         reasons = {}
-        for c in final.outputs:                 # the final output is complete; its delta is the rest
-            ids, lps = joined[c.index]
-            assert ids + c.delta_token_ids == c.token_ids and len(c.logprobs) == len(c.token_ids)
-            assert lps == c.logprobs[:len(lps)] and c.cumulative_logprob == pytest.approx(sum(c.logprobs))
-            reasons[c.index] = (c.finish_reason, len(c.token_ids))
-        assert reasons[0] == ("length", 17) and reasons[1][0] == "stop" and reasons[1][1] < 17
+        for rid, out in final.items():          # the final output is complete; its delta is the rest
+            for c in out.outputs:
+                ids, lps = joined[rid, c.index]
+                assert ids + c.delta_token_ids == c.token_ids and len(c.logprobs) == len(c.token_ids)
+                assert lps == c.logprobs[:len(lps)] and c.cumulative_logprob == pytest.approx(sum(c.logprobs))
+                reasons[rid, c.index] = (c.finish_reason, len(c.token_ids))
+        assert reasons["r", 0] == ("length", 17) and reasons["r", 1][0] == "stop" and reasons["r", 1][1] < 17
+        assert reasons["s", 0] == ("length", 11) and len(joined["s", 0][0]) == 10     # the last in the final
     finally:
         llm.close()
 

@@ -38,7 +38,7 @@ from pagedattn.engine.beam_search import BeamState
 from pagedattn.engine.model_runner import start_runner
 from pagedattn.engine.metrics import now
 from pagedattn.engine.output_processor import OutputProcessor
-from pagedattn.engine.outputs import CompletionOutput, RequestOutput
+from pagedattn.engine.outputs import CompletionOutput, RequestOutput, StepDeltas
 from pagedattn.engine.requests import InputProcessor
 from pagedattn.engine.scheduler import Scheduler, SchedulerConfig
 from pagedattn.engine.sequence import Sequence, SequenceGroup
@@ -388,6 +388,7 @@ class LLMEngine:
         t = now()
         touched = {}
         failed = {}                     # request_id -> (group, exception): finished alone, with an error
+        rows = [] if self.outputs.deltas_only else None     # the step's StepDeltas rows
         generated = 0
         for i, row in enumerate(plan.sample_rows):
             seq = row.seq
@@ -419,6 +420,9 @@ class LLMEngine:
                 self.scheduler.finish(target, reason)
             elif not group.stream:
                 continue                # nothing to report until it finishes
+            elif rows is not None and len(group.seqs) == 1 and group.forked and group.beam is None:
+                rows.append(self.outputs.delta(target))     # a running completion alone: its row, at once
+                continue
             touched[group.request_id] = group
         for j, seq in enumerate(plan.beam_rows):
             group = self.groups.get(seq.request_id)
@@ -441,12 +445,16 @@ class LLMEngine:
                 if group.is_finished:
                     results.append(self._final_output(group, t))
                     del self.groups[group.request_id]
+                elif rows is not None and group.stream:
+                    rows += self.outputs.request_output(group, t)
                 elif group.stream:
                     results.append(self.outputs.request_output(group, t))
             except Exception as e:      # noqa: BLE001 (detokenizing one request's text failed)
                 failed[group.request_id] = (group, e)
         for group, exc in failed.values():
             results.append(self.fail_request(group, exc))
+        if rows:
+            results.append(StepDeltas(rows))
         return results, generated
 
     def fail_request(self, group, exc):

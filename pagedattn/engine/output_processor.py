@@ -11,15 +11,15 @@ streamed request, the cumulative outputs with the delta since the last call. Tex
 where someone looks at it: incrementally (pagedattn.engine.detokenizer) for streamed requests and for
 requests with stop strings, once at the end for the others.
 
-With `deltas_only=True` (the engine core, which ships token ids to another process and keeps no text) a
-streamed request that is still running gets a StepDeltas instead: per completion the ids the step added,
-their log-probabilities, the cumulative logprob and the finish reason; nothing cumulative is copied and
-no output object is built per completion, so a step costs the same at the thousandth token as at the
-first. Final outputs are complete RequestOutputs either way.
+With `deltas_only=True` (the engine core, which ships token ids to another process and keeps no text) the
+streamed requests still running get rows of one StepDeltas per step instead (`delta`): per completion the
+ids the step added, their log-probabilities, the cumulative logprob and the finish reason; nothing
+cumulative is copied and no output object is built per request, so a step costs the same at the
+thousandth token as at the first. Final outputs are complete RequestOutputs either way.
 """
 from pagedattn.engine.detokenizer import IncrementalDetokenizer
 from pagedattn.engine.metrics import request_metrics
-from pagedattn.engine.outputs import CompletionOutput, RequestOutput, StepDeltas
+from pagedattn.engine.outputs import CompletionOutput, RequestOutput
 
 
 class OutputProcessor:
@@ -70,14 +70,14 @@ class OutputProcessor:
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
 
     @staticmethod
-    def _delta(seq):
-        """(index, new token ids, their logprobs or None, cumulative logprob, finish reason) of a streamed
-        completion since the last call, without its cumulative lists."""
+    def delta(seq):
+        """StepDeltas' row of a streamed completion: (request_id, index, new token ids, their logprobs or None,
+        cumulative logprob, finish reason), what it added since the last call, without its cumulative lists."""
         sent = seq.num_sent_tokens
         ids = seq.token_ids[seq.num_prompt_tokens + sent:]
         seq.num_sent_tokens = sent + len(ids)
         lps = None if seq.token_logprobs is None else seq.token_logprobs[sent:]
-        return seq.index, ids, lps, seq.cumulative_logprob, seq.finish_reason
+        return seq.request_id, seq.index, ids, lps, seq.cumulative_logprob, seq.finish_reason
 
     def _completion(self, seq, stream):
         finished = seq.is_finished
@@ -100,13 +100,9 @@ class OutputProcessor:
 
     def request_output(self, group, now):
         """RequestOutput of `group`: final when it finished, else the streamed progress (deltas); with
-        deltas_only, a running streamed group's progress is a StepDeltas."""
-        if self.deltas_only and group.stream:
-            seqs = group.seqs
-            if len(seqs) == 1 and group.forked and not seqs[0].is_finished:     # the common case, quickly
-                return StepDeltas(group.request_id, [self._delta(seqs[0])])
-            if not group.is_finished:
-                return StepDeltas(group.request_id, [self._delta(s) for s in sorted(seqs, key=lambda s: s.index)])
+        deltas_only, a running streamed group's progress is its StepDeltas rows (a list)."""
+        if self.deltas_only and group.stream and not group.is_finished:
+            return [self.delta(s) for s in sorted(group.seqs, key=lambda s: s.index)]
         finished = group.is_finished
         seqs = sorted(group.seqs, key=lambda s: s.index)
         outputs = [self._completion(s, group.stream) for s in seqs]

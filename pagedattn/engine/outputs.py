@@ -41,12 +41,14 @@ class RequestOutput:
 
 
 class StepDeltas:
-    """A running streamed request's progress in one step, as an OutputProcessor(deltas_only=True) returns it
-    (the engine core, which ships token ids only): one (index, new token ids, their logprobs or None,
-    cumulative logprob, finish reason or None) per completion, nothing cumulative, no text."""
-    __slots__ = ("request_id", "deltas")
+    """The progress of a step's running streamed requests, as the engine returns it with an
+    OutputProcessor(deltas_only=True) (the engine core, which ships token ids only): one row per completion
+    that advanced, (request_id, index, new token ids, their logprobs or None, cumulative logprob, finish
+    reason or None); nothing cumulative, no text, no object per request. At most one per step, after the
+    step's final RequestOutputs."""
+    __slots__ = ("rows",)
     finished = False
     error = None
 
-    def __init__(self, request_id, deltas):
-        self.request_id, self.deltas = request_id, deltas
+    def __init__(self, rows):
+        self.rows = rows

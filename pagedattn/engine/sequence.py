@@ -141,7 +141,12 @@ class SequenceGroup:
     def is_finished(self):
         if self.beam is not None:
             return self.beam.done
-        return self.forked and all(s.is_finished for s in self.seqs)
+        if not self.forked:
+            return False
+        for s in self.seqs:             # (a loop, not all(): this runs for every streamed request every step)
+            if s.status != SequenceStatus.FINISHED:
+                return False
+        return True
 
     @property
     def first_token_time(self):

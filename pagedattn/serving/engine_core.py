@@ -261,33 +261,7 @@ class EngineCore:
             for client, errs in errors.items():
                 self._send(client, encode_step(self.rank, [], [], errs))
             return
-        per_client = {}                         # client -> (entries, finished wire ids, errors)
-        last = None
-        for out in outs:
-            client, wid = out.request_id
-            if client != last:                  # consecutive outputs mostly share a client
-                cols = per_client.get(client)
-                if cols is None:
-                    cols = per_client[client] = ([], [], [])
-                entries, finished, errors = cols
-                add, last = entries.append, client
-            if type(out) is StepDeltas:         # a running request: (index, ids, logprobs, cumulative, finish)
-                for d in out.deltas:
-                    if d[1] or d[4] is not None:
-                        add((wid, *d))
-                continue
-            if out.error is not None:           # failed alone in the engine (its blocks are already free)
-                errors.append((wid, "failed", out.error))
-                continue
-            for c in out.outputs:
-                d = c.delta_token_ids
-                if not d and c.finish_reason is None:
-                    continue
-                lps = c.logprobs[len(c.logprobs) - len(d):] if c.logprobs is not None else None
-                entries.append((wid, c.index, d, lps, c.cumulative_logprob, c.finish_reason))
-            if out.finished:
-                finished.append(wid)
-        for client, (entries, finished, errors) in per_client.items():
+        for client, (entries, finished, errors) in pack_outputs(outs).items():
             self._send(client, encode_step(self.rank, entries, finished, errors))
 
     # ---- sending ----------------------------------------------------------------------------------
@@ -323,6 +297,43 @@ class EngineCore:
         msg = Stats(self.rank, 0, self._metrics())
         for client in list(self.clients):
             self._send(client, msg)
+
+
+def pack_outputs(outs):
+    """One step's engine outputs (request ids (client, wire id)) by client: {client: (entries, finished wire ids,
+    errors)}, entries as encode_step takes them: (wire id, index, new token ids, logprobs or None, cumulative,
+    finish reason) per completion with news."""
+    per_client = {}
+
+    def columns(client):
+        cols = per_client.get(client)
+        if cols is None:
+            cols = per_client[client] = ([], [], [])
+        return cols
+
+    for out in outs:
+        if type(out) is StepDeltas:             # the running streamed requests: a row per completion
+            last = None
+            for (client, wid), index, ids, lps, cumulative, finish in out.rows:
+                if client != last:              # consecutive rows mostly share a client
+                    add, last = columns(client)[0].append, client
+                if ids or finish is not None:
+                    add((wid, index, ids, lps, cumulative, finish))
+            continue
+        client, wid = out.request_id
+        entries, finished, errors = columns(client)
+        if out.error is not None:               # failed alone in the engine (its blocks are already free)
+            errors.append((wid, "failed", out.error))
+            continue
+        for c in out.outputs:                   # a final output: the last delta of each completion
+            d = c.delta_token_ids
+            if not d and c.finish_reason is None:
+                continue
+            lps = c.logprobs[len(c.logprobs) - len(d):] if c.logprobs is not None else None
+            entries.append((wid, c.index, d, lps, c.cumulative_logprob, c.finish_reason))
+        if out.finished:
+            finished.append(wid)
+    return per_client
 
 
 def _bind_device(engine):
