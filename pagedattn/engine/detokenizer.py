@@ -36,22 +36,24 @@ class IncrementalDetokenizer:
     def add(self, token_id):
         """Append one token. Returns True when a stop string completed (text is then cut before it)."""
         self.token_ids.append(token_id)
-        if self.tokenizer is None or self.stopped:
+        if self.stream is not None and not self.stopped:
+            chunk = self.stream.step(self.backend, token_id)
+        elif self.tokenizer is None or self.stopped:
             return self.stopped
-        if self.stream is not None:
-            chunk = self.stream.step(self.backend, token_id) or ""
         else:                                           # a slow tokenizer: decode the tail again
             full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
             chunk = "" if full.endswith("\ufffd") else full[len(self.text):]
         if not chunk:
             return False
+        if not self.stop:
+            self.text += chunk
+            return False
         start = max(0, len(self.text) - self.max_stop + 1)       # a stop string may end inside the chunk
         self.text += chunk
-        if self.stop:
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-            if hits:
-                self.text = self.text[:min(hits)]
-                self.stopped = True
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
         return self.stopped
 
     @property

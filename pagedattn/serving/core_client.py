@@ -580,14 +580,13 @@ class CoreClient:
         tokens, finish = step["token_ids"].tolist(), step["finish"].tolist()
         logprobs, cumulative = step["logprobs"], step["cumulative"].tolist()
         touched, failed, recorded = {}, [], []
-        offset = 0
-        for e, wid in enumerate(wire_ids):
-            k = counts[e]
+        live, offset = self._live, 0
+        for wid, i, k, cum, code in zip(wire_ids, index, counts, cumulative, finish):
             start, offset = offset, offset + k
-            req = self._live.get(wid)
+            req = live.get(wid)
             if req is None:                         # aborted meanwhile
                 continue
-            comp = req.completions[index[e]]
+            comp = req.completions[i]
             if comp.finish_reason is not None:      # ended here (a stop string) before the core knew
                 continue
             new = tokens[start:offset]
@@ -610,15 +609,15 @@ class CoreClient:
             if comp.logprobs is not None:
                 comp.logprobs += logprobs[start:start + n_new].tolist()
             # the core's cumulative log-probability counts the tokens dropped after a stop string too
-            comp.cumulative = cumulative[e] if n_new == k else cumulative[e] - float(logprobs[start + n_new:offset].sum())
+            comp.cumulative = cum if n_new == k else cum - float(logprobs[start + n_new:offset].sum())
             if n_new:
                 recorded.append((req, comp, n_new))
             if stopped_at is not None:
                 comp.finish_reason = "stop"
-                if finish[e] == 0:                  # the core still runs it
+                if code == 0:                       # the core still runs it
                     self._send(core, m.StopCompletion(self._identity, wid, comp.index))
-            elif finish[e]:
-                comp.finish_reason = m.FINISH_REASONS[finish[e]]
+            elif code:
+                comp.finish_reason = m.FINISH_REASONS[code]
             if comp.finish_reason is not None:
                 req.num_finished += 1
         self._record_tokens(recorded, t)
