@@ -381,7 +381,8 @@ class LLMEngine:
 
     def _process(self, plan, result):
         """The tokens of a launched step: append, stop, fork, beam search.
-        Returns (RequestOutputs, number of tokens generated)."""
+        Returns (RequestOutputs, number of tokens generated); with a deltas_only output processor the running
+        streamed requests' progress is one StepDeltas, last."""
         tokens, logprobs, beams = result.wait()
         if plan.sample_rows:
             tokens, logprobs = np.asarray(tokens).tolist(), np.asarray(logprobs).tolist()   # Python numbers, once
@@ -446,7 +447,7 @@ class LLMEngine:
                     results.append(self._final_output(group, t))
                     del self.groups[group.request_id]
                 elif rows is not None and group.stream:
-                    rows += self.outputs.request_output(group, t)
+                    rows += self.outputs.deltas(group)
                 elif group.stream:
                     results.append(self.outputs.request_output(group, t))
             except Exception as e:      # noqa: BLE001 (detokenizing one request's text failed)

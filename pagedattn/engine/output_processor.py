@@ -12,9 +12,9 @@ where someone looks at it: incrementally (pagedattn.engine.detokenizer) for stre
 requests with stop strings, once at the end for the others.
 
 With `deltas_only=True` (the engine core, which ships token ids to another process and keeps no text) the
-streamed requests still running get rows of one StepDeltas per step instead (`delta`): per completion the
-ids the step added, their log-probabilities, the cumulative logprob and the finish reason; nothing
-cumulative is copied and no output object is built per request, so a step costs the same at the
+streamed requests still running get rows of one StepDeltas per step instead (`delta`, `deltas`): per
+completion the ids the step added, their log-probabilities, the cumulative logprob and the finish reason;
+nothing cumulative is copied and no output object is built per request, so a step costs the same at the
 thousandth token as at the first. Final outputs are complete RequestOutputs either way.
 """
 from pagedattn.engine.detokenizer import IncrementalDetokenizer
@@ -98,11 +98,12 @@ class OutputProcessor:
             seq.num_sent_tokens, seq.num_sent_chars = len(ids), max(seq.num_sent_chars, len(text))
         return out
 
+    def deltas(self, group):
+        """(deltas_only) The StepDeltas rows of a running streamed group, one per completion by index."""
+        return [self.delta(s) for s in sorted(group.seqs, key=lambda s: s.index)]
+
     def request_output(self, group, now):
-        """RequestOutput of `group`: final when it finished, else the streamed progress (deltas); with
-        deltas_only, a running streamed group's progress is its StepDeltas rows (a list)."""
-        if self.deltas_only and group.stream and not group.is_finished:
-            return [self.delta(s) for s in sorted(group.seqs, key=lambda s: s.index)]
+        """RequestOutput of `group`: final when it finished, else the streamed progress (deltas)."""
         finished = group.is_finished
         seqs = sorted(group.seqs, key=lambda s: s.index)
         outputs = [self._completion(s, group.stream) for s in seqs]
