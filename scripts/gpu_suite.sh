@@ -9,6 +9,10 @@
 #   bash scripts/gpu_suite.sh runtime                    the engine, server, fuzz, disk-cache and prefill-matrix `gpu`
 #                                                        tests, three queues on one GPU
 #   bash scripts/gpu_suite.sh serve                      the HTTP server under Poisson load beside LLM.generate
+#   [MODEL=DIR] bash scripts/gpu_suite.sh serve_mp       the server through the launcher (1, 2, 4 API servers) and
+#                                                        the in-process one beside LLM.generate
+#   bash scripts/gpu_suite.sh core                       the engine's host CPU per 1000 tokens, offline and as the
+#                                                        engine core runs it (profile_core.py, 3 rounds, cProfile)
 #   bash scripts/gpu_suite.sh final                      two GPUs: tensor parallelism (tests, TP=1 vs TP=2), then two
 #                                                        queues: sampler tests + benches | graph tests + serving
 #   bash scripts/gpu_suite.sh both                       two GPUs, two queues at once: the runtime tests then the
@@ -30,7 +34,7 @@
 #
 # Logs and results go to $OUT (default ./gpu_out) and are packed into $OUT/<phase>.tar.gz.
 set -uo pipefail
-phase=${1:?phase: tests | bench | tp | tp7b | runtime | serve | final | both | startup | ab | invariant | invariant_cost | step}
+phase=${1:?phase: tests | bench | tp | tp7b | runtime | serve | serve_mp | core | final | both | startup | ab | invariant | invariant_cost | step}
 shift
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT/$phase"
@@ -147,6 +151,9 @@ serve_mp)
     # the server through the launcher (engine core in its own process; 1, 2, 4 API servers) and the in-process
     # one beside LLM.generate: 256 streams at once from 8 client processes, and one request at a time
     run serve_mp 570 python3 scripts/bench_serving.py --model "${MODEL:-random}" --out "$dir" --time-budget 480
+    ;;
+core)
+    run profile_core 450 python3 scripts/profile_core.py --runs 3 --profile --out "$dir"
     ;;
 invariant)
     run tests 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_batch_invariance_gpu.py
