@@ -127,12 +127,19 @@ class RequestStream:
         self.writer = writer
         self._push()
 
-    def _push(self):
+    def _take(self):
+        """(request state or None, error or None) waiting for the reader or writer, taken: nothing is due any
+        more until the front has news again."""
         with self._lock:
             request, error = self._pending, self._error
             self._pending, self._pending_tokens = None, 0
             self._sent_any = self._sent_any or request is not None
             self._due = False
+            self._ready.clear()
+        return request, error
+
+    def _push(self):
+        request, error = self._take()
         if self.finished:
             return
         if error is not None:
@@ -152,12 +159,7 @@ class RequestStream:
         try:
             while True:
                 await self._ready.wait()
-                with self._lock:
-                    request, error = self._pending, self._error
-                    self._pending, self._pending_tokens = None, 0
-                    self._sent_any = self._sent_any or request is not None
-                    self._due = False
-                    self._ready.clear()
+                request, error = self._take()
                 if error is not None:
                     self.finished = True
                     raise error
