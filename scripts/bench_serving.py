@@ -24,6 +24,8 @@ load), each running its share of the streams on asyncio with a raw HTTP/1.1 clie
 connection per request, chunked transfer decoding and SSE splitting on bytes, the token count read from
 each chunk's usage with a regex: no JSON parse, no h11, no pydantic per chunk). Every request asks for
 stream_options.include_usage and continuous_usage_stats, so each chunk says how many tokens it brings.
+--client openai drives the same requests through the official `openai` client instead (AsyncOpenAI, one per
+client process, a chunk parsed into its pydantic model: what an application pays; give it more processes).
 Measured on the client: TTFT (send -> first chunk with a token), ITL (a chunk's gap since the previous
 one, split evenly over the tokens it brings), e2e (send -> [DONE]), throughput (output tokens / (last
 [DONE] - first send)). After every load the server's /metrics must show every KV block free again.
@@ -226,18 +228,70 @@ async def stream_one(host, port, path, body, timeout_s):
     return error, tokens, ttft, itls, start, now(), done
 
 
-async def run_specs(host, port, specs, concurrency, timeout_s):
-    """Closed loop: `concurrency` workers take the next spec until none is left. Results in spec order."""
+_STANDARD = {"model", "messages", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs",
+             "top_logprobs", "presence_penalty", "frequency_penalty"}
+
+
+async def stream_openai(api, path, body, timeout_s):
+    """One streamed request through the official `openai` client (`api`: an AsyncOpenAI); the same result as
+    stream_one. Fields the client's signature does not name (ignore_eos, stream_options with
+    continuous_usage_stats) travel in extra_body; every chunk's usage says how many tokens it brings."""
+    tokens, ttft, itls, last, error, done = 0, None, [], None, None, False
+    start = now()
+    request = json.loads(body)
+    request.pop("stream", None)
+    kwargs = {k: v for k, v in request.items() if k in _STANDARD}
+    extra = {k: v for k, v in request.items() if k not in _STANDARD}
+    create = api.chat.completions.create if path.endswith("/chat/completions") else api.completions.create
+    try:
+        async with asyncio.timeout(timeout_s):
+            stream = await create(**kwargs, stream=True, extra_body=extra)
+            async for chunk in stream:
+                t = now()
+                total = chunk.usage.completion_tokens if chunk.usage is not None else 0
+                new = total - tokens
+                if new <= 0:
+                    continue
+                if last is None:
+                    ttft = t - start
+                else:
+                    itls += [(t - last) / new] * new
+                last, tokens = t, total
+            done = True
+    except (Exception, asyncio.CancelledError) as e:     # noqa: BLE001 (reported per request; TimeoutError too)
+        error = repr(e)[:300]
+    return error, tokens, ttft, itls, start, now(), done
+
+
+async def run_specs(host, port, specs, concurrency, timeout_s, client="raw"):
+    """Closed loop: `concurrency` workers take the next spec until none is left. Results in spec order.
+    client: raw (stream_one) | openai (stream_openai, one AsyncOpenAI for the process's streams)."""
     results = [None] * len(specs)
     queue = list(range(len(specs)))[::-1]
+    api = None
+    if client == "openai":
+        import httpx2
+        import openai
+        api = openai.AsyncOpenAI(base_url=f"http://{host}:{port}/v1", api_key="bench", max_retries=0,
+                                 timeout=timeout_s,
+                                 http_client=openai.DefaultAsyncHttpxClient(
+                                     limits=httpx2.Limits(max_connections=concurrency,
+                                                          max_keepalive_connections=concurrency)))
 
     async def worker():
         while queue:
             i = queue.pop()
             path, body, _ = specs[i]
-            results[i] = await stream_one(host, port, path, body, timeout_s)
+            if api is None:
+                results[i] = await stream_one(host, port, path, body, timeout_s)
+            else:
+                results[i] = await stream_openai(api, path, body, timeout_s)
 
-    await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(specs))))))
+    try:
+        await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(specs))))))
+    finally:
+        if api is not None:
+            await api.close()
     return results
 
 
@@ -251,14 +305,15 @@ def client_process(conn, cpus=None):
         cmd = conn.recv()
         if cmd is None:
             return
-        _, host, port, specs, concurrency, timeout_s = cmd
-        conn.send(asyncio.run(run_specs(host, port, specs, concurrency, timeout_s)))
+        _, host, port, specs, concurrency, timeout_s, client = cmd
+        conn.send(asyncio.run(run_specs(host, port, specs, concurrency, timeout_s, client)))
 
 
 class ClientPool:
     """`processes` spawned load-generator processes; run() spreads the requests and the streams over them."""
 
-    def __init__(self, processes, cpus=None):
+    def __init__(self, processes, cpus=None, client="raw"):
+        self.client = client
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for i in range(processes):
@@ -276,7 +331,7 @@ class ClientPool:
         shares = [list(range(len(specs)))[j::k] for j in range(k)]
         for j, conn in enumerate(self.conns[:k]):
             streams = concurrency // k + (j < concurrency % k)
-            conn.send(("run", host, int(port), [specs[i] for i in shares[j]], streams, timeout_s))
+            conn.send(("run", host, int(port), [specs[i] for i in shares[j]], streams, timeout_s, self.client))
         results = [None] * len(specs)
         for j, conn in enumerate(self.conns[:k]):
             for i, r in zip(shares[j], conn.recv()):
@@ -697,7 +752,7 @@ def save_results(out, rows, failures, step_ms, meta, final):
                "kv_blocks_free_after", "server_start_s", "skipped"]
     table = benchlib.markdown_table(rows, columns)
     table += (f"\n\nOffline decode step at {meta['decode_step_batch']} sequences: {step_ms:.3f} ms. Stream interval "
-              f"{meta['stream_interval']}; {meta['client_processes']} client processes."
+              f"{meta['stream_interval']}; {meta['client_processes']} client processes ({meta.get('client', 'raw')} client)."
               f"{'' if final else ' (partial: the run is not over)'}\n\nGoals:\n\n"
               + "\n".join(f"- {'met' if ok else 'NOT met'}: {text}" for text, ok in goals) + "\n")
     meta = dict(meta, offline_decode_step_ms=step_ms, goals=[{"goal": t, "met": ok} for t, ok in goals],
@@ -786,7 +841,7 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
          max_num_seqs=256,
          num_blocks=None, stream_interval=1, warmup=16, server_timeout_s=600, time_budget_s=None,
          request_timeout_s=600.0, smoke=False, seed=0, fake_step_ms=None, fake_prefill_ms=None,
-         replay_arrivals=False, cpus="auto", pin=False):
+         replay_arrivals=False, cpus="auto", pin=False, client="raw"):
     """Run the benchmark; returns the table rows (also written under `out`). time_budget_s: a server row is
     skipped (and marked so) when the time spent so far plus the longest server row so far would pass it.
     servers: default mp1, mp2, mp4, inproc (smoke: mp2, inproc). fake_step_ms: every engine (offline and
@@ -798,7 +853,8 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
     engine is fed the chat and nano requests at the times the first server's clients sent them (a row
     "offline@<server>": the engine alone under the served arrival shape). cpus: cpu_split's mode (the load
     generator on CPUs of its own). pin: with a CPU split, each server's engine core on a CPU of its own and
-    its other processes on the rest of the server side (pin_server)."""
+    its other processes on the rest of the server side (pin_server). client: the load generator's HTTP client,
+    raw (stream_one) or openai (the official client, stream_openai)."""
     from scripts import benchlib
 
     t_start = time.monotonic()
@@ -854,14 +910,14 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
                      client_processes=client_processes, nano_requests=nano_requests, min_len=min_len,
                      max_len=max_len, light_requests=light_requests, light_prompt_len=light_prompt_len,
                      stream_interval=stream_interval, smoke=smoke, seed=seed, fake_step_ms=fake_step_ms,
-                     fake_prefill_ms=fake_prefill_ms,
+                     fake_prefill_ms=fake_prefill_ms, client=client,
                      env=benchlib.env_line())
     split = cpu_split(cpus) if hasattr(os, "sched_setaffinity") else None
     meta_base["cpu_split"] = {"server": split[0], "client": split[1]} if split else "off"
     if split:
         print(f"CPUs: server side (this process, the offline engine, the servers) {split[0]}, load generator "
               f"{split[1]}", flush=True)
-    pool = ClientPool(client_processes, split[1] if split else None)   # before the offline LLM: CUDA-free
+    pool = ClientPool(client_processes, split[1] if split else None, client)   # before the offline LLM: CUDA-free
     if split:
         os.sched_setaffinity(0, split[0])           # the servers started from here inherit it
     try:
@@ -969,6 +1025,8 @@ if __name__ == "__main__":
     ap.add_argument("--chat-max-tokens", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=256, help="streams at once (chat and nano loads)")
     ap.add_argument("--client-processes", type=int, default=8)
+    ap.add_argument("--client", choices=("raw", "openai"), default="raw",
+                    help="the load generator's client: raw (asyncio bytes) | openai (the official client)")
     ap.add_argument("--nano-requests", type=int, default=256)
     ap.add_argument("--min-len", type=int, default=100)
     ap.add_argument("--max-len", type=int, default=1024)
@@ -1000,4 +1058,4 @@ if __name__ == "__main__":
          a.max_model_len, a.max_num_seqs, a.num_blocks, a.stream_interval, a.warmup, time_budget_s=a.time_budget,
          smoke=a.smoke, fake_step_ms=a.fake_step_ms, fake_prefill_ms=a.fake_prefill_ms,
          replay_arrivals=a.replay_arrivals, cpus=a.cpu_split,
-         pin=a.pin_server)
+         pin=a.pin_server, client=a.client)

@@ -230,3 +230,37 @@ def test_smoke_run(tmp_path):
         assert (r.get("ttft_over_offline_ms") is not None) == (r["load"] == "nano")
     for name in ("bench_serving.md", "server_mp2.log", "server_inproc.log"):
         assert (tmp_path / "out" / name).stat().st_size > 0
+
+
+def test_openai_client_counts_what_the_raw_client_counts(tmp_path):
+    """--client openai: the same greedy requests through the official client give the same token counts, a
+    TTFT and ITLs per token as the raw reader's; a request the server refuses is an error in its row."""
+    import asyncio
+
+    from serving_helpers import ServerThread
+
+    from pagedattn import LLM
+    from pagedattn.serving.app import build_app
+    from pagedattn.serving.core_client import CoreClient
+
+    model = write_tiny_chat_checkpoint(tmp_path / "model")
+    prompts, out_lens = bench_serving.nano_workload(6, 4, 24, 512, seed=1)
+    specs = bench_serving.completion_specs(prompts, out_lens)
+    specs += bench_serving.chat_specs(bench_serving.chat_messages(3), 12)
+    bad = json.dumps({"model": "bench", "prompt": [1, 2], "max_tokens": -1, "stream": True}).encode()
+    specs.append(("/v1/completions", bad, None))
+    client = CoreClient.in_thread(LLM(model, device="cpu", dtype="float32", max_model_len=128, num_blocks=64,
+                                      max_num_seqs=8))
+    try:
+        with ServerThread(build_app(client, "bench")) as srv:
+            host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+            raw, api = (asyncio.run(bench_serving.run_specs(host, int(port), specs, 4, 60.0, kind))
+                        for kind in ("raw", "openai"))
+    finally:
+        client.shutdown()
+    for r, o, (_, _, n) in zip(raw[:6], api[:6], specs):
+        assert r[0] is None and o[0] is None and r[6] and o[6]
+        assert r[1] == o[1] == n and len(o[3]) == n - 1 and o[2] > 0
+    for r, o in zip(raw[6:9], api[6:9]):      # sampled chat: counts differ, each between 1 and max_tokens
+        assert r[0] is None and o[0] is None and 1 <= r[1] <= 12 and 1 <= o[1] <= 12 and len(o[3]) == o[1] - 1
+    assert "max_tokens" in raw[9][0] and "max_tokens" in api[9][0] and not api[9][6]
