@@ -27,7 +27,6 @@ Two levels of API:
   arrays in the simulator) of integer words, no validation, an optional numba stream.
 """
 
-import torch
 from numba import cuda
 
 from kernels_numba.bridge import as_array, cached_view, capturing, check_tensor, enable_disk_cache, torch_stream
@@ -36,8 +35,8 @@ from kernels_numba.launcher import launch as launch_kernel
 
 THREADS = 128  # threads per CTA for both kernels: 4 warps striding over the words to copy
 
-_WORD_DTYPES = (torch.int64, torch.int32, torch.int16)  # widest first
-_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_WORD_DTYPES = ("int64", "int32", "int16")  # widest first (torch dtype names: this module imports torch only
+_CACHE_DTYPES = ("float16", "bfloat16", "float32")  # where a launch needs it, so a compile worker goes without)
 
 
 # ----------------------------------------------------------------------------------------
@@ -118,9 +117,12 @@ def launch_copy_blocks(caches, block_mapping, stream=0):
 
 def _word_view(t):
     """t viewed as the widest integer dtype whose size divides its last dim's bytes."""
+    import torch
+
     row_bytes = t.shape[-1] * t.element_size()
-    for dt in _WORD_DTYPES:
-        if row_bytes % torch.empty((), dtype=dt).element_size() == 0:
+    for name in _WORD_DTYPES:
+        dt = getattr(torch, name)
+        if row_bytes % dt.itemsize == 0:
             return t.view(dt)
     raise KernelLaunchError(f"rows of {t.shape[-1]} x {t.element_size()} bytes cannot be copied as words")
 
@@ -131,7 +133,7 @@ def _check_cache(name, cache):
         raise KernelLaunchError(
             f"{name} must be [num_blocks, num_kv_heads, block_size, head_dim], got shape {tuple(cache.shape)}"
         )
-    if cache.dtype not in _CACHE_DTYPES:
+    if str(cache.dtype).removeprefix("torch.") not in _CACHE_DTYPES:
         raise KernelLaunchError(f"{name}.dtype must be float16, bfloat16 or float32, got {cache.dtype}")
     if not cache.is_contiguous():
         raise KernelLaunchError(f"{name} must be contiguous")
@@ -148,6 +150,8 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, validate=True)
         automatically while a CUDA graph is being captured)
     Tensors on CUDA (CPU under the simulator); runs on torch's current stream.
     """
+    import torch
+
     for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
         check_tensor(name, t)
     _check_cache("k_cache", k_cache)
@@ -204,6 +208,8 @@ def copy_blocks(k_caches, v_caches, block_mapping, validate=True):
     validate: verify block ids and the rules above on the host (one host sync for a device
         tensor; skipped while a CUDA graph is being captured)
     """
+    import torch
+
     k_caches, v_caches = list(k_caches), list(v_caches)
     if len(k_caches) == 0 or len(k_caches) != len(v_caches):
         raise KernelLaunchError(

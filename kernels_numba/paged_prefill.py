@@ -59,7 +59,7 @@ from numba import cuda, float32
 from kernels_numba import bridge, common
 from kernels_numba.bridge import torch_stream
 from kernels_numba.errors import KernelLaunchError
-from kernels_numba.prefill_parts import BLOCK_SIZES, DTYPES, HEAD_DIMS, check_args, check_values
+from kernels_numba.prefill_parts import BLOCK_SIZES, HEAD_DIMS, check_args, check_values, kind_of
 
 THREADS = 128
 V1_BN = 32  # v1: keys per KV tile
@@ -605,7 +605,7 @@ def paged_prefill(version, q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
         version, _flat_words("q", q_c), _flat_words("k_cache", k_cache), _flat_words("v_cache", v_cache),
         bridge.as_array(block_tables.contiguous()), bridge.as_array(cu_seqlens_q.contiguous()),
         bridge.as_array(context_lens.contiguous()), _flat_words("out", target),
-        num_heads, num_kv_heads, head_dim, block_size, scale, DTYPES[q.dtype], stream,
+        num_heads, num_kv_heads, head_dim, block_size, scale, kind_of(q.dtype), stream,
     )
     if target is not out:
         out.copy_(target)

@@ -70,7 +70,6 @@ prefill_journey.py numbers every version):
 from functools import lru_cache
 
 import numpy as np
-import torch
 from numba import cuda, float32, uint32
 
 from kernels_numba import bridge, common
@@ -362,6 +361,8 @@ def work_list(plans, cu_seqlens_q, total_q, num_seqs, bq, device):
     plan depends on, the cu_seqlens_q tensor, the tile's queries and the sizes, and on whether a CUDA
     graph is being captured: a plan written outside a capture is not one a graph's replay would rebuild,
     and one written inside it holds nothing until the graph replays)."""
+    import torch
+
     words = 3 * num_tiles_bound(total_q, num_seqs, bq)
     if plans is None:
         return torch.empty(words, dtype=torch.int32, device=device), False

@@ -93,6 +93,7 @@ class Needed:
         self.kernels = collections.defaultdict(set)
         self.skipped_launches = 0
         self.workers = None                 # Workers a recording started at its first miss (compile_all's)
+        self.timeline = None                # compile_all's: tasks, workers' start seconds, last result saved
         self.submitted = {}                 # (recipe, argtypes) -> the future of its task, handed over early
 
     def __len__(self):
@@ -141,8 +142,6 @@ def recording():
     if not available():
         yield needed
         return
-    import sys
-
     from numba import cuda
     from numba.cuda.dispatcher import CUDADispatcher
 
@@ -161,10 +160,9 @@ def recording():
                 needed.add(f"{f.__module__}.{f.__qualname__}:{f.__code__.co_firstlineno}", recipe, argtypes)
                 if not workers_asked:
                     workers_asked = True
-                    modules = sorted(m for m in sys.modules if m.startswith("kernels_numba."))   # as here
                     try:
                         needed.workers = Workers(default_workers(), cuda.get_current_device().compute_capability,
-                                                 modules)
+                                                 worker_modules())
                     except Exception:       # noqa: BLE001 - compile_all starts its own
                         needed.workers = None
                 key = (recipe, argtypes)
@@ -188,6 +186,18 @@ def recording():
         bridge.RECORDING = False
 
 
+def worker_modules():
+    """The modules a worker imports at its start: this process's kernels_numba modules but those that import
+    torch at their top (the CPU kernels' modules: no CUDA kernel there). The GPU kernels' modules import
+    torch only where a launch needs it, so a worker's start is an interpreter, numba and these modules:
+    seconds less than with torch (~3.4 s more a process on a host without compiled bytecode, and a
+    worker per core importing it at once)."""
+    import sys
+
+    return sorted(name for name, m in list(sys.modules.items())
+                  if name.startswith("kernels_numba.") and m is not None and "torch" not in vars(m))
+
+
 def _load_from_disk(kernel, argtypes):
     """Load this specialisation from the disk cache into `kernel`; False when it is not there."""
     loaded = kernel._cache.load_overload(argtypes, kernel.targetctx)
@@ -209,16 +219,28 @@ def rebuild(recipe):
 
 class Workers:
     """`count` spawned processes that compile tasks for GPUs of compute capability `cc` (major, minor). Each
-    starts (in the background) by importing `modules`: an interpreter, numba, torch and the kernels' modules,
-    seconds that overlap whatever this process does meanwhile. They open no CUDA context."""
+    starts (in the background) by importing `modules` (worker_modules(): an interpreter, numba and the
+    kernels' modules, not torch), seconds that overlap whatever this process does meanwhile. They open no
+    CUDA context."""
 
     def __init__(self, count, cc, modules=()):
         self.count, self.cc = count, tuple(cc)
+        self.started = time.time()
         self.executor = concurrent.futures.ProcessPoolExecutor(
             max_workers=count, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
             initargs=(self.cc, tuple(modules)))
-        for _ in range(count):              # the executor spawns a process per task it cannot place
-            self.executor.submit(os.getpid)
+        # the executor spawns a process per task it cannot place; each answers when its start is done
+        self.hello = [self.executor.submit(_ready) for _ in range(count)]
+
+    def ready_seconds(self):
+        """Seconds from the start to each worker's start being done, in order (a worker that started early
+        may answer for a later one: those that answered)."""
+        at = {}
+        for f in self.hello:
+            if f.done() and not f.cancelled() and f.exception() is None:
+                pid, t = f.result()
+                at[pid] = t - self.started
+        return sorted(at.values())
 
     def close(self):
         """Stop the processes; queued tasks are dropped."""
@@ -226,23 +248,32 @@ class Workers:
 
 
 _WORKER_ERROR = None  # in a worker: why its start failed (each task then raises it; see _start_worker)
+_READY_AT = None      # in a worker: when its start was done (time.time())
+
+
+def _ready():
+    """Worker: (its pid, when its start was done)."""
+    return os.getpid(), _READY_AT
 
 
 def _start_worker(cc, modules):
     """Worker start: compile for `cc` without a device (compile_without_device), and import the modules the
     tasks will rebuild kernels from (an import that fails is left to the task). Nothing here raises: an
     initializer that raises makes the pool print a traceback and break; a task reports it instead."""
-    global _WORKER_ERROR
+    global _WORKER_ERROR, _READY_AT
     try:
         compile_without_device(cc)
     except Exception as e:                  # noqa: BLE001 - raised again by every task
         _WORKER_ERROR = e
         return
+    finally:
+        _READY_AT = time.time()
     for module in modules:
         try:
             importlib.import_module(module)
         except Exception:                   # noqa: BLE001 - the task that needs it reports it
             pass
+    _READY_AT = time.time()
 
 
 def compile_without_device(cc):
@@ -354,6 +385,9 @@ def compile_all(needed, workers=None, cc=None, log=None):
             except Exception as e:          # noqa: BLE001 - the main process compiles it instead
                 seconds.pop(task.name, None)
                 failed.append((task, e))
+        # where the phase's time went: the workers' starts, and when the last result was saved
+        needed.timeline = dict(tasks=len(tasks), early=len(early), workers=pool.count,
+                               workers_ready_s=pool.ready_seconds(), last_saved_s=time.time() - pool.started)
     if failed and log is not None:
         task, e = failed[0]
         why = (str(e).strip().splitlines() or [""])[0][:300]

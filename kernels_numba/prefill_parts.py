@@ -3,7 +3,8 @@
 Host pieces of every version (the first era, paged_prefill.py, v1-v3; the shipped kernel,
 paged_prefill_fa2.py, v7; the FlashAttention-2 journey, prefill_journey_fa2.py, v4-v6, v8, v9):
 
-    HEAD_DIMS, BLOCK_SIZES, DTYPES   what the kernels support (DTYPES: torch dtype -> kernel kind)
+    HEAD_DIMS, BLOCK_SIZES, DTYPES   what the kernels support (DTYPES: torch dtype name -> kernel kind;
+                                     kind_of(dtype) looks one up)
     check_args(...)                  shapes, dtypes, contiguity (KernelLaunchError naming the argument)
     check_values(...)                the metadata's values against each other and the pool (one sync)
 
@@ -63,7 +64,6 @@ from collections import namedtuple
 from functools import lru_cache
 
 import numpy as np
-import torch
 from numba import cuda, float32, uint32
 
 from kernels_numba import bridge, common
@@ -73,11 +73,19 @@ from kernels_numba.errors import KernelLaunchError
 
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (8, 16, 32)
-DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+DTYPES = {"float16": "f16", "bfloat16": "bf16"}     # names: torch is imported where a launch needs it, so
+                                                     # a compile worker imports this module without it
+
+
+def kind_of(dtype):
+    """The kernel kind of a torch dtype ("f16" / "bf16"); KeyError for any other."""
+    return DTYPES[str(dtype).removeprefix("torch.")]
 
 
 def check_values(block_tables, cu_seqlens_q, context_lens, total_q, num_blocks, block_size):
     """Metadata values against each other and the pool (one device->host sync)."""
+    import torch
+
     cu, ctx = cu_seqlens_q.cpu().long(), context_lens.cpu().long()
     q_lens = cu[1:] - cu[:-1]
     if int(cu[0]) != 0 or int(cu[-1]) != total_q or bool((q_lens < 1).any()):
@@ -96,7 +104,9 @@ def check_values(block_tables, cu_seqlens_q, context_lens, total_q, num_blocks, 
 def check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, head_dims, block_sizes):
     """The host checks every prefill version shares (shapes, dtypes, contiguity; KernelLaunchError naming the
     argument). Returns (out, or a new [total_q, H, D] tensor, and the GQA group)."""
-    half = tuple(DTYPES)
+    import torch
+
+    half = tuple(getattr(torch, name) for name in DTYPES)
     bridge.check_tensor("q", q, 3, half)
     bridge.check_tensor("k_cache", k_cache, 4, half)
     bridge.check_tensor("v_cache", v_cache, 4, half)
@@ -612,11 +622,13 @@ class Launch:
 
     def __init__(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, group, scale,
                  max_context_len):
+        import torch
+
         self.total_q, self.num_heads, self.head_dim = q.shape
         _, self.num_kv_heads, self.block_size, _ = k_cache.shape
         self.num_seqs = context_lens.shape[0]
         self.group = group
-        self.kind = DTYPES[q.dtype]
+        self.kind = kind_of(q.dtype)
         self.scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
         self.max_context_len = block_tables.shape[1] * self.block_size if max_context_len is None else max_context_len
         self.device = q.device
@@ -637,6 +649,8 @@ class Launch:
     def partials(self, splits):
         """(part_o, part_lse): float32 [splits * total_q * num_heads * head_dim] and [splits * total_q *
         num_heads] for a split launch, 1-element placeholders otherwise."""
+        import torch
+
         rows = self.total_q * self.num_heads
         part_o = torch.empty(splits * rows * self.head_dim if splits > 1 else 1, dtype=torch.float32,
                              device=self.device)

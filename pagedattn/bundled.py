@@ -180,7 +180,8 @@ def convert_gguf(gguf_dir, gguf_file, out_dir):
     model.generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     from pagedattn.engine.tokenizer import load_tokenizer
-    load_tokenizer(out_dir, in_a_child=False)    # into the tokenizer cache now: the first LLM() then needs no transformers import
+    # saved now, in the cache and beside the checkpoint: no later LLM() on it builds it through transformers
+    load_tokenizer(out_dir, in_a_child=False, keep_beside=True)
     return config
 
 

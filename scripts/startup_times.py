@@ -45,17 +45,21 @@ prompt = "The capital of France is" if llm.engine.tokenizer is not None else [1,
 out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
 t_first = since_start()
 print(json.dumps(dict(import_s=t_import, llm_s=t_llm, first_s=t_first, text=out[0].outputs[0].text,
-                      phases={k: v for k, v in llm.engine.startup_times.items() if isinstance(v, float)})))
+                      phases={k: v for k, v in llm.engine.startup_times.items() if isinstance(v, (int, float))})))
 """
 
 # a traceback, an exception's last line, a log record at level ERROR (not a warning's class path)
 ERROR = re.compile(r"^Traceback|^[\w.]*(Error|Exception)\b|\bERROR\b")
 
 
-def start(model, device, dtype, env, timeout):
-    """One start in a fresh process: its row (times, error lines) or the failure."""
+def start(model, device, dtype, env, timeout, log=None):
+    """One start in a fresh process: its row (times, error lines) or the failure. log: a file for its stderr
+    (the start-up logger's lines: phases, the compile's tasks and workers)."""
     p = subprocess.run([sys.executable, "-c", CHILD, model or "", device, dtype], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=timeout)
+    if log is not None:
+        with open(log, "w") as f:
+            f.write(p.stderr)
     errors = [line for line in p.stderr.splitlines() if ERROR.search(line)]
     try:
         row = json.loads(p.stdout.strip().splitlines()[-1])
@@ -67,16 +71,23 @@ def start(model, device, dtype, env, timeout):
 
 def main(model=None, device="cpu", dtype="auto", fresh=0, warm=3, out="startup_times_out", timeout=900):
     os.makedirs(out, exist_ok=True)
+    if model == "random":               # random weights of the Qwen2.5-0.5B config (no tokenizer)
+        import torch
+
+        from scripts import benchlib
+        model = benchlib.random_checkpoint("0.5b", dtype=torch.float16)
     base = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     rows, first_env = [], None
     for i in range(fresh):
         env = dict(base, NUMBA_CACHE_DIR=tempfile.mkdtemp(prefix="numba_cache_"),
                    PAGEDATTN_CACHE_DIR=tempfile.mkdtemp(prefix="pagedattn_cache_"))
         first_env = first_env or env
-        rows.append(dict(kind="cold", run=i, **start(model, device, dtype, env, timeout)))
+        rows.append(dict(kind="cold", run=i, **start(model, device, dtype, env, timeout,
+                                                     os.path.join(out, f"stderr_cold_{i}.log"))))
         print(json.dumps(rows[-1]), flush=True)
     for i in range(warm):
-        rows.append(dict(kind="warm", run=i, **start(model, device, dtype, first_env or base, timeout)))
+        rows.append(dict(kind="warm", run=i, **start(model, device, dtype, first_env or base, timeout,
+                                                     os.path.join(out, f"stderr_warm_{i}.log"))))
         print(json.dumps(rows[-1]), flush=True)
     lines = [f"model {model or 'bundled'}, device {device}, dtype {dtype}; seconds from interpreter start", "",
              "| start | run | import | LLM() | first token | error lines |", "|---|---|---|---|---|---|"]
@@ -103,7 +114,8 @@ def main(model=None, device="cpu", dtype="auto", fresh=0, warm=3, out="startup_t
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    ap.add_argument("--model", default=None,
+                    help="checkpoint directory, or random (Qwen2.5-0.5B shapes; default: the bundled model)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--fresh", type=int, default=0, help="cold starts, each on new cache directories")

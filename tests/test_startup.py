@@ -180,7 +180,7 @@ print(json.dumps(dict(recorded=recorded, started=started, handed=handed, seconds
                       entries=len(index._load_index()), index=os.path.basename(index._index_path),
                       again=len(again), again_started=again.workers is not None,
                       hits=[sum(k._cache_hits.values()) for k in kernels],
-                      misses=[sum(k._cache_misses.values()) for k in kernels])))
+                      misses=[sum(k._cache_misses.values()) for k in kernels], timeline=needed.timeline)))
 """
 
 
@@ -207,6 +207,10 @@ def test_workers_compile_and_this_process_saves(tmp_path):
     assert out["index"].startswith("rmsnorm._make_kernel.locals.rms_norm_kernel") and out["entries"] == 2, out
     assert out["again"] == 0 and not out["again_started"], out
     assert out["hits"] == [1, 1] and out["misses"] == [0, 0], out
+    line = out["timeline"]                      # where the phase's time went: every worker's start, the end
+    assert (line["tasks"], line["early"], line["workers"]) == (3, 2, precompile.default_workers()), line
+    assert 1 <= len(line["workers_ready_s"]) <= line["workers"], line      # (one may answer for two)
+    assert 0 < line["workers_ready_s"][0] <= line["workers_ready_s"][-1] < line["last_saved_s"], line
 
 
 WORKER_WITHOUT_DEVICE = """
@@ -243,6 +247,43 @@ def test_a_compile_worker_never_opens_the_gpu():
     assert out["cubins"] == [[9, 0, "a"]], out                     # the key numba-cuda gives an sm_90 device
     assert out["code_type"] == "cubin" and out["cubin_bytes"] > 1000, out
     assert not out["driver_started"] and not out["torch_cuda"], out
+
+
+WORKER_START = """
+import importlib, json, subprocess, sys
+import pagedattn.engine.llm_engine, pagedattn.engine.model_runner      # what an engine's process holds
+from kernels_numba import precompile
+for name in {kernel_modules!r}:                                         # and the GPU kernels it builds
+    importlib.import_module(name)
+modules = precompile.worker_modules()
+start = ("import json, sys, time; t = time.perf_counter(); from kernels_numba import precompile; "
+         "precompile._start_worker((9, 0), tuple(sys.argv[1:])); "
+         "print(json.dumps(dict(torch='torch' in sys.modules, seconds=time.perf_counter() - t, "
+         "modules=sorted(m for m in sys.modules if m.startswith('kernels_numba.')))))")
+child = subprocess.run([sys.executable, "-c", start, *modules], capture_output=True, text=True, timeout=300)
+print(json.dumps(dict(modules=modules, child=json.loads(child.stdout.strip().splitlines()[-1]),
+                      here_torch="torch" in sys.modules)))
+"""
+
+
+def test_a_compile_worker_starts_without_torch():
+    """A compile worker imports, at its start, the kernels' modules an engine's process holds (overlapping the
+    rest of the dry run), but not torch: every module with a CUDA kernel imports torch only where a launch
+    needs it, and the CPU kernels' modules (torch at their top, no CUDA kernel) are left out. torch is
+    seconds a process on a host without compiled bytecode, times a worker per core."""
+    kernel_modules = sorted({name.split(".<locals>")[0].rsplit(".", 1)[0] if "<locals>" in name
+                             else name.rsplit(".", 1)[0] for name in precompile.COMPILE_SECONDS})
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-c", WORKER_START.format(kernel_modules=kernel_modules)], env=env,
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["here_torch"]                                    # the engine's process: torch, of course
+    assert set(kernel_modules) <= set(out["modules"]), (kernel_modules, out["modules"])
+    assert "kernels_numba.cpu_layer" not in out["modules"], out["modules"]      # torch at its top: left out
+    assert set(out["modules"]) <= set(out["child"]["modules"]), out
+    assert not out["child"]["torch"], out
 
 
 def test_a_worker_that_cannot_start_reports_through_its_tasks(monkeypatch):

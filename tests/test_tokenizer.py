@@ -80,6 +80,40 @@ def test_a_first_load_builds_in_a_child_process(tiny_dir, tmp_path):
         AutoTokenizer.from_pretrained(tiny_dir).encode("def fib(n):", add_special_tokens=False), skip_special_tokens=True)
 
 
+def test_a_converted_checkpoint_keeps_its_tokenizer_beside_it(tiny_dir, tmp_path, monkeypatch):
+    """A checkpoint written with keep_beside (what pagedattn.bundled.convert_gguf does) keeps the saved
+    tokenizer in its own directory: a process with an empty cache directory reads it there, with no build
+    (no child process, no transformers); a copy whose key no longer matches the tokenizer files (a file
+    changed since) is not used; a damaged copy is not either."""
+    import json
+    import os
+    import shutil
+
+    from pagedattn.engine import tokenizer as T
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, ckpt)
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path / "convert_cache"))
+    built = load_tokenizer(str(ckpt), in_a_child=False, keep_beside=True)
+    assert (ckpt / T.BESIDE).is_file()
+    children = []
+    monkeypatch.setattr(T, "_build_in_a_child", lambda path: children.append(path))
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path / "empty_cache"))
+    tok = load_tokenizer(str(ckpt))
+    assert isinstance(tok, Tokenizer) and tok._hf is None and children == []
+    assert tok.encode("def fib(n):") == built.encode("def fib(n):") and tok.eos_token_id == built.eos_token_id
+    assert not os.path.exists(T._cache_file(str(ckpt)))        # read beside the checkpoint, not copied
+
+    config = ckpt / "tokenizer_config.json"               # a tokenizer file changes: the copy's key is stale
+    config.write_text(json.dumps(dict(json.loads(config.read_text()), model_max_length=77)))
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path / "empty_cache2"))
+    rebuilt = load_tokenizer(str(ckpt))                   # (this process imported transformers: built here)
+    assert rebuilt._hf is not None and rebuilt.hf.model_max_length == 77
+
+    (ckpt / T.BESIDE).write_text("{not json")
+    assert T._load_cached(str(ckpt), str(ckpt / T.BESIDE), key="x") is None
+
+
 def test_encode_matches_transformers(pair):
     ours, hf = pair
     for text in TEXTS + ["The paged KV cache 1 cache ", "x = 12345 + 678"]:

@@ -6,7 +6,8 @@ fast tokenizer hands to its Rust tokenizer (`backend_tokenizer`). transformers b
 checkpoint's files and its own code (a model's tokenizer class may set its pre-tokenizer itself, so it is
 not always tokenizer.json as written); the first load on a machine therefore goes through transformers,
 and the object it built is saved (`backend_tokenizer.to_str()`) under ~/.cache/pagedattn/tokenizers/, keyed
-by the checkpoint's tokenizer files and the transformers and tokenizers versions; that first build runs in a
+by the checkpoint's tokenizer files and the transformers and tokenizers versions (a checkpoint converted by
+pagedattn.bundled keeps a copy in its own directory too); that first build runs in a
 process of its own (this module as a script), so the engine's process, loading the model meanwhile, never shares
 its GIL with transformers. Every load reads that file with the `tokenizers` library: ~0.4 s instead of the
 seconds transformers takes to import. Anything else (apply_chat_template, the special-token maps, ...) goes to
@@ -93,6 +94,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
                    "added_tokens.json", "chat_template.jinja")
 
 
+BESIDE = "pagedattn_tokenizer.json"   # a converted checkpoint's own copy of the saved tokenizer (see load_tokenizer)
+
+
 def _cache_file(path):
     """Where the tokenizer transformers builds for `path` is kept: named by the tokenizer files (name, size,
     mtime, and the content of the small ones) and the transformers and tokenizers versions."""
@@ -117,18 +121,40 @@ def _cache_file(path):
     return os.path.join(cache_root(), "tokenizers", h.hexdigest()[:32] + ".json")
 
 
-def _load_cached(path, cached):
-    """The Tokenizer saved at `cached`, or None when there is none or it is damaged (then it is rebuilt)."""
+def _load_cached(path, cached, key=None):
+    """The Tokenizer saved at `cached`, or None when there is none or it is damaged (then it is rebuilt).
+    key: the name the entry must have been saved under (the copy beside a checkpoint says it inside)."""
     if cached is None or not os.path.isfile(cached):
         return None
     try:
         from tokenizers import Tokenizer as RustTokenizer
         with open(cached) as f:
             saved = json.load(f)
+        if key is not None and saved.get("key") != key:
+            return None
         return Tokenizer(path, RustTokenizer.from_str(saved["tokenizer"]), saved["eos_token_id"],
                          saved["clean_up_tokenization_spaces"])
     except (OSError, ValueError, KeyError, Exception):  # noqa: BLE001 - a damaged entry: rebuild it
         return None
+
+
+def _save(file, tokenizer, tok, key):
+    """Write the saved form of `tok` (transformers' `tokenizer` behind it) to `file`, atomically; `key` (the
+    cache file's name) inside, which the copy beside a checkpoint is checked against."""
+    try:
+        os.makedirs(os.path.dirname(file), exist_ok=True)
+        tmp = f"{file}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(dict(tokenizer=tokenizer.backend_tokenizer.to_str(), eos_token_id=tok.eos_token_id,
+                           clean_up_tokenization_spaces=tok.clean_up_tokenization_spaces,
+                           key=key), f)
+        os.replace(tmp, file)
+    except OSError:
+        pass
+
+
+def _key(cached):
+    return os.path.basename(cached).removesuffix(".json")
 
 
 def _build_in_a_child(path):
@@ -146,22 +172,30 @@ def _build_in_a_child(path):
         pass                                 # built in this process instead
 
 
-def load_tokenizer(path, in_a_child=True):
+def load_tokenizer(path, in_a_child=True, keep_beside=False):
     """The checkpoint's tokenizer (a Tokenizer; transformers' own when it is not a fast one), or None for a
     checkpoint without one (token ids only). in_a_child: when the tokenizer is not cached yet, build it in a
     process of its own and load what it saved (transformers stays out of this process), unless this process
-    imported transformers already; False: here."""
+    imported transformers already; False: here.
+
+    A checkpoint this project wrote (pagedattn.bundled.convert_gguf, keep_beside=True) also keeps the saved
+    tokenizer in its own directory (BESIDE, under the same key: the tokenizer files as they are there and the
+    transformers and tokenizers versions), so a process with an empty cache directory reads that instead of
+    building it again through transformers (seconds of imports on a host without compiled bytecode)."""
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
                                                                "vocab.json")):
         return None
     import sys
 
     cached = _cache_file(path)
+    beside = os.path.join(path, BESIDE)
     tok = _load_cached(path, cached)
+    if tok is None and cached is not None:
+        tok = _load_cached(path, beside, key=_key(cached))
     if tok is None and cached is not None and in_a_child and "transformers" not in sys.modules:
         _build_in_a_child(path)         # (a process that imported transformers already builds it in a moment)
         tok = _load_cached(path, cached)
-    if tok is not None:
+    if tok is not None and not keep_beside:
         return tok
     from transformers import AutoTokenizer
     hf = AutoTokenizer.from_pretrained(path)
@@ -169,15 +203,9 @@ def load_tokenizer(path, in_a_child=True):
         return hf
     tok = Tokenizer.from_transformers(path, hf)
     if cached is not None:
-        try:
-            os.makedirs(os.path.dirname(cached), exist_ok=True)
-            tmp = f"{cached}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(dict(tokenizer=hf.backend_tokenizer.to_str(), eos_token_id=tok.eos_token_id,
-                               clean_up_tokenization_spaces=tok.clean_up_tokenization_spaces), f)
-            os.replace(tmp, cached)
-        except OSError:
-            pass
+        _save(cached, hf, tok, _key(cached))
+        if keep_beside:
+            _save(beside, hf, tok, _key(cached))
     return tok
 
 

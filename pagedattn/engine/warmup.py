@@ -118,7 +118,16 @@ def warm_up(engine, workers=None):
             times["compile_kernels"] = time.perf_counter() - t
             if seconds:
                 slowest, slowest_s = next(iter(seconds.items()))
+                times["compile_slowest"] = slowest_s
                 logger.info(f"compiled in {times['compile_kernels']:.1f} s; the slowest: {slowest} ({slowest_s:.1f} s)")
+            line = needed.timeline
+            if line and line["workers_ready_s"]:
+                ready = line["workers_ready_s"]
+                times["compile_workers_ready"] = ready[-1]
+                times["compile_last_saved"] = line["last_saved_s"]
+                logger.info(f"{line['tasks']} tasks ({line['early']} handed over during the check); {len(ready)} "
+                            f"workers ready {ready[0]:.1f}-{ready[-1]:.1f} s after their start, the last result "
+                            f"saved at {line['last_saved_s']:.1f} s")
     t = time.perf_counter()
     hits, misses = bridge.disk_cache_stats()
     logger.info("loading kernels and capturing CUDA graphs ..." if cuda else "loading kernels ...")
