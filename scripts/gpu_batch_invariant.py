@@ -14,7 +14,7 @@ Three parts (--parts, comma-separated; each writes OUT/gpu_batch_invariant_<part
             logprobs are bit-identical to the batched run's, mode off and on, per --dtypes.
   cost      bench_throughput.py's workload (the nano-vllm load, --workload-requests of it) and batch 1,
             greedy and seeded-sampled, mode off and on in turns, --rounds rounds: tok/s of each round and
-            the median ratio.
+            the median ratio; --part-keys K1,K2: the mode with attention parts of each size in turn.
 
     python scripts/gpu_batch_invariant.py --out OUT                             # random 0.5B weights
     python scripts/gpu_batch_invariant.py --model DIR --parts identity --out OUT  # the real checkpoint
@@ -159,27 +159,39 @@ def identity_part(model, dtypes, num_requests, max_tokens, device="cuda"):
     return rows
 
 
-def cost_part(out, model, dtype, rounds, workload_requests):
+def cost_part(out, model, dtype, rounds, workload_requests, part_keys=(None,)):
+    """part_keys: the mode's attention parts to measure (NumbaBackend.INVARIANT_PART_KEYS; None: as set),
+    each beside the same round's default."""
+    from pagedattn.layers.attention import NumbaBackend
+
     kinds = ("greedy", "sampled seeded")
     workload = benchlib.nano_vllm_workload(workload_requests)
     tok_s = {}
-    for r in range(rounds):
-        for invariant in (False, True):
-            res = workload_mode(os.path.join(out, f"cost_{r}_{int(invariant)}"), model, "cuda",
-                                engine_kw=dict(batch_invariant=invariant, dtype=dtype), workload=workload,
-                                kinds=kinds, batch1_kinds=kinds)
-            for row in res["rows"]:
-                tok_s.setdefault((row["group"], row["params"], invariant), []).append(row["tok_s"])
+    keep = NumbaBackend.INVARIANT_PART_KEYS
+    try:
+        for r in range(rounds):
+            for keys in (False, *part_keys):         # False: the default (mode off)
+                NumbaBackend.INVARIANT_PART_KEYS = keep if keys in (False, None) else keys
+                tag = "off" if keys is False else f"on{keys or ''}"
+                res = workload_mode(os.path.join(out, f"cost_{r}_{tag}"), model, "cuda",
+                                    engine_kw=dict(batch_invariant=keys is not False, dtype=dtype),
+                                    workload=workload, kinds=kinds, batch1_kinds=kinds)
+                for row in res["rows"]:
+                    tok_s.setdefault((row["group"], row["params"], keys), []).append(row["tok_s"])
+    finally:
+        NumbaBackend.INVARIANT_PART_KEYS = keep
     rows = []
-    for (group, kind, invariant), values in tok_s.items():
-        if invariant:
+    for (group, kind, keys), values in tok_s.items():
+        if keys is not False:
             base = tok_s[(group, kind, False)]
-            rows.append(dict(group=group, params=kind, default_tok_s=base, invariant_tok_s=values,
+            rows.append(dict(group=group, params=kind, part_keys=keys or keep, default_tok_s=base,
+                             invariant_tok_s=values,
                              ratio_median=statistics.median(v / b for v, b in zip(values, base) if v and b)))
     return rows
 
 
-def main(out, model, parts, dtypes, num_requests, max_tokens, rounds, workload_requests, device="cuda"):
+def main(out, model, parts, dtypes, num_requests, max_tokens, rounds, workload_requests, device="cuda",
+         part_keys=(None,)):
     from pagedattn.layers.ops import no_split_k
 
     no_split_k()                    # before the first GEMM: the mode's setting, for the default too
@@ -194,7 +206,8 @@ def main(out, model, parts, dtypes, num_requests, max_tokens, rounds, workload_r
             rows = identity_part(model, [str(d).replace("torch.", "") for d in dtypes], num_requests, max_tokens,
                                  device)
         elif part == "cost":
-            rows = cost_part(out, model, str(dtypes[0]).replace("torch.", ""), rounds, workload_requests)
+            rows = cost_part(out, model, str(dtypes[0]).replace("torch.", ""), rounds, workload_requests,
+                             part_keys)
         else:
             raise SystemExit(f"unknown part {part!r}: gemm, identity, cost")
         md = benchlib.markdown_table(rows)
@@ -215,6 +228,10 @@ if __name__ == "__main__":
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workload-requests", type=int, default=256)
     ap.add_argument("--device", default="cuda", help="identity on the CPU (float32): a smoke run of the script")
+    ap.add_argument("--part-keys", default=None,
+                    help="cost: the mode's attention parts to measure, comma-separated (e.g. 128,256; default: "
+                         "NumbaBackend.INVARIANT_PART_KEYS)")
     a = ap.parse_args()
+    keys = tuple(int(k) for k in a.part_keys.split(",")) if a.part_keys else (None,)
     main(a.out, a.model, a.parts.split(","), a.dtypes.split(","), a.requests, a.max_tokens, a.rounds,
-         a.workload_requests, a.device)
+         a.workload_requests, a.device, keys)
