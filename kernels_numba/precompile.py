@@ -15,7 +15,8 @@ thrown away (the engine discards its state and graphs after it).
 Step 2 is one task per specialisation (kernel, argument types), so the phase lasts about as long as the
 slowest single specialisation, not as long as the kernel function with the most or slowest ones. The
 workers (one per core but one, at most MAX_WORKERS) are started by step 1's first missing
-specialisation, and each missing specialisation is handed to them as soon as step 1 meets it: the
+specialisation (or at its start, `recording(start_workers=True)`, when misses are expected), and each
+missing specialisation is handed to them as soon as step 1 meets it: the
 compiles run while the rest of step 1 does (what step 1 cannot hand over goes at step 2, longest first by
 an estimate per kernel function: COMPILE_SECONDS). A worker compiles (the PTX, and the cubin linked for the device's compute capability) and writes nothing:
 it sends back what numba's cache would write for that specialisation (the kernel's reduced states, cubin
@@ -99,6 +100,13 @@ class Needed:
     def __len__(self):
         return sum(len(sigs) for sigs in self.kernels.values())
 
+    def close_workers(self):
+        """Stop the workers the recording started (when compile_all will not take them over)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+            self.submitted.clear()
+
     def add(self, function, recipe, argtypes):
         self.kernels[(function, recipe)].add(argtypes)
 
@@ -128,7 +136,7 @@ def available():
 
 
 @contextlib.contextmanager
-def recording():
+def recording(start_workers=False):
     """Inside the block no kernel with a rebuild recipe is launched: each launch whose specialisation is
     neither in memory nor in the disk cache is recorded into the yielded Needed (one in the disk cache is
     loaded, ready for the real run). Skipping every such launch, not only the missing ones, keeps a
@@ -137,7 +145,9 @@ def recording():
 
     The first missing specialisation starts the worker processes (Workers: default_workers() of them, for
     the current device), so that their start overlaps the rest of the recording; compile_all(needed)
-    takes them over. A recording that finds nothing starts none."""
+    takes them over. A recording that finds nothing starts none. start_workers: start them at once instead
+    (the caller expects misses: an empty cache), so their start overlaps the recording from its beginning;
+    if it then finds nothing, needed.close_workers() stops them."""
     needed = Needed()
     if not available():
         yield needed
@@ -146,10 +156,21 @@ def recording():
     from numba.cuda.dispatcher import CUDADispatcher
 
     call = CUDADispatcher.call
-    workers_asked = False                   # the workers start once, at the first miss
+    workers_asked = False                   # the workers start once, at the first miss (or now)
+
+    def ask_workers():
+        nonlocal workers_asked
+        workers_asked = True
+        try:
+            needed.workers = Workers(default_workers(), cuda.get_current_device().compute_capability,
+                                     worker_modules())
+        except Exception:                   # noqa: BLE001 - compile_all starts its own
+            needed.workers = None
+
+    if start_workers:
+        ask_workers()
 
     def recorded_call(self, args, launch_config):
-        nonlocal workers_asked
         recipe = getattr(self, "_rebuild_recipe", None)
         if recipe is None:
             return call(self, args, launch_config)
@@ -159,12 +180,7 @@ def recording():
                 f = self.py_func
                 needed.add(f"{f.__module__}.{f.__qualname__}:{f.__code__.co_firstlineno}", recipe, argtypes)
                 if not workers_asked:
-                    workers_asked = True
-                    try:
-                        needed.workers = Workers(default_workers(), cuda.get_current_device().compute_capability,
-                                                 worker_modules())
-                    except Exception:       # noqa: BLE001 - compile_all starts its own
-                        needed.workers = None
+                    ask_workers()
                 key = (recipe, argtypes)
                 if needed.workers is not None and key not in needed.submitted and _saves_to_disk(self):
                     needed.submitted[key] = needed.workers.executor.submit(_compile_task, recipe, argtypes)
@@ -176,10 +192,7 @@ def recording():
     try:
         yield needed
     except BaseException:
-        if needed.workers is not None:
-            needed.workers.close()
-            needed.workers = None
-            needed.submitted.clear()
+        needed.close_workers()
         raise
     finally:
         CUDADispatcher.call = call

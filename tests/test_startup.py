@@ -174,13 +174,18 @@ failures = []
 seconds = precompile.compile_all(needed, workers=1, log=failures.append)
 with precompile.recording() as again:                   # the same launches: all on disk now
     launch_norms()
+with precompile.recording(start_workers=True) as eager:  # workers asked for up front, then nothing missing
+    launch_norms()
+eager_started, eager_found = eager.workers is not None, len(eager)
+eager.close_workers()
 kernels = [rmsnorm._make_kernel(*c) for c in closures]
 index = kernels[0]._cache._cache_file
 print(json.dumps(dict(recorded=recorded, started=started, handed=handed, seconds=seconds, failures=failures,
                       entries=len(index._load_index()), index=os.path.basename(index._index_path),
                       again=len(again), again_started=again.workers is not None,
                       hits=[sum(k._cache_hits.values()) for k in kernels],
-                      misses=[sum(k._cache_misses.values()) for k in kernels], timeline=needed.timeline)))
+                      misses=[sum(k._cache_misses.values()) for k in kernels], timeline=needed.timeline,
+                      eager=[eager_started, eager_found, eager.workers is None])))
 """
 
 
@@ -206,6 +211,7 @@ def test_workers_compile_and_this_process_saves(tmp_path):
     assert len(out["failures"]) == 1 and "_copy_blocks_kernel" in out["failures"][0], out
     assert out["index"].startswith("rmsnorm._make_kernel.locals.rms_norm_kernel") and out["entries"] == 2, out
     assert out["again"] == 0 and not out["again_started"], out
+    assert out["eager"] == [True, 0, True], out         # start_workers: started at once, stopped when unused
     assert out["hits"] == [1, 1] and out["misses"] == [0, 0], out
     line = out["timeline"]                      # where the phase's time went: every worker's start, the end
     assert (line["tasks"], line["early"], line["workers"]) == (3, 2, precompile.default_workers()), line

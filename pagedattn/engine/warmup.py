@@ -100,10 +100,13 @@ def warm_up(engine, workers=None):
     if marker is not None and not _marker_holds(marker):
         t = time.perf_counter()
         logger.info("checking the kernel cache ...")
-        with precompile.recording() as needed:
+        # no marker: most likely an empty cache (a bare machine), so the workers start with the check
+        with precompile.recording(start_workers=True) as needed:
             run_workload(engine)
         runner.drop_graphs()                         # captured around skipped launches: meaningless
         times["check_kernel_cache"] = time.perf_counter() - t
+        if not len(needed):
+            needed.close_workers()                   # everything was on disk after all
         if len(needed):
             groups = needed.groups()
             n = needed.workers.count if needed.workers is not None else \
