@@ -117,6 +117,9 @@ def chat_prompts(llm, n, seed=0):
     sys.path.insert(0, ROOT)
     from scripts.bench_serving import chat_messages
 
+    if llm.engine.tokenizer is None:            # a checkpoint without one (random weights): 64-id prompts
+        vocab = llm.engine.vocab_size
+        return [[(17 * i + 31 * j + seed) % vocab for j in range(64)] for i in range(n)]
     tok = llm.get_tokenizer()
     return [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in chat_messages(n, seed)]
 
