@@ -277,10 +277,8 @@ def _start_worker(cc, modules):
     try:
         compile_without_device(cc)
     except Exception as e:                  # noqa: BLE001 - raised again by every task
-        _WORKER_ERROR = e
+        _WORKER_ERROR, _READY_AT = e, time.time()
         return
-    finally:
-        _READY_AT = time.time()
     for module in modules:
         try:
             importlib.import_module(module)

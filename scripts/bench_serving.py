@@ -177,10 +177,31 @@ class SSEReader:
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 
 
+class Tally:
+    """One stream's tokens as chunks report their running count: TTFT (start -> the first chunk with a token)
+    and an ITL per later token (a chunk's gap since the previous one, split evenly over the tokens it brings)."""
+
+    def __init__(self):
+        self.start, self.tokens, self.ttft, self.itls, self.last = now(), 0, None, [], None
+
+    def seen(self, t, total):
+        new = total - self.tokens
+        if new <= 0:
+            return
+        if self.last is None:
+            self.ttft = t - self.start
+        else:
+            self.itls += [(t - self.last) / new] * new
+        self.last, self.tokens = t, total
+
+    def result(self, error, done):
+        """(error or None, tokens, ttft, itls, start, end, done): what a client returns per request."""
+        return error, self.tokens, self.ttft, self.itls, self.start, now(), done
+
+
 async def stream_one(host, port, path, body, timeout_s):
     """One streamed request on a fresh connection; returns (error or None, tokens, ttft, itls, start, end, done)."""
-    tokens, ttft, itls, last, error, done = 0, None, [], None, None, False
-    start = now()
+    tally, error, done = Tally(), None, False
     writer = None
     try:
         async with asyncio.timeout(timeout_s):
@@ -191,7 +212,7 @@ async def stream_one(host, port, path, body, timeout_s):
             status = int(head.split(b" ", 2)[1])
             sse = SSEReader(b"transfer-encoding: chunked" in head.lower())
             if status != 200:
-                return f"HTTP {status}: {(await reader.read(400))!r}", 0, None, [], start, now(), False
+                return tally.result(f"HTTP {status}: {(await reader.read(400))!r}", False)
             while not sse.done:
                 data = await reader.read(1 << 16)
                 if not data:
@@ -207,17 +228,8 @@ async def stream_one(host, port, path, body, timeout_s):
                     m = None
                     for m in _COMPLETION_TOKENS.finditer(payload):
                         pass
-                    if m is None:
-                        continue
-                    total = int(m.group(1))
-                    new = total - tokens
-                    if new <= 0:
-                        continue
-                    if last is None:
-                        ttft = t - start
-                    else:
-                        itls += [(t - last) / new] * new
-                    last, tokens = t, total
+                    if m is not None:
+                        tally.seen(t, int(m.group(1)))
     except (Exception, asyncio.CancelledError) as e:     # noqa: BLE001 (reported per request; TimeoutError too)
         error = error or repr(e)
     finally:
@@ -225,7 +237,7 @@ async def stream_one(host, port, path, body, timeout_s):
             writer.close()
     if not done and error is None:
         error = "the stream ended without [DONE]"
-    return error, tokens, ttft, itls, start, now(), done
+    return tally.result(error, done)
 
 
 _STANDARD = {"model", "messages", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs",
@@ -236,8 +248,7 @@ async def stream_openai(api, path, body, timeout_s):
     """One streamed request through the official `openai` client (`api`: an AsyncOpenAI); the same result as
     stream_one. Fields the client's signature does not name (ignore_eos, stream_options with
     continuous_usage_stats) travel in extra_body; every chunk's usage says how many tokens it brings."""
-    tokens, ttft, itls, last, error, done = 0, None, [], None, None, False
-    start = now()
+    tally, error, done = Tally(), None, False
     request = json.loads(body)
     request.pop("stream", None)
     kwargs = {k: v for k, v in request.items() if k in _STANDARD}
@@ -247,20 +258,12 @@ async def stream_openai(api, path, body, timeout_s):
         async with asyncio.timeout(timeout_s):
             stream = await create(**kwargs, stream=True, extra_body=extra)
             async for chunk in stream:
-                t = now()
-                total = chunk.usage.completion_tokens if chunk.usage is not None else 0
-                new = total - tokens
-                if new <= 0:
-                    continue
-                if last is None:
-                    ttft = t - start
-                else:
-                    itls += [(t - last) / new] * new
-                last, tokens = t, total
+                if chunk.usage is not None:
+                    tally.seen(now(), chunk.usage.completion_tokens)
             done = True
     except (Exception, asyncio.CancelledError) as e:     # noqa: BLE001 (reported per request; TimeoutError too)
         error = repr(e)[:300]
-    return error, tokens, ttft, itls, start, now(), done
+    return tally.result(error, done)
 
 
 async def run_specs(host, port, specs, concurrency, timeout_s, client="raw"):
@@ -282,10 +285,8 @@ async def run_specs(host, port, specs, concurrency, timeout_s, client="raw"):
         while queue:
             i = queue.pop()
             path, body, _ = specs[i]
-            if api is None:
-                results[i] = await stream_one(host, port, path, body, timeout_s)
-            else:
-                results[i] = await stream_openai(api, path, body, timeout_s)
+            results[i] = await (stream_one(host, port, path, body, timeout_s) if api is None
+                                else stream_openai(api, path, body, timeout_s))
 
     try:
         await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(specs))))))

@@ -107,7 +107,7 @@ def warm_up(engine, workers=None):
         times["check_kernel_cache"] = time.perf_counter() - t
         if not len(needed):
             needed.close_workers()                   # everything was on disk after all
-        if len(needed):
+        else:
             groups = needed.groups()
             n = needed.workers.count if needed.workers is not None else \
                 min(workers or precompile.default_workers(), len(needed))
