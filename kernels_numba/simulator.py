@@ -185,6 +185,20 @@ def _run_block(self, grid_point, *args):
         raise first.exception[0].with_traceback(first.exception[1])
 
 
+def _poisoned_local_array(self, shape, dtype, alignment=None):
+    """cuda.local.array with its floats NaN: a thread's registers hold whatever was there before, so a kernel
+    that uses an element it never wrote (say, 0 x a stale inf) must fail here, not only on some GPU run."""
+    from numba.cuda import types
+    from numba.cuda.np import numpy_support
+
+    if isinstance(dtype, types.Type):
+        dtype = numpy_support.as_dtype(dtype)
+    a = np.empty(shape, dtype)
+    if a.dtype.kind == "f":
+        a.fill(np.nan)
+    return a
+
+
 def install():
     """Add the warp primitives to the simulator's fake cuda module and replace its block scheduler
     (idempotent, sim only)."""
@@ -192,10 +206,11 @@ def install():
     if _installed or os.environ.get("NUMBA_ENABLE_CUDASIM", "0") != "1":
         return
     from numba.cuda.simulator.kernel import BlockManager, BlockThread
-    from numba.cuda.simulator.kernelapi import FakeCUDAModule
+    from numba.cuda.simulator.kernelapi import FakeCUDALocal, FakeCUDAModule
 
     for fn in (shfl_sync, shfl_up_sync, shfl_down_sync, shfl_xor_sync, syncwarp):
         setattr(FakeCUDAModule, fn.__name__, fn)
+    FakeCUDALocal.array = _poisoned_local_array
     BlockThread.syncthreads = _syncthreads
     BlockManager.run = _run_block
     _installed = True

@@ -24,33 +24,40 @@ and the residual stream are float32 (small: S x hidden); the weights and the KV 
 hands numba no bfloat16 array; a later version reads bfloat16 as 16-bit words, as the decode family does),
 widened on load.
 
-v0 drives the phases with one launch each (`StepKernels.decode_step`): the baseline the later versions (v1:
-the column phases reading 16 bytes a load and attention's keys over a CTA's warps, in 16-warp CTAs,
-`make_column_phases`, `attention_v1`; v2: v1 with a warp taking 2 adjacent columns at a time (2 gate and 2 up
-rows for gate/up) and the argmax split over every CTA, `argmax_parts` then `argmax_merge`; then one persistent
-launch with a barrier between dependent phases, counters, prefetch: docs/kernels.md, "The step family") are
+v0 drives the phases with one launch each (`StepKernels.decode_step`): the baseline the later versions are
 measured against, and the driver numba's CUDA simulator can run (it runs a grid's CTAs one after another, so
-any wait between CTAs would hang it). Its ground truth is reference/step.py (float64).
+any wait between CTAs would hang it). v1: the column phases reading 16 bytes a load and attention's keys over a
+CTA's warps, in 16-warp CTAs (`make_column_phases`, `attention_v1`); v2: a warp taking 2 adjacent columns at a
+time and the argmax split over every CTA (`argmax_parts`, then `argmax_merge`); v3: a lane's loads of a round
+issued before its products, the RMSNorm inside the product that reads it, rotary and the K/V write inside
+attention, whose warps hold several keys at once, the argmax's parts kept by the LM head: 5 launches a layer
+(`make_column_v3`, `make_attention_v3`); v4: v3's phases in one cooperative launch with a grid barrier between
+dependent phases (`make_step_v4`). docs/kernels.md, "The step family", has each version's prediction and
+measurement. Its ground truth is reference/step.py (float64).
 """
 import math
+import types
 
 import numpy as np
 from numba import cuda, float32, int32
 
 from kernels_numba import bridge
 from kernels_numba.bridge import torch_stream
-from kernels_numba.common import f16x2_to_f32, f32_from_bits, load_u32x4, warp_sum
+from kernels_numba.common import (f16_to_f32, f16x2_to_f32, f32_bits, f32_from_bits, f32_to_f16, f32x2_to_f16x2,
+                                   load_u32x4, warp_sum)
 
 WARPS = 4                   # warps per CTA
 THREADS = 32 * WARPS
 MAX_S = 8                   # sequences per step
 MAX_D_PER_LANE = 4          # head_dim <= 128
-SCRATCH = WARPS + 1         # block_sum's shared slots: one per warp, one for the total
+MAX_WARPS = 16              # the most warps a CTA has (v1's and later versions' CTAs: 16)
+SCRATCH = MAX_WARPS + 1     # block_sum's shared slots: one per warp, one for the total
 
 
 @cuda.jit(device=True)
 def block_sum(value, scratch):
-    """Sum of `value` over the CTA's threads, returned to every thread. scratch: shared float32[SCRATCH]."""
+    """Sum of `value` over the CTA's threads (its warps' sums added in warp order), returned to every thread.
+    scratch: shared float32[SCRATCH]."""
     tid = cuda.threadIdx.x
     value = warp_sum(value)
     if tid % 32 == 0:
@@ -58,11 +65,11 @@ def block_sum(value, scratch):
     cuda.syncthreads()
     if tid == 0:
         total = float32(0.0)
-        for w in range(WARPS):
+        for w in range(cuda.blockDim.x // 32):
             total += scratch[w]
-        scratch[WARPS] = total
+        scratch[MAX_WARPS] = total
     cuda.syncthreads()
-    total = scratch[WARPS]
+    total = scratch[MAX_WARPS]
     cuda.syncthreads()                 # nobody writes scratch again before every thread has read it
     return total
 
@@ -449,7 +456,6 @@ COLUMN_PHASES = {half: make_column_phases(half) for half in (True, False)}
 V2_COLS, V2_GATE_COLS = 2, 2   # v2: columns a warp takes at a time (gate_up's are two rows each); 4 columns' fully
                                # unrolled sums (4 x 8 sequences x 8 weights) are past LLVM's unrolling: local memory
 COLUMN_PHASES_V2 = {half: make_column_phases(half, V2_COLS, V2_GATE_COLS) for half in (True, False)}
-MAX_WARPS = THREADS_V1 // 32
 MAX_D = 32 * MAX_D_PER_LANE   # head_dim's bound: a run's output in shared memory
 
 
@@ -501,6 +507,480 @@ def attention_v1(qkv, k_pool, v_pool, tables, positions, num_heads, num_kv_heads
         cuda.syncthreads()                          # the shared runs are read before the next item's
 
 
+# ----------------------------------------------------------------------------------------------
+# v3: a lane's loads issued together; the norm in the product that reads it; rotary and the K/V write in
+# attention, whose warps take several keys at a time; the argmax's parts in the LM head
+
+
+V3_JIT = {} if bridge.SIMULATOR else {"launch_bounds": (THREADS_V1, 1)}   # <= 128 registers: 16 warps fit
+
+
+def v3_round(S, k_chunks, rows=1):
+    """16-byte pieces of a row a lane loads at once in v3's column phases, for S sequences, rows of k_chunks
+    pieces and `rows` rows a column (gate/up: 2): as many as a lane has (k_chunks / 32), at most 8, and fewer as
+    S grows, so that a round's products (pieces x rows x 8 weights x S) stay within what the compiler unrolls
+    into registers (at 240 products, the codegen test's probe found local memory; 16 // (S rows) pieces keep
+    them at <= 128)."""
+    return max(1, min(8, 16 // (S * rows), -(-k_chunks // 32)))
+
+
+def make_column_v3(half, S, R, R2):
+    """v3's column phases for 16-bit (half) or float32 weights as 1-D uint32 words, for exactly S sequences,
+    a lane loading R 16-byte pieces of a row at once (gate/up: R2 of each of its two rows). v1/v2 load a piece, then use it, then load the next: a
+    lane waits for DRAM once per piece (19 times a column at K = 4,864: v2's down projection spent ~20 µs a
+    layer where reading its 8.7 MB takes ~2). Here a round issues R pieces' loads (gate/up: R of the gate row
+    and R of the up row) before any product, so a column costs ceil(pieces / 32 / R) round trips. A CTA takes a
+    contiguous slice of the columns (its warps one column at a time), so the LM head's argmax parts are slices
+    in index order, as argmax_merge expects.
+
+    Returns the kernels linear, norm_linear and norm_gate_up, and the phases (device functions of (cta,
+    num_ctas, ...), the weights from a word offset) they launch, for v4's one launch. The norm_ phases read the residual stream x and apply the
+    RMSNorm as they read it (each CTA sums its rows' squares first): the separate norm phase and its launch
+    are gone."""
+    PER = 8 if half else 4                  # weights in 16 bytes
+
+    @cuda.jit(device=True, inline="always")
+    def row_norms(x, eps, inv, scratch):
+        """inv[s] = 1 / sqrt(mean(x[s]^2) + eps) for every sequence, in this CTA's shared memory."""
+        E = x.shape[1]
+        for s in range(S):
+            squares = float32(0.0)
+            for e in range(cuda.threadIdx.x, E, cuda.blockDim.x):
+                squares += x[s, e] * x[s, e]
+            total = block_sum(squares, scratch)
+            if cuda.threadIdx.x == 0:
+                inv[s] = float32(1.0) / math.sqrt(total / float32(E) + eps)
+        cuda.syncthreads()
+
+    def make_dot(NORM, TWO, R):
+        @cuda.jit(device=True, inline="always")
+        def dot(h, norm_w, inv, wa, wb, base, k_chunks, lane, acc, wr):
+            """acc[j, s] = this lane's part of a[s] . row j (j = 0: wa's row at word base; j = 1, when TWO:
+            wb's), where a = h, or with NORM the RMSNorm of h (weight norm_w, row factors inv). The lane's
+            pieces are c = lane, lane + 32, ... < k_chunks, R of them a round: loads first, then products."""
+            for j in range(2):
+                for s in range(S):
+                    acc[j, s] = float32(0.0)
+            for c0 in range(0, k_chunks, 32 * R):
+                for u in range(R):
+                    c = c0 + lane + 32 * u
+                    if c < k_chunks:
+                        wr[0, u, 0], wr[0, u, 1], wr[0, u, 2], wr[0, u, 3] = load_u32x4(wa, base + 4 * c)
+                        if TWO:
+                            wr[1, u, 0], wr[1, u, 1], wr[1, u, 2], wr[1, u, 3] = load_u32x4(wb, base + 4 * c)
+                for u in range(R):
+                    c = c0 + lane + 32 * u
+                    if c < k_chunks:
+                        for q in range(4):
+                            k = c * PER + q * (PER // 4)
+                            for j in range(2 if TWO else 1):
+                                if PER == 8:
+                                    w0, w1 = f16x2_to_f32(wr[j, u, q])
+                                else:
+                                    w0 = f32_from_bits(wr[j, u, q])
+                                for s in range(S):
+                                    if NORM:
+                                        acc[j, s] += float32(norm_w[k]) * (h[s, k] * inv[s]) * w0
+                                    else:
+                                        acc[j, s] += h[s, k] * w0
+                                    if PER == 8:
+                                        if NORM:
+                                            acc[j, s] += float32(norm_w[k + 1]) * (h[s, k + 1] * inv[s]) * w1
+                                        else:
+                                            acc[j, s] += h[s, k + 1] * w1
+        return dot
+
+    dot_plain, dot_norm, dot_norm_two = make_dot(False, False, R), make_dot(True, False, R), make_dot(True, True, R2)
+
+    @cuda.jit(device=True, inline="always")
+    def column_slice(cta, num_ctas, N):
+        """(lo, hi): CTA cta's contiguous slice of N columns."""
+        per = (N + num_ctas - 1) // num_ctas
+        lo = cta * per
+        return lo, min(N, lo + per)
+
+    @cuda.jit(device=True, inline="always")
+    def linear_phase(cta, num_ctas, h, w, wbase, bias, has_bias, accumulate, out):
+        """out[s, n] (+)= h[s] . W[n] (+ bias[n]), W's words from w[wbase]."""
+        K = h.shape[1]
+        nw, lane, warp = cuda.blockDim.x // 32, cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+        row_words = K // (PER // 4)
+        acc = cuda.local.array((2, S), float32)
+        wr = cuda.local.array((2, R, 4), np.uint32)
+        lo, hi = column_slice(cta, num_ctas, out.shape[1])
+        for n in range(lo + warp, hi, nw):
+            dot_plain(h, h, h, w, w, wbase + n * row_words, K // PER, lane, acc, wr)
+            for s in range(S):
+                total = warp_sum(acc[0, s])
+                if lane == 0:
+                    if has_bias:
+                        total += float32(bias[n])
+                    if accumulate:
+                        total += out[s, n]
+                    out[s, n] = total
+
+    @cuda.jit(device=True, inline="always")
+    def norm_linear_phase(cta, num_ctas, x, norm_w, eps, w, wbase, bias, has_bias, out, argmax, part_best,
+                          part_where):
+        """out[s, n] = rms_norm(x[s]) . W[n] (+ bias[n]); with argmax (the LM head) also each row's largest
+        out[s, n] of this CTA's slice and its lowest index into part_best[s, cta], part_where[s, cta]."""
+        K = x.shape[1]
+        nw, lane, warp = cuda.blockDim.x // 32, cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+        scratch = cuda.shared.array(SCRATCH, float32)
+        inv_s = cuda.shared.array(MAX_S, float32)
+        best = cuda.shared.array((MAX_WARPS, MAX_S), float32)
+        where = cuda.shared.array((MAX_WARPS, MAX_S), int32)
+        row_norms(x, eps, inv_s, scratch)
+        inv = cuda.local.array(S, float32)
+        b = cuda.local.array(S, float32)
+        bw = cuda.local.array(S, int32)
+        for s in range(S):
+            inv[s], b[s], bw[s] = inv_s[s], float32(-math.inf), int32(-1)
+        row_words = K // (PER // 4)
+        acc = cuda.local.array((2, S), float32)
+        wr = cuda.local.array((2, R, 4), np.uint32)
+        lo, hi = column_slice(cta, num_ctas, out.shape[1])
+        for n in range(lo + warp, hi, nw):
+            dot_norm(x, norm_w, inv, w, w, wbase + n * row_words, K // PER, lane, acc, wr)
+            for s in range(S):
+                total = warp_sum(acc[0, s])
+                if has_bias:
+                    total += float32(bias[n])
+                if lane == 0:
+                    out[s, n] = total
+                if total > b[s] or bw[s] < 0:          # a warp's columns rise: a tie keeps the first
+                    b[s], bw[s] = total, n
+        if argmax:                                     # the warps' bests, merged in shared memory
+            if lane == 0:
+                for s in range(S):
+                    best[warp, s], where[warp, s] = b[s], bw[s]
+            cuda.syncthreads()
+            if cuda.threadIdx.x < S:
+                s = cuda.threadIdx.x
+                vb, vw = float32(-math.inf), int32(-1)
+                for w_ in range(nw):
+                    ob, ow = best[w_, s], where[w_, s]
+                    if ow >= 0 and (vw < 0 or ob > vb or (ob == vb and ow < vw)):
+                        vb, vw = ob, ow
+                part_best[s, cta], part_where[s, cta] = vb, vw
+            cuda.syncthreads()
+
+    @cuda.jit(device=True, inline="always")
+    def norm_gate_up_phase(cta, num_ctas, x, norm_w, eps, w_gate, w_up, wbase, m):
+        """m[s, i] = silu(a[s] . Wg[i]) * (a[s] . Wu[i]), a = rms_norm(x): a lane's gate and up pieces loaded
+        together."""
+        K = x.shape[1]
+        nw, lane, warp = cuda.blockDim.x // 32, cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+        scratch = cuda.shared.array(SCRATCH, float32)
+        inv_s = cuda.shared.array(MAX_S, float32)
+        row_norms(x, eps, inv_s, scratch)
+        inv = cuda.local.array(S, float32)
+        for s in range(S):
+            inv[s] = inv_s[s]
+        row_words = K // (PER // 4)
+        acc = cuda.local.array((2, S), float32)
+        wr = cuda.local.array((2, R2, 4), np.uint32)
+        lo, hi = column_slice(cta, num_ctas, m.shape[1])
+        for i in range(lo + warp, hi, nw):
+            dot_norm_two(x, norm_w, inv, w_gate, w_up, wbase + i * row_words, K // PER, lane, acc, wr)
+            for s in range(S):
+                gs, us = warp_sum(acc[0, s]), warp_sum(acc[1, s])
+                if lane == 0:
+                    m[s, i] = gs / (float32(1.0) + math.exp(-gs)) * us
+
+    @cuda.jit(**V3_JIT)
+    def linear(h, w, bias, has_bias, accumulate, out):
+        linear_phase(cuda.blockIdx.x, cuda.gridDim.x, h, w, 0, bias, has_bias, accumulate, out)
+
+    @cuda.jit(**V3_JIT)
+    def norm_linear(x, norm_w, eps, w, bias, has_bias, out, argmax, part_best, part_where):
+        norm_linear_phase(cuda.blockIdx.x, cuda.gridDim.x, x, norm_w, eps, w, 0, bias, has_bias, out, argmax,
+                          part_best, part_where)
+
+    @cuda.jit(**V3_JIT)
+    def norm_gate_up(x, norm_w, eps, w_gate, w_up, m):
+        norm_gate_up_phase(cuda.blockIdx.x, cuda.gridDim.x, x, norm_w, eps, w_gate, w_up, 0, m)
+
+    return types.SimpleNamespace(linear=linear, norm_linear=norm_linear, norm_gate_up=norm_gate_up,
+                                 linear_phase=linear_phase, norm_linear_phase=norm_linear_phase,
+                                 norm_gate_up_phase=norm_gate_up_phase)
+
+
+def make_attention_v3(half):
+    """v3's attention for 16-bit (half) or float32 pools given as 1-D uint32 words of [blocks, kv heads, block,
+    D]. A CTA per (sequence, q head) at a time, as v1, but:
+
+    * rotary and the K/V write are here: warp 0 rotates the head's q and its K/V head's k from the unrotated
+      q/k/v, rounds k and v to the pool's type, and the CTA of the group's first q head writes them to the
+      sequence's slot; every CTA takes the newest key from its own shared memory (no CTA reads a slot another
+      writes in the same launch). The rotary phase and its launch are gone.
+    * a key is D / P lanes' work (P = 8 float16 or 4 float32 elements: 16 bytes a lane), so a warp holds
+      32 P / D keys at once, two rounds of them a step of its loop: each lane's K and V loads of both rounds
+      are issued before the scores' shuffles (v1's warp took one key at a time, 2-byte loads, a 5-shuffle sum
+      each). A lane group keeps its own online softmax; the groups merge by xor shuffles (the same bits on
+      every lane: each merge is commutative), then the warps in shared memory in warp order, as v1."""
+    P = 8 if half else 4
+
+    @cuda.jit(device=True, inline="always")
+    def to_pool(v):
+        """v rounded to the pool's type (as it will be read back), as float32."""
+        if half:
+            return f16_to_f32(f32_to_f16(v))
+        return v
+
+    @cuda.jit(device=True, inline="always")
+    def widen(w, r, x):
+        """x[r, :P] = the P pool elements of the 16 bytes w[r, 0..3]."""
+        for q in range(4):
+            if half:
+                x[r, 2 * q], x[r, 2 * q + 1] = f16x2_to_f32(w[r, q])
+            else:
+                x[r, q] = f32_from_bits(w[r, q])
+
+    @cuda.jit(device=True, inline="always")
+    def merge(m, l, acc, mo, lo_, acco):
+        """(m, l, acc) and another run's (mo, lo_, acco) as one run (a run with no key: m = -inf)."""
+        top = max(m, mo)
+        if top == -math.inf:
+            return m, l
+        f, fo = math.exp(m - top), math.exp(mo - top)
+        for e in range(P):
+            acc[e] = acc[e] * f + acco[e] * fo
+        return top, l * f + lo_ * fo
+
+    @cuda.jit(device=True, inline="always")
+    def attention_phase(cta, num_ctas, qkv, k_words, v_words, pbase, kv_heads, block_size, head_dim, tables,
+                        positions, cos, sin, num_heads, scale, out):
+        """The pools' words from k_words[pbase], v_words[pbase]."""
+        S = qkv.shape[0]
+        D, BS = head_dim, block_size
+        half_d = D // 2
+        group = num_heads // kv_heads
+        lanes = D // P                                     # lanes a key
+        keys = 32 // lanes                                 # keys a warp holds at once
+        row_words = D * (2 if half else 4) // 4
+        nw, tid = cuda.blockDim.x // 32, cuda.threadIdx.x
+        lane, warp = tid % 32, tid // 32
+        g, sub = lane // lanes, lane % lanes
+        qs = cuda.shared.array(MAX_D, float32)
+        ks = cuda.shared.array(MAX_D, float32)
+        vs = cuda.shared.array(MAX_D, float32)
+        run_m = cuda.shared.array(MAX_WARPS, float32)
+        run_l = cuda.shared.array(MAX_WARPS, float32)
+        run_o = cuda.shared.array((MAX_WARPS, MAX_D), float32)
+        q = cuda.local.array(P, float32)
+        acc = cuda.local.array(P, float32)
+        other = cuda.local.array(P, float32)
+        wk = cuda.local.array((2, 4), np.uint32)
+        wv = cuda.local.array((2, 4), np.uint32)
+        kf = cuda.local.array((2, P), float32)
+        vf = cuda.local.array((2, P), float32)
+        fin = cuda.local.array(MAX_D_PER_LANE, float32)
+        score = cuda.local.array(2, float32)
+        for item in range(cta, S * num_heads, num_ctas):
+            s, head = item // num_heads, item % num_heads
+            kv = head // group
+            pos = positions[s]
+            if warp == 0:                                  # rotary of q (scaled) and k; v as it is
+                qb, kb, vb = head * D, (num_heads + kv) * D, (num_heads + kv_heads + kv) * D
+                for i in range(lane, half_d, 32):
+                    c, sn = cos[pos, i], sin[pos, i]
+                    x1, x2 = qkv[s, qb + i], qkv[s, qb + i + half_d]
+                    qs[i], qs[i + half_d] = (x1 * c - x2 * sn) * scale, (x2 * c + x1 * sn) * scale
+                    x1, x2 = qkv[s, kb + i], qkv[s, kb + i + half_d]
+                    ks[i], ks[i + half_d] = to_pool(x1 * c - x2 * sn), to_pool(x2 * c + x1 * sn)
+                for d in range(lane, D, 32):
+                    vs[d] = to_pool(qkv[s, vb + d])
+            cuda.syncthreads()
+            slot = pbase + ((tables[s, pos // BS] * kv_heads + kv) * BS + pos % BS) * row_words
+            if head % group == 0:                          # the group's first head writes the new K/V
+                for wi in range(tid, row_words, cuda.blockDim.x):
+                    if half:
+                        k_words[slot + wi] = f32x2_to_f16x2(ks[2 * wi], ks[2 * wi + 1])
+                        v_words[slot + wi] = f32x2_to_f16x2(vs[2 * wi], vs[2 * wi + 1])
+                    else:
+                        k_words[slot + wi] = f32_bits(ks[wi])
+                        v_words[slot + wi] = f32_bits(vs[wi])
+            for e in range(P):
+                q[e] = qs[sub * P + e]
+                acc[e] = float32(0.0)
+            m, l = float32(-math.inf), float32(0.0)
+            n = pos + 1
+            step = nw * 2 * keys
+            for t0 in range(warp * 2 * keys, n + (step - n % step) % step, step):   # the same trips for every warp
+                for r in range(2):                         # both rounds' loads first
+                    t = t0 + r * keys + g
+                    if t < pos:
+                        base = pbase + ((tables[s, t // BS] * kv_heads + kv) * BS + t % BS) * row_words + sub * 4
+                        wk[r, 0], wk[r, 1], wk[r, 2], wk[r, 3] = load_u32x4(k_words, base)
+                        wv[r, 0], wv[r, 1], wv[r, 2], wv[r, 3] = load_u32x4(v_words, base)
+                for r in range(2):
+                    t = t0 + r * keys + g
+                    if t < pos:
+                        widen(wk, r, kf)
+                        widen(wv, r, vf)
+                    elif t == pos:                         # the newest key: from shared memory
+                        for e in range(P):
+                            kf[r, e], vf[r, e] = ks[sub * P + e], vs[sub * P + e]
+                    else:                                  # no key: weight 0 on zeros (not on stale registers,
+                        for e in range(P):                 # which may hold an inf or a NaN: 0 x inf is NaN)
+                            kf[r, e], vf[r, e] = float32(0.0), float32(0.0)
+                    partial = float32(0.0)
+                    for e in range(P):
+                        partial += q[e] * kf[r, e]
+                    off = lanes // 2
+                    while off > 0:
+                        partial += cuda.shfl_xor_sync(0xFFFFFFFF, partial, off)
+                        off //= 2
+                    score[r] = partial if t <= pos else float32(-math.inf)
+                top = max(m, max(score[0], score[1]))
+                if top > -math.inf:
+                    alpha, p0, p1 = math.exp(m - top), math.exp(score[0] - top), math.exp(score[1] - top)
+                    for e in range(P):
+                        acc[e] = acc[e] * alpha + p0 * vf[0, e] + p1 * vf[1, e]
+                    l = l * alpha + p0 + p1
+                    m = top
+            off = lanes                                    # the warp's groups, merged
+            while off < 32:
+                mo, lo_ = cuda.shfl_xor_sync(0xFFFFFFFF, m, off), cuda.shfl_xor_sync(0xFFFFFFFF, l, off)
+                for e in range(P):
+                    other[e] = cuda.shfl_xor_sync(0xFFFFFFFF, acc[e], off)
+                m, l = merge(m, l, acc, mo, lo_, other)
+                off *= 2
+            if lane == 0:
+                run_m[warp], run_l[warp] = m, l
+            if g == 0:
+                for e in range(P):
+                    run_o[warp, sub * P + e] = acc[e]
+            cuda.syncthreads()
+            if warp == 0:                                  # the warps' runs, merged in warp order (v1's)
+                top = float32(-math.inf)
+                for w in range(nw):
+                    top = max(top, run_m[w])
+                total = float32(0.0)
+                for j in range(MAX_D_PER_LANE):
+                    fin[j] = float32(0.0)
+                for w in range(nw):
+                    if run_l[w] > float32(0.0):
+                        f = math.exp(run_m[w] - top)
+                        total += run_l[w] * f
+                        for j in range(MAX_D_PER_LANE):
+                            if lane + 32 * j < D:
+                                fin[j] += run_o[w, lane + 32 * j] * f
+                for j in range(MAX_D_PER_LANE):
+                    d = lane + 32 * j
+                    if d < D:
+                        out[s, head * D + d] = fin[j] / total
+            cuda.syncthreads()                             # shared memory read before the next item's
+
+    @cuda.jit(**V3_JIT)
+    def attention(qkv, k_words, v_words, kv_heads, block_size, head_dim, tables, positions, cos, sin, num_heads,
+                  scale, out):
+        attention_phase(cuda.blockIdx.x, cuda.gridDim.x, qkv, k_words, v_words, 0, kv_heads, block_size, head_dim,
+                        tables, positions, cos, sin, num_heads, scale, out)
+
+    return attention, attention_phase
+
+
+_V3 = {}
+
+
+def v3_kernels(half, S, k_chunks):
+    """v3's column kernels and phases (make_column_v3) for S sequences and rows of k_chunks 16-byte pieces (made once
+    a shape: each is compiled for its S and round)."""
+    key = (half, S, v3_round(S, k_chunks), v3_round(S, k_chunks, rows=2))
+    if key not in _V3:
+        _V3[key] = make_column_v3(*key)
+    return _V3[key]
+
+
+ATTENTION_V3 = {half: make_attention_v3(half) for half in (True, False)}
+
+
+# ----------------------------------------------------------------------------------------------
+# v4: v3's phases in one persistent launch, a grid barrier between dependent phases
+
+
+@cuda.jit(device=True, inline="always")
+def better(b, w, ob, ow):
+    """Whether (ob, ow) beats (b, w): a larger value, or the same at a lower index (w < 0: none)."""
+    return ow >= 0 and (w < 0 or ob > b or (ob == b and ow < w))
+
+
+@cuda.jit(device=True, inline="always")
+def merge_parts_phase(cta, num_ctas, part_best, part_where, ids):
+    """argmax_merge as a phase of 32 lanes: ids[s] = the lowest index of the largest of row s's parts."""
+    lane = cuda.threadIdx.x % 32
+    if cuda.threadIdx.x < 32:
+        for s in range(cta, part_best.shape[0], num_ctas):
+            b, w = float32(-math.inf), int32(-1)
+            for c in range(lane, part_best.shape[1], 32):
+                if better(b, w, part_best[s, c], part_where[s, c]):
+                    b, w = part_best[s, c], part_where[s, c]
+            off = 16
+            while off > 0:
+                ob, ow = cuda.shfl_xor_sync(0xFFFFFFFF, b, off), cuda.shfl_xor_sync(0xFFFFFFFF, w, off)
+                if better(b, w, ob, ow):
+                    b, w = ob, ow
+                off //= 2
+            if lane == 0:
+                ids[s] = w
+
+
+def make_step_v4(half, S, k_chunks, i_chunks):
+    """v4: the whole step as one cooperative launch of v3's phases (hidden-width rows of k_chunks 16-byte pieces,
+    the down projection's of i_chunks), `cuda.cg.this_grid().sync()` between dependent phases: 5 barriers a
+    layer where v3 has 5 launches, each ~1.5 µs on the H200 (scripts/probe_grid_sync.py) against a launch's
+    fill and drain. Every layer's weights come from one stacked array of each kind (a word offset a layer),
+    the pools from one allocation of all layers'."""
+    hidden, inner = v3_kernels(half, S, k_chunks), v3_kernels(half, S, i_chunks)
+    norm_linear_phase, linear_phase = hidden.norm_linear_phase, hidden.linear_phase      # (names numba can type)
+    norm_gate_up_phase, down_phase = hidden.norm_gate_up_phase, inner.linear_phase
+    attention_phase = ATTENTION_V3[half][1]
+    W = 2 if half else 1                    # weights a 32-bit word
+
+    @cuda.jit(**V3_JIT)
+    def step(tokens, positions, tables, embed, x, qkv, a, m, logits, part_best, part_where, ids, ln1, qkv_w, qkv_b,
+             o_w, ln2, gate_w, up_w, down_w, final_norm, lm_w, k_words, v_words, pool_words, kv_heads, block_size,
+             head_dim, cos, sin, num_heads, eps, scale):
+        grid = cuda.cg.this_grid()
+        cta, n = cuda.blockIdx.x, cuda.gridDim.x
+        E, Q, A, I = x.shape[1], qkv.shape[1], a.shape[1], m.shape[1]
+        for s in range(cta, S, n):
+            for e in range(cuda.threadIdx.x, E, cuda.blockDim.x):
+                x[s, e] = float32(embed[tokens[s], e])
+        grid.sync()
+        for layer in range(ln1.shape[0]):
+            norm_linear_phase(cta, n, x, ln1[layer], eps, qkv_w, layer * Q * (E // W), qkv_b[layer], True,
+                                     qkv, False, part_best, part_where)
+            grid.sync()
+            attention_phase(cta, n, qkv, k_words, v_words, layer * pool_words, kv_heads, block_size, head_dim, tables,
+                            positions, cos, sin, num_heads, scale, a)
+            grid.sync()
+            linear_phase(cta, n, a, o_w, layer * E * (A // W), qkv_b[layer], False, True, x)
+            grid.sync()
+            norm_gate_up_phase(cta, n, x, ln2[layer], eps, gate_w, up_w, layer * I * (E // W), m)
+            grid.sync()
+            down_phase(cta, n, m, down_w, layer * E * (I // W), qkv_b[layer], False, True, x)
+            grid.sync()
+        norm_linear_phase(cta, n, x, final_norm, eps, lm_w, 0, final_norm, False, logits, True, part_best,
+                                 part_where)
+        grid.sync()
+        merge_parts_phase(cta, n, part_best, part_where, ids)
+
+    return step
+
+
+_V4 = {}
+
+
+def v4_kernel(half, S, k_chunks, i_chunks):
+    key = (half, S, k_chunks, i_chunks)
+    if key not in _V4:
+        _V4[key] = make_step_v4(*key)
+    return _V4[key]
+
+
 def rotary_tables(num_positions, head_dim, theta):
     """(cos, sin) [num_positions, D / 2] float32 as HF's Qwen2 computes them: angle = position / theta^(2i / D),
     each factor float32 (reference/step.py's rotary). Tables, not cosf / sinf on the device: those keep a slow
@@ -520,21 +1000,21 @@ class StepKernels:
 
     def __init__(self, weights, config, num_ctas=132, on_gpu=False, max_positions=4096, version=0,
                  column_threads=THREADS_V1):
-        if version not in (0, 1, 2):
-            raise ValueError(f"version must be 0, 1 or 2, got {version!r}")
+        if version not in (0, 1, 2, 3, 4):
+            raise ValueError(f"version must be 0 to 4, got {version!r}")
         if not (column_threads % 32 == 0 and 32 <= column_threads <= THREADS_V1):
             raise ValueError(f"column_threads must be a multiple of 32 up to {THREADS_V1}, got {column_threads}")
         self.config, self.num_ctas, self.version, self.column_threads = config, num_ctas, version, column_threads
         if on_gpu:
             import torch
             self.empty = lambda shape, dtype: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
-            concat, asarray = torch.cat, lambda a: torch.as_tensor(a, device="cuda")
+            concat, stack, asarray = torch.cat, torch.stack, lambda a: torch.as_tensor(a, device="cuda")
             self.capturing = torch.cuda.is_current_stream_capturing
             if any(t.dtype == torch.bfloat16 for t in weights.values()):
                 raise ValueError("v0 takes float16 or float32 weights and pools: torch hands numba no bfloat16 arrays")
         else:
             self.empty = lambda shape, dtype: np.empty(shape, dtype=dtype)
-            concat, asarray = np.concatenate, np.asarray
+            concat, stack, asarray = np.concatenate, np.stack, np.asarray
             self.capturing = lambda: False
         H, Hkv, D = config["num_heads"], config["num_kv_heads"], config["head_dim"]
         if D > 32 * MAX_D_PER_LANE or H % Hkv:
@@ -542,16 +1022,19 @@ class StepKernels:
         self.embed = weights["model.embed_tokens.weight"]
         self.lm_head = self.embed if config["tied"] else weights["lm_head.weight"]
         self.final_norm = weights["model.norm.weight"]
-        self.layers = []
+        layers = []
         for i in range(config["num_layers"]):
             p = f"model.layers.{i}"
             qkv_w = concat([weights[f"{p}.self_attn.{n}_proj.weight"] for n in "qkv"])
             qkv_b = concat([weights[f"{p}.self_attn.{n}_proj.bias"] for n in "qkv"])
-            self.layers.append(dict(
+            layers.append(dict(
                 ln1=weights[f"{p}.input_layernorm.weight"], qkv_w=qkv_w, qkv_b=qkv_b,
                 o=weights[f"{p}.self_attn.o_proj.weight"], ln2=weights[f"{p}.post_attention_layernorm.weight"],
                 gate=weights[f"{p}.mlp.gate_proj.weight"], up=weights[f"{p}.mlp.up_proj.weight"],
                 down=weights[f"{p}.mlp.down_proj.weight"]))
+        # each kind of weight stacked over the layers (v4 reads a layer's at an offset); a layer's are views
+        self.stacked = {n: stack([layer[n] for layer in layers]) for n in layers[0]} if layers else {}
+        self.layers = [{n: s[i] for n, s in self.stacked.items()} for i in range(len(layers))]
         self.cos, self.sin = (asarray(t) for t in rotary_tables(max_positions, D, config["theta"]))
         if version >= 1:                    # v1's column phases read each weight matrix as 1-D uint32 words
             self.half = str(self.embed.dtype).endswith("float16")
@@ -560,25 +1043,21 @@ class StepKernels:
             matrices = [self.lm_head] + [layer[n] for layer in self.layers for n in names]
             if any(w.shape[1] % per for w in matrices):
                 raise ValueError(f"v1 reads a row {per} weights at a time: every product's width a multiple of {per}")
-            if on_gpu:
-                self.words = {id(w): bridge.words(w) for w in matrices}                # (all contiguous)
-            else:
-                self.words = {id(w): np.ascontiguousarray(w).view(np.uint32).reshape(-1) for w in matrices}
+            words = bridge.words if on_gpu else lambda w: np.ascontiguousarray(w).view(np.uint32).reshape(-1)
+            self.words = {id(w): words(w) for w in matrices}                          # (all contiguous)
+            self.stacked_words = {n: words(self.stacked[n]) for n in names if n in self.stacked}
 
     def decode_step(self, tokens, positions, k_pools, v_pools, tables):
         """One decode step: writes each sequence's new K/V into k_pools[i] / v_pools[i] (one [num_blocks,
         kv heads, block_size, D] array per layer) and returns (logits [S, vocab] float32, greedy ids [S]).
         Launched on torch's current stream (its temporaries are torch's, and so a CUDA graph captures it)."""
+        if self.version >= 3:
+            return self._decode_step_v3(tokens, positions, k_pools, v_pools, tables)
         c, empty, grid = self.config, self.empty, self.num_ctas
         cfg = (grid, THREADS, torch_stream())
         H, Hkv, D = c["num_heads"], c["num_kv_heads"], c["head_dim"]
         S, E = len(tokens), self.embed.shape[1]
-        if not 1 <= S <= MAX_S:
-            raise ValueError(f"a step of {S} sequences: v0 takes 1 to {MAX_S}")
-        if not self.capturing():           # (reading the positions back would break a graph's capture)
-            last = int(positions.max())
-            if last >= self.cos.shape[0]:
-                raise ValueError(f"position {last} is past max_positions {self.cos.shape[0]}")
+        self._check_step(S, positions)
         x, h = empty((S, E), "float32"), empty((S, E), "float32")
         qkv, a = empty((S, (H + 2 * Hkv) * D), "float32"), empty((S, H * D), "float32")
         m = empty((S, self.layers[0]["gate"].shape[0]), "float32") if self.layers else None
@@ -608,6 +1087,83 @@ class StepKernels:
         else:
             _argmax[cfg](logits, ids)
         return logits, ids
+
+    def _check_step(self, S, positions):
+        if not 1 <= S <= MAX_S:
+            raise ValueError(f"a step of {S} sequences: the step kernels take 1 to {MAX_S}")
+        if not self.capturing():           # (reading the positions back would break a graph's capture)
+            last = int(positions.max())
+            if last >= self.cos.shape[0]:
+                raise ValueError(f"position {last} is past max_positions {self.cos.shape[0]}")
+
+    def _decode_step_v3(self, tokens, positions, k_pools, v_pools, tables):
+        """v3's step: 5 launches a layer (norm + q/k/v, attention with rotary and the K/V write, o, norm +
+        gate/up, down), then norm + the LM head with the argmax's parts, and their merge; v4's: the same phases
+        in one launch."""
+        c, empty, grid, threads = self.config, self.empty, self.num_ctas, self.column_threads
+        H, Hkv, D = c["num_heads"], c["num_kv_heads"], c["head_dim"]
+        S, E = len(tokens), self.embed.shape[1]
+        self._check_step(S, positions)
+        stream = torch_stream()
+        per = 8 if self.half else 4
+        I = self.layers[0]["gate"].shape[0] if self.layers else per
+        x, qkv, a = empty((S, E), "float32"), empty((S, (H + 2 * Hkv) * D), "float32"), empty((S, H * D), "float32")
+        m = empty((S, I), "float32")
+        logits, ids = empty((S, self.lm_head.shape[0]), "float32"), empty(S, "int32")
+        part_best, part_where = empty((S, grid), "float32"), empty((S, grid), "int32")
+        eps, scale = np.float32(c["eps"]), np.float32(1.0 / math.sqrt(D))
+        none, w = qkv[0, :1], self.words
+        if self.version == 4:
+            (k_words, pool_words), (v_words, _) = self._stacked_pool_words(k_pools), self._stacked_pool_words(v_pools)
+            st, sw, block_size = self.stacked, self.stacked_words, k_pools[0].shape[2]
+            step = v4_kernel(self.half, S, E // per, I // per)[grid, threads, stream]
+            step(tokens, positions, tables, self.embed, x, qkv, a, m, logits, part_best, part_where, ids, st["ln1"],
+                 sw["qkv_w"], st["qkv_b"], sw["o"], st["ln2"], sw["gate"], sw["up"], sw["down"], self.final_norm,
+                 w[id(self.lm_head)], k_words, v_words, pool_words, Hkv, block_size, D, self.cos, self.sin, H, eps,
+                 scale)
+            return logits, ids
+        hidden = v3_kernels(self.half, S, E // per)
+        linear, norm_linear, norm_gate_up = (k[grid, threads, stream] for k in (hidden.linear, hidden.norm_linear,
+                                                                                hidden.norm_gate_up))
+        down = v3_kernels(self.half, S, I // per).linear[grid, threads, stream]
+        attention = ATTENTION_V3[self.half][0][grid, threads, stream]
+        _embed[grid, THREADS, stream](tokens, self.embed, x)
+        for layer, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
+            norm_linear(x, layer["ln1"], eps, w[id(layer["qkv_w"])], layer["qkv_b"], True, qkv, False, part_best,
+                        part_where)
+            attention(qkv, self._pool_words(k_pool), self._pool_words(v_pool), Hkv, k_pool.shape[2], D, tables,
+                      positions, self.cos, self.sin, H, scale, a)
+            linear(a, w[id(layer["o"])], none, False, True, x)
+            norm_gate_up(x, layer["ln2"], eps, w[id(layer["gate"])], w[id(layer["up"])], m)
+            down(m, w[id(layer["down"])], none, False, True, x)
+        norm_linear(x, self.final_norm, eps, w[id(self.lm_head)], none, False, logits, True, part_best, part_where)
+        argmax_merge[S, THREADS, stream](part_best, part_where, ids)
+        return logits, ids
+
+    def _stacked_pool_words(self, pools):
+        """(1-D uint32 words of every layer's pool from the first's, words a layer's pool) for pools that lie in
+        one allocation at equal spacing (list(stacked) of a [layers, ...] array or tensor): v4 reads layer l's
+        at offset l x (words a pool)."""
+        numpy = isinstance(pools[0], np.ndarray)
+        nbytes = pools[0].size * pools[0].itemsize if numpy else pools[0].numel() * pools[0].element_size()
+        ptr = (lambda p: p.__array_interface__["data"][0]) if numpy else (lambda p: p.data_ptr())   # noqa: E731
+        contiguous = all(p.flags.c_contiguous if numpy else p.is_contiguous() for p in pools)
+        if not contiguous or any(ptr(p) != ptr(pools[0]) + i * nbytes for i, p in enumerate(pools)):
+            raise ValueError("v4 reads every layer's pool from one allocation: pass list(pools) of one "
+                             "[layers, blocks, kv heads, block, D] array")
+        if numpy:
+            flat = np.lib.stride_tricks.as_strided(pools[0].reshape(-1), (len(pools) * pools[0].size,),
+                                                   (pools[0].itemsize,), writeable=True)
+            return flat.view(np.uint32), nbytes // 4
+        import torch
+
+        return bridge.words(torch.as_strided(pools[0], (len(pools) * pools[0].numel(),), (1,))), nbytes // 4
+
+    def _pool_words(self, pool):
+        """A pool as 1-D uint32 words (a view: writes land in the pool)."""
+        if isinstance(pool, np.ndarray):
+            return pool.reshape(-1).view(np.uint32)
+        return bridge.words(pool)
 
     def _column_phases(self, cfg):
         """(linear, gate_up) launchers of this version, each taking the weights as the layers hold them: v0's

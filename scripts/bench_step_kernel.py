@@ -4,12 +4,15 @@ For S = 1, 2, 4, 8 sequences at a --context-token history (random K/V in the poo
 
   check     each version's S = 2 logits against reference/step.py (float64, the same float16 weights and pool
             widened): max |diff| and whether the greedy ids agree where the top two logits are apart;
-  v0-v2     StepKernels.decode_step (one launch per phase; v1: the column phases on 16-byte pieces, 16 warps
-            a CTA; v2: 2 columns a warp, the argmax split over the CTAs) captured in a CUDA graph: microseconds per step (median of replays), tok/s = S / step, and
+  v0-v4     StepKernels.decode_step (--versions, default 2,3,4; v0-v3 one launch per phase; v1: the column
+            phases on 16-byte pieces, 16 warps a CTA; v2: 2 columns a warp, the argmax split over the CTAs; v3: a
+            lane's loads issued together, the norms in the products, rotary and the K/V write in attention; v4:
+            v3's phases in one cooperative launch with grid barriers) captured in a CUDA graph: microseconds per
+            step (median of replays), tok/s = S / step, and
             the fraction of the weight-read floor (bytes of every weight and the pool's context read once / the
             copy bandwidth measured in the same run).
 
-  phases    (--phases) one eager step of each version at S = 1 and 8 under torch.profiler: each phase's GPU
+  phases    (--phases) one eager step of each version but v4 at S = 1 and 8 under torch.profiler: each phase's GPU
             microseconds a step (its launches summed over the layers) and its share, and the effective
             bandwidth of the column phases (their weight bytes / their time).
 
@@ -47,8 +50,9 @@ def make_step(config, S, context, dtype, seed):
     per_seq = -(-(context + 1) // BLOCK)
     num_blocks = S * per_seq + 8
     shape = (num_blocks, config["num_kv_heads"], BLOCK, config["head_dim"])
-    k_pools = [(torch.randn(shape, generator=g, device="cuda") * 0.5).to(dtype) for _ in range(config["num_layers"])]
-    v_pools = [torch.randn(shape, generator=g, device="cuda").to(dtype) for _ in range(config["num_layers"])]
+    L = config["num_layers"]               # every layer's pool in one allocation (v4 reads them at offsets)
+    k_pools = list((torch.randn((L, *shape), generator=g, device="cuda") * 0.5).to(dtype))
+    v_pools = list(torch.randn((L, *shape), generator=g, device="cuda").to(dtype))
     tables = torch.randperm(num_blocks, generator=g, device="cuda")[:S * per_seq].reshape(S, per_seq).to(torch.int32)
     tokens = torch.randint(0, 1000, (S,), generator=g, device="cuda", dtype=torch.int32)
     positions = torch.full((S,), context, device="cuda", dtype=torch.int32)
@@ -77,8 +81,9 @@ KERNELS = {"embed": "embed", "rms_norm": "rms_norm", "qkv": "linear", "rotary_kv
 
 
 def phase_times(kernels, config, S, context, dtype, steps=3):
-    """{phase: GPU us a step} of an eager step (v0, v1 or v2): the profiler's kernels in launch order, each named by its
-    place in the step (a check: the kernel's name holds its phase's function)."""
+    """{phase: GPU us a step} of an eager step (v0-v3): the profiler's kernels in launch order, each named by its
+    place in the step (a check: the kernel's name holds its phase's function). v3's qkv holds the RMSNorm before
+    it, its attention rotary and the K/V write, its lm_head the final norm and the argmax's parts."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -86,6 +91,8 @@ def phase_times(kernels, config, S, context, dtype, steps=3):
     argmax = ["argmax", "argmax"] if kernels.version == 2 else ["argmax"]      # v2: its parts, then their merge
     order = (["embed"] + ["rms_norm", "qkv", "rotary_kv", "attention", "o", "rms_norm", "gate_up", "down"] * L
              + ["rms_norm", "lm_head"] + argmax)
+    if kernels.version == 3:
+        order = ["embed"] + ["qkv", "attention", "o", "gate_up", "down"] * L + ["lm_head", "argmax"]
     tokens, positions, k_pools, v_pools, tables = make_step(config, S, context, dtype, seed=S)
     kernels.decode_step(tokens, positions, k_pools, v_pools, tables)         # compiled and loaded first
     torch.cuda.synchronize()
@@ -125,7 +132,7 @@ def phase_rows(kernels, weights, config, context, dtype, batches=(1, 8)):
     return rows
 
 
-def main(out, model, context, batches, num_ctas, phases=False, versions=(0, 1, 2)):
+def main(out, model, context, batches, num_ctas, phases=False, versions=(2, 3, 4)):
     from kernels_numba.step import StepKernels
     from reference.step import load_config
 
@@ -157,7 +164,7 @@ def main(out, model, context, batches, num_ctas, phases=False, versions=(0, 1, 2
             rows.append(dict(S=S, part=f"v{version} (graph)", us_per_step=us, tok_s=S / us * 1e6,
                              floor_us=floor_us, of_floor=floor_us / us))
             print(rows[-1], flush=True)
-        if phases:
+        if phases and version <= 3:         # (v4 is one launch: no phase to time apart)
             prow += [dict(version=version, **r) for r in phase_rows(kernels, weights, config, context, dtype)]
     md = benchlib.markdown_table(rows)
     meta = dict(model=path, context=context, num_ctas=num_ctas, copy_gbs=copy_gbs, weight_bytes=weight_bytes)
@@ -178,7 +185,7 @@ if __name__ == "__main__":
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--num-ctas", type=int, default=132)
     ap.add_argument("--phases", action="store_true", help="also each phase's GPU time (torch.profiler)")
-    ap.add_argument("--versions", default="0,1,2")
+    ap.add_argument("--versions", default="2,3,4")
     a = ap.parse_args()
     main(a.out, a.model, a.context, [int(b) for b in a.batches.split(",")], a.num_ctas, a.phases,
          [int(v) for v in a.versions.split(",")])

@@ -1,5 +1,5 @@
-"""kernels_numba/step.py, the decode step as numba.cuda phases (v0: one launch per phase), in numba's CUDA
-simulator against reference/step.py (float64), compiled for sm_90, and on the GPU.
+"""kernels_numba/step.py, the decode step as numba.cuda phases (v0-v3: one launch per phase; v4: one cooperative
+launch), in numba's CUDA simulator against reference/step.py (float64), compiled for sm_90, and on the GPU.
 
 Tiny random Qwen2 checkpoints decode a few sequences token by token from an empty pool with scattered blocks,
 over 2-3 CTAs (fewer than the phases' items, so each CTA and warp loops over several): every step's logits,
@@ -63,7 +63,7 @@ def _decode_all(weights, config, dtype, lengths, block_size, num_ctas, version=0
     tables = rng.permutation(num_blocks)[:S * per_seq].reshape(S, per_seq).astype(np.int32)
     shape = (num_blocks, config["num_kv_heads"], block_size, config["head_dim"])
     L = config["num_layers"]
-    k_pools, v_pools = [np.zeros(shape, dtype) for _ in range(L)], [np.zeros(shape, dtype) for _ in range(L)]
+    k_pools, v_pools = list(np.zeros((L, *shape), dtype)), list(np.zeros((L, *shape), dtype))   # (v4: one allocation)
     ref_k, ref_v = [np.zeros(shape) for _ in range(L)], [np.zeros(shape) for _ in range(L)]
     narrowed = {k: v.astype(dtype) for k, v in weights.items()}
     widened = {k: v.astype(np.float64) for k, v in narrowed.items()}
@@ -89,7 +89,11 @@ def _decode_all(weights, config, dtype, lengths, block_size, num_ctas, version=0
 # v1 (the column phases on 16-byte pieces and attention's keys over the warps, here 2 warps a CTA: the second
 # warp has no key at the first step): the d64 model in float16 by default (two steps), the d16 one in float32
 # under `slow`; v2 (2 columns a warp, the argmax split over the CTAs) both under `slow` (by default its column
-# phases against v1's bits and its argmax alone: test_v2_*).
+# phases against v1's bits and its argmax alone: test_v2_*); v3 (a round of loads before its products, the norms in
+# the products, rotary and the K/V write in attention, several keys a warp) d64 in float16 by default, under `slow`
+# d16 in both dtypes (float16: 16 keys a warp, most slots past the end at the first steps) and d128 with 8
+# sequences; v4 (v3's phases in one cooperative launch: the simulator runs a cooperative grid of one CTA) d64 in
+# float16 by default, d16 in float32 under `slow`.
 CASES = [pytest.param("d64", np.float32, (2, 1), 1, 2, 0, id="d64-f32-2steps"),
          pytest.param("d16", np.float32, (3, 2, 3), 2, 2, 0, id="d16-f32-3steps", marks=pytest.mark.slow),
          pytest.param("d16", np.float16, (3, 2, 3), 2, 2, 0, id="d16-f16-3steps", marks=pytest.mark.slow),
@@ -98,7 +102,13 @@ CASES = [pytest.param("d64", np.float32, (2, 1), 1, 2, 0, id="d64-f32-2steps"),
          pytest.param("d64", np.float16, (2, 1), 1, 2, 1, id="v1-d64-f16-2steps"),
          pytest.param("d16", np.float32, (3, 2, 3), 2, 3, 1, id="v1-d16-f32-3steps", marks=pytest.mark.slow),
          pytest.param("d64", np.float16, (2, 1), 1, 2, 2, id="v2-d64-f16-2steps", marks=pytest.mark.slow),
-         pytest.param("d16", np.float32, (3, 2, 3), 2, 3, 2, id="v2-d16-f32-3steps", marks=pytest.mark.slow)]
+         pytest.param("d16", np.float32, (3, 2, 3), 2, 3, 2, id="v2-d16-f32-3steps", marks=pytest.mark.slow),
+         pytest.param("d64", np.float16, (2, 1), 1, 2, 3, id="v3-d64-f16-2steps"),
+         pytest.param("d16", np.float32, (3, 2, 3), 2, 3, 3, id="v3-d16-f32-3steps", marks=pytest.mark.slow),
+         pytest.param("d16", np.float16, (5, 1, 2), 4, 3, 3, id="v3-d16-f16-5steps", marks=pytest.mark.slow),
+         pytest.param("d128", np.float16, (1,) * 8, 2, 2, 3, id="v3-d128-f16-8seqs", marks=pytest.mark.slow),
+         pytest.param("d64", np.float16, (2, 1), 1, 1, 4, id="v4-d64-f16-2steps"),
+         pytest.param("d16", np.float32, (3, 2, 3), 2, 1, 4, id="v4-d16-f32-3steps", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("shape, dtype, lengths, block_size, num_ctas, version", CASES)
@@ -174,21 +184,31 @@ def test_a_step_it_cannot_take_is_refused(checkpoints):
         kernels.decode_step(np.zeros(1, np.int32), np.full(1, 4096, np.int32), [], [], np.zeros((1, 1), np.int32))
 
 
+def test_v4_refuses_pools_it_cannot_read_as_one(checkpoints):
+    """v4 reads layer l's pool at an offset from the first: pools made one by one are refused by name."""
+    weights, config = checkpoints("d16")
+    kernels = sk.StepKernels(weights, config, num_ctas=1, version=4, column_threads=64)
+    shape = (4, config["num_kv_heads"], 2, config["head_dim"])
+    apart = [np.zeros(shape, np.float32) for _ in range(config["num_layers"])]
+    with pytest.raises(ValueError, match="one allocation"):
+        kernels.decode_step(np.zeros(1, np.int32), np.zeros(1, np.int32), apart, apart, np.zeros((1, 2), np.int32))
+
+
 def _gpu_step_inputs(config, S, pos, seed):
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     per_seq = pos // 4 + 1
     shape = (S * per_seq + 2, config["num_kv_heads"], 4, config["head_dim"])
-    k = [torch.randn(shape, generator=g, device="cuda").half() for _ in range(config["num_layers"])]
-    v = [torch.randn(shape, generator=g, device="cuda").half() for _ in range(config["num_layers"])]
+    k = list(torch.randn((config["num_layers"], *shape), generator=g, device="cuda").half())   # (v4: one allocation)
+    v = list(torch.randn((config["num_layers"], *shape), generator=g, device="cuda").half())
     tables = torch.randperm(shape[0], generator=g, device="cuda")[:S * per_seq].reshape(S, per_seq).int()
     tokens = torch.randint(3, 128, (S,), generator=g, device="cuda", dtype=torch.int32)
     return tokens, torch.full((S,), pos, device="cuda", dtype=torch.int32), k, v, tables
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [0, 1, 2])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4])
 @pytest.mark.parametrize("shape", ["d64", "d16", "d128"])
 def test_gpu_decode_step_against_the_float64_reference(checkpoints, shape, version):
     """On the GPU, torch tensors in and out (float16 weights and pools), 8 sequences at position 9 over a
@@ -215,7 +235,7 @@ def test_gpu_decode_step_against_the_float64_reference(checkpoints, shape, versi
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [0, 1, 2])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4])
 def test_gpu_step_captured_in_a_graph_replays_the_eager_step(checkpoints, version):
     """torch's own capture recipe (a warm-up on a side stream, then torch.cuda.graph): the replayed step's
     logits, ids and pools are the eager step's bits."""
@@ -225,7 +245,7 @@ def test_gpu_step_captured_in_a_graph_replays_the_eager_step(checkpoints, versio
     kernels = sk.StepKernels({k: torch.from_numpy(v).to("cuda", torch.float16) for k, v in weights.items()},
                              config, on_gpu=True, version=version)
     tokens, positions, k_pools, v_pools, tables = _gpu_step_inputs(config, 3, 6, seed=1)
-    k_eager, v_eager = [k.clone() for k in k_pools], [v.clone() for v in v_pools]
+    k_eager, v_eager = list(torch.stack(k_pools)), list(torch.stack(v_pools))      # copies, each one allocation
     logits, ids = kernels.decode_step(tokens, positions, k_eager, v_eager, tables)
     out = {}
 
@@ -313,3 +333,58 @@ def test_every_phase_compiles_for_sm90_in_float32_without_local_memory():
     assert all(shfl[n] % (5 * sk.MAX_S) == 0 and shfl[n] >= 5 * sk.MAX_S for n in ("_linear", "_linear_no_bias")), shfl
     assert shfl["_gate_up"] % (10 * sk.MAX_S) == 0 and shfl["_gate_up"] >= 10 * sk.MAX_S, shfl
     assert shfl["_embed"] == shfl["_rotary_kv"] == shfl["_argmax"] == 0, shfl
+
+
+_COMPILE_V3 = r"""
+import collections, re, types as _pytypes
+import numba.cuda.dispatcher as _dispatcher
+_dispatcher.get_current_device = lambda: _pytypes.SimpleNamespace(compute_capability=(9, 0))
+from numba import cuda, types
+from kernels_numba import step as sk
+
+f32_2, f16_1, f16_2, u32_1 = types.float32[:, ::1], types.float16[::1], types.float16[:, ::1], types.uint32[::1]
+i32_1, i32_2, b, f32, i64 = types.int32[::1], types.int32[:, ::1], types.boolean, types.float32, types.int64
+SIGS = dict(linear=(f32_2, u32_1, f16_1, b, b, f32_2),
+            norm_linear=(f32_2, f16_1, f32, u32_1, f16_1, b, f32_2, b, f32_2, i32_2),
+            norm_gate_up=(f32_2, f16_1, f32, u32_1, u32_1, f32_2))
+todo = []
+for S in (1, 4, 8):                     # Qwen2-0.5B's rows: 112 16-byte pieces (width 896), 608 (4,864)
+    for kc in (112, 608):
+        k = sk.v3_kernels(True, S, kc)
+        names = ("linear",) if kc == 608 else ("linear", "norm_linear", "norm_gate_up")
+        todo += [(f"{name}_S{S}_{kc}", getattr(k, name), SIGS[name]) for name in names]
+todo.append(("attention", sk.ATTENTION_V3[True][0], (f32_2, u32_1, u32_1, i64, i64, i64, i32_2, i32_1, f32_2, f32_2,
+                                                    i64, f32, f32_2)))
+todo.append(("v4_S1", sk.v4_kernel(True, 1, 112, 608),
+             (i32_1, i32_1, i32_2, f16_2, f32_2, f32_2, f32_2, f32_2, f32_2, f32_2, i32_2, i32_1, f16_2, u32_1, f16_2,
+              u32_1, f16_2, u32_1, u32_1, u32_1, f16_1, u32_1, u32_1, u32_1, i64, i64, i64, i64, f32_2, f32_2, i64,
+              f32, f32)))
+for name, kernel, sig in todo:
+    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
+    body = "\n".join(l for l in ptx.splitlines() if not l.lstrip().startswith("//"))
+    calls = collections.Counter(re.findall(r"call(?:\.uni)?\s*(?:\(\w+\),\s*)?(\w+)", body))
+    print(name, len(re.findall(r"\.f64\b", body)), len(re.findall(r"\.local\b", body)),
+          len(re.findall(r"ld\.global(?:\.nc)?\.v4\.[buf]32", body)), calls["cudaCGSynchronize"])
+"""
+
+
+def test_v3_and_v4_compile_for_sm90_without_local_memory():
+    """v3's column kernels at Qwen2-0.5B's widths for 1, 4 and 8 sequences, its attention and v4's whole step,
+    compiled for sm_90 (float16): no float64, no local memory (a round's loads and products unrolled into
+    registers: v3_round keeps a round at <= 128 products, where 240 spilled), a round's 16-byte loads issued
+    together (as many as v3_round gives: 4 a row at width 896, 8 at 4,864 for one sequence; gate/up both rows'),
+    attention's K and V loads of both rounds, and v4's 7 grid barriers (after the embedding, 5 a layer in the
+    layer loop, before the argmax's merge)."""
+    got = {}
+    for line in compile_in_subprocess(_COMPILE_V3, timeout=900).strip().splitlines():
+        name, f64, local, v4, syncs = line.split()
+        got[name] = (int(f64), int(local), int(v4), int(syncs))
+    assert len(got) == 3 * 4 + 2, got
+    assert all(f64 == 0 and local == 0 for f64, local, _, _ in got.values()), got
+    for S in (1, 4, 8):
+        for kc in (112, 608):
+            assert got[f"linear_S{S}_{kc}"][2] >= sk.v3_round(S, kc), (S, kc, got)
+        assert got[f"norm_gate_up_S{S}_112"][2] >= 2 * sk.v3_round(S, 112, rows=2), (S, got)
+    assert sk.v3_round(1, 112) == 4 and sk.v3_round(1, 608) == 8 and sk.v3_round(8, 112, rows=2) == 1
+    assert got["attention"][2] >= 4, got
+    assert got["v4_S1"][3] == 7 and got["attention"][3] == 0, got
