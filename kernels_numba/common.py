@@ -22,6 +22,8 @@ Stable API (other kernels import these):
     cp_async_commit()                 close the thread's group of cp.async copies issued so far
     cp_async_wait(n)() -> None        a device function: wait until at most n groups are pending
                                       (the thread's own copies are then visible to it)
+    prefetch_l2(global_u32, i, nbytes)  ask the L2 for nbytes of the array from word i, not waiting
+                                      (PTX cp.async.bulk.prefetch.L2, sm_90; the simulator checks the range)
     f32_bits(x) -> u32, f32_from_bits(u32) -> f32      reinterpret the 32 bits
     f16x2_to_f32(u32) -> (lo, hi)     bf16x2_to_f32(u32) -> (lo, hi)     (float32)
     f16_to_f32(u16) -> f32            bf16_to_f32(u16) -> f32             (int16/int32 bits too)
@@ -84,6 +86,11 @@ if SIMULATOR:
 
     def cp_async_commit():
         pass
+
+    def prefetch_l2(arr, i, nbytes):
+        # no cache to warm here; the range must be one the GPU may read (16-byte aligned, inside the array)
+        if not (i >= 0 and i % 4 == 0 and nbytes % 16 == 0 and 0 < nbytes and i + nbytes // 4 <= arr.size):
+            raise IndexError(f"prefetch_l2 of {nbytes} bytes at word {i} of an array of {arr.size} words")
 
     def cp_async_wait(n):
         return lambda: None
@@ -249,6 +256,23 @@ else:
             d = _space_address(context, builder, sig.args[0], args[0], sig.args[1], args[1], 3, _i32)
             g = _space_address(context, builder, sig.args[2], args[2], sig.args[3], args[3], 1, ir.IntType(64))
             _asm(builder, ir.VoidType(), [d, g], "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}",
+                 side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def prefetch_l2(typingctx, arr, i, nbytes):
+        """Ask the L2 to load nbytes (a multiple of 16) of arr (1-D uint32/int32, global) from word i (i % 4
+        == 0) from DRAM, without waiting and without any register (cp.async.bulk.prefetch.L2, sm_90)."""
+        if not (_is_u32_vector(arr) and isinstance(nbytes, types.Integer)):
+            return None
+        sig = types.void(arr, i, nbytes)
+
+        def codegen(context, builder, sig, args):
+            g = _space_address(context, builder, sig.args[0], args[0], sig.args[1], args[1], 1, ir.IntType(64))
+            n = context.cast(builder, args[2], sig.args[2], types.uint32)
+            _asm(builder, ir.VoidType(), [g, n], "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r,~{memory}",
                  side_effect=True)
             return context.get_dummy_value()
 

@@ -32,7 +32,7 @@ time and the argmax split over every CTA (`argmax_parts`, then `argmax_merge`); 
 issued before its products, the RMSNorm inside the product that reads it, rotary and the K/V write inside
 attention, whose warps hold several keys at once, the argmax's parts kept by the LM head: 5 launches a layer
 (`make_column_v3`, `make_attention_v3`); v4: v3's phases in one cooperative launch with a grid barrier between
-dependent phases (`make_step_v4`). docs/kernels.md, "The step family", has each version's prediction and
+dependent phases (`make_step_v4`); v5: v4 asking the L2 for each phase's weights a phase ahead. docs/kernels.md, "The step family", has each version's prediction and
 measurement. Its ground truth is reference/step.py (float64).
 """
 import math
@@ -44,7 +44,7 @@ from numba import cuda, float32, int32
 from kernels_numba import bridge
 from kernels_numba.bridge import torch_stream
 from kernels_numba.common import (f16_to_f32, f16x2_to_f32, f32_bits, f32_from_bits, f32_to_f16, f32x2_to_f16x2,
-                                   load_u32x4, warp_sum)
+                                   load_u32x4, prefetch_l2, warp_sum)
 
 WARPS = 4                   # warps per CTA
 THREADS = 32 * WARPS
@@ -517,21 +517,26 @@ V3_JIT = {} if bridge.SIMULATOR else {"launch_bounds": (THREADS_V1, 1)}   # <= 1
 
 def v3_round(S, k_chunks, rows=1):
     """16-byte pieces of a row a lane loads at once in v3's column phases, for S sequences, rows of k_chunks
-    pieces and `rows` rows a column (gate/up: 2): as many as a lane has (k_chunks / 32), at most 8, and fewer as
-    S grows, so that a round's products (pieces x rows x 8 weights x S) stay within what the compiler unrolls
-    into registers (at 240 products, the codegen test's probe found local memory; 16 // (S rows) pieces keep
-    them at <= 128)."""
-    return max(1, min(8, 16 // (S * rows), -(-k_chunks // 32)))
+    pieces and `rows` rows at a time (gate/up, and the column pairs of norm_linear: 2). A lane holds
+    ceil(k_chunks / 32) pieces of a row; it loads them in as few rounds as a cap allows, the rounds equal. The
+    cap: 12 pieces (48 registers of weights), and fewer as S grows, so that a round's products (pieces x rows x
+    8 weights x S) stay within what the compiler unrolls into registers (at 240 products the codegen test's
+    probe found local memory; 16 // (S rows) pieces keep them at <= 128)."""
+    per_lane = -(-k_chunks // 32)
+    cap = max(1, min(12, 16 // (S * rows)))
+    rounds = -(-per_lane // cap)
+    return max(1, -(-per_lane // rounds))
 
 
 def make_column_v3(half, S, R, R2):
     """v3's column phases for 16-bit (half) or float32 weights as 1-D uint32 words, for exactly S sequences,
-    a lane loading R 16-byte pieces of a row at once (gate/up: R2 of each of its two rows). v1/v2 load a piece, then use it, then load the next: a
+    a lane loading R 16-byte pieces of a row at once (R2 of each of two rows: gate/up's gate and up row,
+    norm_linear's two adjacent columns). v1/v2 load a piece, then use it, then load the next: a
     lane waits for DRAM once per piece (19 times a column at K = 4,864: v2's down projection spent ~20 µs a
     layer where reading its 8.7 MB takes ~2). Here a round issues R pieces' loads (gate/up: R of the gate row
     and R of the up row) before any product, so a column costs ceil(pieces / 32 / R) round trips. A CTA takes a
-    contiguous slice of the columns (its warps one column at a time), so the LM head's argmax parts are slices
-    in index order, as argmax_merge expects.
+    contiguous slice of the columns (its warps one column, or two, at a time), so the LM head's argmax parts are
+    slices in index order, as argmax_merge expects.
 
     Returns the kernels linear, norm_linear and norm_gate_up, and the phases (device functions of (cta,
     num_ctas, ...), the weights from a word offset) they launch, for v4's one launch. The norm_ phases read the residual stream x and apply the
@@ -554,10 +559,11 @@ def make_column_v3(half, S, R, R2):
 
     def make_dot(NORM, TWO, R):
         @cuda.jit(device=True, inline="always")
-        def dot(h, norm_w, inv, wa, wb, base, k_chunks, lane, acc, wr):
+        def dot(h, norm_w, inv, wa, wb, base, base_b, k_chunks, lane, acc, wr):
             """acc[j, s] = this lane's part of a[s] . row j (j = 0: wa's row at word base; j = 1, when TWO:
-            wb's), where a = h, or with NORM the RMSNorm of h (weight norm_w, row factors inv). The lane's
-            pieces are c = lane, lane + 32, ... < k_chunks, R of them a round: loads first, then products."""
+            wb's at word base_b), where a = h, or with NORM the RMSNorm of h (weight norm_w, row factors inv).
+            The lane's pieces are c = lane, lane + 32, ... < k_chunks, R of them a round: loads first, then
+            products."""
             for j in range(2):
                 for s in range(S):
                     acc[j, s] = float32(0.0)
@@ -567,7 +573,7 @@ def make_column_v3(half, S, R, R2):
                     if c < k_chunks:
                         wr[0, u, 0], wr[0, u, 1], wr[0, u, 2], wr[0, u, 3] = load_u32x4(wa, base + 4 * c)
                         if TWO:
-                            wr[1, u, 0], wr[1, u, 1], wr[1, u, 2], wr[1, u, 3] = load_u32x4(wb, base + 4 * c)
+                            wr[1, u, 0], wr[1, u, 1], wr[1, u, 2], wr[1, u, 3] = load_u32x4(wb, base_b + 4 * c)
                 for u in range(R):
                     c = c0 + lane + 32 * u
                     if c < k_chunks:
@@ -590,7 +596,7 @@ def make_column_v3(half, S, R, R2):
                                             acc[j, s] += h[s, k + 1] * w1
         return dot
 
-    dot_plain, dot_norm, dot_norm_two = make_dot(False, False, R), make_dot(True, False, R), make_dot(True, True, R2)
+    dot_plain, dot_norm_two = make_dot(False, False, R), make_dot(True, True, R2)
 
     @cuda.jit(device=True, inline="always")
     def column_slice(cta, num_ctas, N):
@@ -609,7 +615,7 @@ def make_column_v3(half, S, R, R2):
         wr = cuda.local.array((2, R, 4), np.uint32)
         lo, hi = column_slice(cta, num_ctas, out.shape[1])
         for n in range(lo + warp, hi, nw):
-            dot_plain(h, h, h, w, w, wbase + n * row_words, K // PER, lane, acc, wr)
+            dot_plain(h, h, h, w, w, wbase + n * row_words, 0, K // PER, lane, acc, wr)
             for s in range(S):
                 total = warp_sum(acc[0, s])
                 if lane == 0:
@@ -622,8 +628,9 @@ def make_column_v3(half, S, R, R2):
     @cuda.jit(device=True, inline="always")
     def norm_linear_phase(cta, num_ctas, x, norm_w, eps, w, wbase, bias, has_bias, out, argmax, part_best,
                           part_where):
-        """out[s, n] = rms_norm(x[s]) . W[n] (+ bias[n]); with argmax (the LM head) also each row's largest
-        out[s, n] of this CTA's slice and its lowest index into part_best[s, cta], part_where[s, cta]."""
+        """out[s, n] = rms_norm(x[s]) . W[n] (+ bias[n]), a warp taking two adjacent columns at a time (the LM
+        head's 151,936 columns are ~72 a warp: 36 round trips, not 72); with argmax (the LM head) also each row's
+        largest out[s, n] of this CTA's slice and its lowest index into part_best[s, cta], part_where[s, cta]."""
         K = x.shape[1]
         nw, lane, warp = cuda.blockDim.x // 32, cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
         scratch = cuda.shared.array(SCRATCH, float32)
@@ -638,18 +645,23 @@ def make_column_v3(half, S, R, R2):
             inv[s], b[s], bw[s] = inv_s[s], float32(-math.inf), int32(-1)
         row_words = K // (PER // 4)
         acc = cuda.local.array((2, S), float32)
-        wr = cuda.local.array((2, R, 4), np.uint32)
+        wr = cuda.local.array((2, R2, 4), np.uint32)
         lo, hi = column_slice(cta, num_ctas, out.shape[1])
-        for n in range(lo + warp, hi, nw):
-            dot_norm(x, norm_w, inv, w, w, wbase + n * row_words, K // PER, lane, acc, wr)
-            for s in range(S):
-                total = warp_sum(acc[0, s])
-                if has_bias:
-                    total += float32(bias[n])
-                if lane == 0:
-                    out[s, n] = total
-                if total > b[s] or bw[s] < 0:          # a warp's columns rise: a tie keeps the first
-                    b[s], bw[s] = total, n
+        for n0 in range(lo + 2 * warp, hi, 2 * nw):    # two adjacent columns at a time
+            pair = n0 + 1 < hi
+            dot_norm_two(x, norm_w, inv, w, w, wbase + n0 * row_words, wbase + (n0 + 1 if pair else n0) * row_words,
+                         K // PER, lane, acc, wr)
+            for j in range(2):
+                if j == 0 or pair:
+                    n = n0 + j
+                    for s in range(S):
+                        total = warp_sum(acc[j, s])
+                        if has_bias:
+                            total += float32(bias[n])
+                        if lane == 0:
+                            out[s, n] = total
+                        if total > b[s] or bw[s] < 0:  # a warp's columns rise: a tie keeps the first
+                            b[s], bw[s] = total, n
         if argmax:                                     # the warps' bests, merged in shared memory
             if lane == 0:
                 for s in range(S):
@@ -682,7 +694,8 @@ def make_column_v3(half, S, R, R2):
         wr = cuda.local.array((2, R2, 4), np.uint32)
         lo, hi = column_slice(cta, num_ctas, m.shape[1])
         for i in range(lo + warp, hi, nw):
-            dot_norm_two(x, norm_w, inv, w_gate, w_up, wbase + i * row_words, K // PER, lane, acc, wr)
+            dot_norm_two(x, norm_w, inv, w_gate, w_up, wbase + i * row_words, wbase + i * row_words, K // PER, lane,
+                         acc, wr)
             for s in range(S):
                 gs, us = warp_sum(acc[0, s]), warp_sum(acc[1, s])
                 if lane == 0:
@@ -927,17 +940,38 @@ def merge_parts_phase(cta, num_ctas, part_best, part_where, ids):
                 ids[s] = w
 
 
-def make_step_v4(half, S, k_chunks, i_chunks):
+PREFETCH_BYTES = 16384      # v5: the L2 prefetch's piece (one instruction of one warp's first lane)
+
+
+@cuda.jit(device=True, inline="always")
+def prefetch_phase(cta, num_ctas, words, start, nwords):
+    """Ask the L2 for words[start : start + nwords] (start a multiple of 4), PREFETCH_BYTES a piece, the pieces
+    over every CTA's warps (~1 a warp for a layer's gate/up at 0.5B), and go on without waiting."""
+    nw, warp = cuda.blockDim.x // 32, cuda.threadIdx.x // 32
+    if cuda.threadIdx.x % 32 == 0:
+        per = PREFETCH_BYTES // 4
+        for p in range(cta * nw + warp, (nwords + per - 1) // per, num_ctas * nw):
+            prefetch_l2(words, start + p * per, min(per, nwords - p * per) * 4)
+
+
+def make_step_v4(half, S, k_chunks, i_chunks, prefetch=False):
     """v4: the whole step as one cooperative launch of v3's phases (hidden-width rows of k_chunks 16-byte pieces,
     the down projection's of i_chunks), `cuda.cg.this_grid().sync()` between dependent phases: 5 barriers a
     layer where v3 has 5 launches, each ~1.5 µs on the H200 (scripts/probe_grid_sync.py) against a launch's
     fill and drain. Every layer's weights come from one stacked array of each kind (a word offset a layer),
-    the pools from one allocation of all layers'."""
+    the pools from one allocation of all layers'.
+
+    prefetch (v5): each phase first asks the L2 for the weights of a phase to come, so that DRAM streams them
+    while the grid computes and waits at barriers, and the phase that reads them finds them in the L2 (a round
+    trip of ~0.5 µs, not ~0.8, and the L2's bandwidth): at q/k/v the layer's o, at attention (light on DRAM:
+    ~5 µs) its gate and up (17.4 MB at 0.5B), at o its down, at gate/up the next layer's q/k/v. A layer's
+    weights (~30 MB at 0.5B) fit the H200's 50 MB L2; the LM head (272 MB) does not and is not prefetched."""
     hidden, inner = v3_kernels(half, S, k_chunks), v3_kernels(half, S, i_chunks)
     norm_linear_phase, linear_phase = hidden.norm_linear_phase, hidden.linear_phase      # (names numba can type)
     norm_gate_up_phase, down_phase = hidden.norm_gate_up_phase, inner.linear_phase
     attention_phase = ATTENTION_V3[half][1]
     W = 2 if half else 1                    # weights a 32-bit word
+    PREFETCH = prefetch
 
     @cuda.jit(**V3_JIT)
     def step(tokens, positions, tables, embed, x, qkv, a, m, logits, part_best, part_where, ids, ln1, qkv_w, qkv_b,
@@ -945,26 +979,38 @@ def make_step_v4(half, S, k_chunks, i_chunks):
              head_dim, cos, sin, num_heads, eps, scale):
         grid = cuda.cg.this_grid()
         cta, n = cuda.blockIdx.x, cuda.gridDim.x
-        E, Q, A, I = x.shape[1], qkv.shape[1], a.shape[1], m.shape[1]
+        E, Q, A, I, L = x.shape[1], qkv.shape[1], a.shape[1], m.shape[1], ln1.shape[0]
+        qkv_words, o_words, mlp_words = Q * (E // W), E * (A // W), I * (E // W)       # a layer's, of each kind
+        if PREFETCH and L > 0:
+            prefetch_phase(cta, n, qkv_w, 0, qkv_words)
         for s in range(cta, S, n):
             for e in range(cuda.threadIdx.x, E, cuda.blockDim.x):
                 x[s, e] = float32(embed[tokens[s], e])
         grid.sync()
-        for layer in range(ln1.shape[0]):
-            norm_linear_phase(cta, n, x, ln1[layer], eps, qkv_w, layer * Q * (E // W), qkv_b[layer], True,
-                                     qkv, False, part_best, part_where)
+        for layer in range(L):
+            if PREFETCH:
+                prefetch_phase(cta, n, o_w, layer * o_words, o_words)
+            norm_linear_phase(cta, n, x, ln1[layer], eps, qkv_w, layer * qkv_words, qkv_b[layer], True, qkv, False,
+                              part_best, part_where)
             grid.sync()
+            if PREFETCH:
+                prefetch_phase(cta, n, gate_w, layer * mlp_words, mlp_words)
+                prefetch_phase(cta, n, up_w, layer * mlp_words, mlp_words)
             attention_phase(cta, n, qkv, k_words, v_words, layer * pool_words, kv_heads, block_size, head_dim, tables,
                             positions, cos, sin, num_heads, scale, a)
             grid.sync()
-            linear_phase(cta, n, a, o_w, layer * E * (A // W), qkv_b[layer], False, True, x)
+            if PREFETCH:
+                prefetch_phase(cta, n, down_w, layer * mlp_words, mlp_words)
+            linear_phase(cta, n, a, o_w, layer * o_words, qkv_b[layer], False, True, x)
             grid.sync()
-            norm_gate_up_phase(cta, n, x, ln2[layer], eps, gate_w, up_w, layer * I * (E // W), m)
+            if PREFETCH and layer + 1 < L:
+                prefetch_phase(cta, n, qkv_w, (layer + 1) * qkv_words, qkv_words)
+            norm_gate_up_phase(cta, n, x, ln2[layer], eps, gate_w, up_w, layer * mlp_words, m)
             grid.sync()
-            down_phase(cta, n, m, down_w, layer * E * (I // W), qkv_b[layer], False, True, x)
+            down_phase(cta, n, m, down_w, layer * mlp_words, qkv_b[layer], False, True, x)
             grid.sync()
         norm_linear_phase(cta, n, x, final_norm, eps, lm_w, 0, final_norm, False, logits, True, part_best,
-                                 part_where)
+                          part_where)
         grid.sync()
         merge_parts_phase(cta, n, part_best, part_where, ids)
 
@@ -974,8 +1020,9 @@ def make_step_v4(half, S, k_chunks, i_chunks):
 _V4 = {}
 
 
-def v4_kernel(half, S, k_chunks, i_chunks):
-    key = (half, S, k_chunks, i_chunks)
+def v4_kernel(half, S, k_chunks, i_chunks, prefetch=False):
+    """v4's step kernel (v5's with prefetch), made once a shape."""
+    key = (half, S, k_chunks, i_chunks, prefetch)
     if key not in _V4:
         _V4[key] = make_step_v4(*key)
     return _V4[key]
@@ -1000,8 +1047,8 @@ class StepKernels:
 
     def __init__(self, weights, config, num_ctas=132, on_gpu=False, max_positions=4096, version=0,
                  column_threads=THREADS_V1):
-        if version not in (0, 1, 2, 3, 4):
-            raise ValueError(f"version must be 0 to 4, got {version!r}")
+        if version not in (0, 1, 2, 3, 4, 5):
+            raise ValueError(f"version must be 0 to 5, got {version!r}")
         if not (column_threads % 32 == 0 and 32 <= column_threads <= THREADS_V1):
             raise ValueError(f"column_threads must be a multiple of 32 up to {THREADS_V1}, got {column_threads}")
         self.config, self.num_ctas, self.version, self.column_threads = config, num_ctas, version, column_threads
@@ -1099,7 +1146,7 @@ class StepKernels:
     def _decode_step_v3(self, tokens, positions, k_pools, v_pools, tables):
         """v3's step: 5 launches a layer (norm + q/k/v, attention with rotary and the K/V write, o, norm +
         gate/up, down), then norm + the LM head with the argmax's parts, and their merge; v4's: the same phases
-        in one launch."""
+        in one launch; v5's: v4's with the L2 prefetch."""
         c, empty, grid, threads = self.config, self.empty, self.num_ctas, self.column_threads
         H, Hkv, D = c["num_heads"], c["num_kv_heads"], c["head_dim"]
         S, E = len(tokens), self.embed.shape[1]
@@ -1113,10 +1160,10 @@ class StepKernels:
         part_best, part_where = empty((S, grid), "float32"), empty((S, grid), "int32")
         eps, scale = np.float32(c["eps"]), np.float32(1.0 / math.sqrt(D))
         none, w = qkv[0, :1], self.words
-        if self.version == 4:
+        if self.version >= 4:
             (k_words, pool_words), (v_words, _) = self._stacked_pool_words(k_pools), self._stacked_pool_words(v_pools)
             st, sw, block_size = self.stacked, self.stacked_words, k_pools[0].shape[2]
-            step = v4_kernel(self.half, S, E // per, I // per)[grid, threads, stream]
+            step = v4_kernel(self.half, S, E // per, I // per, prefetch=self.version == 5)[grid, threads, stream]
             step(tokens, positions, tables, self.embed, x, qkv, a, m, logits, part_best, part_where, ids, st["ln1"],
                  sw["qkv_w"], st["qkv_b"], sw["o"], st["ln2"], sw["gate"], sw["up"], sw["down"], self.final_norm,
                  w[id(self.lm_head)], k_words, v_words, pool_words, Hkv, block_size, D, self.cos, self.sin, H, eps,

@@ -4,15 +4,16 @@ For S = 1, 2, 4, 8 sequences at a --context-token history (random K/V in the poo
 
   check     each version's S = 2 logits against reference/step.py (float64, the same float16 weights and pool
             widened): max |diff| and whether the greedy ids agree where the top two logits are apart;
-  v0-v4     StepKernels.decode_step (--versions, default 2,3,4; v0-v3 one launch per phase; v1: the column
+  v0-v5     StepKernels.decode_step (--versions, default 2,3,4,5; v0-v3 one launch per phase; v1: the column
             phases on 16-byte pieces, 16 warps a CTA; v2: 2 columns a warp, the argmax split over the CTAs; v3: a
             lane's loads issued together, the norms in the products, rotary and the K/V write in attention; v4:
-            v3's phases in one cooperative launch with grid barriers) captured in a CUDA graph: microseconds per
+            v3's phases in one cooperative launch with grid barriers; v5: v4 asking the L2 for a phase's weights
+            a phase ahead) captured in a CUDA graph: microseconds per
             step (median of replays), tok/s = S / step, and
             the fraction of the weight-read floor (bytes of every weight and the pool's context read once / the
             copy bandwidth measured in the same run).
 
-  phases    (--phases) one eager step of each version but v4 at S = 1 and 8 under torch.profiler: each phase's GPU
+  phases    (--phases) one eager step of each version but v4 and v5 at S = 1 and 8 under torch.profiler: each phase's GPU
             microseconds a step (its launches summed over the layers) and its share, and the effective
             bandwidth of the column phases (their weight bytes / their time).
 
@@ -132,7 +133,7 @@ def phase_rows(kernels, weights, config, context, dtype, batches=(1, 8)):
     return rows
 
 
-def main(out, model, context, batches, num_ctas, phases=False, versions=(2, 3, 4)):
+def main(out, model, context, batches, num_ctas, phases=False, versions=(2, 3, 4, 5)):
     from kernels_numba.step import StepKernels
     from reference.step import load_config
 
@@ -150,7 +151,12 @@ def main(out, model, context, batches, num_ctas, phases=False, versions=(2, 3, 4
     rows, prow = [], []
     for version in versions:
         kernels = StepKernels(weights, config, num_ctas=num_ctas, on_gpu=True, version=version)
-        rows.append(dict(S=2, part=f"v{version} check", **check(kernels, weights, config, context, dtype)))
+        try:                                # (a version that fails to build or run: its error in the table)
+            rows.append(dict(S=2, part=f"v{version} check", **check(kernels, weights, config, context, dtype)))
+        except Exception as e:              # noqa: BLE001
+            rows.append(dict(S=2, part=f"v{version} check", error=f"{type(e).__name__}: {e}"[:300]))
+            print(rows[-1], flush=True)
+            continue
         print(rows[-1], flush=True)
         for S in batches:
             tokens, positions, k_pools, v_pools, tables = make_step(config, S, context, dtype, seed=S)
@@ -164,7 +170,7 @@ def main(out, model, context, batches, num_ctas, phases=False, versions=(2, 3, 4
             rows.append(dict(S=S, part=f"v{version} (graph)", us_per_step=us, tok_s=S / us * 1e6,
                              floor_us=floor_us, of_floor=floor_us / us))
             print(rows[-1], flush=True)
-        if phases and version <= 3:         # (v4 is one launch: no phase to time apart)
+        if phases and version <= 3:         # (v4 and v5 are one launch: no phase to time apart)
             prow += [dict(version=version, **r) for r in phase_rows(kernels, weights, config, context, dtype)]
     md = benchlib.markdown_table(rows)
     meta = dict(model=path, context=context, num_ctas=num_ctas, copy_gbs=copy_gbs, weight_bytes=weight_bytes)
@@ -185,7 +191,7 @@ if __name__ == "__main__":
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--num-ctas", type=int, default=132)
     ap.add_argument("--phases", action="store_true", help="also each phase's GPU time (torch.profiler)")
-    ap.add_argument("--versions", default="2,3,4")
+    ap.add_argument("--versions", default="2,3,4,5")
     a = ap.parse_args()
     main(a.out, a.model, a.context, [int(b) for b in a.batches.split(",")], a.num_ctas, a.phases,
          [int(v) for v in a.versions.split(",")])

@@ -91,9 +91,11 @@ def _decode_all(weights, config, dtype, lengths, block_size, num_ctas, version=0
 # under `slow`; v2 (2 columns a warp, the argmax split over the CTAs) both under `slow` (by default its column
 # phases against v1's bits and its argmax alone: test_v2_*); v3 (a round of loads before its products, the norms in
 # the products, rotary and the K/V write in attention, several keys a warp) d64 in float16 by default, under `slow`
-# d16 in both dtypes (float16: 16 keys a warp, most slots past the end at the first steps) and d128 with 8
-# sequences; v4 (v3's phases in one cooperative launch: the simulator runs a cooperative grid of one CTA) d64 in
-# float16 by default, d16 in float32 under `slow`.
+# d16 in float16 over 3 CTAs (16 keys a warp, most slots past the end at the first steps; the last step crosses a
+# block) and d128 with 8 sequences; v4 (v3's phases in one cooperative launch: the simulator runs a cooperative grid
+# of one CTA) d64 in float16 by default; v5 (v4 with the L2 prefetch, whose ranges the simulator checks against
+# the arrays) d16 in float32 by default: two layers (the next layer's q/k/v prefetched too), and v3's float32
+# phases, which v4 and v5 call.
 CASES = [pytest.param("d64", np.float32, (2, 1), 1, 2, 0, id="d64-f32-2steps"),
          pytest.param("d16", np.float32, (3, 2, 3), 2, 2, 0, id="d16-f32-3steps", marks=pytest.mark.slow),
          pytest.param("d16", np.float16, (3, 2, 3), 2, 2, 0, id="d16-f16-3steps", marks=pytest.mark.slow),
@@ -104,11 +106,10 @@ CASES = [pytest.param("d64", np.float32, (2, 1), 1, 2, 0, id="d64-f32-2steps"),
          pytest.param("d64", np.float16, (2, 1), 1, 2, 2, id="v2-d64-f16-2steps", marks=pytest.mark.slow),
          pytest.param("d16", np.float32, (3, 2, 3), 2, 3, 2, id="v2-d16-f32-3steps", marks=pytest.mark.slow),
          pytest.param("d64", np.float16, (2, 1), 1, 2, 3, id="v3-d64-f16-2steps"),
-         pytest.param("d16", np.float32, (3, 2, 3), 2, 3, 3, id="v3-d16-f32-3steps", marks=pytest.mark.slow),
          pytest.param("d16", np.float16, (5, 1, 2), 4, 3, 3, id="v3-d16-f16-5steps", marks=pytest.mark.slow),
          pytest.param("d128", np.float16, (1,) * 8, 2, 2, 3, id="v3-d128-f16-8seqs", marks=pytest.mark.slow),
          pytest.param("d64", np.float16, (2, 1), 1, 1, 4, id="v4-d64-f16-2steps"),
-         pytest.param("d16", np.float32, (3, 2, 3), 2, 1, 4, id="v4-d16-f32-3steps", marks=pytest.mark.slow)]
+         pytest.param("d16", np.float32, (2, 1), 2, 1, 5, id="v5-d16-f32-2steps")]
 
 
 @pytest.mark.parametrize("shape, dtype, lengths, block_size, num_ctas, version", CASES)
@@ -184,6 +185,38 @@ def test_a_step_it_cannot_take_is_refused(checkpoints):
         kernels.decode_step(np.zeros(1, np.int32), np.full(1, 4096, np.int32), [], [], np.zeros((1, 1), np.int32))
 
 
+@pytest.mark.parametrize("half", [True, False])
+def test_v3_norm_linear_in_pairs_and_its_argmax_parts(half):
+    """v3's norm_linear (two adjacent columns a warp, a CTA's slice odd: its last column alone) with the argmax's
+    parts, then argmax_merge: the RMSNorm'd products against float64, and the ids the lowest index of each row's
+    largest logit, with ties planted inside a pair, across pairs and across CTAs' slices."""
+    rng = np.random.default_rng(5)
+    dtype = np.float16 if half else np.float32
+    S, K, N, grid = 2, 64, 13, 3                    # slices of 5, 5, 3 columns
+    x = rng.standard_normal((S, K)).astype(np.float32)
+    norm_w = (1 + 0.1 * rng.standard_normal(K)).astype(dtype)
+    w = rng.standard_normal((N, K)).astype(dtype)
+    x[1] = 0.0
+    x[1, 0] = 1.0                                   # row 1: a one-hot input, w[:, 0] decides
+    w[:, 0] = 0
+    w[[6, 11], 0] = 1                               # row 1: 6 and 11 tie (two slices)
+    w[2, 1:] = 2 * np.sign(x[0, 1:])                # row 0: 2 the largest, tied by 3 (its pair) and 4 (alone,
+    w[[3, 4]] = w[2]                                # another warp's) and 7 (the next slice)
+    w[7] = w[2]
+    eps = np.float32(1e-6)
+    kernels = sk.v3_kernels(half, S, K // (8 if half else 4))
+    words = np.ascontiguousarray(w).view(np.uint32).reshape(-1)
+    out = np.empty((S, N), np.float32)
+    best, where, ids = np.empty((S, grid), np.float32), np.empty((S, grid), np.int32), np.empty(S, np.int32)
+    kernels.norm_linear[grid, 64](x, norm_w, eps, words, norm_w, False, out, True, best, where)
+    sk.argmax_merge[S, sk.THREADS](best, where, ids)
+    h = x / np.sqrt((x.astype(np.float64) ** 2).mean(1, keepdims=True) + eps) * norm_w.astype(np.float64)
+    np.testing.assert_allclose(out, h @ w.astype(np.float64).T, rtol=1e-5, atol=1e-5)
+    assert (out[0, [3, 4, 7]] == out[0, 2]).all() and out[0, 2] == out[0].max()
+    assert out[1, 6] == out[1, 11] == out[1].max()
+    assert ids.tolist() == [2, 6], ids
+
+
 def test_v4_refuses_pools_it_cannot_read_as_one(checkpoints):
     """v4 reads layer l's pool at an offset from the first: pools made one by one are refused by name."""
     weights, config = checkpoints("d16")
@@ -208,7 +241,7 @@ def _gpu_step_inputs(config, S, pos, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5])
 @pytest.mark.parametrize("shape", ["d64", "d16", "d128"])
 def test_gpu_decode_step_against_the_float64_reference(checkpoints, shape, version):
     """On the GPU, torch tensors in and out (float16 weights and pools), 8 sequences at position 9 over a
@@ -235,7 +268,7 @@ def test_gpu_decode_step_against_the_float64_reference(checkpoints, shape, versi
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5])
 def test_gpu_step_captured_in_a_graph_replays_the_eager_step(checkpoints, version):
     """torch's own capture recipe (a warm-up on a side stream, then torch.cuda.graph): the replayed step's
     logits, ids and pools are the eager step's bits."""
@@ -355,16 +388,18 @@ for S in (1, 4, 8):                     # Qwen2-0.5B's rows: 112 16-byte pieces 
         todo += [(f"{name}_S{S}_{kc}", getattr(k, name), SIGS[name]) for name in names]
 todo.append(("attention", sk.ATTENTION_V3[True][0], (f32_2, u32_1, u32_1, i64, i64, i64, i32_2, i32_1, f32_2, f32_2,
                                                     i64, f32, f32_2)))
-todo.append(("v4_S1", sk.v4_kernel(True, 1, 112, 608),
-             (i32_1, i32_1, i32_2, f16_2, f32_2, f32_2, f32_2, f32_2, f32_2, f32_2, i32_2, i32_1, f16_2, u32_1, f16_2,
+V4_SIG = (i32_1, i32_1, i32_2, f16_2, f32_2, f32_2, f32_2, f32_2, f32_2, f32_2, i32_2, i32_1, f16_2, u32_1, f16_2,
               u32_1, f16_2, u32_1, u32_1, u32_1, f16_1, u32_1, u32_1, u32_1, i64, i64, i64, i64, f32_2, f32_2, i64,
-              f32, f32)))
+              f32, f32)
+todo.append(("v4_S1", sk.v4_kernel(True, 1, 112, 608), V4_SIG))
+todo.append(("v5_S1", sk.v4_kernel(True, 1, 112, 608, prefetch=True), V4_SIG))
 for name, kernel, sig in todo:
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
     body = "\n".join(l for l in ptx.splitlines() if not l.lstrip().startswith("//"))
     calls = collections.Counter(re.findall(r"call(?:\.uni)?\s*(?:\(\w+\),\s*)?(\w+)", body))
     print(name, len(re.findall(r"\.f64\b", body)), len(re.findall(r"\.local\b", body)),
-          len(re.findall(r"ld\.global(?:\.nc)?\.v4\.[buf]32", body)), calls["cudaCGSynchronize"])
+          len(re.findall(r"ld\.global(?:\.nc)?\.v4\.[buf]32", body)), calls["cudaCGSynchronize"],
+          len(re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global", body)))
 """
 
 
@@ -372,19 +407,25 @@ def test_v3_and_v4_compile_for_sm90_without_local_memory():
     """v3's column kernels at Qwen2-0.5B's widths for 1, 4 and 8 sequences, its attention and v4's whole step,
     compiled for sm_90 (float16): no float64, no local memory (a round's loads and products unrolled into
     registers: v3_round keeps a round at <= 128 products, where 240 spilled), a round's 16-byte loads issued
-    together (as many as v3_round gives: 4 a row at width 896, 8 at 4,864 for one sequence; gate/up both rows'),
-    attention's K and V loads of both rounds, and v4's 7 grid barriers (after the embedding, 5 a layer in the
-    layer loop, before the argmax's merge)."""
+    together (as many as v3_round gives: 4 a row at width 896, 10 at 4,864 for one sequence; gate/up and the column
+    pairs of norm_linear both rows'),
+    attention's K and V loads of both rounds, v4's 7 grid barriers (after the embedding, 5 a layer in the layer
+    loop, before the argmax's merge) and v5's L2 prefetches (PTX cp.async.bulk.prefetch.L2)."""
     got = {}
     for line in compile_in_subprocess(_COMPILE_V3, timeout=900).strip().splitlines():
-        name, f64, local, v4, syncs = line.split()
-        got[name] = (int(f64), int(local), int(v4), int(syncs))
-    assert len(got) == 3 * 4 + 2, got
-    assert all(f64 == 0 and local == 0 for f64, local, _, _ in got.values()), got
+        name, f64, local, v4, syncs, prefetches = line.split()
+        got[name] = (int(f64), int(local), int(v4), int(syncs), int(prefetches))
+    assert len(got) == 3 * 4 + 3, got
+    assert all(f64 == 0 and local == 0 for f64, local, *_ in got.values()), got
     for S in (1, 4, 8):
         for kc in (112, 608):
             assert got[f"linear_S{S}_{kc}"][2] >= sk.v3_round(S, kc), (S, kc, got)
-        assert got[f"norm_gate_up_S{S}_112"][2] >= 2 * sk.v3_round(S, 112, rows=2), (S, got)
-    assert sk.v3_round(1, 112) == 4 and sk.v3_round(1, 608) == 8 and sk.v3_round(8, 112, rows=2) == 1
+        for name in ("norm_gate_up", "norm_linear"):          # two rows a round: gate and up, two columns
+            assert got[f"{name}_S{S}_112"][2] >= 2 * sk.v3_round(S, 112, rows=2), (S, name, got)
+    # one sequence: a row of 112 pieces in one round of 4 a lane, 608 in two of 10 (not 8 + 8 + 3)
+    assert (sk.v3_round(1, 112), sk.v3_round(1, 608), sk.v3_round(8, 112, rows=2)) == (4, 10, 1)
     assert got["attention"][2] >= 4, got
-    assert got["v4_S1"][3] == 7 and got["attention"][3] == 0, got
+    assert got["v4_S1"][3] == got["v5_S1"][3] == 7 and got["attention"][3] == 0, got
+    # v5's prefetches: q/k/v before the layers, then o, gate, up, down and the next q/k/v in each layer (6 loops over
+    # pieces, which the compiler may unroll: at least one instruction each); v4 none
+    assert got["v5_S1"][4] >= 6 and got["v4_S1"][4] == 0, got
