@@ -1063,6 +1063,9 @@ class StepKernels:
             self.empty = lambda shape, dtype: np.empty(shape, dtype=dtype)
             concat, stack, asarray = np.concatenate, np.stack, np.asarray
             self.capturing = lambda: False
+        for name, w in weights.items():     # (the kernels read words of 2 or 4 bytes: a float64 would be garbage)
+            if str(w.dtype).replace("torch.", "") not in ("float16", "float32"):
+                raise ValueError(f"weight {name!r} is {w.dtype}: the step kernels take float16 or float32")
         H, Hkv, D = config["num_heads"], config["num_kv_heads"], config["head_dim"]
         if D > 32 * MAX_D_PER_LANE or H % Hkv:
             raise ValueError(f"head_dim {D} > {32 * MAX_D_PER_LANE} or heads {H} not a multiple of kv heads {Hkv}")

@@ -429,3 +429,43 @@ def test_v3_and_v4_compile_for_sm90_without_local_memory():
     # v5's prefetches: q/k/v before the layers, then o, gate, up, down and the next q/k/v in each layer (6 loops over
     # pieces, which the compiler may unroll: at least one instruction each); v4 none
     assert got["v5_S1"][4] >= 6 and got["v4_S1"][4] == 0, got
+
+
+def test_first_difference_reports_where_and_how_close():
+    from scripts.step_kernel_greedy import first_difference
+
+    logits = np.zeros((3, 5), np.float32)
+    logits[1, [2, 4]] = [1.0, 0.75]                  # at index 1 we chose 2; 4 is our second, 0.25 behind
+    assert first_difference([7, 2, 3], [7, 2, 3], logits) is None
+    assert first_difference([7, 2, 3], [7, 4, 3], logits) == (1, 0.25, True)
+    assert first_difference([7, 2], [7, 2, 9], logits) == (2, None, False)      # one stopped earlier
+
+
+@pytest.mark.slow
+def test_step_greedy_against_hf_generate(checkpoints, tmp_path):
+    """scripts/step_kernel_greedy.py's decode loop (prompts of different lengths fed a token a step, each at its
+    own position, then greedy tokens; a sequence leaves the step when done) with v5 in float32 in the simulator,
+    against HF transformers' generate(do_sample=False) in float32 on the same tiny checkpoint: the same tokens,
+    or a first difference at a near-tie (the issue's rule)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from scripts.step_kernel_greedy import first_difference, step_greedy
+
+    path = write_tiny_checkpoint(tmp_path, **SHAPES["d64"])
+    weights, config = load_weights(path), load_config(path)
+    with pytest.raises(ValueError, match="weight '.*' is float64"):        # (the reference's float64 arrays)
+        sk.StepKernels(weights, config, num_ctas=1, version=5)
+    weights = {k: v.astype(np.float32) for k, v in weights.items()}
+    kernels = sk.StepKernels(weights, config, num_ctas=1, version=5, column_threads=64)
+    prompts, max_new = [[5, 9], [3]], 2             # the second done a step before the first
+    ours, logits = step_greedy(kernels, prompts, eos_ids={-1}, max_new=max_new, block_size=2)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for p, a, lg in zip(prompts, ours, logits):
+        with torch.no_grad():
+            seq = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+        theirs = seq[0, len(p):].tolist()
+        assert len(a) == max_new and lg.shape == (max_new, weights["model.embed_tokens.weight"].shape[0])
+        diff = first_difference(a, theirs, lg)
+        assert diff is None or diff[1] < 1e-4, (a, theirs, diff)
