@@ -178,7 +178,8 @@ def test_v2_argmax_over_slices_takes_the_lowest_index_of_a_tie():
 
 
 def test_a_step_it_cannot_take_is_refused(checkpoints):
-    kernels = sk.StepKernels(*checkpoints("d64"), num_ctas=2)
+    weights, config = checkpoints("d64")
+    kernels = sk.StepKernels({k: v.astype(np.float32) for k, v in weights.items()}, config, num_ctas=2)
     with pytest.raises(ValueError, match="9 sequences"):
         kernels.decode_step(np.zeros(9, np.int32), np.zeros(9, np.int32), [], [], np.zeros((9, 1), np.int32))
     with pytest.raises(ValueError, match="position 4096 is past max_positions 4096"):
@@ -220,6 +221,7 @@ def test_v3_norm_linear_in_pairs_and_its_argmax_parts(half):
 def test_v4_refuses_pools_it_cannot_read_as_one(checkpoints):
     """v4 reads layer l's pool at an offset from the first: pools made one by one are refused by name."""
     weights, config = checkpoints("d16")
+    weights = {k: v.astype(np.float32) for k, v in weights.items()}
     kernels = sk.StepKernels(weights, config, num_ctas=1, version=4, column_threads=64)
     shape = (4, config["num_kv_heads"], 2, config["head_dim"])
     apart = [np.zeros(shape, np.float32) for _ in range(config["num_layers"])]
