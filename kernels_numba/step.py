@@ -77,7 +77,7 @@ def block_sum(value, scratch):
 @cuda.jit(device=True)
 def embed_phase(cta, num_ctas, tokens, embed, x):
     for s in range(cta, x.shape[0], num_ctas):
-        for e in range(cuda.threadIdx.x, x.shape[1], THREADS):
+        for e in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
             x[s, e] = float32(embed[tokens[s], e])
 
 
@@ -235,6 +235,12 @@ def best_in(logits, s, lo, hi):
     return b, w
 
 
+@cuda.jit(device=True, inline="always")
+def better(b, w, ob, ow):
+    """Whether (ob, ow) beats (b, w): a larger value, or the same at a lower index (w < 0: none)."""
+    return ow >= 0 and (w < 0 or ob > b or (ob == b and ow < w))
+
+
 @cuda.jit(device=True)
 def best_of_cta(b, w, best, where):
     """The CTA's (largest value, its lowest index) of every thread's (b, w) (w < 0: none), by a tree in shared
@@ -247,7 +253,7 @@ def best_of_cta(b, w, best, where):
     while stride > 0:
         if tid < stride:
             ob, ow = best[tid + stride], where[tid + stride]
-            if ow >= 0 and (where[tid] < 0 or ob > best[tid] or (ob == best[tid] and ow < where[tid])):
+            if better(best[tid], where[tid], ob, ow):
                 best[tid] = ob
                 where[tid] = ow
         cuda.syncthreads()
@@ -459,6 +465,30 @@ COLUMN_PHASES_V2 = {half: make_column_phases(half, V2_COLS, V2_GATE_COLS) for ha
 MAX_D = 32 * MAX_D_PER_LANE   # head_dim's bound: a run's output in shared memory
 
 
+@cuda.jit(device=True, inline="always")
+def store_merged_runs(run_m, run_l, run_o, nw, lane, D, acc, out, s, head):
+    """One warp's end of a CTA's attention over runs of keys: the nw warps' runs (running max, sum and
+    unnormalised output in shared memory) merged in warp order, out[s, head D + d] = output / sum, the lanes
+    over d (acc: the lane's MAX_D_PER_LANE sums)."""
+    top = float32(-math.inf)
+    for w in range(nw):
+        top = max(top, run_m[w])
+    total = float32(0.0)
+    for j in range(MAX_D_PER_LANE):
+        acc[j] = float32(0.0)
+    for w in range(nw):
+        if run_l[w] > float32(0.0):             # (a run with no key: nothing to add)
+            f = math.exp(run_m[w] - top)
+            total += run_l[w] * f
+            for j in range(MAX_D_PER_LANE):
+                if lane + 32 * j < D:           # (past D a run holds nothing it wrote)
+                    acc[j] += run_o[w, lane + 32 * j] * f
+    for j in range(MAX_D_PER_LANE):
+        d = lane + 32 * j
+        if d < D:
+            out[s, head * D + d] = acc[j] / total
+
+
 @cuda.jit
 def attention_v1(qkv, k_pool, v_pool, tables, positions, num_heads, num_kv_heads, scale, out):
     """v1's attention: a CTA per (sequence, head) at a time, its warps over the keys. Warp w takes the w-th of
@@ -488,22 +518,7 @@ def attention_v1(qkv, k_pool, v_pool, tables, positions, num_heads, num_kv_heads
             run_o[warp, lane + 32 * j] = acc[j]
         cuda.syncthreads()
         if warp == 0:
-            top = float32(-math.inf)
-            for w in range(nw):
-                top = max(top, run_m[w])
-            total = float32(0.0)
-            for j in range(MAX_D_PER_LANE):
-                acc[j] = float32(0.0)
-            for w in range(nw):
-                if run_l[w] > float32(0.0):         # (a run with no key: nothing to add)
-                    f = math.exp(run_m[w] - top)
-                    total += run_l[w] * f
-                    for j in range(MAX_D_PER_LANE):
-                        acc[j] += run_o[w, lane + 32 * j] * f
-            for j in range(MAX_D_PER_LANE):
-                d = lane + 32 * j
-                if d < D:
-                    out[s, head * D + d] = acc[j] / total
+            store_merged_runs(run_m, run_l, run_o, nw, lane, D, acc, out, s, head)
         cuda.syncthreads()                          # the shared runs are read before the next item's
 
 
@@ -671,9 +686,8 @@ def make_column_v3(half, S, R, R2):
                 s = cuda.threadIdx.x
                 vb, vw = float32(-math.inf), int32(-1)
                 for w_ in range(nw):
-                    ob, ow = best[w_, s], where[w_, s]
-                    if ow >= 0 and (vw < 0 or ob > vb or (ob == vb and ow < vw)):
-                        vb, vw = ob, ow
+                    if better(vb, vw, best[w_, s], where[w_, s]):
+                        vb, vw = best[w_, s], where[w_, s]
                 part_best[s, cta], part_where[s, cta] = vb, vw
             cuda.syncthreads()
 
@@ -867,23 +881,7 @@ def make_attention_v3(half):
                     run_o[warp, sub * P + e] = acc[e]
             cuda.syncthreads()
             if warp == 0:                                  # the warps' runs, merged in warp order (v1's)
-                top = float32(-math.inf)
-                for w in range(nw):
-                    top = max(top, run_m[w])
-                total = float32(0.0)
-                for j in range(MAX_D_PER_LANE):
-                    fin[j] = float32(0.0)
-                for w in range(nw):
-                    if run_l[w] > float32(0.0):
-                        f = math.exp(run_m[w] - top)
-                        total += run_l[w] * f
-                        for j in range(MAX_D_PER_LANE):
-                            if lane + 32 * j < D:
-                                fin[j] += run_o[w, lane + 32 * j] * f
-                for j in range(MAX_D_PER_LANE):
-                    d = lane + 32 * j
-                    if d < D:
-                        out[s, head * D + d] = fin[j] / total
+                store_merged_runs(run_m, run_l, run_o, nw, lane, D, fin, out, s, head)
             cuda.syncthreads()                             # shared memory read before the next item's
 
     @cuda.jit(**V3_JIT)
@@ -912,12 +910,6 @@ ATTENTION_V3 = {half: make_attention_v3(half) for half in (True, False)}
 
 # ----------------------------------------------------------------------------------------------
 # v4: v3's phases in one persistent launch, a grid barrier between dependent phases
-
-
-@cuda.jit(device=True, inline="always")
-def better(b, w, ob, ow):
-    """Whether (ob, ow) beats (b, w): a larger value, or the same at a lower index (w < 0: none)."""
-    return ow >= 0 and (w < 0 or ob > b or (ob == b and ow < w))
 
 
 @cuda.jit(device=True, inline="always")
@@ -983,9 +975,7 @@ def make_step_v4(half, S, k_chunks, i_chunks, prefetch=False):
         qkv_words, o_words, mlp_words = Q * (E // W), E * (A // W), I * (E // W)       # a layer's, of each kind
         if PREFETCH and L > 0:
             prefetch_phase(cta, n, qkv_w, 0, qkv_words)
-        for s in range(cta, S, n):
-            for e in range(cuda.threadIdx.x, E, cuda.blockDim.x):
-                x[s, e] = float32(embed[tokens[s], e])
+        embed_phase(cta, n, tokens, embed, x)
         grid.sync()
         for layer in range(L):
             if PREFETCH:

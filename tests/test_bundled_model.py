@@ -283,13 +283,7 @@ def test_marker_must_hold_this_gguf_hash(tmp_path):
 
 # ---------------------------------------------------------------- the real converted model
 
-PROMPTS = [
-    "Write a Python function that checks whether a number is prime.",
-    "What does the `yield` keyword do in Python? Answer briefly.",
-    "Write a SQL query that returns the five most recent orders from a table named orders.",
-    "Explain in one sentence what a Python decorator is.",
-    "Write a Bash command that counts the lines of every .py file in a directory.",
-]
+PROMPTS = bundled.CHECK_PROMPTS
 MAX_NEW_TOKENS = 32
 LOGITS_ATOL = 1e-3
 
