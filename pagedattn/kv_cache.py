@@ -207,9 +207,11 @@ class KVCache:
         # the CPU pool is not zeroed: its pages are mapped as the sequences first touch them, which makes the
         # engine start faster and keeps the resident memory to what is used. The GPU pool is zeroed (cheap there):
         # CUDA-graph padding rows read block 0.
+        # Each of K and V is one allocation, a layer's pool a view of it: kernels that run every layer in one
+        # launch (kernels_numba/step.py's v4 and v5) read layer i's pool at an offset from layer 0's.
         alloc = torch.zeros if torch.device(self.device).type == "cuda" else torch.empty
-        self.k_caches = [alloc(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v_caches = [alloc(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.k_caches = list(alloc((self.num_layers, *shape), dtype=self.dtype, device=self.device).unbind(0))
+        self.v_caches = list(alloc((self.num_layers, *shape), dtype=self.dtype, device=self.device).unbind(0))
 
     @staticmethod
     def bytes_per_block_of(num_layers, num_kv_heads, block_size, head_dim, dtype):

@@ -147,6 +147,27 @@ def test_kv_cache_size_and_validation():
         KVCache(num_layers=1, num_blocks=1, num_kv_heads=1, block_size=16, head_dim=8, dtype=torch.int8)
 
 
+def test_kv_cache_layers_are_views_of_one_allocation():
+    """K (and V) of every layer lie in one allocation at equal spacing, as the one-launch step kernels read them
+    (layer i at an offset from layer 0); a write to one layer stays in that layer."""
+    from kernels_numba.step import StepKernels
+
+    cache = KVCache(num_layers=3, num_blocks=4, num_kv_heads=2, block_size=8, head_dim=16, dtype=torch.float16)
+    for pools in (cache.k_caches, cache.v_caches):
+        nbytes = pools[0].numel() * pools[0].element_size()
+        assert [p.data_ptr() - pools[0].data_ptr() for p in pools] == [0, nbytes, 2 * nbytes]
+        assert all(p.is_contiguous() and p.shape == (4, 2, 8, 16) for p in pools)
+    assert cache.k_caches[0].data_ptr() + 3 * nbytes <= cache.v_caches[0].data_ptr() or \
+        cache.v_caches[0].data_ptr() + 3 * nbytes <= cache.k_caches[0].data_ptr()
+    cache.k_caches[1].fill_(1.0)
+    cache.k_caches[0].zero_(), cache.k_caches[2].zero_()
+    cache.k_caches[1][2].fill_(7.0)
+    assert cache.k_caches[0].abs().sum() == 0 and cache.k_caches[2].abs().sum() == 0
+    assert int((cache.k_caches[1] == 7).sum()) == 2 * 8 * 16
+    words, per_layer = StepKernels._stacked_pool_words(None, cache.k_caches)      # v4's check accepts them
+    assert per_layer == 4 * 2 * 8 * 16 // 2
+
+
 def test_gather_kv_torch_equals_reference_on_shuffled_pool():
     rng = np.random.default_rng(4)
     k_cache, v_cache, tables, dense = make_paged_batch(rng, [97, 5], 2, 8, 16)
