@@ -20,7 +20,9 @@ For S = 1, 2, 4, 8 sequences at a --context-token history (random K/V in the poo
 The engine's own decode step at the same batch sizes is `python scripts/profile_step.py --batches 1,2,4,8`
 (`bash scripts/gpu_suite.sh step` runs both in one call).
 
-    python scripts/bench_step_kernel.py --out OUT [--model DIR]      # default: random 0.5B weights
+    python scripts/bench_step_kernel.py --out OUT [--model DIR | --config 7b]      # default: random 0.5B weights
+
+A model over 4 GiB (7B) is checked on its first two layers (the float64 reference of every layer would not fit).
 """
 import os
 import sys
@@ -60,9 +62,25 @@ def make_step(config, S, context, dtype, seed):
     return tokens, positions, k_pools, v_pools, tables
 
 
+CHECK_LAYERS = 2       # a model larger than CHECK_BYTES is checked on its first layers (the float64 reference of a
+CHECK_BYTES = 4 << 30  # 7B's weights would be 60 GB of host memory): every phase at its widths, the layers' loop aside
+
+
+def truncated(weights, config, layers):
+    """The model's first `layers` layers with its embedding, final norm and LM head: (weights, config)."""
+    keep = {k: v for k, v in weights.items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    return keep, {**config, "num_layers": layers}
+
+
 def check(kernels, weights, config, context, dtype):
     from reference.step import decode_step
 
+    if sum(t.numel() * t.element_size() for t in weights.values()) > CHECK_BYTES:
+        from kernels_numba.step import StepKernels
+
+        weights, config = truncated(weights, config, CHECK_LAYERS)
+        kernels = StepKernels(weights, config, num_ctas=kernels.num_ctas, on_gpu=True, version=kernels.version)
     tokens, positions, k_pools, v_pools, tables = make_step(config, 2, context, dtype, seed=1)
     widened = {k: v.double().cpu().numpy() for k, v in weights.items()}
     want, _, _ = decode_step(widened, config, tokens.cpu().numpy(), positions.cpu().numpy(),
@@ -133,11 +151,11 @@ def phase_rows(kernels, weights, config, context, dtype, batches=(1, 8)):
     return rows
 
 
-def main(out, model, context, batches, num_ctas, phases=False, versions=(2, 3, 4, 5)):
+def main(out, model, context, batches, num_ctas, phases=False, versions=(2, 3, 4, 5), size="0.5b"):
     from kernels_numba.step import StepKernels
     from reference.step import load_config
 
-    path = model or benchlib.random_checkpoint("0.5b")
+    path = model or benchlib.random_checkpoint(size)
     dtype = torch.float16
     config = load_config(path)
     weights = load(path, dtype)
@@ -186,7 +204,8 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_step_kernel_out")
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: random 0.5B weights)")
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: random weights of --config)")
+    ap.add_argument("--config", default="0.5b", choices=["0.5b", "7b"], help="the random checkpoint's shapes")
     ap.add_argument("--context", type=int, default=256, help="tokens of history per sequence")
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--num-ctas", type=int, default=132)
@@ -194,4 +213,4 @@ if __name__ == "__main__":
     ap.add_argument("--versions", default="2,3,4,5")
     a = ap.parse_args()
     main(a.out, a.model, a.context, [int(b) for b in a.batches.split(",")], a.num_ctas, a.phases,
-         [int(v) for v in a.versions.split(",")])
+         [int(v) for v in a.versions.split(",")], a.config)
