@@ -983,9 +983,8 @@ def make_step_v4(half, S, k_chunks, i_chunks, prefetch=False):
             norm_linear_phase(cta, n, x, ln1[layer], eps, qkv_w, layer * qkv_words, qkv_b[layer], True, qkv, False,
                               part_best, part_where)
             grid.sync()
-            if PREFETCH:
-                prefetch_phase(cta, n, gate_w, layer * mlp_words, mlp_words)
-                prefetch_phase(cta, n, up_w, layer * mlp_words, mlp_words)
+            if PREFETCH:                    # (a layer's gate and up: one [2 I, E] matrix)
+                prefetch_phase(cta, n, gate_w, 2 * layer * mlp_words, 2 * mlp_words)
             attention_phase(cta, n, qkv, k_words, v_words, layer * pool_words, kv_heads, block_size, head_dim, tables,
                             positions, cos, sin, num_heads, scale, a)
             grid.sync()
@@ -995,7 +994,7 @@ def make_step_v4(half, S, k_chunks, i_chunks, prefetch=False):
             grid.sync()
             if PREFETCH and layer + 1 < L:
                 prefetch_phase(cta, n, qkv_w, (layer + 1) * qkv_words, qkv_words)
-            norm_gate_up_phase(cta, n, x, ln2[layer], eps, gate_w, up_w, layer * mlp_words, m)
+            norm_gate_up_phase(cta, n, x, ln2[layer], eps, gate_w, up_w, 2 * layer * mlp_words, m)
             grid.sync()
             down_phase(cta, n, m, down_w, layer * mlp_words, qkv_b[layer], False, True, x)
             grid.sync()
@@ -1067,14 +1066,18 @@ class StepKernels:
             p = f"model.layers.{i}"
             qkv_w = concat([weights[f"{p}.self_attn.{n}_proj.weight"] for n in "qkv"])
             qkv_b = concat([weights[f"{p}.self_attn.{n}_proj.bias"] for n in "qkv"])
+            gate_up = concat([weights[f"{p}.mlp.{n}_proj.weight"] for n in ("gate", "up")])
             layers.append(dict(
                 ln1=weights[f"{p}.input_layernorm.weight"], qkv_w=qkv_w, qkv_b=qkv_b,
                 o=weights[f"{p}.self_attn.o_proj.weight"], ln2=weights[f"{p}.post_attention_layernorm.weight"],
-                gate=weights[f"{p}.mlp.gate_proj.weight"], up=weights[f"{p}.mlp.up_proj.weight"],
-                down=weights[f"{p}.mlp.down_proj.weight"]))
-        # each kind of weight stacked over the layers (v4 reads a layer's at an offset); a layer's are views
+                gate_up=gate_up, down=weights[f"{p}.mlp.down_proj.weight"]))
+        # each kind of weight stacked over the layers (v4 reads a layer's at an offset); a layer's are views, its
+        # gate and up the halves of its [2 I, E] gate_up (the layout of an engine's merged gate/up product)
         self.stacked = {n: stack([layer[n] for layer in layers]) for n in layers[0]} if layers else {}
         self.layers = [{n: s[i] for n, s in self.stacked.items()} for i in range(len(layers))]
+        for layer in self.layers:
+            I = layer["gate_up"].shape[0] // 2
+            layer["gate"], layer["up"] = layer["gate_up"][:I], layer["gate_up"][I:]
         self.cos, self.sin = (asarray(t) for t in rotary_tables(max_positions, D, config["theta"]))
         if version >= 1:                    # v1's column phases read each weight matrix as 1-D uint32 words
             self.half = str(self.embed.dtype).endswith("float16")
@@ -1085,7 +1088,8 @@ class StepKernels:
                 raise ValueError(f"v1 reads a row {per} weights at a time: every product's width a multiple of {per}")
             words = bridge.words if on_gpu else lambda w: np.ascontiguousarray(w).view(np.uint32).reshape(-1)
             self.words = {id(w): words(w) for w in matrices}                          # (all contiguous)
-            self.stacked_words = {n: words(self.stacked[n]) for n in names if n in self.stacked}
+            self.stacked_words = {n: words(self.stacked[n]) for n in ("qkv_w", "o", "gate_up", "down")
+                                  if n in self.stacked}
 
     def decode_step(self, tokens, positions, k_pools, v_pools, tables):
         """One decode step: writes each sequence's new K/V into k_pools[i] / v_pools[i] (one [num_blocks,
@@ -1157,8 +1161,9 @@ class StepKernels:
             (k_words, pool_words), (v_words, _) = self._stacked_pool_words(k_pools), self._stacked_pool_words(v_pools)
             st, sw, block_size = self.stacked, self.stacked_words, k_pools[0].shape[2]
             step = v4_kernel(self.half, S, E // per, I // per, prefetch=self.version == 5)[grid, threads, stream]
+            up = sw["gate_up"][I * E // (2 if self.half else 1):] if self.layers else sw["gate_up"]   # layer 0's up
             step(tokens, positions, tables, self.embed, x, qkv, a, m, logits, part_best, part_where, ids, st["ln1"],
-                 sw["qkv_w"], st["qkv_b"], sw["o"], st["ln2"], sw["gate"], sw["up"], sw["down"], self.final_norm,
+                 sw["qkv_w"], st["qkv_b"], sw["o"], st["ln2"], sw["gate_up"], up, sw["down"], self.final_norm,
                  w[id(self.lm_head)], k_words, v_words, pool_words, Hkv, block_size, D, self.cos, self.sin, H, eps,
                  scale)
             return logits, ids
