@@ -471,3 +471,40 @@ def test_step_greedy_against_hf_generate(checkpoints, tmp_path):
         assert len(a) == max_new and lg.shape == (max_new, weights["model.embed_tokens.weight"].shape[0])
         diff = first_difference(a, theirs, lg)
         assert diff is None or diff[1] < 1e-4, (a, theirs, diff)
+
+
+def test_engine_model_shares_its_weights_with_the_step_kernels(tmp_path):
+    """share_step_kernels: the kernels built from the engine's model (its merged q/k/v and gate/up) compute the
+    bits of the kernels built from the checkpoint's own tensors; the model's parameters become views of the
+    kernels' stacks (held once), and the model's forward gives the bits it gave before."""
+    import torch
+
+    from helpers import PagedRunner
+    from pagedattn.engine.model_runner import share_step_kernels
+    from pagedattn.models.loader import load_model
+
+    path = write_tiny_checkpoint(tmp_path, **SHAPES["d64"])
+    model, config = load_model(path)
+    before = PagedRunner(model, config).greedy([[5, 9, 3], [7]], 2)
+    kernels = share_step_kernels(model, version=4, num_ctas=1, column_threads=64)
+    layer = model.model.layers[0]
+    for param, name in ((layer.self_attn.qkv_proj.weight, "qkv_w"), (layer.self_attn.qkv_proj.bias, "qkv_b"),
+                        (layer.mlp.gate_up_proj.weight, "gate_up"), (layer.mlp.down_proj.weight, "down"),
+                        (layer.self_attn.o_proj.weight, "o"), (layer.input_layernorm.weight, "ln1")):
+        assert np.shares_memory(param.numpy(), kernels.stacked[name])
+    after = PagedRunner(model, config).greedy([[5, 9, 3], [7]], 2)
+    assert before[0] == after[0] and all(torch.equal(a, b) for a, b in zip(before[1], after[1]))
+
+    own = sk.StepKernels({k: v.astype(np.float32) for k, v in load_weights(path).items()}, load_config(path),
+                         num_ctas=1, version=4, column_threads=64)           # (the checkpoint is float32)
+    step = load_config(path)
+    shape = (step["num_layers"], 4, step["num_kv_heads"], 2, step["head_dim"])
+    got = []
+    for k in (kernels, own):
+        k_pools, v_pools = list(np.zeros(shape, np.float32)), list(np.zeros(shape, np.float32))
+        logits, ids = k.decode_step(np.array([5, 9], np.int32), np.array([0, 0], np.int32), k_pools, v_pools,
+                                    np.array([[2], [0]], np.int32))
+        got.append((logits.copy(), ids.copy(), [p.copy() for p in k_pools + v_pools]))
+    np.testing.assert_array_equal(got[0][0], got[1][0])
+    np.testing.assert_array_equal(got[0][1], got[1][1])
+    assert all(np.array_equal(a, b) for a, b in zip(got[0][2], got[1][2]))

@@ -101,6 +101,50 @@ def load_shard(config, rank, world_size, device):
                       fused_allreduce=config.fused_allreduce)
 
 
+def share_step_kernels(model, version, num_ctas=132, max_positions=4096, **kwargs):
+    """kernels_numba.step.StepKernels over `model`'s weights (a Qwen2ForCausalLM of one rank, float16 or float32),
+    held once: the kernels stack each kind of weight over the layers (q/k/v and gate/up in the model's merged
+    layouts), then the model's parameters are re-pointed at views of those stacks, the same values. On CUDA
+    torch tensors; on the CPU numpy views of them (numba's CUDA simulator). kwargs: StepKernels'."""
+    from kernels_numba.step import StepKernels
+
+    c, m = model.config, model.model
+    on_gpu = m.embed_tokens.weight.is_cuda
+    arr = (lambda t: t.detach()) if on_gpu else (lambda t: t.detach().numpy())       # noqa: E731
+    back = (lambda a: a) if on_gpu else torch.from_numpy                             # noqa: E731
+    weights = {"model.embed_tokens.weight": arr(m.embed_tokens.weight), "model.norm.weight": arr(m.norm.weight)}
+    if not c.tie_word_embeddings:
+        weights["lm_head.weight"] = arr(model.lm_head.weight)
+    for i, layer in enumerate(m.layers):
+        p, attn, mlp = f"model.layers.{i}", layer.self_attn, layer.mlp
+        qkv_w, qkv_b, q, kv = arr(attn.qkv_proj.weight), arr(attn.qkv_proj.bias), attn.qkv_proj.q_size, \
+            attn.qkv_proj.kv_size
+        gate_up, I = arr(mlp.gate_up_proj.weight), mlp.gate_up_proj.weight.shape[0] // 2
+        for n, rows in zip("qkv", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
+            weights[f"{p}.self_attn.{n}_proj.weight"] = qkv_w[rows[0]:rows[1]]
+            weights[f"{p}.self_attn.{n}_proj.bias"] = qkv_b[rows[0]:rows[1]]
+        weights.update({f"{p}.input_layernorm.weight": arr(layer.input_layernorm.weight),
+                        f"{p}.self_attn.o_proj.weight": arr(attn.o_proj.weight),
+                        f"{p}.post_attention_layernorm.weight": arr(layer.post_attention_layernorm.weight),
+                        f"{p}.mlp.gate_proj.weight": gate_up[:I], f"{p}.mlp.up_proj.weight": gate_up[I:],
+                        f"{p}.mlp.down_proj.weight": arr(mlp.down_proj.weight)})
+    config = {"num_layers": c.num_hidden_layers, "num_heads": c.num_attention_heads,
+              "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "eps": c.rms_norm_eps,
+              "theta": c.rope_theta, "tied": c.tie_word_embeddings}
+    kernels = StepKernels(weights, config, num_ctas=num_ctas, on_gpu=on_gpu, max_positions=max_positions,
+                          version=version, **kwargs)
+    del weights
+    stacked = kernels.stacked
+    for i, layer in enumerate(m.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for param, name in ((layer.input_layernorm.weight, "ln1"), (attn.qkv_proj.weight, "qkv_w"),
+                            (attn.qkv_proj.bias, "qkv_b"), (attn.o_proj.weight, "o"),
+                            (layer.post_attention_layernorm.weight, "ln2"), (mlp.gate_up_proj.weight, "gate_up"),
+                            (mlp.down_proj.weight, "down")):
+            param.data = back(stacked[name][i])
+    return kernels
+
+
 _ALONE = contextlib.nullcontext()       # a step of one rank: nothing to broadcast
 
 
