@@ -37,6 +37,7 @@ measurement. Its ground truth is reference/step.py (float64).
 """
 import math
 import types
+from functools import lru_cache
 
 import numpy as np
 from numba import cuda, float32, int32
@@ -946,6 +947,8 @@ def prefetch_phase(cta, num_ctas, words, start, nwords):
             prefetch_l2(words, start + p * per, min(per, nwords - p * per) * 4)
 
 
+@bridge.disk_cached
+@lru_cache(maxsize=None)
 def make_step_v4(half, S, k_chunks, i_chunks, prefetch=False):
     """v4: the whole step as one cooperative launch of v3's phases (hidden-width rows of k_chunks 16-byte pieces,
     the down projection's of i_chunks), `cuda.cg.this_grid().sync()` between dependent phases: 5 barriers a
@@ -1006,15 +1009,9 @@ def make_step_v4(half, S, k_chunks, i_chunks, prefetch=False):
     return step
 
 
-_V4 = {}
-
-
 def v4_kernel(half, S, k_chunks, i_chunks, prefetch=False):
-    """v4's step kernel (v5's with prefetch), made once a shape."""
-    key = (half, S, k_chunks, i_chunks, prefetch)
-    if key not in _V4:
-        _V4[key] = make_step_v4(*key)
-    return _V4[key]
+    """v4's step kernel (v5's with prefetch), made once a shape (and kept in numba's disk cache)."""
+    return make_step_v4(half, S, k_chunks, i_chunks, prefetch=prefetch)
 
 
 def rotary_tables(num_positions, head_dim, theta):
@@ -1041,6 +1038,7 @@ class StepKernels:
         if not (column_threads % 32 == 0 and 32 <= column_threads <= THREADS_V1):
             raise ValueError(f"column_threads must be a multiple of 32 up to {THREADS_V1}, got {column_threads}")
         self.config, self.num_ctas, self.version, self.column_threads = config, num_ctas, version, column_threads
+        self.check_positions = True
         if on_gpu:
             import torch
             self.empty = lambda shape, dtype: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
@@ -1135,7 +1133,9 @@ class StepKernels:
     def _check_step(self, S, positions):
         if not 1 <= S <= MAX_S:
             raise ValueError(f"a step of {S} sequences: the step kernels take 1 to {MAX_S}")
-        if not self.capturing():           # (reading the positions back would break a graph's capture)
+        # (reading the positions back would break a graph's capture, and costs an eager step a sync: a caller
+        # that bounds its positions itself, the engine, sets check_positions False)
+        if self.check_positions and not self.capturing():
             last = int(positions.max())
             if last >= self.cos.shape[0]:
                 raise ValueError(f"position {last} is past max_positions {self.cos.shape[0]}")

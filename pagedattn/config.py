@@ -83,7 +83,14 @@ class EngineConfig:
         CPU in float32 with the numba CPU backend (it costs a prompt's steps their large-GEMM speed), on a GPU
         in float16 / bfloat16 with the numba backend (every attention through the prefill kernel in one KV
         part, products 128 rows at a time, the sampler's split fixed).
-    """
+        step_kernel: "auto", "on" or "off": a pure-decode step of at most 8 sequences whose contexts fit
+        pagedattn.engine.model_runner.STEP_CONTEXT runs as kernels_numba.step's one-launch decode step (the whole
+        forward, v5) instead of the model's kernels, the sampler after it; the model's parameters become views
+        of the step's stacked weights (held once), and one KV block is kept for the decode graphs' padding rows.
+        "on": wherever it can take a step; "auto": where it measured faster (model_runner.STEP_KERNEL_AUTO;
+        empty until measured: off); "off": never. It runs on CUDA, one rank, float16 or float32, and not with
+        batch_invariant (a request's arithmetic would change with its batch size).
+"""
 
     model: str | None = None
     device: str = "auto"
@@ -109,6 +116,7 @@ class EngineConfig:
     gguf_file: str | None = None             # resolved by with_model_path on the quantized path
     warmup: bool | None = None
     batch_invariant: bool = False
+    step_kernel: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.device, (str, torch.device)):
@@ -194,6 +202,14 @@ class EngineConfig:
             if kind == "cuda" and self.block_size not in (8, 16, 32):
                 raise InvalidRequestError(f"batch_invariant=True on a GPU needs block_size 8, 16 or 32 (the prefill "
                                           f"kernel's), got {self.block_size}")
+        if self.step_kernel not in ("auto", "on", "off"):
+            raise InvalidRequestError(f"step_kernel must be 'auto', 'on' or 'off', got {self.step_kernel!r}")
+        if self.step_kernel == "on" and (kind != "cuda" or self.tensor_parallel_size > 1 or self.batch_invariant
+                                         or self.dtype == torch.bfloat16):
+            raise InvalidRequestError(
+                f"step_kernel='on' runs on one GPU in float16 or float32 without batch_invariant, not device="
+                f"{self.device!r}, dtype={str(self.dtype).replace('torch.', '')}, tensor_parallel_size="
+                f"{self.tensor_parallel_size}, batch_invariant={self.batch_invariant}")
         if self.tensor_parallel_size > 1 and kind == "cuda" and self.device not in ("cuda", "cuda:0"):
             raise InvalidRequestError(f"tensor_parallel_size={self.tensor_parallel_size} runs rank r on cuda:r: "
                                       f"device must be 'auto', 'cuda' or 'cuda:0', got {self.device!r}")

@@ -414,7 +414,7 @@ def hf_mode(out, ckpt, device, num_requests=256, hf_requests=64, hf_max_new=512,
 
 def main(mode="workload", out="bench_out", model=None, config="0.5b", device=None, num_requests=256,
          time_limit=120.0, max_num_seqs=256, max_model_len=2048, eager=False, tp=2, runs=None, hf_requests=64,
-         hf_max_new=512, hf_batch1_tokens=64):
+         hf_max_new=512, hf_batch1_tokens=64, step_kernel="auto"):
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if mode == "tp":
         return tp_mode(out, num_requests, time_limit, max_num_seqs, max_model_len, ckpt=model, device=device, tp=tp,
@@ -423,7 +423,8 @@ def main(mode="workload", out="bench_out", model=None, config="0.5b", device=Non
     if mode == "hf":
         return hf_mode(out, ckpt, device, num_requests, hf_requests, hf_max_new, hf_batch1_tokens, max_model_len)
     return workload_mode(out, ckpt, device, num_requests, time_limit,
-                         dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, enforce_eager=eager))
+                         dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, enforce_eager=eager,
+                              step_kernel=step_kernel))
 
 
 if __name__ == "__main__":
@@ -445,6 +446,9 @@ if __name__ == "__main__":
     ap.add_argument("--hf-requests", type=int, default=64)
     ap.add_argument("--hf-max-new", type=int, default=512)
     ap.add_argument("--hf-batch1-tokens", type=int, default=64)
+    ap.add_argument("--step-kernel", choices=("auto", "on", "off"), default="auto",
+                    help="workload mode: EngineConfig.step_kernel (decode steps of <= 8 sequences as one kernel)")
     a = ap.parse_args()
     main(a.mode, a.out, a.model, a.config, a.device, a.num_requests, a.time_limit, a.max_num_seqs, a.max_model_len,
-         a.eager, a.tp, a.runs.split(",") if a.runs else None, a.hf_requests, a.hf_max_new, a.hf_batch1_tokens)
+         a.eager, a.tp, a.runs.split(",") if a.runs else None, a.hf_requests, a.hf_max_new, a.hf_batch1_tokens,
+         a.step_kernel)

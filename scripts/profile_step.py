@@ -238,7 +238,9 @@ if __name__ == "__main__":
     ap.add_argument("--top", type=int, default=8, help="top kernels listed per batch size")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--batch-invariant", action="store_true", help="the engine in its batch-invariant mode")
+    ap.add_argument("--step-kernel", choices=("auto", "on", "off"), default="auto",
+                    help="EngineConfig.step_kernel: decode steps of <= 8 sequences as one kernel")
     a = ap.parse_args()
     main(a.out, tuple(int(x) for x in a.batches.split(",")), a.model, a.config, a.device, a.eager, a.prompt_len,
          a.steps, a.profile_steps, a.prefill_seqs, a.prefill_len, a.sampled, a.top, a.max_model_len,
-         dict(batch_invariant=True) if a.batch_invariant else None)
+         dict(batch_invariant=a.batch_invariant, step_kernel=a.step_kernel))

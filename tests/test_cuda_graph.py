@@ -128,6 +128,9 @@ def test_pad_decode_step():
     assert f["temperature"][3] == 0 and f["sample_rows"].tolist() == [0, 1, 2, 3]
     with pytest.raises(ValueError):
         pad_decode_step(step, 2, 5)
+    padded = StepInputs(decode_header(4, 5), pad_decode_step(step, 4, 5, pad_block=16)).fields()  # (the step kernel)
+    assert (padded["block_tables"][3] == 16).all() and (padded["block_tables"][:3, :2] == g["block_tables"]).all()
+    assert padded["slot_mapping"][3] == -1 and padded["positions"][3] == 0
 
 
 def test_runner_is_eager_on_cpu(tiny_checkpoint):  # noqa: F811

@@ -508,3 +508,94 @@ def test_engine_model_shares_its_weights_with_the_step_kernels(tmp_path):
     np.testing.assert_array_equal(got[0][0], got[1][0])
     np.testing.assert_array_equal(got[0][1], got[1][1])
     assert all(np.array_equal(a, b) for a, b in zip(got[0][2], got[1][2]))
+
+
+def test_step_kernel_setting_is_checked_and_decides_which_steps():
+    """EngineConfig.step_kernel: a bad value or "on" where the kernel cannot run names the field; step_kernel_limits:
+    "on" takes up to 8 sequences at contexts up to STEP_CONTEXT, "off", the CPU, two ranks, bfloat16 and the
+    batch-invariant mode none, "auto" what was measured (STEP_KERNEL_AUTO)."""
+    import types
+
+    import torch
+
+    from pagedattn.config import EngineConfig
+    from pagedattn.engine import model_runner as mr
+    from pagedattn.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="step_kernel must be"):
+        EngineConfig(model="m", step_kernel=True)
+    with pytest.raises(InvalidRequestError, match="step_kernel='on'.*device='cpu'"):
+        EngineConfig(model="m", device="cpu", step_kernel="on")
+    assert EngineConfig(model="m", device="cpu").step_kernel == "auto"
+    gpu = dict(device="cuda", dtype=torch.float16, batch_invariant=False)
+    config = lambda **kw: types.SimpleNamespace(**{**gpu, "step_kernel": "on", **kw})        # noqa: E731
+    assert mr.step_kernel_limits(config(), 1) == (mr.STEP_MAX_SEQS, mr.STEP_CONTEXT) == (8, 4096)
+    assert mr.step_kernel_limits(config(dtype=torch.float32), 1) == (8, 4096)
+    for kw, ranks in ((dict(step_kernel="off"), 1), (dict(device="cpu"), 1), ({}, 2), (dict(dtype=torch.bfloat16), 1),
+                      (dict(batch_invariant=True), 1)):
+        assert mr.step_kernel_limits(config(**kw), ranks) is None, kw
+    assert mr.step_kernel_limits(config(step_kernel="auto"), 1) == mr.STEP_KERNEL_AUTO
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gpu_engine_decode_steps_through_the_step_kernel(dtype):
+    """LLM(step_kernel="on") on random 0.5B weights: every graphed decode step of at most 8 sequences (batch sizes
+    7..1 as requests finish: graphs of 8, 4, 2, 1 with padding rows) is the step kernel's, and is also run
+    through the model's kernels eagerly on the same state: logits within float16 noise (float32: 1e-2, the
+    kernels' sums in other orders), the greedy token the same wherever the top-two margin exceeds twice the
+    difference. The padding rows wrote the pad block (a row writes one slot: nowhere else); a step of 12
+    sequences (over 8) is the model's."""
+    import torch
+
+    from pagedattn import LLM, SamplingParams
+    from scripts.benchlib import random_checkpoint
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 10000, int(n)).tolist() for n in rng.integers(5, 300, 7)]
+    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(10, 60, 7)]
+    llm = LLM(random_checkpoint("0.5b"), device="cuda", dtype=dtype, max_num_seqs=16, max_model_len=512,
+              num_blocks=512, async_scheduling=False, step_kernel="on")
+    runner = llm.engine.runner
+    assert runner.step_kernels is not None and runner.pad_block == 512 and runner.kv_cache.k_caches[0].shape[0] == 513
+    graphs = runner.capture_graphs()
+    replay, kernels = graphs.run, runner.step_kernels
+    stats = {"steps": 0, "sizes": set(), "worst": 0.0, "mismatch": 0, "step_kernel": 0}
+
+    def checked(step):
+        n = step.num_seqs
+        took = runner.takes_step_kernel(step, graphs.key(step)[1])
+        g_logits = replay(step)[:n].float().clone()
+        dev = torch.from_numpy(step.data).to(runner.device)
+        runner.step_kernels = None                      # the model's kernels, eagerly, on the same state
+        try:
+            _, e_logits = runner.run_step(step, dev, max_context_len=step.max_context_len)
+        finally:
+            runner.step_kernels = kernels
+        e_logits = e_logits.float()
+        diff = (g_logits - e_logits).abs().amax(-1)
+        top2 = e_logits.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
+        stats["steps"] += 1
+        stats["sizes"].add(n)
+        stats["step_kernel"] += took
+        stats["worst"] = max(stats["worst"], float(diff.max()))
+        stats["mismatch"] += int((g_logits.argmax(-1) != e_logits.argmax(-1))[clear].sum())
+        return g_logits
+
+    graphs.run = checked
+    for k in runner.kv_cache.k_caches:
+        k[512].zero_()                                  # (the captures' warm-ups wrote it)
+    llm.generate(prompts, params, use_tqdm=False)
+    print(stats)
+    assert stats["steps"] > 20 and stats["step_kernel"] == stats["steps"] and len(stats["sizes"]) > 3
+    assert stats["mismatch"] == 0 and stats["worst"] < (1.0 if dtype == "float16" else 1e-2)
+    assert all(bool(k[512, :, 0].abs().sum() > 0) for k in runner.kv_cache.k_caches)   # the padding rows' writes
+    from pagedattn.engine.cuda_graph import decode_header
+    from pagedattn.engine.step_inputs import StepInputs
+
+    assert not runner.takes_step_kernel(StepInputs(decode_header(12, 4), None), 64)      # over 8 sequences
+    assert runner.takes_step_kernel(StepInputs(decode_header(8, 4), None), 512)
+    big = [rng.integers(0, 10000, 20).tolist() for _ in range(12)]
+    outs = llm.generate(big, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    llm.close()

@@ -10,7 +10,9 @@ B sequences, B sampling rows, W = ceil(max_model_len / block_size) table columns
 by one host-to-device copy per step. A batch of n sequences runs the graph of the smallest B >= n.
 Rows n..B-1 are padding: slot -1 (the cache write skips it), context_len 1 and block table row
 [0, 0, ...] (attention reads one slot of block 0, a valid block, and the result is discarded: every op
-outside attention is row-wise, so a padding row cannot reach a real one), greedy sampling. The
+outside attention is row-wise, so a padding row cannot reach a real one), greedy sampling. Where the step
+kernel runs (EngineConfig.step_kernel), which writes every row's K/V at its position, the padding rows'
+tables name the runner's pad_block instead, a block past those the engine hands out. The
 split-KV plan of the decode kernel is fixed at capture from a bound on the contexts: W * block_size (the
 largest context a graph can see) and, for the batch sizes where the kernel plans short contexts otherwise
 (ModelRunner.context_bounds: one CTA per sequence and head group instead of split partitions and their
@@ -99,9 +101,11 @@ def decode_header(batch, width):
                 num_samples=batch, num_beams=0, beam_k=0, num_copies=0, max_context_len=0)
 
 
-def pad_decode_step(step, batch, width):
+def pad_decode_step(step, batch, width, pad_block=0):
     """The pure-decode StepInputs `step` (n rows) as a graph's input: `batch` rows (n real + padding) and
-    `width` block-table columns. Returns the int32 array in layout(decode_header(batch, width))."""
+    `width` block-table columns; the padding rows' tables read `pad_block` (the runner's: a block no sequence
+    holds where the step kernel, which writes every row's K/V, runs). Returns the int32 array in
+    layout(decode_header(batch, width))."""
     n = step.num_seqs
     if n > batch or step.width > width:
         raise ValueError(f"a step of {n} rows x {step.width} blocks does not fit a graph of {batch} x {width}")
@@ -112,6 +116,7 @@ def pad_decode_step(step, batch, width):
                  "temperature", "top_k", "top_p", "comp_index", "position", "seed"):
         dst[name][:n] = src[name]
     dst["block_tables"][:n, :step.width] = src["block_tables"]
+    dst["block_tables"][n:] = pad_block
     dst["input_src"][n:] = -1
     dst["slot_mapping"][n:] = -1
     dst["context_lens"][n:] = 1
@@ -152,7 +157,7 @@ class CudaGraphRunner:
     def _fill_padding(self, batch):
         empty = StepInputs(decode_header(0, self.width),
                            np.zeros(layout(decode_header(0, self.width))["_size"][1], dtype=np.int32))
-        data = torch.from_numpy(pad_decode_step(empty, batch, self.width))
+        data = torch.from_numpy(pad_decode_step(empty, batch, self.width, self.runner.pad_block))
         self.dev[:data.shape[0]].copy_(data)
 
     def _step(self, batch):
@@ -193,7 +198,7 @@ class CudaGraphRunner:
         """Replay the graph for this pure-decode step; its sampled tokens land in the runner's buffers.
         Returns the graph's logits [padded batch, V] (valid until the next replay)."""
         key = self.key(step)
-        data = pad_decode_step(step, key[0], self.width)
+        data = pad_decode_step(step, key[0], self.width, self.runner.pad_block)
         self.copied.synchronize()                 # the previous step's copy has left the pinned buffer
         self.host[:data.shape[0]].numpy()[:] = data
         self.dev[:data.shape[0]].copy_(self.host[:data.shape[0]], non_blocking=True)

@@ -101,6 +101,24 @@ def load_shard(config, rank, world_size, device):
                       fused_allreduce=config.fused_allreduce)
 
 
+# The decode step as one kernel (kernels_numba/step.py; EngineConfig.step_kernel). STEP_CONTEXT: the context bound
+# of the steps it takes (its attention reads a sequence's keys with one CTA per head group, without a split: the
+# model's split-KV kernel is the one for long contexts); STEP_KERNEL_AUTO: (sequences, context bound) up to which it
+# measured faster than the model's graphs on the H200, None until measured (docs/kernels.md, "The step family").
+STEP_VERSION = 5
+STEP_MAX_SEQS = 8
+STEP_CONTEXT = 4096
+STEP_KERNEL_AUTO = None
+
+
+def step_kernel_limits(config, world_size):
+    """(sequences, context bound) of the pure-decode steps the step kernel takes under `config`, or None."""
+    if config.step_kernel == "off" or torch.device(config.device).type != "cuda" or world_size > 1 \
+            or config.batch_invariant or config.dtype not in (torch.float16, torch.float32):
+        return None
+    return (STEP_MAX_SEQS, STEP_CONTEXT) if config.step_kernel == "on" else STEP_KERNEL_AUTO
+
+
 def share_step_kernels(model, version, num_ctas=132, max_positions=4096, **kwargs):
     """kernels_numba.step.StepKernels over `model`'s weights (a Qwen2ForCausalLM of one rank, float16 or float32),
     held once: the kernels stack each kind of weight over the layers (q/k/v and gate/up in the model's merged
@@ -210,6 +228,14 @@ class ModelRunner:
     def _build(self, config):
         self.model, self.model_config = load_shard(config, self.rank, self.world_size, self.device)
         backend = self.model.attn_backend
+        self.step_limits = step_kernel_limits(config, self.world_size)
+        self.step_kernels = None
+        if self.step_limits is not None:
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self.step_kernels = share_step_kernels(self.model, STEP_VERSION, num_ctas=sms,
+                                                   max_positions=min(config.max_model_len,
+                                                                     self.model_config.max_position_embeddings))
+            self.step_kernels.check_positions = False      # (the scheduler keeps positions below max_model_len)
         if isinstance(backend, NumbaBackend):      # its kernels keep cached views and scratch: this runner's share
             self.owned, self.release_caches = kernel_cache_owner()
         mc = self.model_config
@@ -239,8 +265,12 @@ class ModelRunner:
                                torch.zeros(rows, dtype=torch.float32, pin_memory=True)) for _ in range(2)]
             self._flip = 0
         self.num_blocks = self.available_blocks() if self.world_size == 1 else agree_num_blocks(self)
-        self.kv_cache = KVCache(mc.num_hidden_layers, self.num_blocks, self.num_kv_heads, self.block_size,
-                                mc.head_dim, dtype=config.dtype, device=str(self.device))
+        # the step kernel writes every row's K/V, a decode graph's padding rows too: they get a block of their own,
+        # one past the blocks the engine hands out (the model's kernels skip a padding row's write: block 0)
+        self.pad_block = self.num_blocks if self.step_kernels is not None else 0
+        self.kv_cache = KVCache(mc.num_hidden_layers, self.num_blocks + (self.step_kernels is not None),
+                                self.num_kv_heads, self.block_size, mc.head_dim, dtype=config.dtype,
+                                device=str(self.device))
         self.num_slots = self.num_blocks * self.block_size
         if self.use_piecewise:
             from pagedattn.engine.piecewise_graph import PiecewiseGraphs
@@ -264,10 +294,18 @@ class ModelRunner:
         backend's (its decode kernel may plan short contexts otherwise); each is a decode graph of its own."""
         if num_seqs not in self._bounds:
             mc = self.model_config
-            self._bounds[num_seqs] = self.model.attn_backend.decode_context_bounds(
+            bounds = self.model.attn_backend.decode_context_bounds(
                 num_seqs, self.num_kv_heads, mc.num_attention_heads // mc.num_key_value_heads, self.plan_len,
                 self.device)
+            if self.step_limits is not None and num_seqs <= self.step_limits[0]:    # the step kernel's bound too
+                bounds = sorted({*bounds, min(self.step_limits[1], self.plan_len or self.step_limits[1])})
+            self._bounds[num_seqs] = bounds
         return self._bounds[num_seqs]
+
+    def takes_step_kernel(self, step, max_context_len):
+        """Whether the step kernel runs this step (planned for contexts up to max_context_len)."""
+        return (self.step_kernels is not None and step.pure_decode and step.num_seqs <= self.step_limits[0]
+                and max_context_len is not None and max_context_len <= self.step_limits[1])
 
     def plan_len_of(self, num_seqs, max_context_len):
         """The bound a decode of num_seqs sequences whose longest context is max_context_len plans for: the
@@ -319,25 +357,31 @@ class ModelRunner:
         tensor `dev` on this rank's device. gather: read in-flight ids from the sampled-token buffer.
         piecewise: a PiecewiseGraphs to run the forward through (eager steps with prompt tokens).
         Sampled tokens go to sampled_tokens[:N]. Returns (hidden states [T, hidden], logits of the
-        sampling rows [N, V] in the model's dtype, or None)."""
+        sampling rows [N, V] in the model's dtype, or None); a step the step kernel takes (takes_step_kernel):
+        (None, its float32 logits)."""
         f = step.fields(dev)
         ids, src = f["input_ids"], f["input_src"]
         if gather:
             ids = torch.where(src >= 0, self.sampled_tokens[src.clamp(min=0)], ids)     # (T,) int32
-        meta = AttentionMetadata(
-            num_prefills=step.num_prefills, num_prefill_tokens=step.num_prefill_tokens,
-            num_decode_tokens=step.num_seqs - step.num_prefills, slot_mapping=f["slot_mapping"],
-            context_lens=f["context_lens"], block_tables=f["block_tables"], cu_seqlens_q=f["cu_seqlens_q"],
-            max_context_len=max_context_len)
-        forward = piecewise.forward if piecewise is not None else self.model.forward
-        hidden = forward(ids, f["positions"], self.kv_cache, meta)                      # (T, hidden)
-        N, logits = step.num_samples, None
-        if N:
+        N, logits, hidden = step.num_samples, None, None
+        if self.takes_step_kernel(step, max_context_len):      # the whole forward and the LM head in one kernel
+            logits = self.step_kernels.decode_step(ids, f["positions"], self.kv_cache.k_caches,
+                                                   self.kv_cache.v_caches, f["block_tables"])[0]   # (N, V) float32
+        else:
+            meta = AttentionMetadata(
+                num_prefills=step.num_prefills, num_prefill_tokens=step.num_prefill_tokens,
+                num_decode_tokens=step.num_seqs - step.num_prefills, slot_mapping=f["slot_mapping"],
+                context_lens=f["context_lens"], block_tables=f["block_tables"], cu_seqlens_q=f["cu_seqlens_q"],
+                max_context_len=max_context_len)
+            forward = piecewise.forward if piecewise is not None else self.model.forward
+            hidden = forward(ids, f["positions"], self.kv_cache, meta)                      # (T, hidden)
+        if N and hidden is not None:
             rows = f["sample_rows"]
             padded = padded_batch_size(N, self.logit_rows) if self.logit_rows else None
             if padded is not None and padded > N:       # (the last row again; its logits are dropped)
                 rows = torch.cat([rows, rows[-1:].expand(padded - N)])
             logits = self.model.compute_logits(hidden[rows], float32=False)[:N]   # (N, V), the model's dtype
+        if N:
             st = sampler.SamplingTensors(temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"],
                                          seed=f["seed"], index=f["comp_index"], position=f["position"])
             sampler.sample(logits, st, out_tokens=self.sampled_tokens[:N], out_logprobs=self.sampled_logprobs[:N],
