@@ -529,8 +529,8 @@ def test_step_kernel_setting_is_checked_and_decides_which_steps():
     assert EngineConfig(model="m", device="cpu").step_kernel == "auto"
     gpu = dict(device="cuda", dtype=torch.float16, batch_invariant=False)
     config = lambda **kw: types.SimpleNamespace(**{**gpu, "step_kernel": "on", **kw})        # noqa: E731
-    assert mr.step_kernel_limits(config(), 1) == (mr.STEP_MAX_SEQS, mr.STEP_CONTEXT) == (8, 4096)
-    assert mr.step_kernel_limits(config(dtype=torch.float32), 1) == (8, 4096)
+    assert mr.step_kernel_limits(config(), 1) == (mr.STEP_MAX_SEQS, mr.STEP_CONTEXT) == (8, 1024)
+    assert mr.step_kernel_limits(config(dtype=torch.float32), 1) == (8, 1024)
     for kw, ranks in ((dict(step_kernel="off"), 1), (dict(device="cpu"), 1), ({}, 2), (dict(dtype=torch.bfloat16), 1),
                       (dict(batch_invariant=True), 1)):
         assert mr.step_kernel_limits(config(**kw), ranks) is None, kw

@@ -102,12 +102,12 @@ def load_shard(config, rank, world_size, device):
 
 
 # The decode step as one kernel (kernels_numba/step.py; EngineConfig.step_kernel). STEP_CONTEXT: the context bound
-# of the steps it takes (its attention reads a sequence's keys with one CTA per head group, without a split: the
+# of the steps it takes (its attention reads a sequence's keys with one CTA per q head, without a split: the
 # model's split-KV kernel is the one for long contexts); STEP_KERNEL_AUTO: (sequences, context bound) up to which it
 # measured faster than the model's graphs on the H200, None until measured (docs/kernels.md, "The step family").
 STEP_VERSION = 5
 STEP_MAX_SEQS = 8
-STEP_CONTEXT = 4096
+STEP_CONTEXT = 1024
 STEP_KERNEL_AUTO = None
 
 
