@@ -1038,7 +1038,7 @@ class StepKernels:
         if not (column_threads % 32 == 0 and 32 <= column_threads <= THREADS_V1):
             raise ValueError(f"column_threads must be a multiple of 32 up to {THREADS_V1}, got {column_threads}")
         self.config, self.num_ctas, self.version, self.column_threads = config, num_ctas, version, column_threads
-        self.check_positions = True
+        self.check_positions, self.on_gpu = True, on_gpu
         if on_gpu:
             import torch
             self.empty = lambda shape, dtype: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
@@ -1092,7 +1092,11 @@ class StepKernels:
     def decode_step(self, tokens, positions, k_pools, v_pools, tables):
         """One decode step: writes each sequence's new K/V into k_pools[i] / v_pools[i] (one [num_blocks,
         kv heads, block_size, D] array per layer) and returns (logits [S, vocab] float32, greedy ids [S]).
-        Launched on torch's current stream (its temporaries are torch's, and so a CUDA graph captures it)."""
+        Launched on torch's current stream (its temporaries are torch's, and so a CUDA graph captures it). In the
+        simulator the tokens, positions and tables may be CPU tensors (read through numpy views), and a version
+        >= 1's pools too (the engine's, in tests)."""
+        if not self.on_gpu:
+            tokens, positions, tables = np.asarray(tokens), np.asarray(positions), np.asarray(tables)
         if self.version >= 3:
             return self._decode_step_v3(tokens, positions, k_pools, v_pools, tables)
         c, empty, grid = self.config, self.empty, self.num_ctas

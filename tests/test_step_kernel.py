@@ -510,6 +510,29 @@ def test_engine_model_shares_its_weights_with_the_step_kernels(tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(got[0][2], got[1][2]))
 
 
+def test_engine_decodes_through_the_step_kernel_in_the_simulator(tmp_path):
+    """The engine's own path to the step kernel (ModelRunner.run_step's branch: the gathered ids, the step's
+    positions and block tables, the engine's KV pool, the sampler on the kernel's logits), on the CPU with v4 in
+    numba's CUDA simulator: two prompts, greedy, the decode steps the kernel's, the tokens those of the model's
+    kernels (float32; the tiny model's top two logits are far apart)."""
+    from pagedattn import LLM, SamplingParams
+    from pagedattn.engine.model_runner import share_step_kernels
+
+    path = write_tiny_checkpoint(tmp_path, **SHAPES["d64"])
+    prompts, params = [[5, 9, 3], [7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", weights="float32", num_blocks=16, block_size=4, max_num_seqs=4)
+    with LLM(path, **kw) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(path, **kw) as llm:
+        runner, calls = llm.engine.runner, []
+        kernels = runner.step_kernels = share_step_kernels(runner.model, 4, num_ctas=1, column_threads=64)
+        runner.step_limits = (8, 1024)
+        step = kernels.decode_step
+        kernels.decode_step = lambda *args: calls.append(args[0].tolist()) or step(*args)       # noqa: E731
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert calls == [[want[0][0], want[1][0]], [want[0][1], want[1][1]]]       # the ids each decode step fed it
+
 def test_step_kernel_setting_is_checked_and_decides_which_steps():
     """EngineConfig.step_kernel: a bad value or "on" where the kernel cannot run names the field; step_kernel_limits:
     "on" takes up to 8 sequences at contexts up to STEP_CONTEXT, "off", the CPU, two ranks, bfloat16 and the

@@ -365,8 +365,8 @@ class ModelRunner:
             ids = torch.where(src >= 0, self.sampled_tokens[src.clamp(min=0)], ids)     # (T,) int32
         N, logits, hidden = step.num_samples, None, None
         if self.takes_step_kernel(step, max_context_len):      # the whole forward and the LM head in one kernel
-            logits = self.step_kernels.decode_step(ids, f["positions"], self.kv_cache.k_caches,
-                                                   self.kv_cache.v_caches, f["block_tables"])[0]   # (N, V) float32
+            logits = torch.as_tensor(self.step_kernels.decode_step(   # (N, V) float32 (as_tensor: the simulator's)
+                ids, f["positions"], self.kv_cache.k_caches, self.kv_cache.v_caches, f["block_tables"])[0])
         else:
             meta = AttentionMetadata(
                 num_prefills=step.num_prefills, num_prefill_tokens=step.num_prefill_tokens,
