@@ -32,10 +32,11 @@ def test_engine_flags_become_llm_keywords():
                            "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--num-blocks", "9",
                            "--block-size", "8", "--tensor-parallel-size", "1", "--no-prefix-caching",
                            "--enforce-eager", "--no-piecewise-graphs", "--prefill-delay-factor", "0",
-                           "--max-prompt-chars", "100", "--in-process", "--port", "0"])
+                           "--max-prompt-chars", "100", "--in-process", "--port", "0", "--step-kernel", "off"])
     assert config.engine == dict(model="M", device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4,
                                  max_num_batched_tokens=64, num_blocks=9, block_size=8, tensor_parallel_size=1,
-                                 enable_prefix_caching=False, enforce_eager=True, piecewise_graphs=False)
+                                 enable_prefix_caching=False, enforce_eager=True, piecewise_graphs=False,
+                                 step_kernel="off")
     assert config.prefill_delay_factor == 0 and config.limits.max_prompt_chars == 100
     assert config.in_process and config.port == 0
 

@@ -29,7 +29,7 @@ from pagedattn.serving.config import HTTP_IMPLS, ServeConfig, ServerLimits
 _DEFAULTS = {f.name: f.default for f in fields(ServeConfig)}
 # the engine flags that are LLM keyword arguments of the same name (left out: EngineConfig's default)
 _ENGINE = ("model", "device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_blocks",
-           "block_size", "tensor_parallel_size")
+           "block_size", "tensor_parallel_size", "step_kernel")
 # (ServerLimits field, --flag)
 _LIMITS = [("max_body_bytes", "--max-body-bytes"), ("body_timeout_s", "--body-timeout"),
            ("head_timeout_s", "--head-timeout"), ("timeout_keep_alive_s", "--timeout-keep-alive"),
@@ -54,6 +54,9 @@ def build_parser():
     eng.add_argument("--batch-invariant", action="store_true",
                      help="a request's tokens and logprobs independent of the rest of its batch (CPU float32, "
                           "GPU float16/bfloat16; docs/batch_invariance.md)")
+    eng.add_argument("--step-kernel", choices=("auto", "on", "off"),
+                     help="decode steps of <= 8 sequences as one kernel (kernels_numba/step.py; default auto: where "
+                          "measured faster)")
     eng.add_argument("--no-piecewise-graphs", action="store_true",
                      help="steps with prompt tokens run eagerly (default on CUDA: the forward's pieces between "
                           "attentions replayed as CUDA graphs)")
