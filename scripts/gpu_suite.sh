@@ -30,7 +30,7 @@
 #                                                        and batch 1, greedy and sampled, 3 rounds; its products
 #   [MODEL=DIR] bash scripts/gpu_suite.sh step           the decode step as numba phases (kernels_numba/step.py): its
 #                                                        `gpu` tests, its step time at 1-8 sequences beside the
-#                                                        engine's (profile_step.py)
+#                                                        engine's step with the step kernel off and on (profile_step.py)
 #
 # Logs and results go to $OUT (default ./gpu_out) and are packed into $OUT/<phase>.tar.gz.
 set -uo pipefail
@@ -166,9 +166,12 @@ invariant_cost)
     run gemm 240 python3 scripts/gpu_batch_invariant.py --parts gemm --out "$dir"
     ;;
 step)
-    run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_step_kernel.py
-    run step_kernel 240 python3 scripts/bench_step_kernel.py --phases ${MODEL:+--model "$MODEL"} --out "$dir"
-    run profile 120 python3 scripts/profile_step.py --batches 1,2,4,8 ${MODEL:+--model "$MODEL"} --out "$dir"
+    run tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_step_kernel.py
+    run step_kernel 200 python3 scripts/bench_step_kernel.py --phases ${MODEL:+--model "$MODEL"} --out "$dir"
+    for sk in off on; do                 # the engine's step with the step kernel off and on (EngineConfig.step_kernel)
+        run profile_$sk 90 python3 scripts/profile_step.py --batches 1,2,4,8 --step-kernel $sk --max-model-len 1024 \
+            --prefill-seqs 1 --prefill-len 64 ${MODEL:+--model "$MODEL"} --out "$dir/profile_$sk"
+    done
     ;;
 startup)
     run startup 580 python3 scripts/startup_times.py --model "${MODEL:?MODEL=checkpoint dir}" --device cuda \
