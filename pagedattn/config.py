@@ -83,14 +83,14 @@ class EngineConfig:
         CPU in float32 with the numba CPU backend (it costs a prompt's steps their large-GEMM speed), on a GPU
         in float16 / bfloat16 with the numba backend (every attention through the prefill kernel in one KV
         part, products 128 rows at a time, the sampler's split fixed).
-        step_kernel: "auto", "on" or "off": a pure-decode step of at most 8 sequences whose contexts fit
+    step_kernel: "auto", "on" or "off": a pure-decode step of at most 8 sequences whose contexts fit
         pagedattn.engine.model_runner.STEP_CONTEXT runs as kernels_numba.step's one-launch decode step (the whole
         forward, v5) instead of the model's kernels, the sampler after it; the model's parameters become views
         of the step's stacked weights (held once), and one KV block is kept for the decode graphs' padding rows.
         "on": wherever it can take a step; "auto": where it measured faster (model_runner.STEP_KERNEL_AUTO;
         empty until measured: off); "off": never. It runs on CUDA, one rank, float16 or float32, and not with
         batch_invariant (a request's arithmetic would change with its batch size).
-"""
+    """
 
     model: str | None = None
     device: str = "auto"
