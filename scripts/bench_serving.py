@@ -552,15 +552,8 @@ def scrape(url):
             for s in f.samples}
 
 
-def free_blocks(url):
-    """(free KV blocks, pool size) from the server's /metrics."""
-    values = scrape(url)
-    return values.get("pagedattn_kv_cache_free_blocks"), values.get("pagedattn_kv_cache_blocks")
-
-
-def engine_counters(url):
-    """{steps, step_s, computed}: the engine's step counters from the server's /metrics (summed over cores)."""
-    values = scrape(url)
+def engine_counters(values):
+    """{steps, step_s, computed}: the engine's step counters in a /metrics reading (summed over cores)."""
     return {"steps": values.get("pagedattn_engine_steps_total"),
             "step_s": values.get("pagedattn_engine_step_seconds_total"),
             "computed": values.get("pagedattn_engine_computed_tokens_total")}
@@ -568,7 +561,7 @@ def engine_counters(url):
 
 def step_columns(before, after, seconds, tokens):
     """Row columns from two step-counter readings around a load ({steps, step_s, computed}, as
-    engine_counters or engine_stats): the engine's steps, its mean step (ms), the share of the load's
+    settled or engine_stats): the engine's steps, its mean step (ms), the share of the load's
     wall time it spent inside steps (summed over cores), and output tokens per step. A served row whose
     mean step matches the offline one but whose stepping share is low waited for requests; one whose
     steps are slower had them slowed (a busier host, more prefill steps)."""
@@ -587,13 +580,22 @@ def engine_stats(llm):
     return {"steps": st.num_steps, "step_s": st.step_time, "computed": st.num_computed_tokens}
 
 
-def wait_until_free(url, timeout_s=60):
+def settled(url, timeout_s=60, poll_s=0.1):
+    """(step counters, free KV blocks, pool size) once the server is idle. An engine core sends its metrics
+    every 50 ms while busy and once as it goes idle, so a reading taken as the last stream ends can still be
+    the one from before a short load: idle means no request in flight at the front, every block free, and
+    the step counter unchanged over two readings poll_s apart."""
     deadline = time.monotonic() + timeout_s
+    last = None
     while True:
-        free, total = free_blocks(url)
-        if (free is not None and free == total) or time.monotonic() > deadline:
-            return free, total
-        time.sleep(0.1)
+        values = scrape(url)
+        free, total = values.get("pagedattn_kv_cache_free_blocks"), values.get("pagedattn_kv_cache_blocks")
+        idle = values.get("pagedattn_num_requests_in_flight") == 0 and free is not None and free == total
+        steps = values.get("pagedattn_engine_steps_total")
+        if (idle and last is not None and steps == last) or time.monotonic() > deadline:
+            return engine_counters(values), free, total
+        last = steps if idle else None
+        time.sleep(poll_s)
 
 
 # ---- offline -------------------------------------------------------------------------------------------
@@ -953,8 +955,7 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
                                         warm_specs)
                     if warm["failed"]:
                         print(f"server {name} {load}: {warm['failed']} warm-up requests failed", flush=True)
-                    wait_until_free(url)                # idle: the cores' counters in /metrics are exact
-                    steps0 = engine_counters(url)
+                    steps0, _, _ = settled(url)
                     cpu0 = server_cpu_s(proc.pid)
                     results = pool.run(url, load_specs, conc, procs, request_timeout_s)
                     cpu1 = server_cpu_s(proc.pid)
@@ -965,8 +966,8 @@ def main(out, model="bundled", servers=None, loads=("chat", "nano", "light"),
                     row = {"server": name + ("-pinned" if pin and split else ""), "load": load, "concurrency": conc,
                            **row,
                            **cpu_columns(cpu0, cpu1, row["seconds"], row["output_tokens"])}
-                    free, total = wait_until_free(url)
-                    row.update(step_columns(steps0, engine_counters(url), row["seconds"], row["output_tokens"]))
+                    steps1, free, total = settled(url)
+                    row.update(step_columns(steps0, steps1, row["seconds"], row["output_tokens"]))
                     row["kv_blocks_free_after"] = f"{free:.0f}/{total:.0f}" if free is not None else "no metric"
                     if free is None or free != total:
                         errors.append(f"KV blocks not all free after the load: {row['kv_blocks_free_after']}")
