@@ -561,7 +561,7 @@ def engine_counters(values):
 
 def step_columns(before, after, seconds, tokens):
     """Row columns from two step-counter readings around a load ({steps, step_s, computed}, as
-    settled or engine_stats): the engine's steps, its mean step (ms), the share of the load's
+    settled's first value or engine_stats): the engine's steps, its mean step (ms), the share of the load's
     wall time it spent inside steps (summed over cores), and output tokens per step. A served row whose
     mean step matches the offline one but whose stepping share is low waited for requests; one whose
     steps are slower had them slowed (a busier host, more prefill steps)."""
